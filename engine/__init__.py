@@ -1,0 +1,11 @@
+"""moejax: a JAX/XLA inference engine for mixture-of-experts models.
+
+Notebook entry points: `engine.load(path)` and `engine.generate(model, prompts, ...)`
+(see `engine.api`). The command line is `python -m engine.generate` (`engine/generate.py`), a
+thin script that is never imported as `engine.generate`: that name is the function.
+"""
+
+from engine.api import GenerationResult, LoadedModel, generate, load
+from engine.runtime.sampling import SamplingParams
+
+__all__ = ["GenerationResult", "LoadedModel", "SamplingParams", "generate", "load"]

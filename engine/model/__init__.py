@@ -1,0 +1,1 @@
+"""The model layer: config, parameter layout, forward pass, checkpoint loading."""

@@ -1,0 +1,56 @@
+"""The paged KV cache layout: one page pool per layer, shared by all sequences.
+
+Per layer the cache is a dict of page arrays:
+* MLA: {"latent": [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]} (576 wide for V3);
+* GQA: {"k": [num_pages, page_size, nKV, hd], "v": [num_pages, page_size, nKV, hd]}.
+
+A sequence owns the pages named by its row of a page table; the forward pass reads and writes
+only through that table. The foundation's generate gives each row a contiguous run of pages; the
+serving runtime hands pages out from a free list with the same layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.model.config import ModelConfig
+
+Cache = list[dict[str, jax.Array]]
+
+
+def page_shapes(cfg: ModelConfig, num_pages: int, page_size: int) -> dict[str, tuple[int, ...]]:
+  """Shapes of one layer's page arrays."""
+  if cfg.is_mla:
+    return {"latent": (num_pages, page_size, cfg.latent_dim)}
+  kv = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": kv, "v": kv}
+
+
+def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jnp.bfloat16,
+               sharding: Any = None) -> Cache:
+  """Allocates a zeroed page pool for every layer."""
+  shapes = page_shapes(cfg, num_pages, page_size)
+
+  def zeros(shape):
+    if sharding is None:
+      return jnp.zeros(shape, dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+  return [{k: zeros(s) for k, s in shapes.items()} for _ in range(cfg.num_layers)]
+
+
+def cache_bytes_per_token(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
+  """Bytes of cache one token occupies across all layers."""
+  per_layer = sum(math.prod(s[2:]) for s in page_shapes(cfg, 1, 1).values())
+  return per_layer * cfg.num_layers * jnp.dtype(dtype).itemsize
+
+
+def contiguous_page_table(batch: int, max_len: int, page_size: int) -> np.ndarray:
+  """[batch, ceil(max_len / page_size)] table giving row b the pages b*n .. b*n + n - 1."""
+  n = -(-max_len // page_size)
+  return np.arange(batch * n, dtype=np.int32).reshape(batch, n)

@@ -1,0 +1,68 @@
+"""The switch between kernel implementations for the model's hot paths.
+
+The model calls attention, cache writes, routing and expert computation only through this module,
+so that Pallas kernels (attention and MoE issues) drop in behind a name without touching the
+model. Every implementation has the signature of the plain-JAX reference in `pallas_kernels/`.
+
+`KernelChoice` is static (hashable) and travels with the jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from pallas_kernels.attention import reference as attn_ref
+from pallas_kernels.moe import reference as moe_ref
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+  """Which implementation each hot path uses ("reference" = plain JAX, runs everywhere)."""
+  attention: str = "reference"
+  moe: str = "reference"
+
+
+REFERENCE = KernelChoice()
+
+_MLA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.mla_paged_attention}
+_GQA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.gqa_paged_attention}
+_WRITE_PAGES: dict[str, Callable] = {"reference": attn_ref.write_pages}
+_ROUTE: dict[str, Callable] = {"reference": moe_ref.route}
+_MOE_EXPERTS: dict[str, Callable] = {"reference": moe_ref.moe_experts}
+
+
+def _pick(table: dict[str, Callable], name: str, what: str) -> Callable:
+  try:
+    return table[name]
+  except KeyError:
+    raise ValueError(f"no {what} implementation named {name!r}; have {sorted(table)}") from None
+
+
+def register(path: str, name: str, fn: Callable) -> None:
+  """Registers an implementation (`path` one of mla_attention, gqa_attention, write_pages,
+  route, moe_experts) under `name`, for kernels that live outside this module."""
+  tables = {"mla_attention": _MLA_ATTENTION, "gqa_attention": _GQA_ATTENTION,
+            "write_pages": _WRITE_PAGES, "route": _ROUTE, "moe_experts": _MOE_EXPERTS}
+  tables[path][name] = fn
+
+
+def mla_attention(k: KernelChoice) -> Callable:
+  return _pick(_MLA_ATTENTION, k.attention, "MLA attention")
+
+
+def gqa_attention(k: KernelChoice) -> Callable:
+  return _pick(_GQA_ATTENTION, k.attention, "GQA attention")
+
+
+def write_pages(k: KernelChoice) -> Callable:
+  return _pick(_WRITE_PAGES, k.attention if k.attention in _WRITE_PAGES else "reference",
+               "cache write")
+
+
+def route(k: KernelChoice) -> Callable:
+  return _pick(_ROUTE, k.moe if k.moe in _ROUTE else "reference", "routing")
+
+
+def moe_experts(k: KernelChoice) -> Callable:
+  return _pick(_MOE_EXPERTS, k.moe, "MoE experts")

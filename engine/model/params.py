@@ -1,0 +1,178 @@
+"""The parameter pytree: its layout, its shapes, and a random initialiser.
+
+Parameters are plain nested dicts of arrays (a pytree any JAX transform accepts). Matrices are
+stored as `x @ W`, i.e. [in, out], with the head axis explicit where there is one, so sharding
+rules can name it. Layer `i` lives at `params["layers"][i]`.
+
+    embed            [V, H]
+    final_norm       [H]
+    lm_head          [H, V]             (absent when tie_word_embeddings: embed.T is used)
+    layers[i]:
+      input_norm     [H]
+      post_attn_norm [H]
+      attn (MLA):
+        q            [H, nH, dn+dr]     (when q_lora_rank is null)
+        q_a          [H, q_lora]        q_a_norm [q_lora]      q_b [q_lora, nH, dn+dr]
+        kv_a         [H, kv_lora+dr]    kv_a_norm [kv_lora]
+        kv_b         [kv_lora, nH, dn+dv]   (W_UK = kv_b[..., :dn], W_UV = kv_b[..., dn:])
+        o            [nH, dv, H]
+      attn (GQA):
+        q [H, nH, hd]   k [H, nKV, hd]   v [H, nKV, hd]   o [nH, hd, H]
+        q_norm [hd], k_norm [hd]                      (qk_norm models: Qwen3)
+        q_bias [nH, hd], k_bias [nKV, hd], v_bias [nKV, hd], o_bias [H]   (attention_bias)
+      mlp (dense layer):  gate [H, I]   up [H, I]   down [I, H]
+      moe (MoE layer):
+        router       [H, E]     float32 always (routing is computed in float32)
+        router_bias  [E]        float32; `e_score_correction_bias` (noaux_tc only)
+        experts:     gate [E, H, Im]   up [E, H, Im]   down [E, Im, H]
+        shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
+
+dn/dr/dv: qk_nope_head_dim, qk_rope_head_dim, v_head_dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.model.config import ModelConfig
+
+Params = dict[str, Any]
+
+# Leaves kept in float32 whatever the checkpoint dtype (routing decisions are precision-sensitive).
+FLOAT32_LEAVES = ("router", "router_bias")
+
+
+def _attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  H, nH = cfg.hidden_size, cfg.num_heads
+  if cfg.is_mla:
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    s: dict[str, tuple[int, ...]] = {}
+    if cfg.q_lora_rank is None:
+      s["q"] = (H, nH, dn + dr)
+    else:
+      s["q_a"] = (H, cfg.q_lora_rank)
+      s["q_a_norm"] = (cfg.q_lora_rank,)
+      s["q_b"] = (cfg.q_lora_rank, nH, dn + dr)
+    s["kv_a"] = (H, cfg.kv_lora_rank + dr)
+    s["kv_a_norm"] = (cfg.kv_lora_rank,)
+    s["kv_b"] = (cfg.kv_lora_rank, nH, dn + dv)
+    s["o"] = (nH, dv, H)
+    return s
+  hd, nKV = cfg.head_dim, cfg.num_kv_heads
+  s = {"q": (H, nH, hd), "k": (H, nKV, hd), "v": (H, nKV, hd), "o": (nH, hd, H)}
+  if cfg.qk_norm:
+    s["q_norm"] = (hd,)
+    s["k_norm"] = (hd,)
+  if cfg.attention_bias:
+    s.update(q_bias=(nH, hd), k_bias=(nKV, hd), v_bias=(nKV, hd), o_bias=(H,))
+  return s
+
+
+def _mlp_shapes(H: int, inter: int) -> dict[str, tuple[int, ...]]:
+  return {"gate": (H, inter), "up": (H, inter), "down": (inter, H)}
+
+
+def _moe_shapes(cfg: ModelConfig) -> dict[str, Any]:
+  H, E, Im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  s: dict[str, Any] = {
+      "router": (H, E),
+      "experts": {"gate": (E, H, Im), "up": (E, H, Im), "down": (E, Im, H)},
+  }
+  if cfg.topk_method == "noaux_tc":
+    s["router_bias"] = (E,)
+  if cfg.num_shared_experts:
+    s["shared"] = _mlp_shapes(H, Im * cfg.num_shared_experts)
+  return s
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+  """The pytree of parameter shapes (tuples) for `cfg`."""
+  H, V = cfg.hidden_size, cfg.vocab_size
+  layers = []
+  for i in range(cfg.num_layers):
+    layer: dict[str, Any] = {"input_norm": (H,), "post_attn_norm": (H,), "attn": _attn_shapes(cfg)}
+    if cfg.is_moe_layer(i):
+      layer["moe"] = _moe_shapes(cfg)
+    else:
+      layer["mlp"] = _mlp_shapes(H, cfg.intermediate_size)
+    layers.append(layer)
+  tree: Params = {"embed": (V, H), "final_norm": (H,), "layers": layers}
+  if not cfg.tie_word_embeddings:
+    tree["lm_head"] = (H, V)
+  return tree
+
+
+def _is_shape(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def leaf_dtype(path: tuple[Any, ...], dtype: Any) -> Any:
+  """The dtype a leaf is stored in: float32 for routing leaves, `dtype` otherwise."""
+  name = _key_name(path[-1])
+  return jnp.float32 if name in FLOAT32_LEAVES else dtype
+
+
+def _key_name(k: Any) -> str:
+  return str(getattr(k, "key", getattr(k, "idx", k)))
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+  """`layers.3.moe.experts.gate` style name of a pytree path."""
+  return ".".join(_key_name(k) for k in path)
+
+
+def abstract_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
+  """The pytree of `jax.ShapeDtypeStruct` (for restoring or lowering without weights)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, s: jax.ShapeDtypeStruct(s, leaf_dtype(p, dtype)),
+      param_shapes(cfg), is_leaf=_is_shape)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
+                scale: float = 1.0) -> Params:
+  """Random parameters (numpy RNG, so independent of the JAX backend).
+
+  Norm weights are 1 + 0.1 N(0,1); matrices N(0, scale / fan_in); the embedding N(0, 1);
+  the correction bias small and nonzero. Meant for tests and benchmarks, not training.
+  """
+  rng = np.random.default_rng(seed)
+
+  def make(path, shape):
+    name = _key_name(path[-1])
+    if name.endswith("norm"):
+      x = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif name == "embed":
+      x = rng.standard_normal(shape)
+    elif name == "router_bias":
+      x = 0.1 * rng.standard_normal(shape)
+    elif name.endswith("bias"):
+      x = 0.1 * rng.standard_normal(shape)
+    else:
+      # fan_in is the leading axis, after the expert axis for stacked experts.
+      fan_in = shape[1] if len(path) >= 2 and _key_name(path[-2]) == "experts" else shape[0]
+      if name == "o":
+        fan_in = shape[0] * shape[1]
+      x = rng.standard_normal(shape) * np.sqrt(scale / fan_in)
+    return jnp.asarray(x, dtype=leaf_dtype(path, dtype))
+
+  return jax.tree_util.tree_map_with_path(make, param_shapes(cfg), is_leaf=_is_shape)
+
+
+def check_params(cfg: ModelConfig, params: Params) -> None:
+  """Raises ValueError naming the first leaf whose presence or shape differs from the layout."""
+  expected = {path_str(p): s for p, s in
+              jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)[0]}
+  actual = {path_str(p): tuple(x.shape) for p, x in
+            jax.tree_util.tree_flatten_with_path(params)[0]}
+  for name, shape in expected.items():
+    if name not in actual:
+      raise ValueError(f"parameter {name!r} is missing (expected shape {shape})")
+    if actual[name] != shape:
+      raise ValueError(f"parameter {name!r} has shape {actual[name]}, expected {shape}")
+  for name in actual:
+    if name not in expected:
+      raise ValueError(f"unexpected parameter {name!r}")

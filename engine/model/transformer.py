@@ -1,0 +1,192 @@
+"""The decoder forward pass, written as pure functions of a parameter pytree.
+
+Read top to bottom: `forward` embeds tokens, runs every layer (attention writes its new cache
+entries, then reads the paged cache; then a dense MLP or a MoE), normalises and returns hidden
+states; `compute_logits` applies the LM head.
+
+One call processes a block of T new tokens per sequence: row b's tokens sit at positions
+`start[b] .. start[b] + T - 1`, of which the first `n_new[b]` are real (the rest are padding and
+write nothing). Prefill is `start = 0, n_new = prompt length`; decode is `T = 1`; speculative
+verification is `T = k + 1`. The cache is paged (see `engine.model.cache`); which pages a row
+owns is its row of `page_table`.
+
+MLA (DeepSeek-V2/V3, Kimi) always runs in the absorbed form: the cache holds, per token and
+layer, the normalised latent `c_kv` (kv_lora_rank) and the rotated rope key (qk_rope_head_dim);
+queries are absorbed into the latent space with W_UK and the latent context is expanded with
+W_UV. Per-head K/V are never materialised.
+"""
+
+from __future__ import annotations
+
+import functools
+import jax
+import jax.numpy as jnp
+
+from engine.model import kernels
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.model.rope import apply_rope, rope_cos_sin
+from pallas_kernels.moe.reference import swiglu_mlp
+
+Cache = list[dict[str, jax.Array]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm computed in float32, returned in x's dtype."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+def mla_attention(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ctx: "_Ctx",
+                  cfg: ModelConfig, impl: KernelChoice) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """x [B, T, H] -> ([B, T, H], updated layer cache)."""
+  dn, dc = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+  if cfg.q_lora_rank is None:
+    q = jnp.einsum("bth,hnd->btnd", x, p["q"])
+  else:
+    q_a = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btr,rnd->btnd", q_a, p["q_b"])
+  q_nope, q_rope = q[..., :dn], q[..., dn:]
+
+  kv = x @ p["kv_a"]  # [B, T, Dc + Dr]
+  c_kv = rms_norm(kv[..., :dc], p["kv_a_norm"], cfg.rms_norm_eps)
+  cos, sin = ctx.cos_sin(cfg)
+  k_rope = apply_rope(kv[..., dc:], cos, sin, cfg.rope.interleave)
+  q_rope = apply_rope(q_rope, cos, sin, cfg.rope.interleave)
+
+  latent = jnp.concatenate([c_kv, k_rope], axis=-1)
+  pages = kernels.write_pages(impl)(layer_cache["latent"], ctx.page_table, ctx.positions,
+                                    ctx.valid, latent)
+
+  w_uk, w_uv = p["kv_b"][..., :dn], p["kv_b"][..., dn:]  # [Dc, nH, dn], [Dc, nH, dv]
+  q_latent = jnp.einsum("btnd,cnd->btnc", q_nope, w_uk)
+  ctx_latent = kernels.mla_attention(impl)(
+      q_latent, q_rope, pages, ctx.page_table, ctx.positions, ctx.kv_lens,
+      softmax_scale=cfg.softmax_scale)
+  out = jnp.einsum("btnc,cnv->btnv", ctx_latent, w_uv)
+  return jnp.einsum("btnv,nvh->bth", out, p["o"]), {"latent": pages}
+
+
+def gqa_attention(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ctx: "_Ctx",
+                  cfg: ModelConfig, impl: KernelChoice) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """x [B, T, H] -> ([B, T, H], updated layer cache)."""
+  q = jnp.einsum("bth,hnd->btnd", x, p["q"])
+  k = jnp.einsum("bth,hnd->btnd", x, p["k"])
+  v = jnp.einsum("bth,hnd->btnd", x, p["v"])
+  if cfg.attention_bias:
+    q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  cos, sin = ctx.cos_sin(cfg)
+  q = apply_rope(q, cos, sin, cfg.rope.interleave)
+  k = apply_rope(k, cos, sin, cfg.rope.interleave)
+
+  write = kernels.write_pages(impl)
+  k_pages = write(layer_cache["k"], ctx.page_table, ctx.positions, ctx.valid, k)
+  v_pages = write(layer_cache["v"], ctx.page_table, ctx.positions, ctx.valid, v)
+  out = kernels.gqa_attention(impl)(q, k_pages, v_pages, ctx.page_table, ctx.positions,
+                                    ctx.kv_lens, softmax_scale=cfg.qk_head_dim ** -0.5)
+  out = jnp.einsum("btnd,ndh->bth", out, p["o"])
+  if cfg.attention_bias:
+    out = out + p["o_bias"]
+  return out, {"k": k_pages, "v": v_pages}
+
+
+# ---- feed-forward ----------------------------------------------------------------------------
+
+def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice) -> jax.Array:
+  """Routed experts plus shared experts. x [B, T, H] -> [B, T, H]."""
+  b, t, h = x.shape
+  xf = x.reshape(b * t, h)
+  router_logits = xf.astype(jnp.float32) @ p["router"]
+  weights, ids = kernels.route(impl)(
+      router_logits, p.get("router_bias"), scoring_func=cfg.scoring_func,
+      topk_method=cfg.topk_method, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+      topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+      routed_scaling_factor=cfg.routed_scaling_factor)
+  e = p["experts"]
+  y = kernels.moe_experts(impl)(xf, weights, ids, e["gate"], e["up"], e["down"])
+  if "shared" in p:
+    s = p["shared"]
+    y = y + swiglu_mlp(xf, s["gate"], s["up"], s["down"])
+  return y.reshape(b, t, h)
+
+
+def decoder_layer(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ctx: "_Ctx",
+                  cfg: ModelConfig, impl: KernelChoice) -> tuple[jax.Array, dict[str, jax.Array]]:
+  attend = mla_attention if cfg.is_mla else gqa_attention
+  a, layer_cache = attend(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps),
+                          layer_cache, ctx, cfg, impl)
+  x = x + a
+  hn = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
+  if "moe" in p:
+    f = moe(p["moe"], hn, cfg, impl)
+  else:
+    f = swiglu_mlp(hn, p["mlp"]["gate"], p["mlp"]["up"], p["mlp"]["down"])
+  return x + f, layer_cache
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+class _Ctx:
+  """Per-call positional bookkeeping shared by all layers."""
+
+  def __init__(self, start: jax.Array, n_new: jax.Array, t: int, page_table: jax.Array):
+    offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
+    self.positions = start[:, None].astype(jnp.int32) + offsets  # [B, T]
+    self.valid = offsets < n_new[:, None]  # [B, T]
+    self.kv_lens = (start + n_new).astype(jnp.int32)  # [B]
+    self.page_table = page_table
+    self._cos_sin = None
+
+  def cos_sin(self, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    if self._cos_sin is None:
+      self._cos_sin = rope_cos_sin(cfg.rope, cfg.rope_dim, self.positions)
+    return self._cos_sin
+
+
+def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+            n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
+            impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+  """Runs the decoder over a block of new tokens.
+
+  Args:
+    params: the parameter pytree (`engine.model.params`).
+    cache: per layer, {"latent": [N, P, Dc+Dr]} (MLA) or {"k", "v": [N, P, nKV, hd]} (GQA).
+    tokens: [B, T] int32 new tokens (right-padded).
+    start: [B] int32 tokens already in the cache for each row.
+    n_new: [B] int32 real tokens in this block (0 for an idle row).
+    page_table: [B, max_pages] int32.
+  Returns:
+    (hidden [B, T, H] after the final norm, updated cache).
+  """
+  ctx = _Ctx(start, n_new, tokens.shape[1], page_table)
+  x = params["embed"][tokens]
+  new_cache = []
+  for i, layer in enumerate(params["layers"]):
+    x, layer_cache = decoder_layer(layer, x, cache[i], ctx, cfg, impl)
+    new_cache.append(layer_cache)
+  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """hidden [..., H] -> float32 logits [..., V] (tied embeddings use embed.T)."""
+  if cfg.tie_word_embeddings:
+    w = params["embed"]
+    return jnp.einsum("...h,vh->...v", hidden, w, preferred_element_type=jnp.float32)
+  return jnp.einsum("...h,hv->...v", hidden, params["lm_head"],
+                    preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def forward_logits(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                   n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
+                   impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+  """Jitted `forward` returning float32 logits for every position: [B, T, V]. Donates `cache`."""
+  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
+  return compute_logits(params, hidden, cfg), cache

@@ -1,0 +1,102 @@
+"""Per-row token sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Every row of a batch carries its own parameters (`SamplingArrays`), so one compiled step serves
+requests with different settings. The transforms apply in Hugging Face's order, each on the
+distribution left by the previous one: temperature, top-k, top-p (nucleus over the renormalised
+top-k distribution), min-p (relative to the most likely token). Temperature 0 is greedy.
+
+Randomness is a function of (request seed, position of the token being sampled) only, so a
+request's samples do not depend on what else is in the batch or on being preempted and
+recomputed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """One request's sampling settings (host side). Defaults give greedy decoding."""
+  temperature: float = 0.0
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1: off
+  min_p: float = 0.0  # 0: off
+  seed: int = 0
+
+  def validate(self) -> None:
+    if not np.isfinite(self.temperature) or self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if not 0.0 <= self.min_p <= 1.0:
+      raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+    if not 0 <= self.seed < 2**32:
+      raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+  """Device-side per-row sampling parameters, each [B]."""
+  temperature: jax.Array  # float32
+  top_k: jax.Array  # int32
+  top_p: jax.Array  # float32
+  min_p: jax.Array  # float32
+  seed: jax.Array  # uint32
+
+  @staticmethod
+  def from_params(params: Sequence[SamplingParams]) -> "SamplingArrays":
+    for p in params:
+      p.validate()
+    return SamplingArrays(
+        temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+        top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+        top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+        min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
+        seed=jnp.asarray([p.seed for p in params], jnp.uint32),
+    )
+
+
+def transformed_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
+  """Applies temperature/top-k/top-p/min-p. logits [B, V] float32.
+
+  Returns (masked logits sorted in descending order [B, V], vocabulary ids of that order [B, V]);
+  masked entries are -inf. Greedy rows are treated as temperature 1 here (callers take argmax).
+  """
+  v = logits.shape[-1]
+  temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
+  x = logits.astype(jnp.float32) / temp[:, None]
+  order = jnp.argsort(-x, axis=-1)
+  xs = jnp.take_along_axis(x, order, axis=-1)
+  rank = jnp.arange(v, dtype=jnp.int32)[None, :]
+  keep = (s.top_k[:, None] <= 0) | (rank < s.top_k[:, None])
+  xs = jnp.where(keep, xs, -jnp.inf)
+  probs = jax.nn.softmax(xs, axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
+  keep = keep & ((before < s.top_p[:, None]) | (rank == 0))
+  keep = keep & (probs >= s.min_p[:, None] * probs[:, :1])
+  return jnp.where(keep, xs, -jnp.inf), order
+
+
+def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
+  """Chooses one token per row. logits [B, V] float32; positions [B] int32 (of the sampled
+  token, used with the row's seed for randomness). Returns [B] int32."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def stochastic(_):
+    masked, order = transformed_logits(logits, s)
+    keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
+        s.seed, positions.astype(jnp.uint32))
+    choice = jax.vmap(jax.random.categorical)(keys, masked)
+    picked = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(s.temperature > 0, picked, greedy)
+
+  return jax.lax.cond(jnp.any(s.temperature > 0), stochastic, lambda _: greedy, None)

@@ -1,0 +1,112 @@
+"""Plain-JAX MoE routing and expert computation: the reference for the Pallas kernels.
+
+Routing follows the model families exactly:
+* `noaux_tc` (DeepSeek-V3, Kimi-K2): sigmoid scores; choice = scores + e_score_correction_bias;
+  keep the `topk_group` groups whose two best choices sum highest; top-k of the choice; weights are
+  the *uncorrected* scores of the chosen experts, optionally normalised, times
+  `routed_scaling_factor`.
+* `greedy` (DeepSeek-V2, Qwen3-MoE): softmax scores, top-k.
+* `group_limited_greedy` (DeepSeek-V2): groups ranked by their best score, others zeroed, top-k.
+For the last two, DeepSeek-V2's rule applies: normalise when `norm_topk_prob`, else scale by
+`routed_scaling_factor`.
+
+Shapes: T tokens, H hidden, E experts, k experts per token, I expert width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(router_logits: jax.Array, correction_bias: jax.Array | None, *, scoring_func: str,
+          topk_method: str, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+          routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
+  """Chooses experts per token.
+
+  Args:
+    router_logits: [T, E] float32 (hidden @ router).
+    correction_bias: [E] float32 for noaux_tc, else None.
+  Returns:
+    (weights [T, k] float32, expert_ids [T, k] int32).
+  """
+  logits = router_logits.astype(jnp.float32)
+  t, e = logits.shape
+  if scoring_func == "sigmoid":
+    scores = jax.nn.sigmoid(logits)
+  else:
+    scores = jax.nn.softmax(logits, axis=-1)
+
+  if topk_method == "noaux_tc":
+    choice = scores if correction_bias is None else scores + correction_bias[None, :]
+    if n_group > 1:
+      grouped = choice.reshape(t, n_group, e // n_group)
+      group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, n_group]
+      choice = _keep_top_groups(grouped, group_scores, topk_group, -jnp.inf).reshape(t, e)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * routed_scaling_factor
+  else:
+    choice = scores
+    if topk_method == "group_limited_greedy" and n_group > 1:
+      grouped = scores.reshape(t, n_group, e // n_group)
+      group_scores = jnp.max(grouped, axis=-1)
+      choice = _keep_top_groups(grouped, group_scores, topk_group, 0.0).reshape(t, e)
+    weights, ids = jax.lax.top_k(choice, top_k)
+    if norm_topk_prob and top_k > 1:
+      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    else:
+      weights = weights * routed_scaling_factor
+  return weights, ids.astype(jnp.int32)
+
+
+def _keep_top_groups(grouped: jax.Array, group_scores: jax.Array, topk_group: int,
+                     fill: float) -> jax.Array:
+  """Replaces the experts of all but the best `topk_group` groups with `fill`."""
+  _, top_groups = jax.lax.top_k(group_scores, topk_group)  # [T, topk_group]
+  n_group = group_scores.shape[-1]
+  keep = jnp.any(top_groups[:, :, None] == jnp.arange(n_group)[None, None, :], axis=1)
+  return jnp.where(keep[:, :, None], grouped, fill)
+
+
+def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+  """down(silu(x @ gate) * (x @ up)) for x [..., H], gate/up [H, I], down [I, H]."""
+  h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+  return h @ w_down
+
+
+def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate: jax.Array,
+                w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0) -> jax.Array:
+  """Weighted sum of the chosen experts' SwiGLU MLPs, over a local shard of experts.
+
+  Token copies are sorted by expert and run as ragged groups (`lax.ragged_dot`), then combined
+  back in token order. Copies routed to experts outside [expert_offset, expert_offset + E_local)
+  contribute zero, so expert-parallel shards can sum their partial outputs.
+
+  Args:
+    x: [T, H].
+    weights: [T, k] float32 routing weights; expert_ids: [T, k] int32 global expert ids.
+    w_gate, w_up: [E_local, H, I]; w_down: [E_local, I, H].
+  Returns:
+    [T, H] in x's dtype.
+  """
+  t, h = x.shape
+  k = expert_ids.shape[1]
+  e_local = w_gate.shape[0]
+  local = expert_ids.reshape(-1) - expert_offset  # [T*k]
+  in_shard = (local >= 0) & (local < e_local)
+  # Out-of-shard copies sort last, into a group of their own that no expert computes.
+  sort_key = jnp.where(in_shard, local, e_local)
+  order = jnp.argsort(sort_key, stable=True)
+  token_of_copy = order // k
+  xs = x[token_of_copy]  # [T*k, H]
+  group_sizes = jnp.bincount(sort_key, length=e_local + 1).astype(jnp.int32)[:e_local]
+  gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
+  up = jax.lax.ragged_dot(xs, w_up, group_sizes)
+  y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, H]
+  w = jnp.where(in_shard, weights.reshape(-1), 0.0)[order]
+  y = y.astype(jnp.float32) * w[:, None]
+  out = jnp.zeros((t, h), jnp.float32).at[token_of_copy].add(y)
+  return out.astype(x.dtype)
