@@ -1,0 +1,156 @@
+"""The notebook API: `load` a checkpoint, `generate` from prompts.
+
+    import engine
+    model = engine.load("path/to/checkpoint")          # Orbax (moejax) or Hugging Face dir
+    cfg, params, tokenizer = model                     # plain pieces for direct use
+    out = engine.generate(model, "def fib(n):", max_new_tokens=32)
+    out.text, out.token_ids, out.finish_reason
+
+The jitted building blocks (`engine.model.transformer.forward_logits`,
+`engine.runtime.generate.prefill` / `decode`) take the same params pytree directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterator, Sequence
+
+import jax.numpy as jnp
+
+from engine.model.config import ModelConfig, load_config
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.runtime.generate import generate_tokens
+from engine.runtime.sampling import SamplingParams
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  """A loaded checkpoint. Unpacks as `cfg, params, tokenizer = model`."""
+  config: ModelConfig
+  params: Params
+  tokenizer: Any  # tokenizers.Tokenizer, or None when the checkpoint has no tokenizer.json
+  path: str = ""
+  eos_token_ids: tuple[int, ...] = ()
+  kernels: KernelChoice = REFERENCE
+
+  def __iter__(self) -> Iterator[Any]:
+    return iter((self.config, self.params, self.tokenizer))
+
+  def encode(self, text: str) -> list[int]:
+    if self.tokenizer is None:
+      raise ValueError(f"checkpoint {self.path!r} has no tokenizer.json: pass token ids")
+    return list(self.tokenizer.encode(text).ids)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    if self.tokenizer is None:
+      return ""
+    return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  token_ids: list[int]  # generated tokens only (a final EOS/stop token is included)
+  text: str
+  finish_reason: str  # "stop" or "length"
+  prompt_tokens: int
+
+
+def _read_json(path: str) -> dict[str, Any]:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as fh:
+    return json.load(fh)
+
+
+def _eos_ids(path: str, cfg: ModelConfig) -> tuple[int, ...]:
+  """EOS ids from generation_config.json when present (it may list several), else config."""
+  gen = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
+  if gen is None:
+    return cfg.eos_token_ids
+  return tuple(int(x) for x in (gen if isinstance(gen, list) else [gen]))
+
+
+def load_tokenizer(path: str) -> Any:
+  tok_path = os.path.join(path, "tokenizer.json")
+  if not os.path.exists(tok_path):
+    return None
+  from tokenizers import Tokenizer
+  return Tokenizer.from_file(tok_path)
+
+
+def load(path: str, dtype: str | Any | None = None, shardings: Any = None,
+         progress: bool = True) -> LoadedModel:
+  """Loads an Orbax (moejax) or Hugging Face safetensors checkpoint directory.
+
+  Args:
+    path: checkpoint directory.
+    dtype: parameter dtype ("bfloat16", "float32", or a jnp dtype). Default: the Orbax
+      checkpoint's stored dtype, bfloat16 for Hugging Face checkpoints.
+    shardings: optional pytree of `jax.sharding.Sharding` matching the params.
+  """
+  from engine.model import hf_loader, orbax_io  # deferred: heavy imports (orbax)
+
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"checkpoint directory not found: {path}")
+  cfg = load_config(path)
+  if isinstance(dtype, str):
+    if dtype not in DTYPES:
+      raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    dtype = DTYPES[dtype]
+  if orbax_io.is_orbax_checkpoint(path):
+    params = orbax_io.restore_orbax(path, cfg, shardings=shardings, dtype=dtype)
+  elif orbax_io.is_hf_checkpoint(path):
+    params = hf_loader.load_hf_params(path, cfg, dtype=dtype or jnp.bfloat16,
+                                      shardings=shardings, progress=progress)
+  else:
+    raise ValueError(f"{path} is neither a moejax Orbax checkpoint (moejax.json) nor a Hugging "
+                     "Face checkpoint (model.safetensors or model.safetensors.index.json)")
+  return LoadedModel(config=cfg, params=params, tokenizer=load_tokenizer(path), path=path,
+                     eos_token_ids=_eos_ids(path, cfg))
+
+
+def _as_prompt_list(prompts: Any) -> tuple[list[Any], bool]:
+  """Returns (list of prompts, whether a single prompt was given)."""
+  if isinstance(prompts, str):
+    return [prompts], True
+  if isinstance(prompts, (list, tuple)) and prompts and all(
+      isinstance(x, int) for x in prompts):
+    return [list(prompts)], True
+  if isinstance(prompts, (list, tuple)) and prompts:
+    return list(prompts), False
+  raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of those")
+
+
+def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence[int] = 64,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             seed: int | Sequence[int] = 0, stop_token_ids: Sequence[int] = (),
+             ignore_eos: bool = False, min_new_tokens: int = 0
+             ) -> GenerationResult | list[GenerationResult]:
+  """Generates from one prompt or a batch (text or token ids, mixed lengths allowed).
+
+  A single prompt returns one `GenerationResult`, a list returns a list. With an int `seed`,
+  row i uses `seed + i`; pass a list to set each row's seed.
+  """
+  items, single = _as_prompt_list(prompts)
+  ids = [model.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in items]
+  vocab = model.config.vocab_size
+  for i, row in enumerate(ids):
+    bad = [t for t in row if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+  seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
+  sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             seed=s) for s in seeds]
+  completions = generate_tokens(
+      model.params, model.config, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+      eos_ids=model.eos_token_ids, stop_token_ids=[list(stop_token_ids)] * len(ids),
+      ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels)
+  results = [GenerationResult(token_ids=c.token_ids, text=model.decode(c.token_ids),
+                              finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens)
+             for c in completions]
+  return results[0] if single else results

@@ -1,0 +1,556 @@
+"""Loads a Hugging Face safetensors checkpoint into the parameter pytree of `params.py`.
+
+    params = load_hf_params("/ckpt/DeepSeek-V3", cfg, dtype=jnp.bfloat16, shardings=shardings)
+
+The loader first reads every shard's header and checks the full set of tensor names, shapes and
+dtypes against `param_shapes(cfg)`, so a wrong checkpoint fails in seconds with the HF tensor
+named. Then it reads shard by shard (each in file order), filling one host buffer per leaf
+(stacked expert leaves expert by expert), transposing HF's [out, in] Linear weights to our
+[in, out] layout with explicit head axes, casting, and placing each leaf on device as soon as it
+is complete. Only incomplete leaves are held on the host, so peak host memory is a few leaves,
+not the model. Nothing is unpickled: `.bin`/`.pt` checkpoints are refused.
+
+Supported tensor encodings: F32/F16/BF16, and DeepSeek-V3/Kimi-K2 FP8 block quantization
+(F8_E4M3 `X.weight` with a float32 `X.weight_scale_inv` of [ceil(out/128), ceil(in/128)]).
+Expert weights are accepted per expert (Hub layout `mlp.experts.{e}.gate_proj.weight`) or
+stacked (transformers 5: `mlp.experts.gate_up_proj` [E, 2*Im, H] gate first, and
+`mlp.experts.down_proj` [E, H, Im]; or stacked `gate_proj`/`up_proj` [E, Im, H]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.model.config import ModelConfig, load_config
+from engine.model.params import Params, check_params, leaf_dtype, param_shapes, path_str
+from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
+                                         TensorInfo, read_header)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# Kimi-K2.5 is a vision-language checkpoint; only its language model is served.
+K25_PREFIX = "language_model."
+K25_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+FP8_SCALE_SUFFIX = ".weight_scale_inv"
+DEFAULT_FP8_BLOCK = (128, 128)
+# Tensor suffixes of quantization formats this loader does not decode, by format.
+UNSUPPORTED_QUANT_SUFFIXES = {
+    ".weight_packed": "compressed-tensors (packed int4/int8)",
+    ".weight_scale": "compressed-tensors",
+    ".weight_shape": "compressed-tensors",
+    ".weight_zero_point": "compressed-tensors",
+    ".weight_global_scale": "compressed-tensors (nvfp4)",
+    ".input_scale": "static activation quantization",
+    ".qweight": "GPTQ/AWQ",
+    ".qzeros": "GPTQ/AWQ",
+    ".scales": "GPTQ/AWQ",
+    ".g_idx": "GPTQ",
+}
+# Print progress lines (when asked) if stderr is a terminal or the load is at least this large.
+PROGRESS_MIN_BYTES = 1 << 30
+MAX_LISTED_PROBLEMS = 8
+
+
+class CheckpointError(ValueError):
+  """A checkpoint whose files or tensors do not match the config (tensor and shapes named)."""
+
+
+# ---- the HF -> moejax mapping ---------------------------------------------------------------
+
+Transform = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fill:
+  """One HF tensor's contribution to one leaf: leaf[index] = fn(hf_tensor)."""
+  leaf: str  # path_str of the leaf, e.g. "layers.3.moe.experts.gate"
+  index: tuple[int, ...]  # () for the whole leaf, (e,) for expert e of a stacked leaf
+  hf_shape: tuple[int, ...]
+  fn: Transform
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+  return x
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+  return x.T
+
+
+def _heads_in(n: int, d: int) -> Transform:
+  """[n*d, X] (HF out, in) -> [X, n, d]."""
+  return lambda x: x.reshape(n, d, x.shape[-1]).transpose(2, 0, 1)
+
+
+def _heads_out(n: int, d: int) -> Transform:
+  """[X, n*d] (HF o_proj: out=X, in=heads) -> [n, d, X]."""
+  return lambda x: x.T.reshape(n, d, x.shape[0])
+
+
+def _reshape(*shape: int) -> Transform:
+  return lambda x: x.reshape(shape)
+
+
+def _stacked_t(lo: int | None = None, hi: int | None = None) -> Transform:
+  """[E, out, in] (optionally rows lo:hi of out) -> [E, in, out]."""
+  return lambda x: x[:, lo:hi, :].transpose(0, 2, 1)
+
+
+class _Plan:
+  """HF tensor name -> the fills it makes; built for one config and one expert layout."""
+
+  def __init__(self) -> None:
+    self.fills: dict[str, list[_Fill]] = {}
+
+  def add(self, hf: str, leaf: str, hf_shape: tuple[int, ...], fn: Transform,
+          index: tuple[int, ...] = ()) -> None:
+    self.fills.setdefault(hf, []).append(_Fill(leaf, index, tuple(hf_shape), fn))
+
+  def hf_shape(self, hf: str) -> tuple[int, ...]:
+    return self.fills[hf][0].hf_shape
+
+
+def _plan_mlp(plan: _Plan, hf: str, ours: str, H: int, inter: int) -> None:
+  plan.add(hf + "gate_proj.weight", ours + "gate", (inter, H), _t)
+  plan.add(hf + "up_proj.weight", ours + "up", (inter, H), _t)
+  plan.add(hf + "down_proj.weight", ours + "down", (H, inter), _t)
+
+
+def _plan_mla(plan: _Plan, cfg: ModelConfig, hf: str, ours: str) -> None:
+  H, nH = cfg.hidden_size, cfg.num_heads
+  dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+  kv = cfg.kv_lora_rank
+  if cfg.q_lora_rank is None:
+    plan.add(hf + "q_proj.weight", ours + "q", (nH * (dn + dr), H), _heads_in(nH, dn + dr))
+  else:
+    ql = cfg.q_lora_rank
+    plan.add(hf + "q_a_proj.weight", ours + "q_a", (ql, H), _t)
+    plan.add(hf + "q_a_layernorm.weight", ours + "q_a_norm", (ql,), _same)
+    plan.add(hf + "q_b_proj.weight", ours + "q_b", (nH * (dn + dr), ql), _heads_in(nH, dn + dr))
+  plan.add(hf + "kv_a_proj_with_mqa.weight", ours + "kv_a", (kv + dr, H), _t)
+  plan.add(hf + "kv_a_layernorm.weight", ours + "kv_a_norm", (kv,), _same)
+  plan.add(hf + "kv_b_proj.weight", ours + "kv_b", (nH * (dn + dv), kv), _heads_in(nH, dn + dv))
+  plan.add(hf + "o_proj.weight", ours + "o", (H, nH * dv), _heads_out(nH, dv))
+
+
+def _plan_gqa(plan: _Plan, cfg: ModelConfig, hf: str, ours: str) -> None:
+  H, nH, nKV, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  plan.add(hf + "q_proj.weight", ours + "q", (nH * hd, H), _heads_in(nH, hd))
+  plan.add(hf + "k_proj.weight", ours + "k", (nKV * hd, H), _heads_in(nKV, hd))
+  plan.add(hf + "v_proj.weight", ours + "v", (nKV * hd, H), _heads_in(nKV, hd))
+  plan.add(hf + "o_proj.weight", ours + "o", (H, nH * hd), _heads_out(nH, hd))
+  if cfg.qk_norm:
+    plan.add(hf + "q_norm.weight", ours + "q_norm", (hd,), _same)
+    plan.add(hf + "k_norm.weight", ours + "k_norm", (hd,), _same)
+  if cfg.attention_bias:
+    plan.add(hf + "q_proj.bias", ours + "q_bias", (nH * hd,), _reshape(nH, hd))
+    plan.add(hf + "k_proj.bias", ours + "k_bias", (nKV * hd,), _reshape(nKV, hd))
+    plan.add(hf + "v_proj.bias", ours + "v_bias", (nKV * hd,), _reshape(nKV, hd))
+    plan.add(hf + "o_proj.bias", ours + "o_bias", (H,), _same)
+
+
+EXPERT_LAYOUTS = ("hub", "fused", "stacked")
+
+
+def _plan_moe(plan: _Plan, cfg: ModelConfig, hf: str, ours: str, layout: str) -> None:
+  H, E, Im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+  plan.add(hf + "gate.weight", ours + "router", (E, H), _t)
+  if cfg.topk_method == "noaux_tc":
+    plan.add(hf + "gate.e_score_correction_bias", ours + "router_bias", (E,), _same)
+  ex_hf, ex = hf + "experts.", ours + "experts."
+  if layout == "hub":
+    for e in range(E):
+      plan.add(f"{ex_hf}{e}.gate_proj.weight", ex + "gate", (Im, H), _t, (e,))
+      plan.add(f"{ex_hf}{e}.up_proj.weight", ex + "up", (Im, H), _t, (e,))
+      plan.add(f"{ex_hf}{e}.down_proj.weight", ex + "down", (H, Im), _t, (e,))
+  elif layout == "fused":
+    plan.add(ex_hf + "gate_up_proj", ex + "gate", (E, 2 * Im, H), _stacked_t(0, Im))
+    plan.add(ex_hf + "gate_up_proj", ex + "up", (E, 2 * Im, H), _stacked_t(Im, None))
+    plan.add(ex_hf + "down_proj", ex + "down", (E, H, Im), _stacked_t())
+  else:
+    plan.add(ex_hf + "gate_proj", ex + "gate", (E, Im, H), _stacked_t())
+    plan.add(ex_hf + "up_proj", ex + "up", (E, Im, H), _stacked_t())
+    plan.add(ex_hf + "down_proj", ex + "down", (E, H, Im), _stacked_t())
+  if cfg.num_shared_experts:
+    _plan_mlp(plan, hf + "shared_experts.", ours + "shared.", H, Im * cfg.num_shared_experts)
+
+
+def _expert_layout(names: set[str] | None, layer: int) -> str:
+  """Which expert layout layer `layer` uses in a checkpoint with these (canonical) names."""
+  if names is None:
+    return "hub"
+  pre = f"model.layers.{layer}.mlp.experts."
+  if pre + "gate_up_proj" in names:
+    return "fused"
+  if pre + "gate_proj" in names:
+    return "stacked"
+  return "hub"
+
+
+def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
+  plan = _Plan()
+  H, V = cfg.hidden_size, cfg.vocab_size
+  plan.add("model.embed_tokens.weight", "embed", (V, H), _same)
+  plan.add("model.norm.weight", "final_norm", (H,), _same)
+  if not cfg.tie_word_embeddings:
+    plan.add("lm_head.weight", "lm_head", (V, H), _t)
+  for i in range(cfg.num_layers):
+    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    plan.add(hf + "input_layernorm.weight", ours + "input_norm", (H,), _same)
+    plan.add(hf + "post_attention_layernorm.weight", ours + "post_attn_norm", (H,), _same)
+    (_plan_mla if cfg.is_mla else _plan_gqa)(plan, cfg, hf + "self_attn.", ours + "attn.")
+    if cfg.is_moe_layer(i):
+      _plan_moe(plan, cfg, hf + "mlp.", ours + "moe.", _expert_layout(names, i))
+    else:
+      _plan_mlp(plan, hf + "mlp.", ours + "mlp.", H, cfg.intermediate_size)
+  return plan
+
+
+def hf_tensor_shapes(cfg: ModelConfig, expert_layout: str = "hub") -> dict[str, tuple[int, ...]]:
+  """{HF tensor name: shape} a checkpoint for `cfg` holds (without MTP layers or prefixes)."""
+  if expert_layout not in EXPERT_LAYOUTS:
+    raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+  names = None
+  if expert_layout != "hub":
+    key = "gate_up_proj" if expert_layout == "fused" else "gate_proj"
+    names = {f"model.layers.{i}.mlp.experts.{key}" for i in range(cfg.num_layers)}
+  plan = _build_plan(cfg, names)
+  return {hf: plan.hf_shape(hf) for hf in plan.fills}
+
+
+# ---- finding and indexing the files ---------------------------------------------------------
+
+def _checkpoint_files(ckpt_dir: str) -> tuple[list[str], dict[str, str] | None]:
+  """(shard paths in load order, index weight_map or None)."""
+  if not os.path.isdir(ckpt_dir):
+    raise CheckpointError(f"{ckpt_dir}: not a directory")
+  index_path = os.path.join(ckpt_dir, INDEX_FILE)
+  if os.path.exists(index_path):
+    try:
+      with open(index_path) as fh:
+        weight_map = json.load(fh)["weight_map"]
+      if not isinstance(weight_map, dict):
+        raise TypeError("weight_map is not an object")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from e
+    shards = sorted({str(v) for v in weight_map.values()})
+    for shard in shards:
+      if os.path.basename(shard) != shard:
+        raise CheckpointError(f"{index_path}: shard {shard!r} is not a file name in {ckpt_dir}")
+      if not os.path.isfile(os.path.join(ckpt_dir, shard)):
+        example = next(n for n, s in weight_map.items() if s == shard)
+        raise CheckpointError(
+            f"{index_path} names shard file {shard!r} (e.g. for tensor {example!r}) but "
+            f"{os.path.join(ckpt_dir, shard)} does not exist")
+    return [os.path.join(ckpt_dir, s) for s in shards], weight_map
+  single = os.path.join(ckpt_dir, SINGLE_FILE)
+  if os.path.isfile(single):
+    return [single], None
+  entries = sorted(os.listdir(ckpt_dir))
+  others = [e for e in entries if e.endswith(".safetensors")]
+  if others:
+    return [os.path.join(ckpt_dir, e) for e in others], None
+  pickled = [e for e in entries if e.endswith(PICKLE_SUFFIXES)]
+  if pickled:
+    raise CheckpointError(
+        f"{ckpt_dir}: only pickle-based weights ({', '.join(pickled[:3])}); safetensors is "
+        f"required (this loader never unpickles). Convert them with "
+        f"transformers' save_pretrained(safe_serialization=True).")
+  raise CheckpointError(f"{ckpt_dir}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+
+@dataclasses.dataclass
+class _Source:
+  """Where a (canonical) tensor lives."""
+  raw_name: str
+  file: str
+  info: TensorInfo
+  scale: "_Source | None" = None
+
+  @property
+  def nbytes(self) -> int:
+    return self.info.nbytes + (self.scale.info.nbytes if self.scale else 0)
+
+
+def _read_headers(files: list[str], weight_map: dict[str, str] | None,
+                  ckpt_dir: str) -> dict[str, _Source]:
+  """{raw tensor name: source} over all shards; duplicates and index mismatches are errors."""
+  sources: dict[str, _Source] = {}
+  for path in files:
+    try:
+      tensors, _ = read_header(path)
+    except SafetensorsError as e:
+      raise CheckpointError(str(e)) from e
+    for name, info in tensors.items():
+      if name in sources:
+        raise CheckpointError(
+            f"tensor {name!r} appears in two shards: {os.path.basename(sources[name].file)} "
+            f"and {os.path.basename(path)}")
+      sources[name] = _Source(name, path, info)
+  if weight_map is not None:
+    for name, shard in weight_map.items():
+      src = sources.get(name)
+      if src is None or os.path.basename(src.file) != os.path.basename(shard):
+        where = "no shard" if src is None else os.path.basename(src.file)
+        raise CheckpointError(
+            f"{os.path.join(ckpt_dir, INDEX_FILE)} maps tensor {name!r} to {shard!r} but it is "
+            f"in {where}")
+  return sources
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+def _raw_config(ckpt_dir: str) -> dict[str, Any]:
+  path = os.path.join(ckpt_dir, "config.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as fh:
+    try:
+      return json.load(fh)
+    except json.JSONDecodeError as e:
+      raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+
+
+def _fp8_block(raw_cfg: dict[str, Any], example: str | None) -> tuple[int, int]:
+  """The FP8 block size, or NotImplementedError for any other quantization_config."""
+  text = raw_cfg.get("text_config") if isinstance(raw_cfg.get("text_config"), dict) else {}
+  qc = raw_cfg.get("quantization_config") or text.get("quantization_config")
+  if not qc:
+    return DEFAULT_FP8_BLOCK
+  method = qc.get("quant_method")
+  fmt = qc.get("fmt", qc.get("format"))
+  if method == "fp8" and fmt in (None, "e4m3"):
+    block = qc.get("weight_block_size") or DEFAULT_FP8_BLOCK
+    return int(block[0]), int(block[1])
+  hint = f" (e.g. tensor {example!r})" if example else ""
+  raise NotImplementedError(
+      f"config.json quantization_config quant_method={method!r} format={fmt!r}{hint} is not "
+      f"supported: only unquantized and FP8 block-quantized (DeepSeek-V3 style) checkpoints load")
+
+
+def _canonical(name: str, cfg: ModelConfig) -> str | None:
+  """Our HF-style name for a raw tensor name, or None if the tensor is knowingly skipped."""
+  if cfg.model_type == "kimi_k25":
+    if name.startswith(K25_VISION_PREFIXES):
+      return None
+    if name.startswith(K25_PREFIX):
+      name = name[len(K25_PREFIX):]
+  if name.endswith("rotary_emb.inv_freq"):
+    return None
+  if cfg.tie_word_embeddings and name == "lm_head.weight":
+    return None
+  m = re.match(r"model\.layers\.(\d+)\.", name)
+  # DeepSeek-V3 multi-token-prediction layers follow the decoder layers; loaded separately.
+  if (m and cfg.is_mla
+      and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_nextn_predict_layers):
+    return None
+  return name
+
+
+def _shown(name: str, cfg: ModelConfig) -> str:
+  """The name as the checkpoint would spell it (Kimi-K2.5 prefixes its language model)."""
+  return K25_PREFIX + name if cfg.model_type == "kimi_k25" else name
+
+
+def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
+             ckpt_dir: str) -> tuple[_Plan, dict[str, _Source], tuple[int, int]]:
+  """Checks names, shapes and dtypes from the headers; returns (plan, sources, FP8 block)."""
+  canon: dict[str, _Source] = {}
+  for name, src in raw.items():
+    c = _canonical(name, cfg)
+    if c is None:
+      continue
+    if c in canon:  # e.g. both "language_model.X" and "X" in a Kimi-K2.5 checkpoint
+      raise CheckpointError(f"tensors {canon[c].raw_name!r} and {name!r} both provide {c!r}")
+    canon[c] = src
+  for name in canon:
+    for suffix, fmt in UNSUPPORTED_QUANT_SUFFIXES.items():
+      if name.endswith(suffix):
+        raise NotImplementedError(
+            f"tensor {canon[name].raw_name!r} is stored in a quantized format ({fmt}) that "
+            f"this loader does not support; use an unquantized or FP8 block-quantized checkpoint")
+  quantized = next((s.raw_name for s in canon.values() if s.info.dtype.startswith("F8")), None)
+  block = _fp8_block(raw_cfg, quantized)
+  scales = {n[:-len(FP8_SCALE_SUFFIX)] + ".weight": canon.pop(n)
+            for n in list(canon) if n.endswith(FP8_SCALE_SUFFIX)}
+
+  plan = _build_plan(cfg, set(canon))
+  problems: list[str] = []
+  for hf in plan.fills:
+    if hf not in canon:
+      problems.append(f"missing tensor {_shown(hf, cfg)!r} (expected shape {plan.hf_shape(hf)})")
+  for hf, src in canon.items():
+    where = os.path.basename(src.file)
+    if hf not in plan.fills:
+      problems.append(f"unexpected tensor {src.raw_name!r} {src.info.dtype}{list(src.info.shape)}"
+                      f" in {where}")
+      continue
+    want, got = plan.hf_shape(hf), src.info.shape
+    if got != want:
+      problems.append(f"tensor {src.raw_name!r} in {where} has shape {got}, expected {want}")
+    if src.info.dtype not in FLOAT_DTYPES:
+      problems.append(f"tensor {src.raw_name!r} in {where} has dtype {src.info.dtype}, "
+                      f"expected a float dtype")
+    scale = scales.pop(hf, None)
+    if src.info.dtype.startswith("F8"):
+      if scale is None:
+        problems.append(f"tensor {src.raw_name!r} in {where} is {src.info.dtype} but has no "
+                        f"{hf[:-len('.weight')] + FP8_SCALE_SUFFIX!r} beside it")
+        continue
+      want_s = got[:-2] + tuple(math.ceil(d / b) for d, b in zip(got[-2:], block))
+      if len(got) < 2 or scale.info.shape != want_s:
+        problems.append(f"tensor {scale.raw_name!r} has shape {scale.info.shape}, expected "
+                        f"{want_s} for block {list(block)} of {src.raw_name!r} {got}")
+      src.scale = scale
+    elif scale is not None:
+      problems.append(f"tensor {scale.raw_name!r} scales {src.raw_name!r}, which is "
+                      f"{src.info.dtype}, not FP8")
+  for scale in scales.values():
+    problems.append(f"unexpected tensor {scale.raw_name!r} (a scale with no weight)")
+  if problems:
+    listed = "\n  ".join(problems[:MAX_LISTED_PROBLEMS])
+    more = len(problems) - MAX_LISTED_PROBLEMS
+    tail = f"\n  ... and {more} more" if more > 0 else ""
+    raise CheckpointError(f"{ckpt_dir} does not match config {cfg.display_name}: "
+                          f"{len(problems)} problem(s):\n  {listed}{tail}")
+  return plan, canon, block
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+def _dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+  """weight * scale per (b0 x b1) block of the last two axes, in float32."""
+  out = w.astype(np.float32)
+  b0, b1 = block
+  cols = out.shape[-1]
+  s = np.asarray(scale_inv, np.float32)
+  # One block row at a time keeps the extra memory at a row of blocks, not a full-size scale.
+  for r in range(s.shape[-2]):
+    out[..., r * b0:(r + 1) * b0, :] *= np.repeat(s[..., r, :], b1, axis=-1)[..., None, :cols]
+  return out
+
+
+def _read(src: _Source, f: SafetensorsFile, block: tuple[int, int]) -> np.ndarray:
+  arr = f.get(src.raw_name)
+  if src.scale is None:
+    return arr
+  if src.scale.file == f.path:
+    scale = f.get(src.scale.raw_name)
+  else:
+    with SafetensorsFile(src.scale.file) as g:
+      scale = np.array(g.get(src.scale.raw_name))
+  return _dequant_fp8(arr, scale, block)
+
+
+def _place(buf: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+  if sharding is None:
+    arr = jax.device_put(buf)
+  else:
+    # Works for multi-process shardings too: each process transfers only its own shards.
+    arr = jax.make_array_from_callback(buf.shape, sharding, lambda idx: buf[idx])
+  # Waiting bounds host memory: the buffer is released before the next leaf is built.
+  return arr.block_until_ready()
+
+
+def shardings_by_leaf(shardings: Any, cfg: ModelConfig) -> dict[str, jax.sharding.Sharding]:
+  """{path_str: Sharding} of a shardings pytree; ValueError unless it matches the layout."""
+  expected = _shape_leaves(cfg)
+  flat = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
+  missing = sorted(set(expected) - set(flat))
+  extra = sorted(set(flat) - set(expected))
+  if missing or extra:
+    raise ValueError(f"shardings do not match the parameter layout: missing {missing[:5]}, "
+                     f"unexpected {extra[:5]}")
+  bad = [k for k, s in flat.items() if not isinstance(s, jax.sharding.Sharding)]
+  if bad:
+    raise ValueError(f"shardings leaf {bad[0]!r} is not a jax.sharding.Sharding")
+  return flat
+
+
+def _is_shape(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def _shape_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], tuple[int, ...]]]:
+  """{path_str: (key path, shape)} of the layout."""
+  flat = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)[0]
+  return {path_str(p): (p, s) for p, s in flat}
+
+
+def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = jnp.bfloat16,
+                   shardings: Any = None, progress: bool = True) -> Params:
+  """Loads a safetensors checkpoint directory into the `param_shapes(cfg)` pytree.
+
+  cfg: the parsed config (read from `ckpt_dir/config.json` when None). dtype: the float dtype of
+  every leaf except the float32 routing leaves. shardings: optional pytree of
+  `jax.sharding.Sharding` matching the params; leaves go to the default device otherwise.
+  Raises CheckpointError (names, shapes) before reading any data if the checkpoint does not match.
+  """
+  ckpt_dir = os.fspath(ckpt_dir)
+  cfg = cfg if cfg is not None else load_config(ckpt_dir)
+  dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"dtype must be a float dtype, got {dtype}")
+  layout = _shape_leaves(cfg)
+  flat_shardings = shardings_by_leaf(shardings, cfg) if shardings is not None else {}
+
+  files, weight_map = _checkpoint_files(ckpt_dir)
+  raw_cfg = _raw_config(ckpt_dir)
+  plan, sources, block = _resolve(cfg, _read_headers(files, weight_map, ckpt_dir), raw_cfg,
+                                  ckpt_dir)
+
+  pending = {leaf: 0 for leaf in layout}
+  for fills in plan.fills.values():
+    for fill in fills:
+      pending[fill.leaf] += 1  # KeyError here means the plan and params.py disagree
+  uncovered = [leaf for leaf, n in pending.items() if n == 0]
+  assert not uncovered, f"hf_loader has no HF source for {uncovered}"
+
+  by_file: dict[str, list[str]] = {}
+  for hf in plan.fills:
+    by_file.setdefault(sources[hf].file, []).append(hf)
+  total = sum(sources[hf].nbytes for hf in plan.fills)
+  show = progress and (sys.stderr.isatty() or total >= PROGRESS_MIN_BYTES)
+  start, done_bytes = time.time(), 0
+  bufs: dict[str, np.ndarray] = {}
+  placed: dict[str, jax.Array] = {}
+  shard_files = [f for f in files if f in by_file]
+  for k, path in enumerate(shard_files, 1):
+    names = sorted(by_file[path], key=lambda hf: sources[hf].info.begin)
+    with SafetensorsFile(path) as f:
+      for hf in names:
+        src = sources[hf]
+        arr = _read(src, f, block)
+        for fill in plan.fills[hf]:
+          key_path, shape = layout[fill.leaf]
+          buf = bufs.get(fill.leaf)
+          if buf is None:
+            buf = bufs[fill.leaf] = np.empty(shape, leaf_dtype(key_path, dtype))
+          buf[fill.index] = fill.fn(arr)  # copies out of the mmap, casting to the leaf dtype
+          pending[fill.leaf] -= 1
+          if pending[fill.leaf] == 0:
+            placed[fill.leaf] = _place(bufs.pop(fill.leaf), flat_shardings.get(fill.leaf))
+        done_bytes += src.nbytes
+        del arr
+    if show:
+      print(f"hf_loader: shard {k}/{len(shard_files)} {os.path.basename(path)}: "
+            f"{done_bytes / 1e9:.2f}/{total / 1e9:.2f} GB read, {time.time() - start:.1f} s",
+            file=sys.stderr, flush=True)
+
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, _: placed[path_str(p)], param_shapes(cfg), is_leaf=_is_shape)
+  check_params(cfg, params)
+  return params

@@ -1,0 +1,189 @@
+"""The moejax checkpoint format: params saved with Orbax next to the HF config and tokenizer.
+
+    out_dir/
+      config.json          the Hugging Face config, as is (the model is described by it)
+      tokenizer.json ...   tokenizer files copied from the source checkpoint, when present
+      params/              the `params.py` pytree, orbax StandardCheckpointer (OCDBT)
+      moejax.json          {"format": "moejax-orbax", "version": 1, "dtype": "bfloat16"}
+
+`moejax.json` is written last, so a directory without it is an interrupted save and is not
+recognised by `is_orbax_checkpoint`. Restoring checks every leaf name and shape against
+`param_shapes(cfg)` from the Orbax metadata before reading any array.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from engine.model.config import ModelConfig, config_from_dict, load_config
+from engine.model.hf_loader import (INDEX_FILE, PICKLE_SUFFIXES, SINGLE_FILE, CheckpointError,
+                                    shardings_by_leaf)
+from engine.model.params import (FLOAT32_LEAVES, Params, check_params, leaf_dtype, param_shapes,
+                                 path_str)
+
+FORMAT = "moejax-orbax"
+VERSION = 1
+MANIFEST = "moejax.json"
+PARAMS_DIR = "params"
+# Tokenizer and generation files copied verbatim (Kimi ships tiktoken.model, not tokenizer.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                   "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def _is_shape(x: Any) -> bool:
+  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def _params_dtype(params: Params) -> str:
+  """The one dtype of the non-routing leaves (routing leaves are float32 by design)."""
+  dtypes = {np.dtype(x.dtype).name for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+            if path_str(p).rsplit(".", 1)[-1] not in FLOAT32_LEAVES}
+  if len(dtypes) != 1:
+    raise ValueError(f"params mix dtypes {sorted(dtypes)}; cast them to one dtype before saving")
+  return dtypes.pop()
+
+
+def _is_empty_dir(path: str) -> bool:
+  return os.path.isdir(path) and not os.listdir(path)
+
+
+def save_orbax(out_dir: str, cfg_dict_or_src_dir: dict[str, Any] | str, params: Params,
+               tokenizer_src_dir: str | None = None, overwrite: bool = False) -> None:
+  """Writes a moejax checkpoint.
+
+  cfg_dict_or_src_dir: the HF config dict, or a checkpoint directory whose config.json is copied
+  (and whose tokenizer files are copied unless tokenizer_src_dir says otherwise).
+  params must match `param_shapes` of that config. out_dir must be absent or empty unless
+  overwrite. All processes must call this (Orbax saves collectively).
+  """
+  out_dir = os.path.abspath(os.fspath(out_dir))
+  if isinstance(cfg_dict_or_src_dir, dict):
+    cfg_dict = cfg_dict_or_src_dir
+  else:
+    src = os.fspath(cfg_dict_or_src_dir)
+    with open(os.path.join(src, "config.json")) as fh:
+      cfg_dict = json.load(fh)
+    tokenizer_src_dir = src if tokenizer_src_dir is None else tokenizer_src_dir
+  cfg = config_from_dict(cfg_dict)
+  try:
+    check_params(cfg, params)
+  except ValueError as e:
+    raise CheckpointError(f"params do not match config {cfg.display_name}: {e}") from e
+  dtype = _params_dtype(params)
+
+  if os.path.exists(out_dir) and not _is_empty_dir(out_dir):
+    if not overwrite:
+      raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
+    if jax.process_index() == 0:
+      shutil.rmtree(out_dir)
+  os.makedirs(out_dir, exist_ok=True)
+
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(out_dir, PARAMS_DIR), params)
+    ckptr.wait_until_finished()
+  if jax.process_index() != 0:
+    return
+  with open(os.path.join(out_dir, "config.json"), "w") as fh:
+    json.dump(cfg_dict, fh, indent=2)
+  if tokenizer_src_dir is not None:
+    for name in TOKENIZER_FILES:
+      path = os.path.join(tokenizer_src_dir, name)
+      if os.path.isfile(path):
+        shutil.copyfile(path, os.path.join(out_dir, name))
+  with open(os.path.join(out_dir, MANIFEST), "w") as fh:
+    json.dump({"format": FORMAT, "version": VERSION, "dtype": dtype}, fh, indent=2)
+
+
+def read_manifest(ckpt_dir: str) -> dict[str, Any]:
+  """The parsed moejax.json; CheckpointError if absent or not this format/version."""
+  path = os.path.join(ckpt_dir, MANIFEST)
+  try:
+    with open(path) as fh:
+      manifest = json.load(fh)
+  except FileNotFoundError as e:
+    raise CheckpointError(f"{ckpt_dir}: not a moejax checkpoint (no {MANIFEST})") from e
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+  if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    raise CheckpointError(f"{path}: format {manifest.get('format')!r} version "
+                          f"{manifest.get('version')!r}; this build reads {FORMAT!r} "
+                          f"version {VERSION}")
+  return manifest
+
+
+def _check_stored(ckpt_dir: str, cfg: ModelConfig, stored: Any) -> None:
+  """CheckpointError naming the first leaf whose presence or shape differs from the layout."""
+  want = {path_str(p): s for p, s in
+          jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)[0]}
+  have = {path_str(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
+  problems = [f"missing parameter {k!r} (expected shape {s})" for k, s in want.items()
+              if k not in have]
+  problems += [f"unexpected parameter {k!r} shape {s}" for k, s in have.items() if k not in want]
+  problems += [f"parameter {k!r} has shape {have[k]}, expected {s}" for k, s in want.items()
+               if k in have and have[k] != s]
+  if problems:
+    more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+    raise CheckpointError(f"{ckpt_dir}: params do not match config {cfg.display_name}: "
+                          + "; ".join(problems[:5]) + more)
+
+
+def restore_orbax(ckpt_dir: str, cfg: ModelConfig | None = None, shardings: Any = None,
+                  dtype: Any = None) -> Params:
+  """Restores the params pytree of a moejax checkpoint.
+
+  cfg: defaults to the checkpoint's config.json. shardings: pytree of `jax.sharding.Sharding`
+  matching the params (default: all on the first device). dtype: cast non-routing leaves to it
+  (default: the stored dtype, restoring bit-identical values).
+  """
+  ckpt_dir = os.path.abspath(os.fspath(ckpt_dir))
+  manifest = read_manifest(ckpt_dir)
+  cfg = cfg if cfg is not None else load_config(ckpt_dir)
+  dtype = jnp.dtype(dtype if dtype is not None else manifest["dtype"])
+  params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
+  if not os.path.isdir(params_dir):
+    raise CheckpointError(f"{ckpt_dir}: no {PARAMS_DIR}/ directory")
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  by_leaf = shardings_by_leaf(shardings, cfg) if shardings is not None else {}
+  with ocp.StandardCheckpointer() as ckptr:
+    _check_stored(ckpt_dir, cfg, ckptr.metadata(params_dir).item_metadata.tree)
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, s: jax.ShapeDtypeStruct(s, leaf_dtype(p, dtype),
+                                          sharding=by_leaf.get(path_str(p), default)),
+        param_shapes(cfg), is_leaf=_is_shape)
+    return ckptr.restore(params_dir, target)
+
+
+def is_orbax_checkpoint(path: str) -> bool:
+  """True for a directory holding a complete moejax Orbax checkpoint."""
+  path = os.fspath(path)
+  if not os.path.isdir(os.path.join(path, PARAMS_DIR)):
+    return False
+  try:
+    read_manifest(path)
+  except CheckpointError:
+    return False
+  return True
+
+
+def is_hf_checkpoint(path: str) -> bool:
+  """True for a directory with config.json and weight files.
+
+  Pickle-only weights (`.bin`/`.pt`) count, so that `load_hf_params` gets to refuse them with
+  its clear "safetensors is required" error instead of a generic "unknown format".
+  """
+  path = os.fspath(path)
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    return False
+  if os.path.isfile(os.path.join(path, SINGLE_FILE)) or os.path.isfile(
+      os.path.join(path, INDEX_FILE)):
+    return True
+  return any(name.endswith((".safetensors",) + PICKLE_SUFFIXES) for name in os.listdir(path))
