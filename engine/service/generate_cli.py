@@ -40,7 +40,7 @@ def _parse_ids(s: str) -> list[int]:
   try:
     return [int(x) for x in s.replace(" ", "").split(",") if x]
   except ValueError:
-    raise flags.ValidationError(f"--prompt_ids must be comma-separated integers, got {s!r}")
+    raise SystemExit(f"--prompt_ids must be comma-separated integers, got {s!r}")
 
 
 def main(argv: list[str]) -> int:
@@ -54,12 +54,16 @@ def main(argv: list[str]) -> int:
     raise SystemExit("give --prompt or --prompt_ids")
   prompts: list[str | list[int]] = list(FLAGS.prompt) + [_parse_ids(s) for s in FLAGS.prompt_ids]
   t0 = time.perf_counter()
-  model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype)
-  t1 = time.perf_counter()
-  results = engine.generate(
-      model, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-      top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p, seed=FLAGS.seed,
-      stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos)
+  try:
+    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype)
+    t1 = time.perf_counter()
+    results = engine.generate(
+        model, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p, seed=FLAGS.seed,
+        stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos)
+  except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    # Bad input (checkpoint, prompt, sampling setting): one line, no traceback.
+    raise SystemExit(f"error: {e}") from None
   t2 = time.perf_counter()
   for r in results:
     if FLAGS.json:
