@@ -1,19 +1,16 @@
 """Tiny Hugging Face-layout checkpoints for tests, written from a moejax params pytree.
 
-`export_hf(cfg_dict, params, out_dir)` is the inverse of `engine.model.hf_loader`, written out
-independently (HF Linear weights are [out, in]; ours are [in, out] with explicit head axes), so
-a round trip through both checks the mapping rather than repeating it.
+The writer is `engine.model.hf_export` (the inverse of `hf_loader`, written independently of
+it); this module adds small configs for every family. The golden fixtures, written by
+transformers itself, anchor both sides.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from typing import Any
-
 import ml_dtypes
-import numpy as np
-from safetensors.numpy import save_file
+
+from engine.model.hf_export import (EXPERT_LAYOUTS, export_hf, hf_tensors,  # noqa: F401
+                                    write_checkpoint)
 
 # Small configs for every supported family (values kept tiny; shapes all distinct where it helps).
 DEEPSEEK_V3 = dict(
@@ -47,133 +44,5 @@ KIMI_K25 = dict(model_type="kimi_k25", text_config=dict(DEEPSEEK_V3, model_type=
 CONFIGS = dict(deepseek_v3=DEEPSEEK_V3, deepseek_v3_no_qlora_tied=DEEPSEEK_V3_NO_QLORA_TIED,
                deepseek_v2=DEEPSEEK_V2, qwen3_moe=QWEN3_MOE, llama=LLAMA, qwen3=QWEN3,
                kimi_k25=KIMI_K25)
-
-# Our attention leaf -> HF module under self_attn.
-_ATTN_NAMES = dict(q="q_proj", q_a="q_a_proj", q_b="q_b_proj", kv_a="kv_a_proj_with_mqa",
-                   kv_b="kv_b_proj", o="o_proj", k="k_proj", v="v_proj")
-_ATTN_NORMS = dict(q_a_norm="q_a_layernorm", kv_a_norm="kv_a_layernorm", q_norm="q_norm",
-                   k_norm="k_norm")
-EXPERT_LAYOUTS = ("hub", "stacked", "stacked_split")
-
-
-def _linear(w: np.ndarray, name: str) -> np.ndarray:
-  """Our [in, (heads,) out] -> HF [out, in]."""
-  if name == "o":  # [nH, d, H] -> [H, nH*d]
-    return w.reshape(-1, w.shape[-1]).T
-  return w.reshape(w.shape[0], -1).T
-
-
-def _attn(attn: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
-  out = {}
-  for name, w in attn.items():
-    if name in _ATTN_NAMES:
-      out[f"{pre}{_ATTN_NAMES[name]}.weight"] = _linear(w, name)
-    elif name in _ATTN_NORMS:
-      out[f"{pre}{_ATTN_NORMS[name]}.weight"] = w
-    elif name.endswith("_bias"):
-      out[f"{pre}{name[:-len('_bias')]}_proj.bias"] = w.reshape(-1)
-    else:
-      raise KeyError(f"no HF name for attention leaf {name!r}")
-  return out
-
-
-def _mlp(mlp: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
-  return {f"{pre}{k}_proj.weight": w.T for k, w in mlp.items()}
-
-
-def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
-  out = {f"{pre}gate.weight": moe["router"].T}
-  if "router_bias" in moe:
-    out[f"{pre}gate.e_score_correction_bias"] = moe["router_bias"]
-  ex = moe["experts"]
-  hf = {k: np.swapaxes(ex[k], 1, 2) for k in ("gate", "up", "down")}  # [E, out, in]
-  if layout == "hub":
-    for e in range(hf["gate"].shape[0]):
-      for k in ("gate", "up", "down"):
-        out[f"{pre}experts.{e}.{k}_proj.weight"] = hf[k][e]
-  elif layout == "stacked":  # transformers 5: gate rows first, then up rows
-    out[f"{pre}experts.gate_up_proj"] = np.concatenate([hf["gate"], hf["up"]], axis=1)
-    out[f"{pre}experts.down_proj"] = hf["down"]
-  elif layout == "stacked_split":
-    for k in ("gate", "up", "down"):
-      out[f"{pre}experts.{k}_proj"] = hf[k]
-  else:
-    raise ValueError(f"layout must be one of {EXPERT_LAYOUTS}")
-  if "shared" in moe:
-    out.update(_mlp(moe["shared"], f"{pre}shared_experts."))
-  return out
-
-
-def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "hub",
-               dtype: Any = None) -> dict[str, np.ndarray]:
-  """{HF tensor name: numpy array} for `params` (cast to `dtype` if given)."""
-  p = _to_numpy(params)
-  t = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
-  if "lm_head" in p:
-    t["lm_head.weight"] = p["lm_head"].T
-  for i, layer in enumerate(p["layers"]):
-    pre = f"model.layers.{i}."
-    t[pre + "input_layernorm.weight"] = layer["input_norm"]
-    t[pre + "post_attention_layernorm.weight"] = layer["post_attn_norm"]
-    t.update(_attn(layer["attn"], pre + "self_attn."))
-    if "moe" in layer:
-      t.update(_moe(layer["moe"], pre + "mlp.", layout))
-    else:
-      t.update(_mlp(layer["mlp"], pre + "mlp."))
-  if cfg_dict.get("model_type") == "kimi_k25":
-    t = {"language_model." + k: v for k, v in t.items()}
-  cast = (lambda x: x) if dtype is None else (lambda x: x.astype(np.dtype(dtype)))
-  return {k: np.ascontiguousarray(cast(v)) for k, v in t.items()}
-
-
-def _to_numpy(tree: Any) -> Any:
-  if isinstance(tree, dict):
-    return {k: _to_numpy(v) for k, v in tree.items()}
-  if isinstance(tree, (list, tuple)):
-    return [_to_numpy(v) for v in tree]
-  return np.asarray(tree)
-
-
-def write_checkpoint(cfg_dict: dict[str, Any], tensors: dict[str, np.ndarray], out_dir: str,
-                     shards: int = 1, index: bool | None = None) -> list[str]:
-  """Writes config.json and `tensors` over `shards` files (+ index when sharded); returns files."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "config.json"), "w") as fh:
-    json.dump(cfg_dict, fh, indent=2)
-  names = list(tensors)
-  index = shards > 1 if index is None else index
-  if not index:
-    assert shards == 1
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
-    return ["model.safetensors"]
-  files, weight_map = [], {}
-  per = -(-len(names) // shards)
-  for k in range(shards):
-    fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-    chunk = {n: tensors[n] for n in names[k * per:(k + 1) * per]}
-    save_file(chunk, os.path.join(out_dir, fname))
-    weight_map.update({n: fname for n in chunk})
-    files.append(fname)
-  total = int(sum(v.nbytes for v in tensors.values()))
-  with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
-    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-  return files
-
-
-def export_hf(cfg_dict: dict[str, Any], params: dict[str, Any], out_dir: str,
-              layout: str = "hub", shards: int = 1, dtype: Any = None,
-              extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-  """Writes `params` as an HF checkpoint (config.json, safetensors, index when shards > 1).
-
-  layout: "hub" (experts.{e}.gate_proj.weight), "stacked" (transformers 5 gate_up_proj
-  [E, 2*Im, H] + down_proj [E, H, Im]) or "stacked_split" (gate_proj/up_proj [E, Im, H]).
-  dtype: e.g. ml_dtypes.bfloat16 to write bf16 tensors. extra: more tensors to write as is.
-  Returns the tensors written.
-  """
-  tensors = hf_tensors(cfg_dict, params, layout, dtype)
-  tensors.update(extra or {})
-  write_checkpoint(cfg_dict, tensors, out_dir, shards)
-  return tensors
-
 
 BF16 = ml_dtypes.bfloat16

@@ -12,7 +12,7 @@ from model_configs import CONFIGS
 def test_parses_every_family(name):
   cfg = config_from_dict(CONFIGS[name])
   assert cfg.num_layers == CONFIGS[name]["num_hidden_layers"]
-  assert len(cfg.moe_layers) == cfg.num_layers
+  assert len(cfg.moe_layers) == cfg.num_layers + cfg.num_nextn_predict_layers
   hash(cfg)  # static argument of jitted functions
 
 
@@ -25,6 +25,12 @@ def test_deepseek_v3_fields():
   # DeepSeek's softmax scale carries mscale(mscale_all_dim)^2.
   m = 0.1 * 1.0 * __import__("math").log(4.0) + 1.0
   assert cfg.softmax_scale == pytest.approx((16 + 8) ** -0.5 * m * m)
+
+
+def test_mtp_layers_follow_decoder_layers():
+  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
+  assert cfg.num_nextn_predict_layers == 1
+  assert cfg.moe_layers == (False, True, True, True)
 
 
 def test_v2_lite_shape():

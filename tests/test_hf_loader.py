@@ -99,24 +99,35 @@ def test_shardings_pytree(tmp_path):
     load_hf_params(ckpt, cfg, shardings=bad, progress=False)
 
 
-def test_kimi_k25_prefix_vision_and_mtp_skipped(tmp_path):
+def test_kimi_k25_prefix_vision_skipped_and_mtp_loaded(tmp_path):
   cfg_dict = dict(fx.KIMI_K25)
   cfg_dict["text_config"] = dict(fx.DEEPSEEK_V3, num_nextn_predict_layers=1)
   cfg = config_from_dict(cfg_dict)
   params = init_params(cfg, seed=3)
+  assert len(params["mtp"]) == 1 and "moe" in params["mtp"][0]
   extra = {
       "vision_tower.encoder.blocks.0.wqkv.weight": np.ones((6, 4), np.float32),
       "mm_projector.proj.0.weight": np.ones((4, 4), np.float32),
-      # An MTP layer (index == num_hidden_layers) and a rotary buffer: skipped knowingly.
-      "language_model.model.layers.3.eh_proj.weight": np.ones((64, 128), np.float32),
-      "language_model.model.layers.3.mlp.experts.0.gate_proj.weight": np.ones((32, 64),
-                                                                              np.float32),
       "language_model.model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32),
   }
   ckpt = str(tmp_path / "k25")
   tensors = export_hf(cfg_dict, params, ckpt, extra=extra, shards=2)
   assert "language_model.model.embed_tokens.weight" in tensors
+  # The MTP layer (index == num_hidden_layers) with DeepSeek's copies of embedding and head.
+  assert "language_model.model.layers.3.eh_proj.weight" in tensors
+  assert "language_model.model.layers.3.shared_head.head.weight" in tensors
   _assert_same(load_hf_params(ckpt, cfg, dtype=jnp.float32, progress=False), params)
+
+
+def test_missing_mtp_tensor_is_named(tmp_path):
+  cfg_dict = dict(fx.DEEPSEEK_V3, num_nextn_predict_layers=1)
+  cfg = config_from_dict(cfg_dict)
+  tensors = hf_tensors(cfg_dict, init_params(cfg, seed=4))
+  del tensors["model.layers.3.hnorm.weight"]
+  ckpt = str(tmp_path / "mtp")
+  write_checkpoint(cfg_dict, tensors, ckpt)
+  with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.3\.hnorm\.weight'"):
+    load_hf_params(ckpt, cfg, progress=False)
 
 
 def test_layer_beyond_mtp_is_unexpected(tmp_path):

@@ -113,3 +113,31 @@ def test_idle_rows_write_nothing():
   lat = np.asarray(cache[0]["latent"])
   assert np.abs(lat[pt[0]]).sum() > 0
   assert np.abs(lat[pt[1]]).sum() == 0
+
+
+def test_mtp_layer_cached_equals_full_and_leaves_main_cache_alone():
+  from engine.model.transformer import compute_logits, forward, forward_mtp
+  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
+  params = init_params(cfg, seed=6)
+  L, ps = 10, 4
+  toks = np.random.default_rng(7).integers(3, cfg.vocab_size, (1, L + 1))
+  pt = jnp.asarray(contiguous_page_table(1, 16, ps))
+
+  def run(cache, lo, hi):
+    start, n = jnp.asarray([lo]), jnp.asarray([hi - lo])
+    h, cache = forward(params, cache, jnp.asarray(toks[:, lo:hi]), start, n, pt, cfg=cfg)
+    before = [np.asarray(c["latent"]) for c in cache[:cfg.num_layers]]
+    m, cache = forward_mtp(params, cache, h, jnp.asarray(toks[:, lo + 1:hi + 1]), start, n, pt,
+                           cfg=cfg)
+    for b, c in zip(before, cache[:cfg.num_layers]):
+      np.testing.assert_array_equal(b, np.asarray(c["latent"]))
+    return compute_logits(params, m, cfg), cache
+
+  cache = init_cache(cfg, pt.size, ps, jnp.float32)
+  assert len(cache) == cfg.num_layers + 1
+  full, _ = run(cache, 0, L)
+  cache = init_cache(cfg, pt.size, ps, jnp.float32)
+  a, cache = run(cache, 0, 6)
+  b, cache = run(cache, 6, L)
+  np.testing.assert_allclose(np.concatenate([a, b], 1), np.asarray(full), rtol=1e-4, atol=1e-4)
+  assert float(jnp.std(full)) > 0.1

@@ -33,7 +33,7 @@ def page_shapes(cfg: ModelConfig, num_pages: int, page_size: int) -> dict[str, t
 
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jnp.bfloat16,
                sharding: Any = None) -> Cache:
-  """Allocates a zeroed page pool for every layer."""
+  """Allocates a zeroed page pool for every layer, MTP layers included (they come last)."""
   shapes = page_shapes(cfg, num_pages, page_size)
 
   def zeros(shape):
@@ -41,13 +41,15 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jn
       return jnp.zeros(shape, dtype)
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
-  return [{k: zeros(s) for k, s in shapes.items()} for _ in range(cfg.num_layers)]
+  n = cfg.num_layers + cfg.num_nextn_predict_layers
+  return [{k: zeros(s) for k, s in shapes.items()} for _ in range(n)]
 
 
 def cache_bytes_per_token(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
   """Bytes of cache one token occupies across all layers."""
   per_layer = sum(math.prod(s[2:]) for s in page_shapes(cfg, 1, 1).values())
-  return per_layer * cfg.num_layers * jnp.dtype(dtype).itemsize
+  n = cfg.num_layers + cfg.num_nextn_predict_layers
+  return per_layer * n * jnp.dtype(dtype).itemsize
 
 
 def contiguous_page_table(batch: int, max_len: int, page_size: int) -> np.ndarray:

@@ -87,7 +87,9 @@ class ModelConfig:
   topk_group: int = 1
   norm_topk_prob: bool = False
   routed_scaling_factor: float = 1.0
-  moe_layers: tuple[bool, ...] = ()  # per layer: True if its MLP is a MoE
+  # Per layer, True if its MLP is a MoE; DeepSeek's multi-token-prediction (MTP) layers follow
+  # the decoder layers here (index num_layers + k).
+  moe_layers: tuple[bool, ...] = ()
   num_nextn_predict_layers: int = 0
   # Tokens
   bos_token_id: int | None = None
@@ -242,8 +244,9 @@ def _parse_mla(f: _Fields) -> ModelConfig:
   n_experts = int(f.req("n_routed_experts"))
   first_dense = int(f.opt("first_k_dense_replace", 0))
   moe_freq = int(f.opt("moe_layer_freq", 1))
-  moe_layers = tuple(
-      n_experts > 0 and i >= first_dense and i % moe_freq == 0 for i in range(num_layers))
+  n_mtp = int(f.opt("num_nextn_predict_layers", 0))
+  moe_layers = tuple(n_experts > 0 and i >= first_dense and i % moe_freq == 0
+                     for i in range(num_layers + n_mtp))
   if is_v3:
     scoring = f.opt("scoring_func", "sigmoid")
     topk_method = f.opt("topk_method", "noaux_tc")
@@ -288,7 +291,7 @@ def _parse_mla(f: _Fields) -> ModelConfig:
       norm_topk_prob=bool(f.opt("norm_topk_prob", norm_default)),
       routed_scaling_factor=float(f.opt("routed_scaling_factor", scale_default)),
       moe_layers=moe_layers,
-      num_nextn_predict_layers=int(f.opt("num_nextn_predict_layers", 0)),
+      num_nextn_predict_layers=n_mtp,
       **c,
   )
 

@@ -206,8 +206,11 @@ def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
   plan.add("model.norm.weight", "final_norm", (H,), _same)
   if not cfg.tie_word_embeddings:
     plan.add("lm_head.weight", "lm_head", (V, H), _t)
-  for i in range(cfg.num_layers):
-    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+  n_mtp = cfg.num_nextn_predict_layers if cfg.is_mla else 0
+  for i in range(cfg.num_layers + n_mtp):
+    # DeepSeek's MTP layers are stored as the decoder layers after the last one.
+    hf = f"model.layers.{i}."
+    ours = f"layers.{i}." if i < cfg.num_layers else f"mtp.{i - cfg.num_layers}."
     plan.add(hf + "input_layernorm.weight", ours + "input_norm", (H,), _same)
     plan.add(hf + "post_attention_layernorm.weight", ours + "post_attn_norm", (H,), _same)
     (_plan_mla if cfg.is_mla else _plan_gqa)(plan, cfg, hf + "self_attn.", ours + "attn.")
@@ -215,11 +218,16 @@ def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
       _plan_moe(plan, cfg, hf + "mlp.", ours + "moe.", _expert_layout(names, i))
     else:
       _plan_mlp(plan, hf + "mlp.", ours + "mlp.", H, cfg.intermediate_size)
+    if i >= cfg.num_layers:
+      plan.add(hf + "enorm.weight", ours + "enorm", (H,), _same)
+      plan.add(hf + "hnorm.weight", ours + "hnorm", (H,), _same)
+      plan.add(hf + "eh_proj.weight", ours + "eh_proj", (H, 2 * H), _t)
+      plan.add(hf + "shared_head.norm.weight", ours + "final_norm", (H,), _same)
   return plan
 
 
 def hf_tensor_shapes(cfg: ModelConfig, expert_layout: str = "hub") -> dict[str, tuple[int, ...]]:
-  """{HF tensor name: shape} a checkpoint for `cfg` holds (without MTP layers or prefixes)."""
+  """{HF tensor name: shape} a checkpoint for `cfg` holds (MTP layers included, no prefixes)."""
   if expert_layout not in EXPERT_LAYOUTS:
     raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
   names = None
@@ -351,8 +359,9 @@ def _canonical(name: str, cfg: ModelConfig) -> str | None:
     return None
   if cfg.tie_word_embeddings and name == "lm_head.weight":
     return None
-  m = re.match(r"model\.layers\.(\d+)\.", name)
-  # DeepSeek-V3 multi-token-prediction layers follow the decoder layers; loaded separately.
+  m = re.match(r"model\.layers\.(\d+)\.(embed_tokens|shared_head\.head)\.weight$", name)
+  # DeepSeek-V3's MTP layers store copies of the shared embedding and output head; the model
+  # uses the main ones.
   if (m and cfg.is_mla
       and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.num_nextn_predict_layers):
     return None

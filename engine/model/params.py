@@ -26,6 +26,10 @@ rules can name it. Layer `i` lives at `params["layers"][i]`.
         router_bias  [E]        float32; `e_score_correction_bias` (noaux_tc only)
         experts:     gate [E, H, Im]   up [E, H, Im]   down [E, Im, H]
         shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
+    mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer
+                 (the keys above, MoE or dense as layer num_layers + k) plus
+      enorm [H]  hnorm [H]  eh_proj [2H, H] (input: [enorm(embed(next)), hnorm(hidden)])
+      final_norm [H]      (its output head reuses `embed`/`lm_head` of the main model)
 
 dn/dr/dv: qk_nope_head_dim, qk_rope_head_dim, v_head_dim.
 """
@@ -92,17 +96,23 @@ def _moe_shapes(cfg: ModelConfig) -> dict[str, Any]:
 def param_shapes(cfg: ModelConfig) -> Params:
   """The pytree of parameter shapes (tuples) for `cfg`."""
   H, V = cfg.hidden_size, cfg.vocab_size
-  layers = []
-  for i in range(cfg.num_layers):
-    layer: dict[str, Any] = {"input_norm": (H,), "post_attn_norm": (H,), "attn": _attn_shapes(cfg)}
+
+  def layer(i: int) -> dict[str, Any]:
+    shapes: dict[str, Any] = {"input_norm": (H,), "post_attn_norm": (H,),
+                              "attn": _attn_shapes(cfg)}
     if cfg.is_moe_layer(i):
-      layer["moe"] = _moe_shapes(cfg)
+      shapes["moe"] = _moe_shapes(cfg)
     else:
-      layer["mlp"] = _mlp_shapes(H, cfg.intermediate_size)
-    layers.append(layer)
-  tree: Params = {"embed": (V, H), "final_norm": (H,), "layers": layers}
+      shapes["mlp"] = _mlp_shapes(H, cfg.intermediate_size)
+    return shapes
+
+  tree: Params = {"embed": (V, H), "final_norm": (H,),
+                  "layers": [layer(i) for i in range(cfg.num_layers)]}
   if not cfg.tie_word_embeddings:
     tree["lm_head"] = (H, V)
+  if cfg.num_nextn_predict_layers:
+    tree["mtp"] = [dict(layer(cfg.num_layers + k), enorm=(H,), hnorm=(H,), eh_proj=(2 * H, H),
+                        final_norm=(H,)) for k in range(cfg.num_nextn_predict_layers)]
   return tree
 
 

@@ -171,7 +171,39 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
   for i, layer in enumerate(params["layers"]):
     x, layer_cache = decoder_layer(layer, x, cache[i], ctx, cfg, impl)
     new_cache.append(layer_cache)
+  # MTP layers' cache entries (after the decoder layers) pass through untouched.
+  new_cache += list(cache[len(new_cache):])
   return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+
+
+def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
+                start: jax.Array, n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
+                depth: int = 0, impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+  """DeepSeek multi-token prediction: one MTP layer on top of the main model.
+
+  For each position i, combines the main model's final (normalised) hidden state h_i with the
+  embedding of token i+1 and predicts token i+2 (as vLLM/SGLang run DeepSeek-V3's MTP):
+  x = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]), one decoder layer at position i (with its
+  own cache entry, `cache[num_layers + depth]`), then `final_norm`; logits via
+  `compute_logits` (the shared output head).
+
+  Args:
+    hidden: [B, T, H] main-model output of `forward` for the same block.
+    next_tokens: [B, T] token i+1 for every position i of the block.
+    start, n_new, page_table: as in `forward`.
+  Returns:
+    (hidden [B, T, H] to feed `compute_logits`, updated cache).
+  """
+  p = params["mtp"][depth]
+  ctx = _Ctx(start, n_new, next_tokens.shape[1], page_table)
+  emb = rms_norm(params["embed"][next_tokens], p["enorm"], cfg.rms_norm_eps)
+  h = rms_norm(hidden, p["hnorm"], cfg.rms_norm_eps)
+  x = jnp.concatenate([emb, h.astype(emb.dtype)], axis=-1) @ p["eh_proj"]
+  i = cfg.num_layers + depth
+  x, layer_cache = decoder_layer(p, x, cache[i], ctx, cfg, impl)
+  cache = list(cache)
+  cache[i] = layer_cache
+  return rms_norm(x, p["final_norm"], cfg.rms_norm_eps), cache
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
