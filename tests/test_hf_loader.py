@@ -68,11 +68,11 @@ def test_sharded_index_and_cfg_from_dir(tmp_path):
 def test_bf16_checkpoint_and_cast(tmp_path):
   cfg, params, ckpt, _ = _setup(tmp_path, "deepseek_v3", dtype=BF16)
   got = load_hf_params(ckpt, cfg, dtype=jnp.bfloat16, progress=False)
-  # Routing leaves stay float32 (bf16 values widened exactly); the rest are the bf16 values.
+  # The exporter keeps routing tensors float32 (as transformers does) and the loader keeps them
+  # float32; the rest are the bf16 values.
   want = jax.tree_util.tree_map_with_path(
-      lambda p, x: x.astype(jnp.bfloat16).astype(
-          jnp.float32 if path_str(p).endswith(("router", "router_bias")) else jnp.bfloat16),
-      params)
+      lambda p, x: x if path_str(p).endswith(("router", "router_bias")) else x.astype(
+          jnp.bfloat16), params)
   _assert_same(got, want)
   assert got["layers"][1]["moe"]["router"].dtype == jnp.float32
 

@@ -108,8 +108,13 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
     t[pre + "shared_head.head.weight"] = p["lm_head"].T if "lm_head" in p else p["embed"]
   if cfg_dict.get("model_type") == "kimi_k25":
     t = {"language_model." + k: v for k, v in t.items()}
-  cast = (lambda x: x) if dtype is None else (lambda x: x.astype(np.dtype(dtype)))
-  return {k: np.ascontiguousarray(cast(v)) for k, v in t.items()}
+  def cast(name: str, x: np.ndarray) -> np.ndarray:
+    # Routers stay float32, as transformers keeps them (`_keep_in_fp32_modules_strict`).
+    if dtype is None or name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+      return x
+    return x.astype(np.dtype(dtype))
+
+  return {k: np.ascontiguousarray(cast(k, v)) for k, v in t.items()}
 
 
 def _to_numpy(tree: Any) -> Any:
@@ -144,22 +149,6 @@ def write_checkpoint(cfg_dict: dict[str, Any], tensors: dict[str, np.ndarray], o
   with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
     json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
   return files
-
-
-def export_hf(cfg_dict: dict[str, Any], params: dict[str, Any], out_dir: str,
-              layout: str = "hub", shards: int = 1, dtype: Any = None,
-              extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-  """Writes `params` as an HF checkpoint (config.json, safetensors, index when shards > 1).
-
-  layout: "hub" (experts.{e}.gate_proj.weight), "stacked" (transformers 5 gate_up_proj
-  [E, 2*Im, H] + down_proj [E, H, Im]) or "stacked_split" (gate_proj/up_proj [E, Im, H]).
-  dtype: e.g. ml_dtypes.bfloat16 to write bf16 tensors. extra: more tensors to write as is.
-  Returns the tensors written.
-  """
-  tensors = hf_tensors(cfg_dict, params, layout, dtype)
-  tensors.update(extra or {})
-  write_checkpoint(cfg_dict, tensors, out_dir, shards)
-  return tensors
 
 
 def export_hf(cfg_dict: dict[str, Any], params: dict[str, Any], out_dir: str,

@@ -99,8 +99,12 @@ def gqa_attention(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ct
 
 # ---- feed-forward ----------------------------------------------------------------------------
 
-def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice) -> jax.Array:
-  """Routed experts plus shared experts. x [B, T, H] -> [B, T, H]."""
+def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice,
+        ctx: "_Ctx | None" = None) -> jax.Array:
+  """Routed experts plus shared experts. x [B, T, H] -> [B, T, H].
+
+  Records the tokens each expert received (real tokens only) in `ctx.router_counts`.
+  """
   b, t, h = x.shape
   xf = x.reshape(b * t, h)
   router_logits = xf.astype(jnp.float32) @ p["router"]
@@ -109,6 +113,10 @@ def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice) -> jax.Ar
       topk_method=cfg.topk_method, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
       topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
       routed_scaling_factor=cfg.routed_scaling_factor)
+  if ctx is not None:
+    real = ctx.valid.reshape(-1, 1).astype(jnp.int32)
+    onehot = (ids[:, :, None] == jnp.arange(cfg.num_experts)[None, None, :]) * real[:, :, None]
+    ctx.router_counts.append(jnp.sum(onehot, axis=(0, 1)))
   e = p["experts"]
   y = kernels.moe_experts(impl)(xf, weights, ids, e["gate"], e["up"], e["down"])
   if "shared" in p:
@@ -125,7 +133,7 @@ def decoder_layer(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ct
   x = x + a
   hn = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
   if "moe" in p:
-    f = moe(p["moe"], hn, cfg, impl)
+    f = moe(p["moe"], hn, cfg, impl, ctx)
   else:
     f = swiglu_mlp(hn, p["mlp"]["gate"], p["mlp"]["up"], p["mlp"]["down"])
   return x + f, layer_cache
@@ -142,6 +150,7 @@ class _Ctx:
     self.valid = offsets < n_new[:, None]  # [B, T]
     self.kv_lens = (start + n_new).astype(jnp.int32)  # [B]
     self.page_table = page_table
+    self.router_counts: list[jax.Array] = []  # per MoE layer, [E] tokens routed to each expert
     self._cos_sin = None
 
   def cos_sin(self, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -152,7 +161,8 @@ class _Ctx:
 
 def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
             n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-            impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+            impl: KernelChoice = REFERENCE, router_counts: bool = False
+            ) -> tuple[jax.Array, Cache] | tuple[jax.Array, Cache, jax.Array]:
   """Runs the decoder over a block of new tokens.
 
   Args:
@@ -162,8 +172,10 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
     start: [B] int32 tokens already in the cache for each row.
     n_new: [B] int32 real tokens in this block (0 for an idle row).
     page_table: [B, max_pages] int32.
+    router_counts: also return [n_moe_layers, E] int32 tokens routed to each expert (for
+      load statistics and DeepSeek's auxiliary-loss-free balancing in training).
   Returns:
-    (hidden [B, T, H] after the final norm, updated cache).
+    (hidden [B, T, H] after the final norm, updated cache[, router counts]).
   """
   ctx = _Ctx(start, n_new, tokens.shape[1], page_table)
   x = params["embed"][tokens]
@@ -173,12 +185,18 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
     new_cache.append(layer_cache)
   # MTP layers' cache entries (after the decoder layers) pass through untouched.
   new_cache += list(cache[len(new_cache):])
-  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), new_cache
+  hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  if router_counts:
+    counts = (jnp.stack(ctx.router_counts) if ctx.router_counts
+              else jnp.zeros((0, cfg.num_experts), jnp.int32))
+    return hidden, new_cache, counts
+  return hidden, new_cache
 
 
 def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
                 start: jax.Array, n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-                depth: int = 0, impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+                depth: int = 0, impl: KernelChoice = REFERENCE, router_counts: bool = False
+                ) -> tuple[jax.Array, Cache] | tuple[jax.Array, Cache, jax.Array]:
   """DeepSeek multi-token prediction: one MTP layer on top of the main model.
 
   For each position i, combines the main model's final (normalised) hidden state h_i with the
@@ -191,8 +209,9 @@ def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: ja
     hidden: [B, T, H] main-model output of `forward` for the same block.
     next_tokens: [B, T] token i+1 for every position i of the block.
     start, n_new, page_table: as in `forward`.
+    router_counts: also return [1, E] tokens per expert of the MTP layer (if it is a MoE).
   Returns:
-    (hidden [B, T, H] to feed `compute_logits`, updated cache).
+    (hidden [B, T, H] to feed `compute_logits`, updated cache[, router counts]).
   """
   p = params["mtp"][depth]
   ctx = _Ctx(start, n_new, next_tokens.shape[1], page_table)
@@ -203,7 +222,12 @@ def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: ja
   x, layer_cache = decoder_layer(p, x, cache[i], ctx, cfg, impl)
   cache = list(cache)
   cache[i] = layer_cache
-  return rms_norm(x, p["final_norm"], cfg.rms_norm_eps), cache
+  out = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+  if router_counts:
+    counts = (jnp.stack(ctx.router_counts) if ctx.router_counts
+              else jnp.zeros((0, cfg.num_experts), jnp.int32))
+    return out, cache, counts
+  return out, cache
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -1,5 +1,6 @@
 """Command-line generation from an Orbax or Hugging Face checkpoint.
 
+    python -m engine.generate --prompt="def fib(n):" --max_new_tokens=32   # the demo model
     python -m engine.generate --checkpoint=DIR --prompt="def fib(n):" --max_new_tokens=32
     python -m engine.generate --checkpoint=DIR --prompt_ids=1,2,3 --temperature=0 --json
 
@@ -11,16 +12,23 @@ prompt (one line each) with `token_ids` (generated ids only), `text`, `finish_re
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from absl import flags
 from absl import logging
 
+import checkpoints
 import engine
 
+# The bundled demo model (checkpoints/demo, trained by checkpoints.train_demo).
+DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
+
 FLAGS = flags.FLAGS
-flags.DEFINE_string("checkpoint", None, "Orbax (moejax) or Hugging Face checkpoint directory.")
+flags.DEFINE_string("checkpoint", DEMO_CHECKPOINT,
+                    "Orbax (moejax) or Hugging Face checkpoint directory (default: the bundled "
+                    "demo model).")
 flags.DEFINE_multi_string("prompt", [], "Prompt text (repeat for a batch).")
 flags.DEFINE_multi_string("prompt_ids", [], "Comma-separated prompt token ids (repeatable).")
 flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.", lower_bound=1)
@@ -48,8 +56,8 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.WARNING)  # hide JAX's backend-probing INFO lines
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
-  if not FLAGS.checkpoint:
-    raise SystemExit("--checkpoint is required")
+  if not os.path.isdir(FLAGS.checkpoint):
+    raise SystemExit(f"error: checkpoint directory not found: {FLAGS.checkpoint}")
   if not FLAGS.prompt and not FLAGS.prompt_ids:
     raise SystemExit("give --prompt or --prompt_ids")
   prompts: list[str | list[int]] = list(FLAGS.prompt) + [_parse_ids(s) for s in FLAGS.prompt_ids]

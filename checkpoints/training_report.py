@@ -1,0 +1,150 @@
+"""Writes `checkpoints/demo/TRAINING.md` from the training runs' reports.
+
+    python -m checkpoints.training_report [--demo_dir=checkpoints/demo] \
+        [--hf_parity=checkpoints/demo/hf_parity.json]
+
+Reads `target/train_report.json` and `draft/train_report.json` (written by `train_demo`) and
+`split.json` (written by `demo_corpus`), fits the smoothed 4-gram baseline on the same split,
+generates greedy completions of held-out function headers with the target, and records the
+transformers parity check when its JSON (from `verify_hf_export`) is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+N_SAMPLES = 6
+SAMPLE_TOKENS = 64
+
+
+def _json(path: str) -> dict | None:
+  if not os.path.exists(path):
+    return None
+  with open(path) as fh:
+    return json.load(fh)
+
+
+def heldout_headers(heldout_texts: list[str], n: int) -> list[str]:
+  """`n` function headers spread over the held-out modules (deterministic)."""
+  found = []
+  for text in heldout_texts:
+    found += [m.group(0) for m in re.finditer(r"^[ \t]*def \w+\([^\n]*\):[ \t]*$", text,
+                                              flags=re.M)]
+  step = max(len(found) // n, 1)
+  return [found[i * step] for i in range(min(n, len(found)))]
+
+
+def _dir_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _row(name: str, rep: dict) -> str:
+  h = rep["heldout"]
+  return (f"| {name} | {rep['params']:,} | {rep['bytes_bf16'] / 1e6:.1f} MB | {rep['steps']} x "
+          f"{rep['batch_size']} x {rep['seq_len']} = {rep['tokens_seen'] / 1e6:.2f} M | "
+          f"{rep['train_seconds'] / 60:.1f} min | {rep['train_sample']['ce']:.3f} | "
+          f"{h['ce']:.3f} |")
+
+
+def build(demo_dir: str, hf_parity_path: str | None) -> str:
+  import engine
+  from checkpoints import demo_corpus, ngram_baseline
+
+  target, draft = (_json(os.path.join(demo_dir, m, "train_report.json"))
+                   for m in ("target", "draft"))
+  split = _json(os.path.join(demo_dir, "split.json")) or {}
+  tok_path = os.path.join(demo_dir, "tokenizer.json")
+  tokenizer = demo_corpus.load_tokenizer(tok_path)
+  train_files, heldout_files = demo_corpus.split(demo_corpus.stdlib_files())
+  train_ids, heldout_ids = demo_corpus.tokenized_corpus("/tmp/moejax_corpus", tokenizer,
+                                                        train_files, heldout_files)
+  ngram = ngram_baseline.evaluate(train_ids, heldout_ids, n=4, vocab_size=tokenizer.get_vocab_size())
+
+  lines = ["# Bundled demo models: training report", "",
+           "Written by `python -m checkpoints.training_report` from the training runs' "
+           "reports; rerun it after retraining.", "",
+           "## Corpus and split", "",
+           f"The `.py` files of the Python {sys.version.split()[0]} standard library (the "
+           "interpreter running the scripts), without the regression test suites, generated "
+           "data tables and site-packages (`checkpoints/demo_corpus.py` lists why). Split by "
+           "top-level module with `crc32(module) % 100 < 5` to held-out; `split.json` lists both "
+           "sides.", "",
+           "| side | modules | files | MB | tokens |", "|---|---|---|---|---|"]
+  for side in ("train", "heldout"):
+    s = split.get(side, {})
+    lines.append(f"| {side} | {len(s.get('modules', []))} | {s.get('files', '?')} | "
+                 f"{s.get('bytes', 0) / 1e6:.2f} | {s.get('tokens', 0):,} |")
+  lines += ["", f"Held-out modules: {', '.join(split.get('heldout', {}).get('modules', []))}.",
+            "", "Tokenizer: byte-level BPE trained with `tokenizers` on the train side, "
+            f"{tokenizer.get_vocab_size()} tokens, `<|pad|>`=0, `<|bos|>`=1, `<|eos|>`=2; each "
+            "file is framed BOS ... EOS.", "",
+            "## Models and training", "",
+            "| model | params | bf16 | steps x batch x length = tokens | wall time | train CE | "
+            "held-out CE |", "|---|---|---|---|---|---|---|"]
+  for name, rep in (("target (DeepSeek-V3 arch, MoE + MTP)", target),
+                    ("draft (dense Llama)", draft)):
+    if rep:
+      lines.append(_row(name, rep))
+  lines += [f"| smoothed 4-gram (interpolated modified Kneser-Ney) | | | train split | "
+            f"{ngram['fit_s']:.1f} s | | {ngram['nats_per_token']:.3f} |", "",
+            "Cross-entropies are nats per token on the same tokenization, over every token after "
+            "a BOS of non-overlapping windows covering the held-out split (train CE: as many "
+            "windows from the train split). Training: AdamW (b2 0.95, weight decay 0.1 on "
+            "matrices), warm-up then cosine decay, float32 on this 2-core CPU, the engine's own "
+            "forward pass; DeepSeek's auxiliary-loss-free expert balancing; MTP loss weight "
+            f"{target['mtp_weight'] if target else '?'}.", ""]
+  if target and "mtp_agree" in target["heldout"]:
+    h = target["heldout"]
+    lines += ["## MTP head", "",
+              f"On held-out text the MTP layer's top-1 prediction of token i+2 agrees with the "
+              f"target's own top-1 prediction of that token {h['mtp_agree']:.1%} of the time "
+              f"(matches the true token {h['mtp_acc']:.1%}; MTP cross-entropy "
+              f"{h['mtp_ce']:.3f}).", ""]
+  parity = _json(hf_parity_path) if hf_parity_path else None
+  if parity:
+    errs = [p["rel_err"] for p in parity["prompts"]]
+    same = all(p["greedy_identical"] for p in parity["prompts"])
+    lines += ["## Same weights in transformers", "",
+              "`python -m checkpoints.verify_hf_export` exports the target to Hugging Face "
+              "safetensors and runs it with `DeepseekV3ForCausalLM` in the Python 3.11 reference "
+              f"environment ({parity['reference'].split(':')[0]}): max relative logit error "
+              f"{max(errs):.1e} over {len(errs)} held-out prompts of "
+              f"{parity['prompts'][0]['prompt_tokens']} tokens (float32); 32 greedy tokens "
+              f"{'identical' if same else 'NOT identical'}.", ""]
+  model = engine.load(os.path.join(demo_dir, "target"), progress=False)
+  texts = demo_corpus.read_texts(heldout_files)
+  lines += ["## Greedy completions of held-out function headers", "",
+            f"Prompt: BOS + the header line + newline; {SAMPLE_TOKENS} new tokens, greedy "
+            "(bfloat16 weights, as shipped).", ""]
+  for header in heldout_headers(texts, N_SAMPLES):
+    prompt = model.encode(header + "\n")  # the tokenizer prepends BOS
+    out = engine.generate(model, prompt, max_new_tokens=SAMPLE_TOKENS)
+    lines += ["```python", header, out.text.rstrip(), "```", ""]
+  sizes = {m: _dir_bytes(os.path.join(demo_dir, m)) for m in ("target", "draft")}
+  lines += ["## Shipped files", "",
+            f"`checkpoints/demo/`: target {sizes['target'] / 1e6:.1f} MB, draft "
+            f"{sizes['draft'] / 1e6:.1f} MB, tokenizer and split "
+            f"{(_dir_bytes(demo_dir) - sum(sizes.values())) / 1e6:.2f} MB; total "
+            f"{_dir_bytes(demo_dir) / 1e6:.1f} MB.", ""]
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  text = build(FLAGS.demo_dir, FLAGS.hf_parity)
+  with open(os.path.join(FLAGS.demo_dir, "TRAINING.md"), "w") as fh:
+    fh.write(text)
+  print(text)
+
+
+if __name__ == "__main__":
+  flags.DEFINE_string("demo_dir", "checkpoints/demo", "The demo checkpoints folder.")
+  flags.DEFINE_string("hf_parity", "checkpoints/demo/hf_parity.json",
+                      "verify_hf_export's JSON output (optional).")
+  app.run(main)

@@ -1,0 +1,71 @@
+"""The shipped demo checkpoints (checkpoints/demo): config, shapes, size, quality, generation."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import engine
+from checkpoints import demo_corpus, train_demo
+from checkpoints.ngram_baseline import ngram_cross_entropy
+from engine.model.params import check_params
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
+                    "demo")
+pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "target", "moejax.json")),
+                                reason="demo checkpoints not trained yet")
+
+
+@pytest.fixture(scope="module")
+def target():
+  return engine.load(os.path.join(DEMO, "target"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def draft():
+  return engine.load(os.path.join(DEMO, "draft"), progress=False)
+
+
+def _dir_bytes(path):
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_configs_and_shapes(target, draft):
+  cfg = target.config
+  assert cfg.model_type == "deepseek_v3" and cfg.is_mla
+  assert cfg.num_nextn_predict_layers == 1 and cfg.topk_method == "noaux_tc"
+  assert cfg.moe_layers[0] is False and all(cfg.moe_layers[1:])
+  assert cfg.num_shared_experts >= 1 and cfg.rope.rope_type == "yarn"
+  check_params(cfg, target.params)
+  check_params(draft.config, draft.params)
+  assert draft.config.vocab_size == cfg.vocab_size
+  n_target = sum(x.size for x in jax.tree.leaves(target.params))
+  n_draft = sum(x.size for x in jax.tree.leaves(draft.params))
+  assert n_draft * 4 < n_target
+  with open(os.path.join(DEMO, "target", "config.json")) as fh:
+    assert json.load(fh)["architectures"] == ["DeepseekV3ForCausalLM"]
+  assert _dir_bytes(DEMO) <= 25 * 2**20
+
+
+def test_target_beats_draft_and_4gram_on_heldout(target, draft):
+  tok = demo_corpus.load_tokenizer(os.path.join(DEMO, "tokenizer.json"))
+  train_ids, heldout_ids = demo_corpus.tokenized_corpus("/tmp/moejax_corpus", tok)
+  windows = train_demo.heldout_windows(heldout_ids, 128, limit=16)
+  t = train_demo.evaluate(target.params, target.config, windows, batch=8)
+  d = train_demo.evaluate(draft.params, draft.config, windows, batch=8)
+  ngram = ngram_cross_entropy(train_ids, heldout_ids, n=4, vocab_size=tok.get_vocab_size())
+  assert t["ce"] < d["ce"] and t["ce"] < ngram - 0.1, (t, d, ngram)
+  assert t["mtp_agree"] > 0.3
+
+
+def test_generates_python(target):
+  prompt = target.encode("def read_config(path):\n")
+  assert prompt[0] == demo_corpus.BOS_ID  # the tokenizer frames prompts like training documents
+  out = engine.generate(target, prompt, max_new_tokens=48)
+  assert len(out.token_ids) > 4
+  text = out.text
+  assert any(k in text for k in ("return", "self", "if ", "=", "(")), text
+  draft_out = engine.generate(target, "import os\n", max_new_tokens=8)
+  assert draft_out.finish_reason in ("stop", "length")
