@@ -42,11 +42,15 @@ FLAGS = flags.FLAGS
 
 def _define_flags() -> None:
   flags.DEFINE_enum("model", "target", sorted(MODELS), "Which demo model to train.")
+  flags.DEFINE_string("config_json", None, "Train this config.json instead of --model's "
+                      "(its vocab_size must match the tokenizer).")
   flags.DEFINE_string("out", None, "Output checkpoint dir (default checkpoints/demo/<model>).")
   flags.DEFINE_string("workdir", None, "Resumable training state (default "
                       "/tmp/moejax_train/<model>).")
   flags.DEFINE_string("tokenizer", "checkpoints/demo/tokenizer.json", "tokenizer.json to use.")
   flags.DEFINE_string("corpus_cache", "/tmp/moejax_corpus", "Token array cache directory.")
+  flags.DEFINE_string("init_from", None, "Start from this moejax checkpoint's weights (a new "
+                      "optimizer and schedule: a second training phase) instead of random ones.")
   flags.DEFINE_integer("steps", 1500, "Optimizer steps.", lower_bound=1)
   flags.DEFINE_integer("batch_size", 8, "Sequences per step.", lower_bound=1)
   flags.DEFINE_integer("seq_len", 256, "Tokens per sequence.", lower_bound=8)
@@ -196,6 +200,17 @@ def evaluate(params: Any, cfg: ModelConfig, windows: np.ndarray, batch: int) -> 
 
 # ---- driver ---------------------------------------------------------------------------------
 
+def _read_report(ckpt_dir: str) -> dict[str, Any] | None:
+  path = os.path.join(ckpt_dir, "train_report.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as fh:
+    report = json.load(fh)
+  report.pop("history", None)
+  return {k: v for k, v in report.items() if k in (
+      "steps", "tokens_seen", "train_seconds", "lr", "seed", "batch_size", "seq_len", "phases")}
+
+
 class _Progress:
   """A one-line progress bar on a terminal, a log line every 50 steps otherwise."""
 
@@ -225,6 +240,9 @@ def main(argv: list[str]) -> None:
   from engine.model.orbax_io import save_orbax
 
   cfg_dict = MODELS[FLAGS.model]
+  if FLAGS.config_json:
+    with open(FLAGS.config_json) as fh:
+      cfg_dict = json.load(fh)
   cfg = config_from_dict(cfg_dict)
   out_dir = FLAGS.out or os.path.join("checkpoints", "demo", FLAGS.model)
   workdir = os.path.abspath(FLAGS.workdir or os.path.join("/tmp/moejax_train", FLAGS.model))
@@ -234,10 +252,16 @@ def main(argv: list[str]) -> None:
                                                         train_files, heldout_files)
   logging.info("corpus: %d train tokens, %d held-out tokens", len(train_ids), len(heldout_ids))
 
-  params = init_params(cfg, seed=FLAGS.seed, dtype=jnp.float32)
-  # init_params draws embeddings N(0, 1) (peaked logits for tests); a tied head then starts with
-  # huge logits. Training starts from the usual small embedding instead.
-  params["embed"] = params["embed"] * 0.02
+  previous = None
+  if FLAGS.init_from:
+    from engine.model.orbax_io import restore_orbax
+    params = restore_orbax(FLAGS.init_from, cfg, dtype=jnp.float32)
+    previous = _read_report(FLAGS.init_from)
+  else:
+    params = init_params(cfg, seed=FLAGS.seed, dtype=jnp.float32)
+    # init_params draws embeddings N(0, 1) (peaked logits for tests); a tied head then starts
+    # with huge logits. Training starts from the usual small embedding instead.
+    params["embed"] = params["embed"] * 0.02
   n_params = sum(x.size for x in jax.tree.leaves(params))
   opt = make_optimizer(params, FLAGS.steps, FLAGS.lr, FLAGS.warmup, FLAGS.weight_decay)
   opt_state = opt.init(params)
@@ -254,7 +278,8 @@ def main(argv: list[str]) -> None:
   progress = _Progress(FLAGS.steps, start_step)
   tokens_per_step = FLAGS.batch_size * FLAGS.seq_len
   t_start = time.time()
-  history = []
+  history: list[dict[str, float]] = []  # this run's part (a resumed run starts it afresh)
+  metrics: dict[str, float] = {}
   step = start_step
   while step < FLAGS.steps:
     windows = batch_windows(train_ids, step, FLAGS.batch_size, FLAGS.seq_len, FLAGS.seed)
@@ -293,6 +318,14 @@ def main(argv: list[str]) -> None:
       "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(heldout_ids)),
       "heldout": heldout, "train_sample": train_eval, "history": history,
   }
+  if previous:
+    # A later phase: the report totals all phases and keeps the earlier ones.
+    phases = previous.pop("phases", [previous])
+    report["phases"] = phases + [{k: report[k] for k in (
+        "steps", "tokens_seen", "train_seconds", "lr", "seed", "batch_size", "seq_len")}
+                                 | {"init_from": FLAGS.init_from}]
+    for key in ("steps", "tokens_seen", "train_seconds"):
+      report[key] = sum(ph[key] for ph in report["phases"])
   with open(os.path.join(out_dir, "train_report.json"), "w") as fh:
     json.dump(report, fh, indent=1)
   print(json.dumps({k: report[k] for k in ("model", "params", "train_seconds", "heldout")}))

@@ -99,6 +99,14 @@ def build(demo_dir: str, hf_parity_path: str | None) -> str:
             "matrices), warm-up then cosine decay, float32 on this 2-core CPU, the engine's own "
             "forward pass; DeepSeek's auxiliary-loss-free expert balancing; MTP loss weight "
             f"{target['mtp_weight'] if target else '?'}.", ""]
+  for name, rep in (("target", target), ("draft", draft)):
+    if rep and rep.get("phases"):
+      desc = "; ".join(
+          f"phase {i + 1}: {ph['steps']} steps, peak lr {ph['lr']}, batch seed {ph['seed']}"
+          + (f", from the phase-{i} weights" if ph.get("init_from") else "")
+          for i, ph in enumerate(rep["phases"]))
+      lines += [f"The {name} trained in phases, each a fresh AdamW state and warm-up + cosine "
+                f"schedule started from the previous phase's weights ({desc}).", ""]
   if target and "mtp_agree" in target["heldout"]:
     h = target["heldout"]
     lines += ["## MTP head", "",
@@ -120,10 +128,12 @@ def build(demo_dir: str, hf_parity_path: str | None) -> str:
   model = engine.load(os.path.join(demo_dir, "target"), progress=False)
   texts = demo_corpus.read_texts(heldout_files)
   lines += ["## Greedy completions of held-out function headers", "",
-            f"Prompt: BOS + the header line + newline; {SAMPLE_TOKENS} new tokens, greedy "
+            f"Prompt: BOS + the header line; {SAMPLE_TOKENS} new tokens, greedy "
             "(bfloat16 weights, as shipped).", ""]
   for header in heldout_headers(texts, N_SAMPLES):
-    prompt = model.encode(header + "\n")  # the tokenizer prepends BOS
+    # No trailing newline: BPE merges "\n" with the next indentation, so a prompt ending in a
+    # bare newline is a tokenization the model never saw. The tokenizer prepends BOS.
+    prompt = model.encode(header)
     out = engine.generate(model, prompt, max_new_tokens=SAMPLE_TOKENS)
     lines += ["```python", header, out.text.rstrip(), "```", ""]
   sizes = {m: _dir_bytes(os.path.join(demo_dir, m)) for m in ("target", "draft")}

@@ -45,9 +45,9 @@ def test_convert_end_to_end(hf_dir, tmp_path):
   flat = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(got)[0]}
   for p, want in jax.tree_util.tree_flatten_with_path(params)[0]:
     name = path_str(p)
-    want = np.asarray(want.astype(jnp.bfloat16))
-    if name.endswith(("router", "router_bias")):
-      want = want.astype(np.float32)
+    # The bf16 export keeps routing tensors float32 (as transformers does): they stay exact.
+    if not name.endswith(("router", "router_bias")):
+      want = np.asarray(want.astype(jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(flat[name]), want, err_msg=name)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   assert f"{n_params:,} params" in summary

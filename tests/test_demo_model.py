@@ -9,7 +9,7 @@ import pytest
 
 import engine
 from checkpoints import demo_corpus, train_demo
-from checkpoints.ngram_baseline import ngram_cross_entropy
+from checkpoints.ngram_baseline import KneserNeyLM
 from engine.model.params import check_params
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
@@ -50,22 +50,30 @@ def test_configs_and_shapes(target, draft):
 
 
 def test_target_beats_draft_and_4gram_on_heldout(target, draft):
+  """On the same held-out windows (evenly spaced over the split, no context across windows):
+  cross-entropy of the shipped (bf16) target < draft, and < the smoothed 4-gram."""
   tok = demo_corpus.load_tokenizer(os.path.join(DEMO, "tokenizer.json"))
   train_ids, heldout_ids = demo_corpus.tokenized_corpus("/tmp/moejax_corpus", tok)
-  windows = train_demo.heldout_windows(heldout_ids, 128, limit=16)
+  windows = train_demo.heldout_windows(heldout_ids, 256)
+  windows = windows[np.linspace(0, len(windows) - 1, 48).astype(int)]
   t = train_demo.evaluate(target.params, target.config, windows, batch=8)
   d = train_demo.evaluate(draft.params, draft.config, windows, batch=8)
-  ngram = ngram_cross_entropy(train_ids, heldout_ids, n=4, vocab_size=tok.get_vocab_size())
-  assert t["ce"] < d["ce"] and t["ce"] < ngram - 0.1, (t, d, ngram)
-  assert t["mtp_agree"] > 0.3
+  lm = KneserNeyLM(train_ids, n=4, vocab_size=tok.get_vocab_size())
+  # Score what the model scores: tokens 1..T of each window, given the window before them.
+  ngram = float(np.mean(np.concatenate(
+      [-lm.log_probs(w[:-1])[int(w[0] != demo_corpus.BOS_ID):] for w in windows])))
+  assert t["ce"] < d["ce"] and t["ce"] < ngram - 0.05, (t, d, ngram)
+  # The MTP head mostly agrees with what the target itself predicts next.
+  assert t["mtp_agree"] > 0.5, t
 
 
 def test_generates_python(target):
-  prompt = target.encode("def read_config(path):\n")
+  prompt = target.encode("def read_config(path):")  # no trailing newline (BPE merges it)
   assert prompt[0] == demo_corpus.BOS_ID  # the tokenizer frames prompts like training documents
   out = engine.generate(target, prompt, max_new_tokens=48)
   assert len(out.token_ids) > 4
   text = out.text
-  assert any(k in text for k in ("return", "self", "if ", "=", "(")), text
-  draft_out = engine.generate(target, "import os\n", max_new_tokens=8)
-  assert draft_out.finish_reason in ("stop", "length")
+  # A function body: a new line indented one level under the header, then words.
+  assert text.startswith("\n    ") and len(text.split()) >= 5, text
+  method = engine.generate(target, target.encode("    def close(self):"), max_new_tokens=24)
+  assert method.text.startswith("\n        "), method.text
