@@ -135,7 +135,7 @@ def build(demo_dir: str, hf_parity_path: str | None) -> str:
     # bare newline is a tokenization the model never saw. The tokenizer prepends BOS.
     prompt = model.encode(header)
     out = engine.generate(model, prompt, max_new_tokens=SAMPLE_TOKENS)
-    lines += ["```python", header, out.text.rstrip(), "```", ""]
+    lines += ["```python", header + out.text.rstrip(), "```", ""]
   sizes = {m: _dir_bytes(os.path.join(demo_dir, m)) for m in ("target", "draft")}
   lines += ["## Shipped files", "",
             f"`checkpoints/demo/`: target {sizes['target'] / 1e6:.1f} MB, draft "
