@@ -153,6 +153,12 @@ class _Ctx:
     self.router_counts: list[jax.Array] = []  # per MoE layer, [E] tokens routed to each expert
     self._cos_sin = None
 
+  def stacked_counts(self, cfg: ModelConfig) -> jax.Array:
+    """[n_moe_layers, E] int32 tokens routed to each expert by the layers run so far."""
+    if not self.router_counts:
+      return jnp.zeros((0, cfg.num_experts), jnp.int32)
+    return jnp.stack(self.router_counts)
+
   def cos_sin(self, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     if self._cos_sin is None:
       self._cos_sin = rope_cos_sin(cfg.rope, cfg.rope_dim, self.positions)
@@ -186,11 +192,7 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
   # MTP layers' cache entries (after the decoder layers) pass through untouched.
   new_cache += list(cache[len(new_cache):])
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-  if router_counts:
-    counts = (jnp.stack(ctx.router_counts) if ctx.router_counts
-              else jnp.zeros((0, cfg.num_experts), jnp.int32))
-    return hidden, new_cache, counts
-  return hidden, new_cache
+  return (hidden, new_cache, ctx.stacked_counts(cfg)) if router_counts else (hidden, new_cache)
 
 
 def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
@@ -223,11 +225,7 @@ def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: ja
   cache = list(cache)
   cache[i] = layer_cache
   out = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
-  if router_counts:
-    counts = (jnp.stack(ctx.router_counts) if ctx.router_counts
-              else jnp.zeros((0, cfg.num_experts), jnp.int32))
-    return out, cache, counts
-  return out, cache
+  return (out, cache, ctx.stacked_counts(cfg)) if router_counts else (out, cache)
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
