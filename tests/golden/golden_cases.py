@@ -10,6 +10,8 @@ checkpoint is saved sharded, and the init gains.  Needs transformers (reference 
 
 from __future__ import annotations
 
+import copy
+
 from transformers import (
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
@@ -58,47 +60,110 @@ COMMON = dict(
 )
 
 # ----------------------------------------------------------------------------------------------
+# Shared settings
+# ----------------------------------------------------------------------------------------------
+
+
+def _config(base: dict, **overrides) -> dict:
+    """``base`` with ``overrides`` (a fresh deep copy); every ``...`` in ``base`` must be set."""
+    cfg = copy.deepcopy(dict(base, **overrides))
+    unset = [k for k, v in cfg.items() if v is ...]
+    if unset:
+        raise ValueError(f"config keys left unset: {unset}")
+    return cfg
+
+
+def _rope(theta: float = 10000.0) -> dict:
+    return dict(rope_type="default", rope_theta=theta)
+
+
+def _yarn(factor: float, mscale: float, mscale_all_dim: float, original_max: int) -> dict:
+    return dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=factor,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=mscale,
+        mscale_all_dim=mscale_all_dim,
+        original_max_position_embeddings=original_max,
+    )
+
+
+def _case(classes: tuple, config: dict, knobs: list, gains: dict, sharded: bool = False) -> dict:
+    """One CASES entry; ``classes`` is (model class, config class)."""
+    model_cls, config_cls = classes
+    return dict(
+        model_cls=model_cls,
+        config_cls=config_cls,
+        config=config,
+        knobs=knobs,
+        sharded=sharded,
+        gains=dict(gains),
+    )
+
+
+# Per-family base configs.  ``...`` marks a key every case of the family sets itself; it is in
+# the base only so that the key keeps its place in the config kwargs.  ``_config`` merges a base
+# with a case's overrides: a base key keeps its position, a new key goes at the end.
+
+_DSV3 = (DeepseekV3ForCausalLM, DeepseekV3Config)
+_DSV2 = (DeepseekV2ForCausalLM, DeepseekV2Config)
+_QWEN3_MOE = (Qwen3MoeForCausalLM, Qwen3MoeConfig)
+_LLAMA = (LlamaForCausalLM, LlamaConfig)
+_QWEN3 = (Qwen3ForCausalLM, Qwen3Config)
+
+# MLA attention + DeepSeek MoE; V2 adds topk_method before the group keys, V3 adds num_mtp_layers.
+_MLA_HEAD = dict(
+    COMMON,
+    num_hidden_layers=..., first_k_dense_replace=..., intermediate_size=...,
+    num_attention_heads=4, num_key_value_heads=4,
+    q_lora_rank=..., kv_lora_rank=..., qk_nope_head_dim=..., qk_rope_head_dim=..., v_head_dim=...,
+    n_routed_experts=8, num_experts_per_tok=...,
+)
+_MLA_TAIL = dict(
+    n_group=..., topk_group=..., moe_intermediate_size=..., n_shared_experts=...,
+    routed_scaling_factor=..., norm_topk_prob=..., tie_word_embeddings=False, rope_parameters=...,
+)
+_DSV3_CONFIG = dict(_MLA_HEAD, **_MLA_TAIL, num_mtp_layers=0)
+_DSV2_CONFIG = dict(_MLA_HEAD, topk_method=..., **_MLA_TAIL)
+
+_QWEN3_MOE_CONFIG = dict(
+    COMMON,
+    num_hidden_layers=2, intermediate_size=..., num_attention_heads=4, num_key_value_heads=2,
+    head_dim=24, num_experts=8, num_experts_per_tok=..., moe_intermediate_size=...,
+    norm_topk_prob=..., decoder_sparse_step=1, mlp_only_layers=..., tie_word_embeddings=False,
+    rope_parameters=_rope(1000000.0),
+)
+
+# Dense models: each case appends tie_word_embeddings / rope_parameters (Qwen3 head_dim first).
+_DENSE_CONFIG = dict(
+    COMMON, hidden_size=48, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+# Init gains (see make_golden.py, "Why the weights are re-initialized"): untied models scale
+# lm_head; tied ones raise attention/MLP gains and the final norm instead.  Dense: router=None.
+_GAINS = dict(attn=1.0, mlp=1.0, router=2.0, lm=12.0)
+_TIED_GAINS = dict(attn=2.0, mlp=2.0, router=2.0, lm=None, final_norm=1.5)
+
+
+# ----------------------------------------------------------------------------------------------
 # Cases
 # ----------------------------------------------------------------------------------------------
 # Each case: model / config class, config kwargs, the knobs exercised (free text for the
-# manifest), whether the checkpoint is saved sharded, and init gains.
+# manifest), init gains, and whether the checkpoint is saved sharded.
 
 CASES: dict[str, dict] = {
-    "dsv3_qlora_yarn": dict(
-        model_cls=DeepseekV3ForCausalLM,
-        config_cls=DeepseekV3Config,
-        config=dict(
-            COMMON,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            intermediate_size=80,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=48,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=16,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                beta_fast=32,
-                beta_slow=1,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-                original_max_position_embeddings=64,
-            ),
-            num_mtp_layers=0,
+    "dsv3_qlora_yarn": _case(
+        _DSV3,
+        _config(
+            _DSV3_CONFIG,
+            num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=80,
+            q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+            n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+            moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rope_parameters=_yarn(4.0, 1.0, 1.0, original_max=64),
         ),
         knobs=[
             "MLA with q_lora_rank=48 (q_a_proj -> q_a_layernorm -> q_b_proj)",
@@ -113,35 +178,18 @@ CASES: dict[str, dict] = {
             "untied embeddings",
             "SHARDED checkpoint (model.safetensors.index.json + shards)",
         ],
+        gains=_GAINS,
         sharded=True,
-        gains=dict(attn=1.0, mlp=1.0, router=2.0, lm=12.0),
     ),
-    "dsv3_noqlora_dense2": dict(
-        model_cls=DeepseekV3ForCausalLM,
-        config_cls=DeepseekV3Config,
-        config=dict(
-            COMMON,
-            num_hidden_layers=3,
-            first_k_dense_replace=2,
-            intermediate_size=80,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=None,
-            kv_lora_rank=24,
-            qk_nope_head_dim=12,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            moe_intermediate_size=24,
-            n_shared_experts=2,
-            routed_scaling_factor=1.7,
-            norm_topk_prob=True,
-            tie_word_embeddings=True,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-            num_mtp_layers=0,
+    "dsv3_noqlora_dense2": _case(
+        _DSV3,
+        _config(
+            _DSV3_CONFIG,
+            num_hidden_layers=3, first_k_dense_replace=2, intermediate_size=80,
+            q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=16,
+            num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=24, n_shared_experts=2, routed_scaling_factor=1.7,
+            norm_topk_prob=True, tie_word_embeddings=True, rope_parameters=_rope(),
         ),
         knobs=[
             "MLA without q LoRA (q_proj), kv_lora_rank=24, nope=12, rope=8, v=16",
@@ -152,44 +200,17 @@ CASES: dict[str, dict] = {
             "default RoPE (no YaRN), rope_interleave=True (default)",
             "tied embeddings (no lm_head.weight in the checkpoint)",
         ],
-        sharded=False,
-        gains=dict(attn=2.0, mlp=2.0, router=2.0, lm=None, final_norm=1.5),
+        gains=_TIED_GAINS,
     ),
-    "dsv3_dense0_mscale": dict(
-        model_cls=DeepseekV3ForCausalLM,
-        config_cls=DeepseekV3Config,
-        config=dict(
-            COMMON,
-            num_hidden_layers=2,
-            first_k_dense_replace=0,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=40,
-            qk_nope_head_dim=20,
-            qk_rope_head_dim=16,
-            v_head_dim=12,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            n_group=2,
-            topk_group=1,
-            moe_intermediate_size=24,
-            n_shared_experts=1,
-            routed_scaling_factor=2.0,
-            norm_topk_prob=False,
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=8.0,
-                beta_fast=32,
-                beta_slow=1,
-                mscale=0.9,
-                mscale_all_dim=0.707,
-                original_max_position_embeddings=32,
-            ),
-            num_mtp_layers=0,
+    "dsv3_dense0_mscale": _case(
+        _DSV3,
+        _config(
+            _DSV3_CONFIG,
+            num_hidden_layers=2, first_k_dense_replace=0, intermediate_size=96,
+            q_lora_rank=32, kv_lora_rank=40, qk_nope_head_dim=20, qk_rope_head_dim=16, v_head_dim=12,
+            num_experts_per_tok=3, n_group=2, topk_group=1,
+            moe_intermediate_size=24, n_shared_experts=1, routed_scaling_factor=2.0,
+            norm_topk_prob=False, rope_parameters=_yarn(8.0, 0.9, 0.707, original_max=32),
         ),
         knobs=[
             "first_k_dense_replace=0 (every layer MoE; intermediate_size unused)",
@@ -202,44 +223,17 @@ CASES: dict[str, dict] = {
             "rope_interleave=True (transformers default)",
             "untied embeddings",
         ],
-        sharded=False,
-        gains=dict(attn=1.0, mlp=1.0, router=2.0, lm=12.0),
+        gains=_GAINS,
     ),
-    "dsv2_lite": dict(
-        model_cls=DeepseekV2ForCausalLM,
-        config_cls=DeepseekV2Config,
-        config=dict(
-            COMMON,
-            num_hidden_layers=2,
-            first_k_dense_replace=1,
-            intermediate_size=80,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=None,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            topk_method="greedy",
-            n_group=None,
-            topk_group=None,
-            moe_intermediate_size=24,
-            n_shared_experts=2,
-            routed_scaling_factor=1.0,
-            norm_topk_prob=False,
-            tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                beta_fast=32,
-                beta_slow=1,
-                mscale=0.707,
-                mscale_all_dim=0.707,
-                original_max_position_embeddings=64,
-            ),
+    "dsv2_lite": _case(
+        _DSV2,
+        _config(
+            _DSV2_CONFIG,
+            num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=80,
+            q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            num_experts_per_tok=3, topk_method="greedy", n_group=None, topk_group=None,
+            moe_intermediate_size=24, n_shared_experts=2, routed_scaling_factor=1.0,
+            norm_topk_prob=False, rope_parameters=_yarn(4.0, 0.707, 0.707, original_max=64),
         ),
         knobs=[
             "DeepSeek-V2-Lite in miniature: MLA without q LoRA, kv_lora_rank=32, nope=16, rope=8, v=16",
@@ -250,35 +244,17 @@ CASES: dict[str, dict] = {
             "V2 rope: complex multiply on interleaved pairs (x0,x1),(x2,x3).. output stays interleaved",
             "untied embeddings",
         ],
-        sharded=False,
-        gains=dict(attn=1.0, mlp=1.0, router=2.0, lm=12.0),
+        gains=_GAINS,
     ),
-    "dsv2_grouped": dict(
-        model_cls=DeepseekV2ForCausalLM,
-        config_cls=DeepseekV2Config,
-        config=dict(
-            COMMON,
-            num_hidden_layers=2,
-            first_k_dense_replace=0,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=48,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            topk_method="group_limited_greedy",
-            n_group=4,
-            topk_group=2,
-            moe_intermediate_size=20,
-            n_shared_experts=1,
-            routed_scaling_factor=1.5,
-            norm_topk_prob=False,
-            tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+    "dsv2_grouped": _case(
+        _DSV2,
+        _config(
+            _DSV2_CONFIG,
+            num_hidden_layers=2, first_k_dense_replace=0, intermediate_size=96,
+            q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+            num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+            moe_intermediate_size=20, n_shared_experts=1, routed_scaling_factor=1.5,
+            norm_topk_prob=False, rope_parameters=_rope(),
         ),
         knobs=[
             "DeepSeek-V2 (full) style: q_lora_rank=48, kv_lora_rank=32, nope=16, rope=8, v=12",
@@ -288,27 +264,14 @@ CASES: dict[str, dict] = {
             "default RoPE",
             "untied embeddings",
         ],
-        sharded=False,
-        gains=dict(attn=1.0, mlp=1.0, router=2.0, lm=12.0),
+        gains=_GAINS,
     ),
-    "qwen3_moe": dict(
-        model_cls=Qwen3MoeForCausalLM,
-        config_cls=Qwen3MoeConfig,
-        config=dict(
-            COMMON,
-            num_hidden_layers=2,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=24,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=24,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    "qwen3_moe": _case(
+        _QWEN3_MOE,
+        _config(
+            _QWEN3_MOE_CONFIG,
+            intermediate_size=96, num_experts_per_tok=2, moe_intermediate_size=24,
+            norm_topk_prob=True, mlp_only_layers=[],
         ),
         knobs=[
             "GQA 4 q heads / 2 kv heads, head_dim=24 != hidden/heads=16",
@@ -318,27 +281,14 @@ CASES: dict[str, dict] = {
             "rope_theta=1e6, non-interleaved (rotate_half) RoPE",
             "untied embeddings",
         ],
-        sharded=False,
-        gains=dict(attn=1.0, mlp=1.0, router=2.0, lm=12.0),
+        gains=_GAINS,
     ),
-    "qwen3_moe_mlp_only": dict(
-        model_cls=Qwen3MoeForCausalLM,
-        config_cls=Qwen3MoeConfig,
-        config=dict(
-            COMMON,
-            num_hidden_layers=2,
-            intermediate_size=80,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=24,
-            num_experts=8,
-            num_experts_per_tok=3,
-            moe_intermediate_size=20,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[0],
-            tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+    "qwen3_moe_mlp_only": _case(
+        _QWEN3_MOE,
+        _config(
+            _QWEN3_MOE_CONFIG,
+            intermediate_size=80, num_experts_per_tok=3, moe_intermediate_size=20,
+            norm_topk_prob=False, mlp_only_layers=[0],
         ),
         knobs=[
             "mlp_only_layers=[0]: layer 0 dense MLP (intermediate_size=80), layer 1 MoE",
@@ -346,39 +296,22 @@ CASES: dict[str, dict] = {
             "GQA 4/2, head_dim=24, q/k norm, rope_theta=1e6",
             "untied embeddings",
         ],
-        sharded=False,
-        gains=dict(attn=1.0, mlp=1.0, router=2.0, lm=12.0),
+        gains=_GAINS,
     ),
-    "llama": dict(
-        model_cls=LlamaForCausalLM,
-        config_cls=LlamaConfig,
-        config=dict(
-            COMMON,
-            hidden_size=48,
-            num_hidden_layers=2,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=500000.0),
-        ),
+    "llama": _case(
+        _LLAMA,
+        _config(_DENSE_CONFIG, tie_word_embeddings=False, rope_parameters=_rope(500000.0)),
         knobs=[
             "dense Llama, hidden_size=48, GQA 4 q heads / 2 kv heads, head_dim=12",
             "rope_theta=5e5 default RoPE (rotate_half)",
             "untied embeddings",
         ],
-        sharded=False,
-        gains=dict(attn=1.0, mlp=1.0, router=None, lm=12.0),
+        gains=dict(_GAINS, router=None),
     ),
-    "llama_tied": dict(
-        model_cls=LlamaForCausalLM,
-        config_cls=LlamaConfig,
-        config=dict(
-            COMMON,
-            hidden_size=48,
-            num_hidden_layers=2,
-            intermediate_size=96,
-            num_attention_heads=4,
+    "llama_tied": _case(
+        _LLAMA,
+        _config(
+            _DENSE_CONFIG,
             num_key_value_heads=1,
             tie_word_embeddings=True,
             rope_parameters=dict(
@@ -396,22 +329,15 @@ CASES: dict[str, dict] = {
             "original_max_position_embeddings 64 (frequencies hit all three branches)",
             "tied embeddings (no lm_head.weight in the checkpoint)",
         ],
-        sharded=False,
-        gains=dict(attn=2.0, mlp=2.0, router=None, lm=None, final_norm=1.5),
+        gains=dict(_TIED_GAINS, router=None),
     ),
-    "qwen3": dict(
-        model_cls=Qwen3ForCausalLM,
-        config_cls=Qwen3Config,
-        config=dict(
-            COMMON,
-            hidden_size=48,
-            num_hidden_layers=2,
-            intermediate_size=96,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+    "qwen3": _case(
+        _QWEN3,
+        _config(
+            _DENSE_CONFIG,
             head_dim=24,
             tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            rope_parameters=_rope(1000000.0),
         ),
         knobs=[
             "dense Qwen3, hidden_size=48, GQA 4/2, explicit head_dim=24 != hidden/heads=12 (q_proj out 96 > hidden)",
@@ -419,8 +345,7 @@ CASES: dict[str, dict] = {
             "rope_theta=1e6",
             "untied embeddings",
         ],
-        sharded=False,
-        gains=dict(attn=1.0, mlp=1.0, router=None, lm=12.0),
+        gains=dict(_GAINS, router=None),
     ),
 }
 
