@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 
 import jax
@@ -28,7 +27,7 @@ def export(checkpoint: str, out: str, dtype: str = "float32", overwrite: bool = 
   """Writes `checkpoint` to `out` in HF format; returns a summary."""
   import engine
   from engine.model.hf_export import export_hf
-  from engine.model.orbax_io import TOKENIZER_FILES
+  from engine.model.orbax_io import copy_tokenizer_files
 
   if os.path.exists(out) and os.listdir(out) and not overwrite:
     raise FileExistsError(f"{out} is not empty (pass --overwrite)")
@@ -41,10 +40,7 @@ def export(checkpoint: str, out: str, dtype: str = "float32", overwrite: bool = 
   params = jax.tree.map(np.asarray, model.params)
   # Routing leaves stay float32, as transformers keeps them (`_keep_in_fp32_modules`).
   tensors = export_hf(cfg_dict, params, out, dtype=None if dtype == "float32" else DTYPES[dtype])
-  for name in TOKENIZER_FILES:
-    src = os.path.join(checkpoint, name)
-    if os.path.exists(src):
-      shutil.copy(src, os.path.join(out, name))
+  copy_tokenizer_files(checkpoint, out)
   return {"out": out, "tensors": len(tensors), "bytes": int(sum(t.nbytes for t in
                                                                 tensors.values())),
           "seconds": round(time.time() - t0, 1)}

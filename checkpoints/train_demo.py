@@ -33,6 +33,7 @@ from absl import app, flags, logging
 
 from checkpoints import demo_corpus
 from checkpoints.demo_models import MODELS
+from engine.model.cache import init_cache
 from engine.model.config import ModelConfig, config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward, forward_mtp
@@ -69,15 +70,6 @@ def _define_flags() -> None:
 
 # ---- the training step ----------------------------------------------------------------------
 
-def _fresh_cache(cfg: ModelConfig, batch: int, seq: int) -> tuple[list, jax.Array]:
-  """A zero cache giving each row one page of `seq` tokens, built inside the traced step."""
-  from engine.model.cache import page_shapes
-  shapes = page_shapes(cfg, batch, seq)
-  n = cfg.num_layers + cfg.num_nextn_predict_layers
-  cache = [{k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()} for _ in range(n)]
-  return cache, jnp.arange(batch, dtype=jnp.int32)[:, None]
-
-
 def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   logp = jax.nn.log_softmax(logits, axis=-1)
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
@@ -87,7 +79,9 @@ def model_losses(params: Any, windows: jax.Array, cfg: ModelConfig) -> dict[str,
   """windows [B, T+2] int32 -> losses, router counts and the pieces evaluation needs."""
   b, t = windows.shape[0], windows.shape[1] - 2
   tokens, targets = windows[:, :t], windows[:, 1:t + 1]
-  cache, page_table = _fresh_cache(cfg, b, t)
+  # A fresh zero cache inside the traced step: one page of t tokens per row.
+  cache = init_cache(cfg, num_pages=b, page_size=t, dtype=jnp.float32)
+  page_table = jnp.arange(b, dtype=jnp.int32)[:, None]
   zeros, full = jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32)
   hidden, cache, counts = forward(params, cache, tokens, zeros, full, page_table, cfg=cfg,
                                   router_counts=True)

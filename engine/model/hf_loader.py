@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.model.config import ModelConfig, load_config
-from engine.model.params import Params, check_params, leaf_dtype, param_shapes, path_str
+from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
+                                 path_str, shape_leaves)
 from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
                                          TensorInfo, read_header)
 
@@ -475,7 +476,7 @@ def _place(buf: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array
 
 def shardings_by_leaf(shardings: Any, cfg: ModelConfig) -> dict[str, jax.sharding.Sharding]:
   """{path_str: Sharding} of a shardings pytree; ValueError unless it matches the layout."""
-  expected = _shape_leaves(cfg)
+  expected = shape_leaves(cfg)
   flat = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
       shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
   missing = sorted(set(expected) - set(flat))
@@ -487,16 +488,6 @@ def shardings_by_leaf(shardings: Any, cfg: ModelConfig) -> dict[str, jax.shardin
   if bad:
     raise ValueError(f"shardings leaf {bad[0]!r} is not a jax.sharding.Sharding")
   return flat
-
-
-def _is_shape(x: Any) -> bool:
-  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-
-def _shape_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], tuple[int, ...]]]:
-  """{path_str: (key path, shape)} of the layout."""
-  flat = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)[0]
-  return {path_str(p): (p, s) for p, s in flat}
 
 
 def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = jnp.bfloat16,
@@ -513,7 +504,7 @@ def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = j
   dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a float dtype, got {dtype}")
-  layout = _shape_leaves(cfg)
+  layout = shape_leaves(cfg)
   flat_shardings = shardings_by_leaf(shardings, cfg) if shardings is not None else {}
 
   files, weight_map = _checkpoint_files(ckpt_dir)
@@ -560,6 +551,6 @@ def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = j
             file=sys.stderr, flush=True)
 
   params = jax.tree_util.tree_map_with_path(
-      lambda p, _: placed[path_str(p)], param_shapes(cfg), is_leaf=_is_shape)
+      lambda p, _: placed[path_str(p)], param_shapes(cfg), is_leaf=is_shape)
   check_params(cfg, params)
   return params

@@ -26,8 +26,8 @@ import orbax.checkpoint as ocp
 from engine.model.config import ModelConfig, config_from_dict, load_config
 from engine.model.hf_loader import (INDEX_FILE, PICKLE_SUFFIXES, SINGLE_FILE, CheckpointError,
                                     shardings_by_leaf)
-from engine.model.params import (FLOAT32_LEAVES, Params, check_params, leaf_dtype, param_shapes,
-                                 path_str)
+from engine.model.params import (FLOAT32_LEAVES, Params, check_params, is_shape, leaf_dtype,
+                                 param_shapes, path_str, shape_leaves)
 
 FORMAT = "moejax-orbax"
 VERSION = 1
@@ -39,8 +39,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
                    "merges.txt", "chat_template.jinja", "chat_template.json")
 
 
-def _is_shape(x: Any) -> bool:
-  return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+def copy_tokenizer_files(src_dir: str, out_dir: str) -> None:
+  """Copies the tokenizer and generation files present in `src_dir` into `out_dir`."""
+  for name in TOKENIZER_FILES:
+    path = os.path.join(src_dir, name)
+    if os.path.isfile(path):
+      shutil.copyfile(path, os.path.join(out_dir, name))
 
 
 def _params_dtype(params: Params) -> str:
@@ -95,10 +99,7 @@ def save_orbax(out_dir: str, cfg_dict_or_src_dir: dict[str, Any] | str, params: 
   with open(os.path.join(out_dir, "config.json"), "w") as fh:
     json.dump(cfg_dict, fh, indent=2)
   if tokenizer_src_dir is not None:
-    for name in TOKENIZER_FILES:
-      path = os.path.join(tokenizer_src_dir, name)
-      if os.path.isfile(path):
-        shutil.copyfile(path, os.path.join(out_dir, name))
+    copy_tokenizer_files(tokenizer_src_dir, out_dir)
   with open(os.path.join(out_dir, MANIFEST), "w") as fh:
     json.dump({"format": FORMAT, "version": VERSION, "dtype": dtype}, fh, indent=2)
 
@@ -122,8 +123,7 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
 
 def _check_stored(ckpt_dir: str, cfg: ModelConfig, stored: Any) -> None:
   """CheckpointError naming the first leaf whose presence or shape differs from the layout."""
-  want = {path_str(p): s for p, s in
-          jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)[0]}
+  want = {name: shape for name, (_, shape) in shape_leaves(cfg).items()}
   have = {path_str(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
   problems = [f"missing parameter {k!r} (expected shape {s})" for k, s in want.items()
               if k not in have]
@@ -158,7 +158,7 @@ def restore_orbax(ckpt_dir: str, cfg: ModelConfig | None = None, shardings: Any 
     target = jax.tree_util.tree_map_with_path(
         lambda p, s: jax.ShapeDtypeStruct(s, leaf_dtype(p, dtype),
                                           sharding=by_leaf.get(path_str(p), default)),
-        param_shapes(cfg), is_leaf=_is_shape)
+        param_shapes(cfg), is_leaf=is_shape)
     return ckptr.restore(params_dir, target)
 
 

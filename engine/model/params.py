@@ -116,8 +116,15 @@ def param_shapes(cfg: ModelConfig) -> Params:
   return tree
 
 
-def _is_shape(x: Any) -> bool:
+def is_shape(x: Any) -> bool:
+  """True for a leaf of `param_shapes` (a tuple of ints): its `is_leaf` for tree functions."""
   return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def shape_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], tuple[int, ...]]]:
+  """{path_str: (key path, shape)} of every leaf of the layout, in pytree order."""
+  flat = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)[0]
+  return {path_str(p): (p, s) for p, s in flat}
 
 
 def leaf_dtype(path: tuple[Any, ...], dtype: Any) -> Any:
@@ -139,7 +146,7 @@ def abstract_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> Params:
   """The pytree of `jax.ShapeDtypeStruct` (for restoring or lowering without weights)."""
   return jax.tree_util.tree_map_with_path(
       lambda p, s: jax.ShapeDtypeStruct(s, leaf_dtype(p, dtype)),
-      param_shapes(cfg), is_leaf=_is_shape)
+      param_shapes(cfg), is_leaf=is_shape)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
@@ -169,13 +176,12 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
       x = rng.standard_normal(shape) * np.sqrt(scale / fan_in)
     return jnp.asarray(x, dtype=leaf_dtype(path, dtype))
 
-  return jax.tree_util.tree_map_with_path(make, param_shapes(cfg), is_leaf=_is_shape)
+  return jax.tree_util.tree_map_with_path(make, param_shapes(cfg), is_leaf=is_shape)
 
 
 def check_params(cfg: ModelConfig, params: Params) -> None:
   """Raises ValueError naming the first leaf whose presence or shape differs from the layout."""
-  expected = {path_str(p): s for p, s in
-              jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=_is_shape)[0]}
+  expected = {name: shape for name, (_, shape) in shape_leaves(cfg).items()}
   actual = {path_str(p): tuple(x.shape) for p, x in
             jax.tree_util.tree_flatten_with_path(params)[0]}
   for name, shape in expected.items():

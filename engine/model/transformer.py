@@ -113,7 +113,7 @@ def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice,
       topk_method=cfg.topk_method, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
       topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
       routed_scaling_factor=cfg.routed_scaling_factor)
-  if ctx is not None:
+  if ctx is not None and ctx.collect_router_counts:  # off on the serving path
     real = ctx.valid.reshape(-1, 1).astype(jnp.int32)
     onehot = (ids[:, :, None] == jnp.arange(cfg.num_experts)[None, None, :]) * real[:, :, None]
     ctx.router_counts.append(jnp.sum(onehot, axis=(0, 1)))
@@ -144,12 +144,14 @@ def decoder_layer(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ct
 class _Ctx:
   """Per-call positional bookkeeping shared by all layers."""
 
-  def __init__(self, start: jax.Array, n_new: jax.Array, t: int, page_table: jax.Array):
+  def __init__(self, start: jax.Array, n_new: jax.Array, t: int, page_table: jax.Array,
+               collect_router_counts: bool = False):
     offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
     self.positions = start[:, None].astype(jnp.int32) + offsets  # [B, T]
     self.valid = offsets < n_new[:, None]  # [B, T]
     self.kv_lens = (start + n_new).astype(jnp.int32)  # [B]
     self.page_table = page_table
+    self.collect_router_counts = collect_router_counts
     self.router_counts: list[jax.Array] = []  # per MoE layer, [E] tokens routed to each expert
     self._cos_sin = None
 
@@ -183,7 +185,7 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
   Returns:
     (hidden [B, T, H] after the final norm, updated cache[, router counts]).
   """
-  ctx = _Ctx(start, n_new, tokens.shape[1], page_table)
+  ctx = _Ctx(start, n_new, tokens.shape[1], page_table, router_counts)
   x = params["embed"][tokens]
   new_cache = []
   for i, layer in enumerate(params["layers"]):
@@ -216,7 +218,7 @@ def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: ja
     (hidden [B, T, H] to feed `compute_logits`, updated cache[, router counts]).
   """
   p = params["mtp"][depth]
-  ctx = _Ctx(start, n_new, next_tokens.shape[1], page_table)
+  ctx = _Ctx(start, n_new, next_tokens.shape[1], page_table, router_counts)
   emb = rms_norm(params["embed"][next_tokens], p["enorm"], cfg.rms_norm_eps)
   h = rms_norm(hidden, p["hnorm"], cfg.rms_norm_eps)
   x = jnp.concatenate([emb, h.astype(emb.dtype)], axis=-1) @ p["eh_proj"]
