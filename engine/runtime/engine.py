@@ -1,0 +1,423 @@
+"""The serving engine: a stream of requests in, incremental outputs out.
+
+    eng = Engine.from_model(engine.load("checkpoints/demo/target"), EngineConfig())
+    eng.warmup()                                   # compiles every shape bucket, once
+    rid = eng.add_request("def f(x):", SamplingParams(), StopParams(max_tokens=32))
+    while eng.has_unfinished():
+      for out in eng.step():                       # RequestOutput: new ids, text delta, reason
+        ...
+    eng.abort(rid)                                 # any time; its pages return at once
+
+Each `step` asks the scheduler for work, runs one jitted program on the device (`model_step`
+for prefill chunks mixed with decodes, or `decode_loop` for several decode iterations when the
+batch is stable), then does the host-side part: append tokens, check stops (token ids on the
+device, stop strings here after detokenisation), publish full pages to the prefix cache, and
+emit deltas. `add_request` and `abort` may be called from other threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from engine.model.cache import cache_bytes_per_token, init_cache
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.runtime import steps
+from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
+from engine.runtime.page_pool import NULL_PAGE, PagePool
+from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request,
+                                    RequestOutput, StopParams, stop_ids_for)
+from engine.runtime.sampling import SamplingArrays, SamplingParams
+from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
+
+MAX_STOP_IDS = 16  # stop token ids per request (EOS included): a static shape of decode_loop
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  page_size: int = 16
+  num_pages: int | None = None  # default: kv_cache_memory_fraction on GPU, else enough for all
+  kv_cache_memory_fraction: float = 0.85  # of the device memory left after the weights
+  max_num_seqs: int = 16
+  max_num_batched_tokens: int = 256
+  max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
+  enable_prefix_cache: bool = True
+  row_widths: tuple[int, ...] = DEFAULT_ROW_WIDTHS
+  max_decode_steps: int = 16  # most decode iterations per device loop (1 disables the loop)
+  cache_dtype: Any = None  # default: the parameters' dtype
+  compilation_cache_dir: str | None = None  # JAX's persistent cache: restarts do not recompile
+  traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
+  kernels: KernelChoice = REFERENCE
+
+
+def enable_compilation_cache(path: str) -> None:
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Engine:
+  """Continuous-batching engine over one model replica."""
+
+  def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig = EngineConfig(),
+               tokenizer: Any = None, eos_token_ids: Sequence[int] = ()):
+    self.cfg, self.params, self.config = cfg, params, config
+    self.tokenizer = tokenizer
+    self.eos_token_ids = tuple(eos_token_ids)
+    if config.compilation_cache_dir:
+      enable_compilation_cache(config.compilation_cache_dir)
+    max_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
+    if max_len > cfg.max_position_embeddings:
+      raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                       f"({cfg.max_position_embeddings})")
+    self.sched_config = SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                        max_num_batched_tokens=config.max_num_batched_tokens,
+                                        max_model_len=max_len)
+    self.max_pages_per_seq = -(-max_len // config.page_size)
+    dtype = config.cache_dtype or params["embed"].dtype
+    num_pages = config.num_pages or self._default_num_pages(dtype)
+    self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
+    self.scheduler = Scheduler(self.sched_config, self.pool)
+    self.cache = init_cache(cfg, num_pages, config.page_size, dtype)
+    devices = jax.tree.leaves(params)[0].sharding.device_set
+    if len(devices) == 1:
+      # Commit the cache where the weights are: jit outputs are committed when an input is,
+      # and a cache whose commitment changes after the first step would compile twice.
+      self.cache = jax.device_put(self.cache, next(iter(devices)))
+    self.traffic = TrafficStats()
+    self.buckets = derive_buckets(self.sched_config, config.row_widths,
+                                  TrafficStats.load(config.traffic_stats_path))
+    self.requests: dict[str, Request] = {}
+    self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
+    self._lock = threading.RLock()
+    self._order = itertools.count()
+    self._decode_steps = 1
+    self._last_batch: tuple[str, ...] = ()
+    self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
+                         finished_stop=0, finished_length=0, finished_abort=0)
+
+  @staticmethod
+  def from_model(model: Any, config: EngineConfig = EngineConfig()) -> "Engine":
+    """From an `engine.load` result."""
+    return Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
+                  if config.kernels == REFERENCE else config, model.tokenizer,
+                  model.eos_token_ids)
+
+  def _default_num_pages(self, dtype: Any) -> int:
+    page_bytes = cache_bytes_per_token(self.cfg, dtype) * self.config.page_size
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+      free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+      return max(2, int(free * self.config.kv_cache_memory_fraction) // page_bytes)
+    # No memory statistics (CPU): room for every sequence at full length, plus the null page.
+    return self.sched_config.max_num_seqs * self.max_pages_per_seq + 1
+
+  # ---- requests ------------------------------------------------------------------------------
+
+  def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+                  stop: StopParams = StopParams(), request_id: str | None = None) -> str:
+    """Queues a request; raises ValueError naming the offending field on bad input."""
+    ids = self._encode(prompt)
+    sampling.validate()
+    stop.validate()
+    stop_ids = stop_ids_for(stop, self.eos_token_ids)
+    if len(stop_ids) > MAX_STOP_IDS:
+      raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS - len(self.eos_token_ids)} "
+                       f"allowed, got {len(stop.stop_token_ids)}")
+    bad = [t for t in stop.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
+    if bad:
+      raise ValueError(f"stop_token_ids: {bad[0]} outside the vocabulary [0, "
+                       f"{self.cfg.vocab_size})")
+    limit = self.sched_config.max_model_len
+    if len(ids) >= limit:
+      raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
+                       f"max_model_len {limit}")
+    need = pages_for(min(len(ids) + stop.max_tokens, limit), self.config.page_size)
+    if need > self.pool.num_pages - 1:
+      raise ValueError(f"max_tokens: prompt + max_tokens needs {need} cache pages, the pool "
+                       f"has {self.pool.num_pages - 1}")
+    with self._lock:
+      rid = request_id if request_id is not None else f"req-{next(self._order)}"
+      if rid in self.requests:
+        raise ValueError(f"request_id: {rid!r} is already in use")
+      req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
+                    stop_ids=stop_ids, arrival_order=next(self._order))
+      self.requests[rid] = req
+      self.scheduler.add(req)
+      self.counters["prompt_tokens"] += len(ids)
+    return rid
+
+  def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    if isinstance(prompt, str):
+      if self.tokenizer is None:
+        raise ValueError("prompt: this model has no tokenizer; pass token ids")
+      ids = list(self.tokenizer.encode(prompt).ids)
+    else:
+      ids = [int(t) for t in prompt]
+      bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+      if bad:
+        raise ValueError(f"prompt: token id {bad[0]} outside the vocabulary [0, "
+                         f"{self.cfg.vocab_size})")
+    if not ids:
+      raise ValueError("prompt: must contain at least one token")
+    return ids
+
+  def abort(self, request_id: str) -> bool:
+    """Ends a request now; its pages return to the pool. False if unknown or already done."""
+    with self._lock:
+      req = self.requests.get(request_id)
+      if req is None or req.finished:
+        return False
+      self._finish(req, FINISH_ABORT)
+      self._pending.append(self._output(req, []))
+      return True
+
+  def has_unfinished(self) -> bool:
+    with self._lock:
+      return self.scheduler.has_work() or bool(self._pending)
+
+  def release(self, request_id: str) -> None:
+    """Forgets a finished request (the engine keeps them until told, for late lookups)."""
+    with self._lock:
+      req = self.requests.get(request_id)
+      if req is not None and req.finished:
+        del self.requests[request_id]
+
+  # ---- the step ------------------------------------------------------------------------------
+
+  def step(self) -> list[RequestOutput]:
+    """Runs one scheduled step; returns an update for every request that changed."""
+    with self._lock:
+      outputs, self._pending = self._pending, []
+      plan = self.scheduler.schedule(self._next_decode_steps())
+      if not plan.segments:
+        return outputs
+      now = time.monotonic()
+      for seg in plan.segments:
+        if seg.request.timings.first_scheduled is None:
+          seg.request.timings.first_scheduled = now
+      sent = {seg.request.request_id: len(seg.request.output_ids) for seg in plan.segments}
+      if plan.decode_only:
+        self._run_decode_loop(plan)
+      else:
+        self._run_model_step(plan)
+      self.counters["steps"] += 1
+      for seg in plan.segments:
+        req = seg.request
+        new = req.output_ids[sent[req.request_id]:]
+        if new or req.finished:
+          outputs.append(self._output(req, new))
+      return outputs
+
+  def _next_decode_steps(self) -> int:
+    """Adaptive loop length: 1 after the batch changes, doubling while it stays the same."""
+    batch = tuple(r.request_id for r in self.scheduler.running)
+    if batch != self._last_batch or self.scheduler.waiting:
+      self._decode_steps = 1
+    else:
+      self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
+    self._last_batch = batch
+    return self._decode_steps
+
+  def _page_table_row(self, req: Request) -> np.ndarray:
+    row = np.full((self.max_pages_per_seq,), NULL_PAGE, np.int32)
+    row[:len(req.pages)] = req.pages
+    return row
+
+  @staticmethod
+  def _sampling_arrays(reqs: Sequence[Request | None]) -> SamplingArrays:
+    default = SamplingParams()
+    ps = [r.sampling if r is not None else default for r in reqs]
+    return SamplingArrays(
+        temperature=np.asarray([p.temperature for p in ps], np.float32),
+        top_k=np.asarray([p.top_k for p in ps], np.int32),
+        top_p=np.asarray([p.top_p for p in ps], np.float32),
+        min_p=np.asarray([p.min_p for p in ps], np.float32),
+        seed=np.asarray([p.seed for p in ps], np.uint32))
+
+  def _run_model_step(self, plan: SchedulerOutput) -> None:
+    b, w = self.buckets.pack([s.num_tokens for s in plan.segments])
+    self.traffic.record_mixed([s.num_tokens for s in plan.segments])
+    tokens = np.zeros((b, w), np.int32)
+    start = np.zeros((b,), np.int32)
+    n_new = np.zeros((b,), np.int32)
+    table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
+    row_req: list[Request | None] = [None] * b
+    sampling_rows = []
+    r = 0
+    for seg in plan.segments:
+      ids = seg.request.all_ids[seg.start:seg.start + seg.num_tokens]
+      table_row = self._page_table_row(seg.request)
+      for off in range(0, seg.num_tokens, w):
+        chunk = ids[off:off + w]
+        tokens[r, :len(chunk)] = chunk
+        start[r], n_new[r], table[r] = seg.start + off, len(chunk), table_row
+        row_req[r] = seg.request
+        r += 1
+      sampling_rows.append(r - 1 if seg.samples else None)
+    sampled, self.cache = steps.model_step(
+        self.params, self.cache, tokens, start, n_new, table, self._sampling_arrays(row_req),
+        cfg=self.cfg, impl=self.config.kernels)
+    sampled = np.asarray(jax.device_get(sampled))
+    for seg, row in zip(plan.segments, sampling_rows):
+      self._advance(seg.request, seg.start + seg.num_tokens,
+                    [int(sampled[row])] if row is not None else [])
+
+  def _run_decode_loop(self, plan: SchedulerOutput) -> None:
+    reqs = [s.request for s in plan.segments]
+    b = self.buckets.decode_rows(len(reqs))
+    self.traffic.record_decode(len(reqs))
+    self.counters["decode_loops"] += 1
+    tokens = np.zeros((b,), np.int32)
+    n_cached = np.zeros((b,), np.int32)
+    table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
+    stop_ids = np.full((b, MAX_STOP_IDS), -1, np.int32)
+    remaining = np.zeros((b,), np.int32)
+    min_before = np.zeros((b,), np.int32)
+    for i, req in enumerate(reqs):
+      tokens[i], n_cached[i], table[i] = req.output_ids[-1], req.num_computed, \
+          self._page_table_row(req)
+      stop_ids[i, :len(req.stop_ids)] = req.stop_ids
+      remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
+      min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
+    out, counts, _, self.cache = steps.decode_loop(
+        self.params, self.cache, tokens, n_cached, table,
+        self._sampling_arrays(reqs + [None] * (b - len(reqs))), stop_ids, remaining, min_before,
+        np.int32(plan.num_steps), max_steps=self.config.max_decode_steps, cfg=self.cfg,
+        impl=self.config.kernels)
+    out, counts = jax.device_get((out, counts))
+    for i, req in enumerate(reqs):
+      n = int(counts[i])
+      self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]])
+
+  # ---- host-side token handling --------------------------------------------------------------
+
+  def _advance(self, req: Request, num_computed: int, new_ids: list[int]) -> None:
+    """Records a step's result: new tokens, cache progress (full pages join the prefix cache,
+    also when the request ends here), then the finish if a stop rule fired."""
+    reason = self._append(req, new_ids)
+    self.scheduler.record_computed(req, num_computed)
+    if reason is not None:
+      self._finish(req, reason)
+
+  def _append(self, req: Request, new_ids: list[int]) -> str | None:
+    """Appends sampled tokens, applying the stop rules in order; returns the finish reason if
+    one fired. Tokens after a stop are dropped (the device loop may run past a stop string)."""
+    for tok in new_ids:
+      if req.timings.first_token is None:
+        req.timings.first_token = time.monotonic()
+      req.output_ids.append(tok)
+      self.counters["generation_tokens"] += 1
+      n = len(req.output_ids)
+      if tok in req.stop_ids and n >= req.stop.min_tokens:
+        return FINISH_STOP
+      if self._stop_string_hit(req):
+        return FINISH_STOP
+      if n >= req.stop.max_tokens or req.num_tokens >= self.sched_config.max_model_len:
+        return FINISH_LENGTH
+    return None
+
+  def _stop_string_hit(self, req: Request) -> bool:
+    if self.tokenizer is None:
+      return False
+    text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+    req.text = text
+    if not req.stop.stop or len(req.output_ids) < req.stop.min_tokens:
+      return False
+    longest = max(len(s) for s in req.stop.stop)
+    window_start = max(0, req.num_sent_chars - longest)
+    hits = [(text.find(s, window_start), s) for s in req.stop.stop]
+    hits = [(i, s) for i, s in hits if i >= 0]
+    if not hits:
+      return False
+    i, s = min(hits)
+    req.text = text[:i + len(s)] if req.stop.include_stop_str_in_output else text[:i]
+    return True
+
+  def _finish(self, req: Request, reason: str) -> None:
+    self.scheduler.finish(req, reason)
+    req.timings.finished = time.monotonic()
+    self.counters[f"finished_{reason}"] += 1
+
+  def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+    """The delta since the last output. Text is held back while it may still change: an
+    incomplete UTF-8 sequence, or a possible prefix of a stop string."""
+    text = req.text
+    if not req.finished:
+      if text.endswith("\ufffd"):
+        text = text.rstrip("\ufffd")
+      if req.stop.stop:
+        text = text[:max(req.num_sent_chars, len(text) - max(len(s) for s in req.stop.stop) + 1)]
+    delta = text[req.num_sent_chars:] if len(text) > req.num_sent_chars else ""
+    req.num_sent_chars += len(delta)
+    return RequestOutput(request_id=req.request_id, new_token_ids=list(new_ids),
+                         text_delta=delta, finished=req.finished,
+                         finish_reason=req.finish_reason, usage=req.usage(),
+                         timings=req.timings)
+
+  # ---- conveniences --------------------------------------------------------------------------
+
+  def run(self) -> Iterator[RequestOutput]:
+    """Steps until no work is left, yielding every update."""
+    while self.has_unfinished():
+      yield from self.step()
+
+  def generate(self, prompts: Sequence[str | Sequence[int]],
+               sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+               stop: StopParams | Sequence[StopParams] = StopParams()) -> list[Request]:
+    """Runs a batch of prompts to completion through the scheduler; returns finished requests."""
+    n = len(prompts)
+    samp = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+    stops = [stop] * n if isinstance(stop, StopParams) else list(stop)
+    ids = [self.add_request(p, s, t) for p, s, t in zip(prompts, samp, stops)]
+    for _ in self.run():
+      pass
+    return [self.requests[i] for i in ids]
+
+  def warmup(self, progress=None) -> int:
+    """Compiles every bucket (mixed shapes, then decode-loop batch sizes); returns the count.
+
+    `progress(done, total, what)` is called after each program.
+    """
+    shapes = [("step", b, w) for b, w in self.buckets.mixed_shapes()]
+    shapes += [("decode", b, 1) for b in self.buckets.decode]
+    with self._lock:
+      for i, (kind, b, w) in enumerate(shapes):
+        table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
+        zeros = np.zeros((b,), np.int32)
+        samp = self._sampling_arrays([None] * b)
+        if kind == "step":
+          _, self.cache = steps.model_step(
+              self.params, self.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
+              cfg=self.cfg, impl=self.config.kernels)
+        else:
+          _, _, _, self.cache = steps.decode_loop(
+              self.params, self.cache, zeros, zeros, table, samp,
+              np.full((b, MAX_STOP_IDS), -1, np.int32), zeros, zeros, np.int32(1),
+              max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=self.config.kernels)
+        if progress is not None:
+          progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
+      jax.block_until_ready(self.cache)
+    return len(shapes)
+
+  def save_traffic_stats(self) -> None:
+    if self.config.traffic_stats_path:
+      self.traffic.save(self.config.traffic_stats_path)
+
+  def stats(self) -> dict[str, Any]:
+    """Gauges and counters for metrics endpoints."""
+    with self._lock:
+      pool = self.pool.stats()
+      return dict(self.counters, num_requests_running=len(self.scheduler.running),
+                  num_requests_waiting=len(self.scheduler.waiting),
+                  kv_cache_usage_perc=pool.usage, prefix_cache_queries=pool.prefix_queries,
+                  prefix_cache_hits=pool.prefix_hits,
+                  num_preemptions=self.scheduler.num_preemptions)

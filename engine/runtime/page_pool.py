@@ -1,0 +1,163 @@
+"""Host-side bookkeeping for the paged KV cache: free list, reference counts, prefix cache.
+
+The device holds one page pool per layer (`engine.model.cache`); this class decides which page
+ids each sequence owns. Page 0 is reserved as the null page: unused page-table entries point at
+it, nothing is ever written there (padding writes are dropped) and reads of it are masked.
+
+Prefix cache (vLLM's hash-chain design): a *full* page of tokens gets a key
+`hash((parent_key, tokens of the page))`, so a key names the whole prefix up to the end of that
+page. `cache_page` records key -> page once the page's tokens are computed; `match_prefix` walks
+a new sequence's full pages and takes a reference on every page whose key is known, so a
+follow-up turn computes only its new tokens. A page whose reference count drops to zero goes to
+the free queue but keeps its key (and contents) until the allocator reuses it: pages without a
+key are reused first, then keyed pages in least-recently-freed order (LRU eviction).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Hashable, Sequence
+
+NULL_PAGE = 0
+
+
+class OutOfPages(Exception):
+  """Raised by `allocate` when the pool cannot supply the pages asked for."""
+
+
+def page_keys(tokens: Sequence[int], page_size: int, salt: Hashable = None) -> list[int]:
+  """Prefix keys of every full page of `tokens` (a key covers all tokens up to its page end).
+
+  `salt` separates key spaces (e.g. different models or LoRA adapters sharing a pool).
+  """
+  keys = []
+  parent: Hashable = ("moejax-prefix", salt)
+  for i in range(len(tokens) // page_size):
+    parent = hash((parent, tuple(tokens[i * page_size:(i + 1) * page_size])))
+    keys.append(parent)
+  return keys
+
+
+@dataclasses.dataclass
+class PoolStats:
+  num_pages: int  # usable pages (the null page excluded)
+  free: int  # allocatable now (unreferenced, with or without a prefix key)
+  cached: int  # pages holding a prefix key (referenced or not)
+  prefix_queries: int  # full pages looked up
+  prefix_hits: int  # of which served from the cache
+
+  @property
+  def usage(self) -> float:
+    return 1.0 - self.free / max(self.num_pages, 1)
+
+
+class PagePool:
+  """Reference-counted page allocator with an LRU prefix cache over full pages."""
+
+  def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool = True):
+    if num_pages < 2:
+      raise ValueError(f"need at least 2 pages (one is the reserved null page), got {num_pages}")
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self.enable_prefix_cache = enable_prefix_cache
+    self._refs = [0] * num_pages
+    self._key_of: dict[int, int] = {}  # page -> prefix key
+    self._page_of: dict[int, int] = {}  # prefix key -> page
+    # Unreferenced pages in reuse order: front is reused next.
+    self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
+        (p, None) for p in range(1, num_pages))
+    self.prefix_queries = 0
+    self.prefix_hits = 0
+
+  # ---- allocation ----------------------------------------------------------------------------
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  def allocate(self, n: int) -> list[int]:
+    """Takes `n` pages (reference count 1 each), evicting unreferenced cached pages LRU-first.
+
+    All or nothing: raises `OutOfPages` and changes nothing when fewer than `n` are free.
+    """
+    if n > len(self._free):
+      raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+    pages = []
+    for _ in range(n):
+      page, _ = self._free.popitem(last=False)
+      key = self._key_of.pop(page, None)
+      if key is not None:
+        del self._page_of[key]
+      self._refs[page] = 1
+      pages.append(page)
+    return pages
+
+  def release(self, pages: Sequence[int]) -> None:
+    """Drops one reference from each page; pages reaching zero become reusable.
+
+    Pages are released last-first, so that a sequence's tail (the least shareable part of its
+    prefix) is evicted before its head.
+    """
+    for page in reversed(pages):
+      if page == NULL_PAGE:
+        continue
+      if self._refs[page] <= 0:
+        raise RuntimeError(f"page {page} released more often than taken")
+      self._refs[page] -= 1
+      if self._refs[page] == 0:
+        self._free[page] = None
+        if page not in self._key_of:  # nothing worth keeping: reuse it first
+          self._free.move_to_end(page, last=False)
+
+  def ref_count(self, page: int) -> int:
+    return self._refs[page]
+
+  # ---- prefix cache --------------------------------------------------------------------------
+
+  def match_prefix(self, keys: Sequence[int]) -> list[int]:
+    """Pages holding the longest cached run of `keys` from the start; takes a reference on each."""
+    if not self.enable_prefix_cache:
+      return []
+    pages = []
+    for key in keys:
+      page = self._page_of.get(key)
+      if page is None:
+        break
+      pages.append(page)
+    self.prefix_queries += len(keys)
+    self.prefix_hits += len(pages)
+    for page in pages:
+      if self._refs[page] == 0:
+        del self._free[page]
+      self._refs[page] += 1
+    return pages
+
+  def cache_page(self, page: int, key: int) -> None:
+    """Records that `page` (referenced, fully computed) holds the prefix named by `key`."""
+    if not self.enable_prefix_cache or page in self._key_of or key in self._page_of:
+      return  # already cached here, or another page already serves this prefix
+    if self._refs[page] <= 0:
+      raise RuntimeError(f"page {page} is not referenced; cannot cache it")
+    self._key_of[page] = key
+    self._page_of[key] = page
+
+  def reset_prefix_cache(self) -> None:
+    """Forgets every prefix key (e.g. after the weights change)."""
+    self._key_of.clear()
+    self._page_of.clear()
+
+  def stats(self) -> PoolStats:
+    return PoolStats(num_pages=self.num_pages - 1, free=len(self._free),
+                     cached=len(self._key_of), prefix_queries=self.prefix_queries,
+                     prefix_hits=self.prefix_hits)
+
+  def check_invariants(self) -> None:
+    """Asserts the bookkeeping is consistent (used by tests and debug builds)."""
+    assert self._refs[NULL_PAGE] == 0 and NULL_PAGE not in self._free
+    for page in range(1, self.num_pages):
+      assert self._refs[page] >= 0
+      assert (self._refs[page] == 0) == (page in self._free), page
+    for page, key in self._key_of.items():
+      assert self._page_of[key] == page
+    assert len(self._page_of) == len(self._key_of)

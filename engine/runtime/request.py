@@ -1,0 +1,138 @@
+"""A request's state as the scheduler and engine see it, and what the engine reports back.
+
+Following vLLM V1, a request is described by two counters: `num_tokens` (known tokens: prompt
+plus outputs so far) and `num_computed` (tokens whose KV entries are in the cache). One rule
+then covers everything: each step schedules up to `num_tokens - num_computed` tokens; a prefill
+chunk, a decode token and a recompute after preemption differ only in that difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Sequence
+
+from engine.runtime.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  FINISHED = "finished"
+
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class StopParams:
+  """When a request ends. `max_tokens` counts generated tokens."""
+  max_tokens: int = 64
+  min_tokens: int = 0  # stop ids / strings are not honoured before this many tokens
+  stop_token_ids: tuple[int, ...] = ()
+  stop: tuple[str, ...] = ()  # stop strings, matched on the detokenised text
+  ignore_eos: bool = False
+  include_stop_str_in_output: bool = False
+
+  def validate(self) -> None:
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+    if not 0 <= self.min_tokens <= self.max_tokens:
+      raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+    if any(not s for s in self.stop):
+      raise ValueError("stop strings must be non-empty")
+
+
+@dataclasses.dataclass
+class Timings:
+  """Wall-clock timestamps (time.monotonic) of a request's life."""
+  arrival: float = 0.0
+  first_scheduled: float | None = None
+  first_token: float | None = None
+  finished: float | None = None
+
+  @property
+  def queue_s(self) -> float | None:
+    return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+  @property
+  def ttft_s(self) -> float | None:
+    return None if self.first_token is None else self.first_token - self.arrival
+
+  @property
+  def e2e_s(self) -> float | None:
+    return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclasses.dataclass
+class Usage:
+  prompt_tokens: int
+  cached_tokens: int  # prompt tokens served from the prefix cache at admission
+  completion_tokens: int
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request and its progress."""
+  request_id: str
+  prompt_ids: list[int]
+  sampling: SamplingParams
+  stop: StopParams
+  stop_ids: tuple[int, ...]  # token ids that end the request (stop ids + EOS unless ignored)
+  arrival_order: int
+  output_ids: list[int] = dataclasses.field(default_factory=list)
+  status: Status = Status.WAITING
+  num_computed: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list)
+  page_keys: list[int] = dataclasses.field(default_factory=list)  # keys of full known pages
+  num_cached_pages: int = 0  # leading pages already registered in the prefix cache
+  cached_tokens: int | None = None
+  num_preemptions: int = 0
+  finish_reason: str | None = None
+  timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))
+  # Host-side detokenisation state (engine-owned).
+  text: str = ""
+  num_sent_ids: int = 0
+  num_sent_chars: int = 0
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_ids) + len(self.output_ids)
+
+  @property
+  def all_ids(self) -> list[int]:
+    return self.prompt_ids + self.output_ids
+
+  @property
+  def num_uncomputed(self) -> int:
+    return self.num_tokens - self.num_computed
+
+  @property
+  def is_decoding(self) -> bool:
+    """Only the newest sampled token is missing from the cache."""
+    return bool(self.output_ids) and self.num_uncomputed == 1
+
+  @property
+  def finished(self) -> bool:
+    return self.status is Status.FINISHED
+
+  def usage(self) -> Usage:
+    return Usage(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens or 0,
+                 completion_tokens=len(self.output_ids))
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """An incremental update for one request (what a stream yields)."""
+  request_id: str
+  new_token_ids: list[int]
+  text_delta: str
+  finished: bool
+  finish_reason: str | None  # "stop", "length", "abort" once finished
+  usage: Usage
+  timings: Timings
+
+
+def stop_ids_for(stop: StopParams, eos_ids: Sequence[int]) -> tuple[int, ...]:
+  return tuple(stop.stop_token_ids) + (() if stop.ignore_eos else tuple(eos_ids))

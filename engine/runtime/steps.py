@@ -1,0 +1,95 @@
+"""The two jitted programs the serving engine runs; both donate the cache.
+
+* `model_step`: one forward over a packed block of rows `[B, W]` and one sampled token per
+  row. A row is a run of up to W consecutive tokens of one request, so a long prefill chunk
+  spans several rows and decode tokens sit one per row. Rows of the same request in one step
+  are consistent because every layer writes the whole block's cache entries before any row
+  attends (a later row sees the earlier rows' tokens).
+* `decode_loop`: up to `num_steps` decode iterations in one `lax.while_loop` for rows that only
+  decode, with EOS/stop ids and length limits checked on the device; finished and padding rows
+  write nothing. `num_steps` is a traced scalar, so changing it never recompiles.
+
+Sampling randomness is keyed by (request seed, position of the sampled token) in both, which is
+what makes a request's output independent of its batch, its chunking and preemption.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.model.transformer import Cache, compute_logits, forward
+from engine.runtime.sampling import SamplingArrays, sample
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+               n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays, *,
+               cfg: ModelConfig, impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+  """Forward over packed rows and sample after each row's last real token.
+
+  Args:
+    tokens: [B, W] int32; row b holds tokens at positions start[b] .. start[b] + n_new[b] - 1.
+    start, n_new: [B] int32 (n_new 0 for a padding row).
+    page_table: [B, max_pages] int32, the owning request's pages.
+    sampling: [B] per-row sampling parameters.
+  Returns:
+    ([B] int32 token sampled at position start + n_new (meaningful where the row ends its
+    request's known tokens), cache).
+  """
+  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
+  last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
+  logits = compute_logits(params, last, cfg)
+  return sample(logits, sampling, start + n_new), cache
+
+
+@functools.partial(jax.jit, static_argnames=("max_steps", "cfg", "impl"),
+                   donate_argnames=("cache",))
+def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.Array,
+                page_table: jax.Array, sampling: SamplingArrays, stop_ids: jax.Array,
+                remaining: jax.Array, min_before_stop: jax.Array, num_steps: jax.Array, *,
+                max_steps: int, cfg: ModelConfig, impl: KernelChoice = REFERENCE
+                ) -> tuple[jax.Array, jax.Array, jax.Array, Cache]:
+  """Runs up to `num_steps` (<= max_steps) decode iterations on the device.
+
+  Args:
+    tokens: [B] each row's newest token, not yet in the cache (at position n_cached).
+    n_cached: [B] tokens in the cache per row.
+    stop_ids: [B, S] ids that end a row (padded with -1).
+    remaining: [B] tokens the row may still generate (0 for padding rows).
+    min_before_stop: [B] stop ids are ignored until the row has generated this many more tokens.
+    num_steps: int32 scalar.
+  Returns:
+    (out [B, max_steps] new tokens (-1 past each row's count), counts [B],
+     stopped [B] bool (the last token is a stop id), cache).
+  """
+  b = tokens.shape[0]
+  cols = jnp.arange(max_steps, dtype=jnp.int32)[None, :]
+  limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
+
+  def step(state):
+    cache, tok, n_cached, done, count, out, stopped = state
+    live = (~done).astype(jnp.int32)
+    hidden, cache = forward(params, cache, tok[:, None], n_cached, live, page_table, cfg=cfg,
+                            impl=impl)
+    n_cached = n_cached + live
+    logits = compute_logits(params, hidden[:, 0], cfg)
+    new = sample(logits, sampling, n_cached)
+    out = jnp.where((cols == count[:, None]) & ~done[:, None], new[:, None], out)
+    count = count + live
+    hit = (jnp.any(new[:, None] == stop_ids, axis=-1) & (count >= min_before_stop) & ~done)
+    stopped = stopped | hit
+    done = done | hit | (count >= limit)
+    return cache, jnp.where(live > 0, new, tok), n_cached, done, count, out, stopped
+
+  zeros = jnp.zeros((b,), jnp.int32)
+  state = (cache, tokens, n_cached, limit <= 0, zeros, jnp.full((b, max_steps), -1, jnp.int32),
+           jnp.zeros((b,), bool))
+  state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), step, state)
+  cache, _, _, _, count, out, stopped = state
+  return out, count, stopped, cache

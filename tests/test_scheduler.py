@@ -1,0 +1,139 @@
+"""Page pool, prefix cache and scheduler bookkeeping (host only, no model)."""
+
+import random
+
+import pytest
+
+from engine.runtime.buckets import TrafficStats, derive_buckets
+from engine.runtime.page_pool import NULL_PAGE, OutOfPages, PagePool, page_keys
+from engine.runtime.request import Request, Status, StopParams
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+def make_request(rid, prompt, max_tokens=8, order=0):
+  return Request(request_id=rid, prompt_ids=list(prompt), sampling=SamplingParams(),
+                 stop=StopParams(max_tokens=max_tokens), stop_ids=(), arrival_order=order)
+
+
+def test_pool_refcounts_and_lru_eviction():
+  pool = PagePool(6, page_size=4)
+  a = pool.allocate(3)
+  assert NULL_PAGE not in a and len(set(a)) == 3 and pool.num_free == 2
+  with pytest.raises(OutOfPages):
+    pool.allocate(3)
+  assert pool.num_free == 2  # all or nothing
+  keys = page_keys(list(range(12)), 4)
+  for p, k in zip(a, keys):
+    pool.cache_page(p, k)
+  pool.release(a)
+  assert pool.num_free == 5 and pool.stats().cached == 3
+  # A second sequence with the same first 8 tokens shares two pages.
+  hit = pool.match_prefix(page_keys(list(range(8)) + [99, 98, 97, 96], 4))
+  assert hit == a[:2] and all(pool.ref_count(p) == 1 for p in hit)
+  # Under pressure the uncached pages go first, then the least recently freed cached page.
+  got = pool.allocate(3)
+  assert a[2] in got and pool.stats().cached == 2
+  pool.check_invariants()
+  pool.release(got + hit)
+  pool.check_invariants()
+  assert pool.num_free == 5
+  with pytest.raises(RuntimeError):
+    pool.release([got[0]])
+
+
+def test_page_keys_chain_over_the_prefix():
+  a = page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
+  b = page_keys([9, 2, 3, 4, 5, 6, 7, 8], 4)
+  assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # same page tokens, different prefix
+  assert page_keys([1, 2, 3, 4, 5], 4) == a[:1]
+  assert page_keys([1, 2, 3, 4], 4, salt="other") != a[:1]
+
+
+def test_scheduler_chunks_prefill_within_the_budget():
+  pool = PagePool(64, page_size=4)
+  s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64),
+                pool)
+  long, short = make_request("long", range(23)), make_request("short", range(3))
+  s.add(long)
+  s.add(short)
+  plan = s.schedule()
+  assert [(g.request.request_id, g.start, g.num_tokens) for g in plan.segments] == [
+      ("long", 0, 10)]
+  s.record_computed(long, 10)
+  plan = s.schedule()
+  assert [(g.request.request_id, g.start, g.num_tokens) for g in plan.segments] == [
+      ("long", 10, 10)]
+  s.record_computed(long, 20)
+  plan = s.schedule()  # the rest of the long prompt shares the step with the short one
+  assert [(g.request.request_id, g.num_tokens, g.samples) for g in plan.segments] == [
+      ("long", 3, True), ("short", 3, True)]
+
+
+def test_random_workload_keeps_pages_accounted():
+  """Adds, aborts, finishes and preemptions in random order: every page comes back."""
+  rng = random.Random(0)
+  pool = PagePool(24, page_size=4)
+  s = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=16, max_model_len=48),
+                pool)
+  live = []
+  shared = [rng.randrange(100) for _ in range(12)]
+  for step in range(400):
+    if rng.random() < 0.3:
+      prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(100)
+                                                         for _ in range(rng.randrange(1, 20))]
+      r = make_request(f"r{step}", prompt, max_tokens=rng.randrange(1, 12), order=step)
+      s.add(r)
+      live.append(r)
+    if live and rng.random() < 0.05:
+      s.finish(live.pop(rng.randrange(len(live))), "abort")
+    plan = s.schedule(max_decode_steps=rng.choice([1, 4]))
+    for seg in plan.segments:
+      req = seg.request
+      assert req.status is Status.RUNNING and len(req.pages) * 4 >= seg.start + seg.num_tokens
+      # Pages a request writes are never shared (writes go past its cached prefix).
+      first = seg.start // 4
+      assert all(pool.ref_count(p) == 1 for p in req.pages[first:])
+      steps = plan.num_steps if plan.decode_only else 1
+      if seg.samples:
+        for _ in range(steps):
+          req.output_ids.append(rng.randrange(100))
+          if len(req.output_ids) >= req.stop.max_tokens:
+            break
+        s.record_computed(req, req.num_tokens - 1)
+        if len(req.output_ids) >= req.stop.max_tokens:
+          s.finish(req, "length")
+          live.remove(req)
+      else:
+        s.record_computed(req, seg.start + seg.num_tokens)
+    pool.check_invariants()
+    held = {p for r in s.running for p in r.pages}
+    assert sum(len(r.pages) for r in s.waiting) == 0  # waiting requests hold nothing
+    assert all(pool.ref_count(p) >= 1 for p in held)
+  for r in list(live):
+    s.finish(r, "abort")
+  pool.check_invariants()
+  assert pool.num_free == 23 and s.num_preemptions > 0 and pool.prefix_hits > 0
+
+
+def test_buckets_cover_every_step_and_follow_traffic():
+  cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+  b = derive_buckets(cfg, row_widths=(16, 64))
+  assert b.decode == (1, 2, 4, 8)
+  assert b.pack([1] * 8) == (8, 16) and b.pack([64]) == (1, 64)
+  assert b.pack([1, 1, 1, 40]) == (8, 16)
+  rng = random.Random(1)
+  for _ in range(200):  # any schedule the budget allows fits a compiled shape
+    lengths, left = [], 64
+    while left and len(lengths) < 8:
+      n = rng.randint(1, left)
+      lengths.append(n)
+      left -= n
+    b.pack(lengths)
+  stats = TrafficStats()
+  stats.record_mixed([30, 31, 29, 30, 1])
+  for rows in [3, 3, 3, 5, 6, 6]:
+    stats.record_decode(rows)
+  tuned = derive_buckets(cfg, row_widths=(16, 64), stats=stats)
+  assert 32 in [w for w, _ in tuned.mixed]  # 30-token chunks fit one row
+  assert 3 in tuned.decode and 6 in tuned.decode and tuned.decode[-1] == 8
