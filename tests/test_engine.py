@@ -237,3 +237,21 @@ def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   assert_pool_full(e)
   counter.__exit__()
   assert counter.count == 0
+
+
+def test_persistent_compilation_cache_survives_a_restart(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  child = os.path.join(os.path.dirname(__file__), "compile_cache_child.py")
+
+  def run():
+    out = subprocess.run([sys.executable, child, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+  first, second = run(), run()
+  assert first["compiled"] >= first["programs"] > 0
+  assert second["obtained"] >= second["programs"] and second["compiled"] == 0
+  assert second["output"] == first["output"]

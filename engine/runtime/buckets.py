@@ -179,7 +179,12 @@ class TrafficStats:
 
 
 class CompileCounter:
-  """Counts XLA backend compilations in this process (all threads) while active."""
+  """Counts XLA executables this process obtains (all threads) while active.
+
+  `count`: programs compiled or loaded because the in-memory jit cache missed (what "no
+  compilation after warm-up" is about); `persistent_hits`: of those, loaded from JAX's
+  persistent compilation cache instead of compiled.
+  """
 
   _lock = threading.Lock()
   _active: list["CompileCounter"] = []
@@ -187,18 +192,31 @@ class CompileCounter:
 
   def __init__(self):
     self.count = 0
+    self.persistent_hits = 0
+
+  @property
+  def compiled(self) -> int:
+    return self.count - self.persistent_hits
 
   @classmethod
-  def _listener(cls, event: str, duration: float, **kwargs) -> None:
+  def _on_duration(cls, event: str, duration: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
       with cls._lock:
         for c in cls._active:
           c.count += 1
 
+  @classmethod
+  def _on_event(cls, event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+      with cls._lock:
+        for c in cls._active:
+          c.persistent_hits += 1
+
   def __enter__(self) -> "CompileCounter":
     with CompileCounter._lock:
       if not CompileCounter._registered:
-        jax.monitoring.register_event_duration_secs_listener(CompileCounter._listener)
+        jax.monitoring.register_event_duration_secs_listener(CompileCounter._on_duration)
+        jax.monitoring.register_event_listener(CompileCounter._on_event)
         CompileCounter._registered = True
       CompileCounter._active.append(self)
     return self
