@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from engine.model import kernels
 from engine.model.config import ModelConfig
+from engine.model.expert_parallel import routed_experts
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.rope import apply_rope, rope_cos_sin
@@ -117,8 +118,7 @@ def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice,
     real = ctx.valid.reshape(-1, 1).astype(jnp.int32)
     onehot = (ids[:, :, None] == jnp.arange(cfg.num_experts)[None, None, :]) * real[:, :, None]
     ctx.router_counts.append(jnp.sum(onehot, axis=(0, 1)))
-  e = p["experts"]
-  y = kernels.moe_experts(impl)(xf, weights, ids, e["gate"], e["up"], e["down"])
+  y = routed_experts(impl, xf, weights, ids, p["experts"])
   if "shared" in p:
     s = p["shared"]
     y = y + swiglu_mlp(xf, s["gate"], s["up"], s["down"])

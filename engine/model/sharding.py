@@ -1,0 +1,145 @@
+"""Device meshes and where every parameter and cache page lives on them.
+
+The mesh has three named axes (any may be 1):
+* `data`: independent batch shards (rows of a step are split over it);
+* `expert`, `tensor`: together they form the expert-parallel group: routed experts are split
+  over `expert x tensor` devices (each holds E / (expert * tensor) whole experts), while
+  attention heads, the shared/dense MLPs' inner dimension and the vocabulary are split over
+  `tensor` only (Megatron-style tensor parallelism; XLA inserts the all-reduces).
+
+JAX's SPMD partitioner does the distributed work: parameters carry `NamedSharding`s, the jitted
+forward runs under `jax.set_mesh(mesh)`, and only the MoE layer is written explicitly with
+`shard_map` (`engine.model.expert_parallel`).
+
+The MLA latent cache has no head axis (one 576-wide latent per token serves all heads), so it is
+replicated over `tensor` and `expert`: each device of an EP group holds the whole latent cache
+(for Kimi K2.5, 61 layers x 576 x 2 bytes = 70 KB per token: 9.2 GB per device for 128k tokens).
+GQA K/V pages are split over `tensor` by KV head when the head count divides.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from engine.model.config import ModelConfig
+from engine.model.params import Params, is_shape, path_str
+
+MESH_AXES = ("data", "expert", "tensor")
+EP_AXES = ("expert", "tensor")  # the expert-parallel group
+
+
+def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
+  """'data:1,expert:8,tensor:1' (missing axes are 1) -> {'data': 1, 'expert': 8, 'tensor': 1}."""
+  if isinstance(spec, Mapping):
+    items = dict(spec)
+  else:
+    items = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+      name, _, size = part.partition(":")
+      if not size.isdigit() or int(size) < 1:
+        raise ValueError(f"mesh: {part!r} is not axis:size with size >= 1")
+      items[name.strip()] = int(size)
+  unknown = set(items) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"mesh: unknown axes {sorted(unknown)}; known {list(MESH_AXES)}")
+  return {a: int(items.get(a, 1)) for a in MESH_AXES}
+
+
+def make_mesh(spec: str | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+  """A mesh over `devices` (default: all), checked against their number."""
+  sizes = parse_mesh(spec)
+  devices = list(jax.devices() if devices is None else devices)
+  if math.prod(sizes.values()) != len(devices):
+    raise ValueError(f"mesh: {sizes} needs {math.prod(sizes.values())} devices, have "
+                     f"{len(devices)}")
+  # Auto axes: XLA's partitioner propagates shardings from the parameters (no per-op specs).
+  return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+                       axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def axis_size(mesh: Any, name: str) -> int:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes)).get(name, 1) if mesh is not None else 1
+
+
+def ep_size(mesh: Any) -> int:
+  return axis_size(mesh, "expert") * axis_size(mesh, "tensor")
+
+
+def check_divisible(cfg: ModelConfig, mesh: Mesh) -> None:
+  """Raises ValueError when the model cannot be split as the mesh asks."""
+  tp, ep = axis_size(mesh, "tensor"), ep_size(mesh)
+  if cfg.num_heads % tp:
+    raise ValueError(f"mesh: tensor={tp} does not divide num_attention_heads={cfg.num_heads}")
+  if cfg.num_experts and cfg.num_experts % ep:
+    raise ValueError(f"mesh: expert x tensor = {ep} does not divide n_routed_experts="
+                     f"{cfg.num_experts}")
+
+
+def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P:
+  """The sharding rule of one parameter, from its path in the pytree (see params.py)."""
+  parts = path.split(".")
+  name, parent = parts[-1], (parts[-2] if len(parts) > 1 else "")
+
+  def t_if(dim: int) -> str | None:  # split over tensor only when it divides evenly
+    return "tensor" if shape[dim] % tp == 0 else None
+
+  if path == "embed":
+    return P(t_if(0), None)
+  if path == "lm_head":
+    return P(None, t_if(1))
+  if parent == "experts":  # [E, H, I] / [E, I, H]: whole experts per device of the EP group
+    return P(EP_AXES, None, None)
+  if parent in ("shared", "mlp"):
+    return P(None, t_if(1)) if name in ("gate", "up") else P(t_if(0), None)
+  if parent == "attn":
+    if name in ("q", "q_b", "kv_b", "k", "v"):  # [in, heads, d]
+      return P(None, t_if(1), None)
+    if name == "o":  # [heads, d, H]
+      return P(t_if(0), None, None)
+    if name in ("q_bias", "k_bias", "v_bias"):
+      return P(t_if(0), None)
+  return P()  # norms, routers, low-rank down-projections, eh_proj: replicated
+
+
+def param_specs(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
+  """A PartitionSpec per leaf of `params` (arrays or shape tuples)."""
+  tp = axis_size(mesh, "tensor")
+
+  def one(path, leaf):
+    shape = tuple(leaf) if is_shape(leaf) else tuple(leaf.shape)
+    return _spec_for(path_str(path), shape, cfg, tp)
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_shape)
+
+
+def param_shardings(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
+  check_divisible(cfg, mesh)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, params, mesh),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
+  """Places an existing parameter pytree on the mesh by the rules above."""
+  return jax.device_put(params, param_shardings(cfg, params, mesh))
+
+
+def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:
+  """Sharding of one layer's page arrays (see the module docstring for MLA)."""
+  if cfg.is_mla:
+    return {"latent": NamedSharding(mesh, P())}
+  tp = axis_size(mesh, "tensor")
+  spec = P(None, None, "tensor" if cfg.num_kv_heads % tp == 0 else None, None)
+  return {"k": NamedSharding(mesh, spec), "v": NamedSharding(mesh, spec)}
+
+
+def bytes_per_device(tree: Any) -> dict[Any, int]:
+  """Bytes each device holds of a pytree of arrays (for memory checks)."""
+  out: dict[Any, int] = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+  return out
