@@ -109,6 +109,16 @@ def test_route_all_tokens_to_one_expert(case):
   assert (np.asarray(got[1])[:, 0] == 5).all()
 
 
+def test_top_k_by_rank_equals_lax_top_k_with_ties_and_minus_inf():
+  rng = np.random.default_rng(6)
+  v = rng.integers(-3, 3, (9, 4, 12)).astype(np.float32)
+  v[v < -2] = -np.inf  # whole -inf stretches, as masked groups produce
+  want_v, want_i = jax.lax.top_k(jnp.asarray(v), 5)
+  got_v, got_i = routing._top_k_by_rank(jnp.asarray(v), 5)
+  np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+  np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
 # ---- permutation -----------------------------------------------------------------------------
 
 def _problem(t, e, k, h, i, dtype, seed=0, ids=None):
