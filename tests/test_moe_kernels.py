@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # races, state reset
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from engine.model import kernels
@@ -32,13 +33,12 @@ MOSAIC_CALL = "mosaic_gpu_v2"  # the custom-call target jax 0.11.2 emits for Mos
 
 
 @contextlib.contextmanager
-def gpu_interpret():
+def gpu_interpret(detect_races: bool = False):
   # Reset the interpreter's global state in case an earlier kernel raised.
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
   interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
   mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
   with jax.sharding.use_abstract_mesh(mesh), plgpu.force_gpu_interpret_mode(
-      plgpu.InterpretGPUParams(uninitialized_memory="nan")):
+      plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=detect_races)):
     yield
 
 
@@ -185,8 +185,8 @@ def _assert_close(got, want, dtype):
   np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
 
 
-def _run_path(path, x, w, ids, wg, wu, wd, offset=0):
-  with gpu_interpret():
+def _run_path(path, x, w, ids, wg, wu, wd, offset=0, detect_races=False):
+  with gpu_interpret(detect_races):
     if path == "grouped":
       return grouped_mlp_mgpu.moe_experts_grouped(x, w, ids, wg, wu, wd,
                                                   expert_offset=offset, cfg=GROUPED)
@@ -222,6 +222,16 @@ def test_kernel_expert_shards_sum_to_whole(path, t):
                   jnp.bfloat16)
   summed = sum(np.asarray(p, np.float32) for p in parts)
   _assert_close(summed, whole, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("path,t", [("grouped", 70), ("decode", 5)])
+def test_kernel_has_no_races(path, t):
+  # Several work items per simulated SM: SMEM reuse across items and TMA/WGMMA ordering are
+  # checked by the interpreter's race detector (slow, so one small case per kernel).
+  args = _problem(t, E, 3, H, I, jnp.bfloat16, seed=13)
+  out = jax.block_until_ready(_run_path(path, *args, detect_races=True))
+  assert not interpret_pallas_call.get_races().races_found
+  _assert_close(out, reference.moe_experts_dense(*args), jnp.bfloat16)
 
 
 def test_grouped_kernel_writes_used_tiles_only():
