@@ -259,6 +259,12 @@ def test_kernels_refuse_f32(fn):
     fn(*args)
 
 
+def test_moe_experts_refuses_widths_that_are_not_whole_tiles():
+  args = _problem(2, E, 2, 96, I, jnp.bfloat16)  # hidden 96: not a multiple of 64
+  with pytest.raises(NotImplementedError, match="multiples of 64"):
+    moe_mgpu.moe_experts(*args)
+
+
 # ---- the MoE layer and the engine switch ------------------------------------------------------
 
 def _tiny_moe_config():

@@ -16,8 +16,12 @@ column tile) work items (`plgpu.nd_loop` over the "sm" axis, `planar_snake` orde
 neighbouring SMs share weight tiles); each item pipelines K with TMA loads into swizzled SMEM
 (`plgpu.emit_pipeline`) feeding `plgpu.wgmma`; the epilogue goes registers -> SMEM -> TMA store.
 Differences from jax's op: the tile -> expert map is computed outside the kernel (jax's op
-unrolls a loop over all groups per tile, which is fine for 16 groups, not for 384 experts), and
-groups are padded to whole tiles, so every store is a full tile (no ragged store ladder).
+unrolls a loop over all groups per tile, which is fine for 16 groups, not for 384 experts;
+tokamax's sm90 kernel also precomputes it), and groups are padded to whole tiles, so every store
+is a full tile (jax's op and tokamax keep groups unpadded and store a tile's rows with a ladder
+of power-of-two TMA stores). Padding costs up to E * (block_m - 1) extra rows of xs/h/y memory
+(at T = 8192, E = 384: +37%); MMA work is the same as with ragged tiles (a partial tile costs a
+full 64-row WGMMA either way) and unused tiles are skipped.
 
 Limits: WGMMA needs 16-bit operands here (bf16/f16): f32 WGMMA (tf32) cannot take the
 transposed (N-fastest) weight layout [K, N]; f32 callers use the reference path. block_m is a
