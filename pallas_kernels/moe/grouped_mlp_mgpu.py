@@ -24,7 +24,8 @@ of power-of-two TMA stores). Padding costs up to E * (block_m - 1) extra rows of
 full 64-row WGMMA either way) and unused tiles are skipped.
 
 Limits: WGMMA needs 16-bit operands here (bf16/f16): f32 WGMMA (tf32) cannot take the
-transposed (N-fastest) weight layout [K, N]; f32 callers use the reference path. block_m is a
+transposed (N-fastest) weight layout [K, N], so f32 raises NotImplementedError (f32 models keep
+moe="reference"; no silent fallback). block_m is a
 multiple of 64 (one warpgroup's WGMMA M). A tile with few real rows still costs a full 64-row
 MMA, so small batches should use `decode_mlp_mgpu` (tokens on the MMA N axis).
 
