@@ -13,6 +13,7 @@ import dataclasses
 from typing import Callable
 
 from pallas_kernels.attention import reference as attn_ref
+from pallas_kernels.moe import moe_mgpu
 from pallas_kernels.moe import reference as moe_ref
 
 
@@ -28,8 +29,9 @@ REFERENCE = KernelChoice()
 _MLA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.mla_paged_attention}
 _GQA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.gqa_paged_attention}
 _WRITE_PAGES: dict[str, Callable] = {"reference": attn_ref.write_pages}
-_ROUTE: dict[str, Callable] = {"reference": moe_ref.route}
-_MOE_EXPERTS: dict[str, Callable] = {"reference": moe_ref.moe_experts}
+_ROUTE: dict[str, Callable] = {"reference": moe_ref.route, "mosaic_gpu": moe_mgpu.route}
+_MOE_EXPERTS: dict[str, Callable] = {"reference": moe_ref.moe_experts,
+                                     "mosaic_gpu": moe_mgpu.moe_experts}
 
 
 def _pick(table: dict[str, Callable], name: str, what: str) -> Callable:

@@ -110,3 +110,23 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   y = y.astype(jnp.float32) * w[:, None]
   out = jnp.zeros((t, h), jnp.float32).at[token_of_copy].add(y)
   return out.astype(x.dtype)
+
+
+def moe_experts_dense(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                      w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+                      expert_offset: int = 0) -> jax.Array:
+  """`moe_experts` as a dense loop over the local experts: every expert runs on every token and
+  is weighted by the routing weight the token gave it (0 if it did not choose it). Slow (E
+  times the work), obviously correct: the reference the grouped kernels are tested against.
+  """
+  e_local = w_gate.shape[0]
+  local = expert_ids - expert_offset  # [T, k]
+
+  def one_expert(acc, e):
+    w = jnp.sum(jnp.where(local == e, weights, 0.0), axis=-1)  # [T]
+    y = swiglu_mlp(x, w_gate[e], w_up[e], w_down[e])
+    return acc + y.astype(jnp.float32) * w[:, None], None
+
+  out, _ = jax.lax.scan(one_expert, jnp.zeros(x.shape, jnp.float32),
+                        jnp.arange(e_local, dtype=jnp.int32))
+  return out.astype(x.dtype)

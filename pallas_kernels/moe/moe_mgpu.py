@@ -1,0 +1,53 @@
+"""The MoE layer's expert computation on Mosaic GPU kernels: the engine's "mosaic_gpu" choice.
+
+`moe_experts` has `reference.moe_experts`'s signature and contract (local shard of experts at
+`expert_offset`, out-of-shard copies contribute zero) and picks the kernel by token count:
+
+* T <= DECODE_MAX_TOKENS: `decode_mlp_mgpu` (tokens on WGMMA's N axis, one slot per active
+  expert, reads only active experts' weights);
+* otherwise `grouped_mlp_mgpu` (64-row tiles of sorted token copies, fused gate/up + SiLU).
+
+Both run `permute.route_copies` / `permute` before and `permute.combine` after (plain JAX).
+`route` is `routing.route` (plain JAX, no sort/top-k primitive).
+
+Requirements (raise otherwise, no silent fallback): bf16/f16 activations and weights (Hopper
+WGMMA takes transposed 16-bit operands only); hidden and expert width multiples of 64. Tile
+choices assume an H100/H200 (132 SMs, 227 KiB SMEM).
+
+Shapes: x [T, H], weights [T, k] float32, expert_ids [T, k] int32 (global ids, distinct per
+token), w_gate/w_up [E_local, H, I], w_down [E_local, I, H] -> [T, H] in x's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, routing
+
+DECODE_MAX_TOKENS = 64
+
+route = routing.route
+
+
+def _block_k(k: int) -> int:
+  return 128 if k % 128 == 0 else 64
+
+
+def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate: jax.Array,
+                w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0,
+                num_sms: int = 132) -> jax.Array:
+  """Weighted sum of the chosen experts' SwiGLU MLPs over a local shard (see module doc)."""
+  t, h = x.shape
+  inter = w_gate.shape[2]
+  if h % 64 or inter % 64:
+    raise NotImplementedError(f"mosaic_gpu MoE needs hidden ({h}) and expert width ({inter}) "
+                              "to be multiples of 64")
+  if t <= DECODE_MAX_TOKENS:
+    cfg = decode_mlp_mgpu.DecodeConfig(block_k=min(_block_k(h), _block_k(inter)),
+                                       num_sms=num_sms)
+    return decode_mlp_mgpu.moe_experts_decode(x, weights, expert_ids, w_gate, w_up, w_down,
+                                              expert_offset=expert_offset, cfg=cfg)
+  cfg = grouped_mlp_mgpu.GroupedConfig(
+      block_n=128 if min(h, inter) % 128 == 0 else 64, num_sms=num_sms)
+  return grouped_mlp_mgpu.moe_experts_grouped(x, weights, expert_ids, w_gate, w_up, w_down,
+                                              expert_offset=expert_offset, cfg=cfg)
