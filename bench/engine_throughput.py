@@ -28,6 +28,7 @@ from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
+from engine.service import mesh_flags
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "checkpoints", "demo", "target")
@@ -49,7 +50,7 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def main(argv):
   del argv
-  model = moejax.load(FLAGS.checkpoint)
+  model = moejax.load(FLAGS.checkpoint, mesh=mesh_flags.setup())
   conc = sorted(int(c) for c in FLAGS.concurrency)
   max_len = max(FLAGS.prompt_len + FLAGS.output_len, FLAGS.prefix_len + 64)
   config = EngineConfig(page_size=FLAGS.page_size, max_num_seqs=max(conc),

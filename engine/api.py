@@ -12,16 +12,18 @@ The jitted building blocks (`engine.model.transformer.forward_logits`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 from typing import Any, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
-from engine.model.params import Params
+from engine.model.params import Params, param_shapes
 from engine.runtime.generate import generate_tokens
 from engine.runtime.sampling import SamplingParams
 
@@ -37,6 +39,7 @@ class LoadedModel:
   path: str = ""
   eos_token_ids: tuple[int, ...] = ()
   kernels: KernelChoice = REFERENCE
+  mesh: Any = None  # the jax.sharding.Mesh the parameters live on (None: one device)
 
   def __iter__(self) -> Iterator[Any]:
     return iter((self.config, self.params, self.tokenizer))
@@ -84,7 +87,7 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load(path: str, dtype: str | Any | None = None, shardings: Any = None,
-         progress: bool = True) -> LoadedModel:
+         progress: bool = True, mesh: Any = None) -> LoadedModel:
   """Loads an Orbax (moejax) or Hugging Face safetensors checkpoint directory.
 
   Args:
@@ -92,12 +95,21 @@ def load(path: str, dtype: str | Any | None = None, shardings: Any = None,
     dtype: parameter dtype ("bfloat16", "float32", or a jnp dtype). Default: the Orbax
       checkpoint's stored dtype, bfloat16 for Hugging Face checkpoints.
     shardings: optional pytree of `jax.sharding.Sharding` matching the params.
+    mesh: a `jax.sharding.Mesh` or a spec like "expert:8" / "tensor:4,expert:2": every
+      parameter is loaded straight into its place by `engine.model.sharding`'s rules (no
+      device ever holds the whole model). Mutually exclusive with `shardings`.
   """
   from engine.model import hf_loader, orbax_io  # deferred: heavy imports (orbax)
 
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
   cfg = load_config(path)
+  if mesh is not None:
+    from engine.model import sharding
+    if shardings is not None:
+      raise ValueError("pass either mesh or shardings, not both")
+    mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
+    shardings = sharding.param_shardings(cfg, param_shapes(cfg), mesh)
   if isinstance(dtype, str):
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -111,7 +123,7 @@ def load(path: str, dtype: str | Any | None = None, shardings: Any = None,
     raise ValueError(f"{path} is neither a moejax Orbax checkpoint (moejax.json) nor a Hugging "
                      "Face checkpoint (model.safetensors or model.safetensors.index.json)")
   return LoadedModel(config=cfg, params=params, tokenizer=load_tokenizer(path), path=path,
-                     eos_token_ids=_eos_ids(path, cfg))
+                     eos_token_ids=_eos_ids(path, cfg), mesh=mesh)
 
 
 def _as_prompt_list(prompts: Any) -> tuple[list[Any], bool]:
@@ -146,10 +158,12 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
   seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
   sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              seed=s) for s in seeds]
-  completions = generate_tokens(
-      model.params, model.config, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-      eos_ids=model.eos_token_ids, stop_token_ids=[list(stop_token_ids)] * len(ids),
-      ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels)
+  on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
+  with on_mesh:
+    completions = generate_tokens(
+        model.params, model.config, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+        eos_ids=model.eos_token_ids, stop_token_ids=[list(stop_token_ids)] * len(ids),
+        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels)
   results = [GenerationResult(token_ids=c.token_ids, text=model.decode(c.token_ids),
                               finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens)
              for c in completions]

@@ -1,4 +1,4 @@
-"""The routed-expert computation, on one device or expert-parallel over the ambient mesh.
+"""Parallelism inside the forward: expert-parallel routed experts, batch rows over `data`.
 
 Under `jax.set_mesh(mesh)` with `expert x tensor > 1` (see `engine.model.sharding`), each device
 of the expert-parallel group holds E / (expert * tensor) whole experts. Activations entering the
@@ -7,7 +7,7 @@ device already has every token of its data shard: it runs its local experts on t
 to them (`moe_experts` with an expert offset; other copies contribute zero) and one `psum` over
 the group combines the partial outputs. This is the all-gather + mask formulation of expert
 parallelism; it is exact (up to the order of a float sum) and runs on every backend. Its
-communication is one all-reduce of [T, H] per MoE layer, the same as a tensor-parallel MLP.
+communication is one all-reduce of [T, H] per MoE layer (float32), like a tensor-parallel MLP.
 
 Not done yet: the token-dispatch formulation (`ragged_all_to_all` of only the routed copies to
 the devices owning their experts, GPU only: XLA:CPU lacks it), which moves T * k * H / N
@@ -17,20 +17,36 @@ instead of T * H per device and wins at prefill sizes.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from engine.model import kernels
 from engine.model.kernels import KernelChoice
 from engine.model.params import Params
-from engine.model.sharding import EP_AXES, ep_size
+from engine.model.sharding import EP_AXES, axis_size, ep_size
+
+
+def _mesh():
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh is None or mesh.empty else mesh
+
+
+def split_batch_over_data(x: jax.Array) -> jax.Array:
+  """Constrains activations [B, ...] to be split by row over the mesh's `data` axis (when there
+  is one and it divides B); a no-op without a mesh. XLA propagates the split through the
+  layers; cache writes from each shard's rows are gathered into the (replicated) page pool."""
+  mesh = _mesh()
+  data = axis_size(mesh, "data")
+  if data == 1 or x.shape[0] % data:
+    return x
+  return jax.lax.with_sharding_constraint(x, P("data"))
 
 
 def routed_experts(impl: KernelChoice, x: jax.Array, weights: jax.Array, ids: jax.Array,
                    experts: Params) -> jax.Array:
   """x [T, H], weights/ids [T, k], experts {gate, up: [E, H, I], down: [E, I, H]} -> [T, H]."""
   fn = kernels.moe_experts(impl)
-  mesh = jax.sharding.get_abstract_mesh()
-  n = ep_size(mesh) if mesh is not None and not mesh.empty else 1
+  n = ep_size(_mesh())
   if n == 1:
     return fn(x, weights, ids, experts["gate"], experts["up"], experts["down"])
   e_local = experts["gate"].shape[0] // n
@@ -38,7 +54,9 @@ def routed_experts(impl: KernelChoice, x: jax.Array, weights: jax.Array, ids: ja
   def local(x, weights, ids, gate, up, down):
     offset = jax.lax.axis_index(EP_AXES) * e_local
     y = fn(x, weights, ids, gate, up, down, expert_offset=offset)
-    return jax.lax.psum(y, EP_AXES)
+    # Partial sums are combined in float32: one rounding at the end, as on one device (and
+    # XLA:CPU cannot all-reduce bf16). Costs twice the bytes of a bf16 all-reduce.
+    return jax.lax.psum(y.astype(jnp.float32), EP_AXES).astype(x.dtype)
 
   shard = P(EP_AXES)
   return jax.shard_map(local, in_specs=(P(), P(), P(), shard, shard, shard), out_specs=P(),

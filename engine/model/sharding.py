@@ -143,3 +143,22 @@ def bytes_per_device(tree: Any) -> dict[Any, int]:
     for shard in leaf.addressable_shards:
       out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
   return out
+
+
+def initialize_distributed(coordinator_address: str | None, num_processes: int,
+                           process_id: int) -> None:
+  """Joins a multi-process JAX job (one process per host, or several on one machine).
+
+  Call before any JAX computation. On CPU the processes exchange data through gloo; on GPU
+  through NCCL. After it, `jax.devices()` lists every process's devices and a mesh over them
+  spans the job.
+  """
+  if num_processes <= 1:
+    return
+  if not coordinator_address:
+    raise ValueError("coordinator_address: required when num_processes > 1")
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id: {process_id} outside [0, {num_processes})")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from engine.model import kernels
 from engine.model.config import ModelConfig
-from engine.model.expert_parallel import routed_experts
+from engine.model.expert_parallel import routed_experts, split_batch_over_data
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.rope import apply_rope, rope_cos_sin
@@ -186,7 +186,7 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
     (hidden [B, T, H] after the final norm, updated cache[, router counts]).
   """
   ctx = _Ctx(start, n_new, tokens.shape[1], page_table, router_counts)
-  x = params["embed"][tokens]
+  x = split_batch_over_data(params["embed"][tokens])
   new_cache = []
   for i, layer in enumerate(params["layers"]):
     x, layer_cache = decoder_layer(layer, x, cache[i], ctx, cfg, impl)

@@ -17,6 +17,7 @@ emit deltas. `add_request` and `abort` may be called from other threads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -30,6 +31,7 @@ from engine.model.cache import cache_bytes_per_token, init_cache
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
+from engine.model.sharding import cache_sharding
 from engine.runtime import steps
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
 from engine.runtime.page_pool import NULL_PAGE, PagePool
@@ -68,8 +70,10 @@ class Engine:
   """Continuous-batching engine over one model replica."""
 
   def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig = EngineConfig(),
-               tokenizer: Any = None, eos_token_ids: Sequence[int] = ()):
-    self.cfg, self.params, self.config = cfg, params, config
+               tokenizer: Any = None, eos_token_ids: Sequence[int] = (), mesh: Any = None):
+    """`mesh`: the `jax.sharding.Mesh` the parameters are placed on (`engine.model.sharding`);
+    the cache is placed by the same module's rules and every program runs under it."""
+    self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
     self.eos_token_ids = tuple(eos_token_ids)
     if config.compilation_cache_dir:
@@ -88,7 +92,10 @@ class Engine:
     self.scheduler = Scheduler(self.sched_config, self.pool)
     self.cache = init_cache(cfg, num_pages, config.page_size, dtype)
     devices = jax.tree.leaves(params)[0].sharding.device_set
-    if len(devices) == 1:
+    if mesh is not None:
+      self.cache = jax.device_put(self.cache,
+                                  [cache_sharding(cfg, mesh)] * len(self.cache))
+    elif len(devices) == 1:
       # Commit the cache where the weights are: jit outputs are committed when an input is,
       # and a cache whose commitment changes after the first step would compile twice.
       self.cache = jax.device_put(self.cache, next(iter(devices)))
@@ -109,7 +116,10 @@ class Engine:
     """From an `engine.load` result."""
     return Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
                   if config.kernels == REFERENCE else config, model.tokenizer,
-                  model.eos_token_ids)
+                  model.eos_token_ids, mesh=getattr(model, "mesh", None))
+
+  def _on_mesh(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _default_num_pages(self, dtype: Any) -> int:
     page_bytes = cache_bytes_per_token(self.cfg, dtype) * self.config.page_size
@@ -263,9 +273,10 @@ class Engine:
         row_req[r] = seg.request
         r += 1
       sampling_rows.append(r - 1 if seg.samples else None)
-    sampled, self.cache = steps.model_step(
-        self.params, self.cache, tokens, start, n_new, table, self._sampling_arrays(row_req),
-        cfg=self.cfg, impl=self.config.kernels)
+    with self._on_mesh():
+      sampled, self.cache = steps.model_step(
+          self.params, self.cache, tokens, start, n_new, table,
+          self._sampling_arrays(row_req), cfg=self.cfg, impl=self.config.kernels)
     sampled = np.asarray(jax.device_get(sampled))
     for seg, row in zip(plan.segments, sampling_rows):
       self._advance(seg.request, seg.start + seg.num_tokens,
@@ -288,11 +299,12 @@ class Engine:
       stop_ids[i, :len(req.stop_ids)] = req.stop_ids
       remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
-    out, counts, _, self.cache = steps.decode_loop(
-        self.params, self.cache, tokens, n_cached, table,
-        self._sampling_arrays(reqs + [None] * (b - len(reqs))), stop_ids, remaining, min_before,
-        np.int32(plan.num_steps), max_steps=self.config.max_decode_steps, cfg=self.cfg,
-        impl=self.config.kernels)
+    with self._on_mesh():
+      out, counts, _, self.cache = steps.decode_loop(
+          self.params, self.cache, tokens, n_cached, table,
+          self._sampling_arrays(reqs + [None] * (b - len(reqs))), stop_ids, remaining,
+          min_before, np.int32(plan.num_steps), max_steps=self.config.max_decode_steps,
+          cfg=self.cfg, impl=self.config.kernels)
     out, counts = jax.device_get((out, counts))
     for i, req in enumerate(reqs):
       n = int(counts[i])
@@ -389,7 +401,7 @@ class Engine:
     """
     shapes = [("step", b, w) for b, w in self.buckets.mixed_shapes()]
     shapes += [("decode", b, 1) for b in self.buckets.decode]
-    with self._lock:
+    with self._lock, self._on_mesh():
       for i, (kind, b, w) in enumerate(shapes):
         table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
         zeros = np.zeros((b,), np.int32)

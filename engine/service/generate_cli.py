@@ -3,6 +3,7 @@
     python -m engine.generate --prompt="def fib(n):" --max_new_tokens=32   # the demo model
     python -m engine.generate --checkpoint=DIR --prompt="def fib(n):" --max_new_tokens=32
     python -m engine.generate --checkpoint=DIR --prompt_ids=1,2,3 --temperature=0 --json
+    python -m engine.generate --checkpoint=DIR --mesh=tensor:4,expert:2 --prompt="..."
 
 `--prompt` and `--prompt_ids` may be repeated to run a batch. `--json` prints one JSON object per
 prompt (one line each) with `token_ids` (generated ids only), `text`, `finish_reason`,
@@ -21,6 +22,7 @@ from absl import logging
 
 import checkpoints
 import engine
+from engine.service import mesh_flags
 
 # The bundled demo model (checkpoints/demo, trained by checkpoints.train_demo).
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
@@ -63,7 +65,7 @@ def main(argv: list[str]) -> int:
   prompts: list[str | list[int]] = list(FLAGS.prompt) + [_parse_ids(s) for s in FLAGS.prompt_ids]
   t0 = time.perf_counter()
   try:
-    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype)
+    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup())
     t1 = time.perf_counter()
     results = engine.generate(
         model, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,

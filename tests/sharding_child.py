@@ -1,0 +1,125 @@
+"""Run by test_sharding.py in a fresh process with 8 (forced) CPU devices, or as one of two
+`jax.distributed` processes with 4 each. Prints one JSON line of results."""
+
+import json
+import os
+import sys
+
+MODE = sys.argv[1]  # "meshes" or "multiprocess"
+if MODE == "meshes":
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+else:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from engine.model import sharding  # noqa: E402
+from engine.model.cache import init_cache  # noqa: E402
+from engine.model.config import config_from_dict  # noqa: E402
+from engine.model.params import init_params  # noqa: E402
+from engine.model.transformer import forward_logits  # noqa: E402
+from model_configs import CONFIGS  # noqa: E402
+
+TOKENS = np.asarray([[1, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41, 42, 43, 0, 0, 0]], np.int32)
+N_NEW = np.asarray([8, 5], np.int32)
+TABLE = np.arange(4, dtype=np.int32).reshape(2, 2) + 1
+
+
+def model(name):
+  cfg = config_from_dict(dict(CONFIGS[name], n_routed_experts=8, num_experts=8))
+  return cfg, init_params(cfg, seed=1, scale=2.0)
+
+
+def logits(cfg, params, mesh=None):
+  cache = init_cache(cfg, 5, 8, jnp.float32)
+  if mesh is not None:
+    cache = jax.device_put(cache, [sharding.cache_sharding(cfg, mesh)] * len(cache))
+    with jax.set_mesh(mesh):
+      out, _ = forward_logits(params, cache, TOKENS, np.zeros(2, np.int32), N_NEW, TABLE,
+                              cfg=cfg)
+  else:
+    out, _ = forward_logits(params, cache, TOKENS, np.zeros(2, np.int32), N_NEW, TABLE, cfg=cfg)
+  return np.asarray(jax.device_get(out))
+
+
+def run_meshes():
+  from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.request import StopParams
+  results = {}
+  for name in ("deepseek_v3", "qwen3_moe"):
+    cfg, params = model(name)
+    ref = logits(cfg, params)
+    one = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=2,
+                                           max_num_batched_tokens=16, row_widths=(16,),
+                                           max_model_len=64, cache_dtype=jnp.float32))
+    prompts = [[1, 5, 6, 7, 8], [1, 40, 41]]
+    want = [r.output_ids for r in one.generate(prompts, stop=StopParams(max_tokens=8))]
+    for spec in ("expert:8", "tensor:4,expert:2", "data:2,expert:4"):
+      mesh = sharding.make_mesh(spec)
+      placed = sharding.shard_params(cfg, params, mesh)
+      got = logits(cfg, placed, mesh)
+      moe = next(l["moe"] for l in placed["layers"] if "moe" in l)
+      experts = moe["experts"]["gate"]
+      per_device = sharding.bytes_per_device(moe["experts"])
+      eng = Engine(cfg, placed, EngineConfig(page_size=8, max_num_seqs=2,
+                                             max_num_batched_tokens=16, row_widths=(16,),
+                                             max_model_len=64, cache_dtype=jnp.float32),
+                   mesh=mesh)
+      outs = [r.output_ids for r in eng.generate(prompts, stop=StopParams(max_tokens=8))]
+      attn_q = placed["layers"][0]["attn"]["q" if "q" in placed["layers"][0]["attn"] else "q_b"]
+      with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(lambda p, c: forward_logits(
+            p, c, TOKENS, np.zeros(2, np.int32), N_NEW, TABLE, cfg=cfg))(
+                placed, init_cache(cfg, 5, 8, jnp.float32)))
+      results[f"{name}/{spec}"] = dict(
+          shard_map_in_forward="shard_map" in jaxpr,
+          max_abs_diff=float(np.max(np.abs(got - ref))), max_abs_ref=float(np.max(np.abs(ref))),
+          greedy_equal=outs == want, experts_spec=str(experts.sharding.spec),
+          attn_q_spec=str(attn_q.sharding.spec),
+          expert_bytes_per_device=sorted(set(per_device.values())),
+          expert_bytes_total=int(sum(x.nbytes for x in jax.tree.leaves(moe["experts"]))))
+  results["demo_load"] = load_demo_sharded()
+  return results
+
+
+def load_demo_sharded():
+  """engine.load(mesh=...) places every leaf as it reads; generation matches one device."""
+  import engine as moejax
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "checkpoints", "demo", "target")
+  one = moejax.load(path)  # bfloat16: also covers the float32 EP all-reduce
+  placed = moejax.load(path, mesh="tensor:4,expert:2")
+  leaves = jax.tree.leaves(placed.params)
+  named = all(isinstance(x.sharding, jax.sharding.NamedSharding)
+              and x.sharding.mesh.shape == placed.mesh.shape for x in leaves)
+  gate = placed.params["layers"][-1]["moe"]["experts"]["gate"]
+  frac = gate.addressable_shards[0].data.nbytes / gate.nbytes
+  a = moejax.generate(one, "def read_config(path):", max_new_tokens=12)
+  b = moejax.generate(placed, "def read_config(path):", max_new_tokens=12)
+  return dict(all_named_on_mesh=named, expert_fraction=frac, same_text=a.token_ids == b.token_ids)
+
+
+def run_multiprocess(port, pid):
+  sharding.initialize_distributed(f"localhost:{port}", 2, pid)
+  cfg, params = model("deepseek_v3")
+  mesh = sharding.make_mesh("expert:8")
+  placed = jax.device_put(params, sharding.param_shardings(cfg, params, mesh))
+  out = logits(cfg, placed, mesh)
+  return dict(process=pid, devices=len(jax.devices()), local=len(jax.local_devices()),
+              logits=out.reshape(-1)[:64].tolist(), checksum=float(np.abs(out).sum()))
+
+
+if __name__ == "__main__":
+  if MODE == "meshes":
+    print(json.dumps(run_meshes()))
+  elif MODE == "reference":
+    cfg, params = model("deepseek_v3")
+    out = logits(cfg, params)
+    print(json.dumps(dict(logits=out.reshape(-1)[:64].tolist(),
+                          checksum=float(np.abs(out).sum()))))
+  else:
+    print(json.dumps(run_multiprocess(int(sys.argv[2]), int(sys.argv[3]))))

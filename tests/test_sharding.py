@@ -1,0 +1,92 @@
+"""Meshes and sharding rules; sharded = single-device results on 8 forced CPU devices (in a
+child process, since the device count is fixed when JAX starts); two `jax.distributed`
+processes on localhost."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from engine.model import sharding
+from engine.model.config import config_from_dict
+from engine.model.params import param_shapes
+from model_configs import CONFIGS
+
+CHILD = os.path.join(os.path.dirname(__file__), "sharding_child.py")
+KIMI_LIKE = dict(CONFIGS["deepseek_v3"], n_routed_experts=384, num_attention_heads=64,
+                 vocab_size=163840, first_k_dense_replace=1, n_group=1, topk_group=1)
+
+
+def test_mesh_spec_parsing_and_validation():
+  assert sharding.parse_mesh("expert:8") == {"data": 1, "expert": 8, "tensor": 1}
+  assert sharding.parse_mesh("data:2, tensor:4") == {"data": 2, "expert": 1, "tensor": 4}
+  for bad in ("expert", "expert:0", "pipeline:2", "tensor:x"):
+    with pytest.raises(ValueError, match="mesh"):
+      sharding.parse_mesh(bad)
+  with pytest.raises(ValueError, match="needs 8 devices"):
+    sharding.make_mesh("expert:8", devices=jax.devices()[:1])
+
+
+def test_every_parameter_follows_its_rule():
+  cfg = config_from_dict(KIMI_LIKE)
+  mesh = jax.sharding.AbstractMesh((1, 2, 4), sharding.MESH_AXES)
+  specs = sharding.param_specs(cfg, param_shapes(cfg), mesh)
+  moe_layer = specs["layers"][1]
+  assert moe_layer["moe"]["experts"]["gate"] == P(("expert", "tensor"), None, None)
+  assert moe_layer["moe"]["experts"]["down"] == P(("expert", "tensor"), None, None)
+  assert moe_layer["moe"]["shared"]["gate"] == P(None, "tensor")
+  assert moe_layer["moe"]["shared"]["down"] == P("tensor", None)
+  assert moe_layer["moe"]["router"] == P()
+  attn = moe_layer["attn"]
+  assert attn["q_b"] == P(None, "tensor", None) and attn["kv_b"] == P(None, "tensor", None)
+  assert attn["o"] == P("tensor", None, None)
+  assert attn["q_a"] == P() and attn["kv_a"] == P() and attn["kv_a_norm"] == P()
+  assert specs["layers"][0]["mlp"]["up"] == P(None, "tensor")
+  assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
+  with pytest.raises(ValueError, match="does not divide"):
+    sharding.check_divisible(cfg, jax.sharding.AbstractMesh((1, 1, 128), sharding.MESH_AXES))
+
+
+def _run(*args, timeout=600):
+  out = subprocess.run([sys.executable, CHILD, *args], capture_output=True, text=True,
+                       timeout=timeout)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_sharded_equals_single_device_on_eight_devices():
+  results = _run("meshes")
+  demo = results.pop("demo_load")
+  assert demo["all_named_on_mesh"] and demo["same_text"] and demo["expert_fraction"] == 0.125
+  assert len(results) == 6
+  for name, r in results.items():
+    assert r["shard_map_in_forward"], name
+    assert r["max_abs_diff"] <= 1e-5 * r["max_abs_ref"] + 1e-6, (name, r)
+    assert r["greedy_equal"], name
+    assert r["experts_spec"] == "P(('expert', 'tensor'), None, None)", name
+    ep = 4 if name.endswith("data:2,expert:4") else 8
+    assert r["expert_bytes_per_device"] == [r["expert_bytes_total"] // ep], name
+
+
+def test_two_processes_match_one():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  procs = [subprocess.Popen([sys.executable, CHILD, "multiprocess", str(port), str(i)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = []
+  for p in procs:
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+    outs.append(json.loads(stdout.strip().splitlines()[-1]))
+  ref = _run("reference")
+  for o in outs:
+    assert o["devices"] == 8 and o["local"] == 4
+    assert o["logits"] == pytest.approx(ref["logits"], rel=1e-5, abs=1e-5)
+    assert o["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
