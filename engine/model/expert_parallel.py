@@ -9,9 +9,14 @@ the group combines the partial outputs. This is the all-gather + mask formulatio
 parallelism; it is exact (up to the order of a float sum) and runs on every backend. Its
 communication is one all-reduce of [T, H] per MoE layer (float32), like a tensor-parallel MLP.
 
-Not done yet: the token-dispatch formulation (`ragged_all_to_all` of only the routed copies to
-the devices owning their experts, GPU only: XLA:CPU lacks it), which moves T * k * H / N
-instead of T * H per device and wins at prefill sizes.
+Why no token dispatch (`ragged_all_to_all`): with tensor-parallel attention every device of the
+group already holds every token, so there is nothing to send before the experts; the only
+traffic is combining the results, which the all-reduce does. Dispatch pays off when the
+activations entering the MoE are *different* per device (data-parallel attention, as in
+SGLang's DP-attention + DeepEP): then each device sends only its tokens' routed copies (T*k*H/N
+per device instead of an all-reduce of T*H). That layout is the next step for large batches;
+`ragged_all_to_all` exists on GPU only (XLA:CPU lacks it), so its CPU twin would be this
+all-gather + mask formulation.
 """
 
 from __future__ import annotations

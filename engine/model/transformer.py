@@ -118,6 +118,10 @@ def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice,
     real = ctx.valid.reshape(-1, 1).astype(jnp.int32)
     onehot = (ids[:, :, None] == jnp.arange(cfg.num_experts)[None, None, :]) * real[:, :, None]
     ctx.router_counts.append(jnp.sum(onehot, axis=(0, 1)))
+  if ctx is not None:
+    # Padding tokens (packed rows, idle rows) go to no expert: an id outside every shard
+    # contributes zero, so a decode step streams only the experts real tokens chose.
+    ids = jnp.where(ctx.valid.reshape(-1, 1), ids, -1)
   y = routed_experts(impl, xf, weights, ids, p["experts"])
   if "shared" in p:
     s = p["shared"]
