@@ -1,0 +1,213 @@
+"""Decode-step time, its breakdown, and the bandwidth floor it should approach.
+
+    python -m bench.decode_profile --model=demo --batch=1,8 --out=profile.json        # CPU ok
+    python -m bench.decode_profile --model=dsv2_lite --batch=1,8,64 --kernels=mosaic_gpu
+
+Per batch size B (one new token per row, `--context` cached tokens per row):
+* `step`: one jitted forward + logits (T=1), device time, median of `--iters`;
+* the breakdown by ablation through the kernel switch: the same step with attention replaced by
+  a zero kernel, with routed experts replaced by a zero kernel, and with both; attention =
+  step - no_attention, MoE = step - no_moe, other = no_attention_no_moe (projections, norms,
+  shared experts, LM head, sampling). Fusion across the removed op makes this approximate;
+* `host`: per-token wall time of the serving `Engine` decoding the same batch one step per
+  host round trip, minus the device step: scheduling, packing, transfers, detokenisation;
+* `floor`: bytes a step must read (weights of the non-expert layers, the experts the batch
+  actually routes to in expectation, the KV cache of every row) over the measured copy
+  bandwidth; `step / floor` is how far from memory-bound roofline the step is.
+
+Models: `demo` (the bundled checkpoint), `dsv2_lite` (DeepSeek-V2-Lite shapes, random weights
+made on the device: 27 layers, hidden 2048, 64 experts top-6, MLA; 31 GB in bf16: GPU only),
+`tiny` (a small random MoE for smoke runs). Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from engine.model import kernels
+from engine.model.cache import cache_bytes_per_token, contiguous_page_table, init_cache
+from engine.model.config import ModelConfig, config_from_dict
+from engine.model.kernels import KernelChoice
+from engine.model.params import abstract_params, leaf_dtype, path_str
+from engine.model.transformer import compute_logits, forward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "demo", ["demo", "dsv2_lite", "tiny"], "Which model.")
+flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
+flags.DEFINE_integer("context", 1024, "Cached tokens per row.")
+flags.DEFINE_string("kernels", "reference", "Kernel choice for attention and MoE.")
+flags.DEFINE_integer("iters", 10, "Timed iterations per measurement.")
+flags.DEFINE_bool("host", True, "Also measure the serving engine's per-token host overhead.")
+flags.DEFINE_string("out", "", "Write JSON here.")
+
+DSV2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
+                 intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+                 num_attention_heads=16, n_routed_experts=64, n_shared_experts=2,
+                 num_experts_per_tok=6, kv_lora_rank=512, q_lora_rank=None,
+                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                 first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False,
+                 routed_scaling_factor=1.0, max_position_embeddings=32768, bos_token_id=1,
+                 eos_token_id=2, rms_norm_eps=1e-6)
+TINY = dict(DSV2_LITE, vocab_size=512, hidden_size=128, intermediate_size=256,
+            moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            n_routed_experts=16, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+            v_head_dim=32, max_position_embeddings=4096)
+
+
+def random_params_on_device(cfg: ModelConfig, dtype, seed: int = 0):
+  """Random weights generated on the device leaf by leaf (never on the host)."""
+  abstract = abstract_params(cfg, dtype)
+  flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
+  keys = jax.random.split(jax.random.key(seed), len(flat))
+  leaves = []
+  for (path, a), key in zip(flat, keys):
+    scale = 1.0 if path_str(path) == "embed" else 0.02
+    if path_str(path).endswith("norm"):
+      leaves.append(jnp.ones(a.shape, a.dtype))
+      continue
+    make = jax.jit(lambda k, shape=a.shape, dt=a.dtype: (
+        jax.random.normal(k, shape, jnp.float32) * scale).astype(dt))
+    leaves.append(make(key))
+  return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def load_model(name: str):
+  if name == "demo":
+    import engine
+    m = engine.load(os.path.join(ROOT, "checkpoints", "demo", "target"))
+    return m.config, m.params
+  cfg = config_from_dict(DSV2_LITE if name == "dsv2_lite" else TINY)
+  return cfg, random_params_on_device(cfg, jnp.bfloat16)
+
+
+def _register_zero_kernels() -> None:
+  kernels.register("mla_attention", "zero", lambda q_latent, *a, **k: jnp.zeros_like(q_latent))
+  kernels.register("gqa_attention", "zero", lambda q, *a, **k: jnp.zeros_like(q))
+  kernels.register("moe_experts", "zero", lambda x, *a, **k: jnp.zeros_like(x))
+
+
+def _median_time(fn, iters: int) -> float:
+  jax.block_until_ready(fn())
+  samples = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    samples.append(time.perf_counter() - t)
+  return statistics.median(samples)
+
+
+def step_time(cfg, params, batch: int, context: int, impl: KernelChoice, iters: int) -> float:
+  """Device seconds of one decode step (T=1) for `batch` rows with `context` cached tokens."""
+  page = 64
+  table = jnp.asarray(contiguous_page_table(batch, context + 1, page))
+  cache = init_cache(cfg, int(table.size), page, params["embed"].dtype)
+  tokens = jnp.ones((batch, 1), jnp.int32)
+  start = jnp.full((batch,), context, jnp.int32)
+  n_new = jnp.ones((batch,), jnp.int32)
+
+  @jax.jit
+  def step(params, cache):
+    hidden, _ = forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=impl)
+    return jnp.argmax(compute_logits(params, hidden[:, 0], cfg), axis=-1)
+
+  return _median_time(lambda: step(params, cache), iters)
+
+
+def bytes_floor(cfg: ModelConfig, params, batch: int, context: int) -> int:
+  """Bytes one decode step must read: all non-expert weights (less the unused embedding
+  rows), the expected number of distinct experts the batch routes to, and the KV cache."""
+  expert_bytes = 0
+  other = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = path_str(path)
+    if ".experts." in name:
+      expert_bytes += leaf.nbytes
+    elif name != "embed":
+      other += leaf.nbytes
+  e, k = max(cfg.num_experts, 1), cfg.num_experts_per_tok
+  touched = e * (1 - (1 - k / e) ** batch) if cfg.num_experts else 0
+  kv = batch * context * cache_bytes_per_token(cfg, params["embed"].dtype)
+  return int(other + expert_bytes * touched / e + kv)
+
+
+def copy_bandwidth(iters: int) -> float:
+  n = (1 << 30) if jax.default_backend() == "gpu" else (1 << 24)
+  a = jnp.ones((n,), jnp.bfloat16)
+  f = jax.jit(lambda v: v + 1)
+  return 2 * 2 * n / _median_time(lambda: f(a), iters)
+
+
+def host_overhead(cfg, params, batch: int, impl: KernelChoice) -> float:
+  """Per-token wall seconds of the Engine decoding `batch` requests one step per round trip."""
+  from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.request import StopParams
+  eng = Engine(cfg, params, EngineConfig(page_size=64, max_num_seqs=batch,
+                                         max_num_batched_tokens=max(64, batch),
+                                         row_widths=(64,), max_model_len=256,
+                                         max_decode_steps=1, kernels=impl))
+  prompts = [[1 + (i % 50), 5, 6, 7] for i in range(batch)]
+  eng.generate(prompts, stop=StopParams(max_tokens=4, ignore_eos=True))  # compile
+  for p in prompts:
+    eng.add_request(p, stop=StopParams(max_tokens=34, ignore_eos=True))
+  eng.step()  # the prefill step
+  t = time.perf_counter()
+  n = 0
+  while eng.has_unfinished():
+    eng.step()
+    n += 1
+  return (time.perf_counter() - t) / max(n, 1)
+
+
+def main(argv):
+  del argv
+  _register_zero_kernels()
+  impl = KernelChoice(attention=FLAGS.kernels, moe=FLAGS.kernels)
+  cfg, params = load_model(FLAGS.model)
+  bw = copy_bandwidth(FLAGS.iters)
+  rows = []
+  for b in (int(x) for x in FLAGS.batch):
+    variant = {
+        "step": impl,
+        "no_attention": dataclasses.replace(impl, attention="zero"),
+        "no_moe": dataclasses.replace(impl, moe="zero"),
+        "no_attention_no_moe": KernelChoice(attention="zero", moe="zero")}
+    t = {name: step_time(cfg, params, b, FLAGS.context, k, FLAGS.iters)
+         for name, k in variant.items()}
+    floor_bytes = bytes_floor(cfg, params, b, FLAGS.context)
+    row = dict(batch=b, step_s=t["step"], attention_s=t["step"] - t["no_attention"],
+               moe_s=t["step"] - t["no_moe"], other_s=t["no_attention_no_moe"],
+               floor_bytes=floor_bytes, floor_s=floor_bytes / bw,
+               step_over_floor=t["step"] / (floor_bytes / bw))
+    if FLAGS.host:
+      row["engine_step_s"] = host_overhead(cfg, params, b, impl)
+      row["host_s"] = row["engine_step_s"] - t["step"]
+    rows.append(row)
+  result = dict(model=FLAGS.model, config=cfg.display_name, platform=jax.default_backend(),
+                device=jax.devices()[0].device_kind, kernels=FLAGS.kernels,
+                context=FLAGS.context, copy_bytes_per_s=bw, rows=rows)
+  print(f"{result['config']} on {result['device']} ({result['platform']}), kernels="
+        f"{FLAGS.kernels}, context {FLAGS.context}, copy bandwidth {bw / 1e9:.1f} GB/s")
+  print(f"{'batch':>5} {'step ms':>8} {'attn ms':>8} {'moe ms':>8} {'other ms':>9} "
+        f"{'host ms':>8} {'floor ms':>9} {'step/floor':>10}")
+  for r in rows:
+    print(f"{r['batch']:>5} {1e3 * r['step_s']:>8.3f} {1e3 * r['attention_s']:>8.3f} "
+          f"{1e3 * r['moe_s']:>8.3f} {1e3 * r['other_s']:>9.3f} "
+          f"{1e3 * r.get('host_s', float('nan')):>8.3f} {1e3 * r['floor_s']:>9.3f} "
+          f"{r['step_over_floor']:>10.1f}")
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as fh:
+      json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
