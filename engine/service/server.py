@@ -182,6 +182,16 @@ def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
   return resp
 
 
+def read_api_keys(path: str) -> frozenset[str]:
+  """One key per line; blank lines and `#` comments are ignored."""
+  with open(path) as fh:
+    keys = frozenset(line.strip() for line in fh
+                     if line.strip() and not line.lstrip().startswith("#"))
+  if not keys:
+    raise ValueError(f"api_keys_file: {path} holds no keys")
+  return keys
+
+
 class _Rejected(Exception):
   def __init__(self, code: grpc.StatusCode, message: str):
     super().__init__(message)
@@ -517,13 +527,20 @@ class BackgroundServer:
   """
 
   def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(port=0),
-               metrics_port: int | None = None):
+               metrics_port: int | None = None, wait_ready: bool = True):
     self.loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self.loop.run_forever, name="moejax-grpc",
                                     daemon=True)
     self._thread.start()
     self.server = InferenceServer(engine, config)
-    self.port = self.call(self.server.start(metrics_port))
+    self.starting = asyncio.run_coroutine_threadsafe(self.server.start(metrics_port), self.loop)
+    if wait_ready:
+      self.starting.result(600)
+
+  @property
+  def port(self) -> int | None:
+    """The bound port (known before warm-up ends)."""
+    return self.server.port
 
   def call(self, coro: Any, timeout: float | None = 300) -> Any:
     """Runs a coroutine on the server's loop and waits for its result."""
