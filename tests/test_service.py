@@ -8,9 +8,12 @@ server runs at a time: each owns the engine's stepping thread.
 import asyncio
 import collections
 import contextlib
+import json
 import math
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -24,6 +27,7 @@ import engine as moejax
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
+from engine.service import bench
 from engine.service import server as server_module
 from engine.service.client import AsyncInferenceClient, InferenceClient, build_request
 from engine.service.reasoning import ReasoningConfig
@@ -488,3 +492,48 @@ def test_reasoning_parser_splits_deltas(serve, eng, demo):
   assert reasoning and answer and reasoning + answer == demo.decode(free)
   timings = chunks[-1].final.timings
   assert 0 < timings.time_to_first_answer_token_s <= timings.e2e_s
+
+
+# ---- command-line client and benchmark -----------------------------------------------------------
+
+
+def _run_module(*args):
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_client_and_bench_command_lines(serve, eng):
+  bg = serve()
+  done = _run_module("engine.client", f"--target={target(bg)}", f"--prompt={PROMPT}",
+                     "--max_tokens=12", "--ignore_eos", "--json")
+  assert done.returncode == 0, done.stderr
+  out = json.loads(done.stdout.strip().splitlines()[-1])
+  want = eng.generate([PROMPT], stop=StopParams(max_tokens=12, ignore_eos=True))[0]
+  assert out["token_ids"] == want.output_ids and out["text"] == want.text
+  assert out["finish_reason"] == "length"
+  bad = _run_module("engine.client", f"--target={target(bg)}", "--prompt_ids=1,99999")
+  assert bad.returncode == 1 and "INVALID_ARGUMENT: token_ids.ids" in bad.stderr
+  bench = _run_module("engine.bench", f"--target={target(bg)}", "--num_prompts=6",
+                      "--concurrency=3", "--dataset=shared_prefix", "--output_len=8",
+                      "--input_len=16", "--prefix_len=32", "--num_prefixes=1")
+  assert bench.returncode == 0, bench.stderr
+  summary = json.loads(bench.stdout.strip().splitlines()[-1])
+  assert summary["completed"] == 6 and summary["failed"] == 0
+  assert summary["prefix_cache_hit_rate"] > 0 and summary["ttft_ms"]["p50"] > 0
+  assert "TTFT" in bench.stdout and "requests/s" in bench.stdout
+
+
+def test_bench_datasets(serve, eng):
+  bg = serve()
+  for name in ("random", "multi_turn"):
+    convs = bench.make_dataset(name, 8, vocab_size=8192, max_model_len=128, input_len=16,
+                               output_len=8, num_turns=4, seed=1)
+    assert sum(len(c.turns) for c in convs) == 8
+    results, duration = asyncio.run(bench.run_benchmark(target(bg), convs, concurrency=4,
+                                                        request_rate=200.0, seed=1))
+    summary = bench.summarize(results, duration)
+    assert summary["completed"] == 8 and summary["output_tokens"] > 8
+    assert summary["e2el_ms"]["max"] >= summary["ttft_ms"]["max"] > 0
+    if name == "multi_turn":  # follow-up turns reuse the conversation's cached pages
+      assert summary["prefix_cache_hit_rate"] > 0.2
+    assert "E2EL" in bench.format_table(summary)

@@ -319,13 +319,15 @@ class InferenceServer:
             f"prefix_hits={s['prefix_cache_hits']}/{s['prefix_cache_queries']}")
 
   async def _stats_loop(self) -> None:
-    last_log = time.monotonic()
+    last_log, last_line = time.monotonic(), ""
     while True:
       self._sample_throughput()
       interval = self.config.stats_log_interval_s
       if interval and time.monotonic() - last_log >= interval:
-        last_log = time.monotonic()
-        logging.info("[moejax] %s", self.stats_line())
+        last_log, line = time.monotonic(), self.stats_line()
+        if line != last_line:  # an idle server stays quiet
+          logging.info("[moejax] %s", line)
+        last_line = line
       await asyncio.sleep(1.0)
 
   # ---- admission -----------------------------------------------------------------------------
