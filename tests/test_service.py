@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -537,3 +538,17 @@ def test_bench_datasets(serve, eng):
     if name == "multi_turn":  # follow-up turns reuse the conversation's cached pages
       assert summary["prefix_cache_hit_rate"] > 0.2
     assert "E2EL" in bench.format_table(summary)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
+def test_tls(serve, tmp_path):
+  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                  str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                  "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                 check=True, capture_output=True)
+  bg = serve(tls_cert=str(cert), tls_key=str(key))
+  with InferenceClient(f"localhost:{bg.port}", root_certificates=cert.read_bytes()) as client:
+    assert client.generate(PROMPT, max_tokens=3).completion_tokens == 3
+  with InferenceClient(target(bg), timeout=5) as plaintext:
+    assert status_of(lambda: plaintext.generate(PROMPT))[0] == grpc.StatusCode.UNAVAILABLE
