@@ -13,6 +13,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -552,3 +553,31 @@ def test_tls(serve, tmp_path):
     assert client.generate(PROMPT, max_tokens=3).completion_tokens == 3
   with InferenceClient(target(bg), timeout=5) as plaintext:
     assert status_of(lambda: plaintext.generate(PROMPT))[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_serve_command_line_starts_serves_and_drains_on_sigterm():
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "engine.serve", "--port=0", "--host=127.0.0.1",
+       "--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=64",
+       "--max_decode_steps=2", "--drain_timeout_s=5"],
+      cwd=REPO, stderr=subprocess.PIPE, text=True)
+  try:
+    lines = []
+    for line in proc.stderr:
+      lines.append(line)
+      if "ready:" in line:
+        break
+    ready = [l for l in lines if "ready:" in l]
+    assert ready, "".join(lines)
+    port = int(ready[0].split("127.0.0.1:")[1].split()[0])
+    assert any("binding" in l for l in lines)
+    with InferenceClient(f"127.0.0.1:{port}") as client:
+      assert client.health() == "SERVING"
+      assert client.model_info().model_name == "target"
+      assert client.generate(PROMPT, max_tokens=4).completion_tokens == 4
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == 0 and "stopped" in rest
+  finally:
+    if proc.poll() is None:
+      proc.kill()
