@@ -134,12 +134,12 @@ class EngineLoop:
         self._fail_all(f"{type(e).__name__}: {e}")
         continue
       for out in outputs:
+        if out.finished:  # before delivery: the client may reuse the id as soon as it reads
+          self.engine.release(out.request_id)
         with self._lock:
           deliver = self._subscribers.get(out.request_id)
         if deliver is not None:
           deliver(out)
-        if out.finished:
-          self.engine.release(out.request_id)
 
   def _fail_all(self, message: str) -> None:
     with self._lock:
@@ -212,7 +212,7 @@ class InferenceServer:
     self.state = "created"  # -> starting -> serving -> draining -> stopped
     self.port: int | None = None
     self._server: grpc.aio.Server | None = None
-    self._drain_aborted: set[str] = set()
+    self.drain_aborted: set[str] = set()  # streams to end UNAVAILABLE, not ABORT
     self._tasks: list[asyncio.Task] = []
     self._throughput: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=11)
     self._metrics_http: Any = None
@@ -271,7 +271,7 @@ class InferenceServer:
     if late:
       logging.warning("drain timeout: ending %d requests with UNAVAILABLE", len(late))
     for rid in late:
-      self._drain_aborted.add(rid)
+      self.drain_aborted.add(rid)
       self.engine.abort(rid)
     self.engine_loop.wake()
     for _ in range(250):  # the aborted streams end at the engine thread's next step
@@ -418,7 +418,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if isinstance(item, EngineFailure):
           failed = True
           await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: {item.message}")
-        if item.finish_reason == FINISH_ABORT and rid in srv._drain_aborted:
+        if item.finish_reason == FINISH_ABORT and rid in srv.drain_aborted:
           failed = True
           await context.abort(grpc.StatusCode.UNAVAILABLE,
                               f"request {rid}: server shut down before it finished")
@@ -441,11 +441,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
           await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: internal error")
         if item.finished:
           finished = True
+          srv.engine_loop.unsubscribe(rid)  # the id is free once the client has the final
           metrics.observe_finished(item.finish_reason, item.timings)
         yield response
     finally:
       srv.engine_loop.unsubscribe(rid)
-      srv._drain_aborted.discard(rid)
+      srv.drain_aborted.discard(rid)
       if not finished:
         # Cancelled, deadline passed, or failed: end the request once and free its pages.
         if engine.abort(rid) and not failed:
