@@ -338,6 +338,8 @@ def test_overload_is_resource_exhausted_and_admitted_requests_complete(serve, en
       else:
         code, details = status_of(lambda: next(stream))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and expect in details
+    load = client.server_load()
+    assert (load.num_requests_waiting, load.num_waiting_tokens) == (3, 85)
     # Oversize messages are refused by gRPC itself.
     code, _ = status_of(lambda: client.generate("x" * (100 << 10)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED

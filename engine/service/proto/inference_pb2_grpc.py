@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class InferenceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation over one model replica (continuous batching, prefix cache, paged KV cache).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -68,7 +69,8 @@ class InferenceStub:
 
 
 class InferenceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation over one model replica (continuous batching, prefix cache, paged KV cache).
+    """
 
     def Generate(self, request, context):
         """Streams deltas; the last message carries `final`. Cancelling the call aborts the request.
@@ -150,7 +152,8 @@ def add_InferenceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Inference:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation over one model replica (continuous batching, prefix cache, paged KV cache).
+    """
 
     @staticmethod
     def Generate(request,
