@@ -2,7 +2,8 @@
 
 One warm Engine over the bundled demo model (it has a tokenizer) is shared by the module; each
 test starts its own server around it (cheap: no warm-up) so configurations can differ. Only one
-server runs at a time: each owns the engine's stepping thread.
+server runs at a time, and direct `eng.generate` references are computed before it starts: the
+server's engine thread must be the only caller of `step()`.
 """
 
 import asyncio
@@ -120,7 +121,6 @@ def random_ids(rng, lo=1, hi=60):
 
 
 def test_stream_equals_the_engines_direct_output(serve, eng, demo):
-  bg = serve()
   cases = [(PROMPT, SamplingParams(), StopParams(max_tokens=24, ignore_eos=True)),
            ([1, 70, 80, 90, 100], SamplingParams(temperature=0.8, top_p=0.9, seed=3),
             StopParams(max_tokens=20)),
@@ -131,6 +131,7 @@ def test_stream_equals_the_engines_direct_output(serve, eng, demo):
   stop_str = want[0].text[10:13]
   stopped = eng.generate([PROMPT], SamplingParams(), StopParams(max_tokens=24, stop=(stop_str,),
                                                                 ignore_eos=True))[0]
+  bg = serve()  # after the direct runs: the server's thread then owns the engine's steps
   with InferenceClient(target(bg)) as client:
     for (p, s, t), ref in zip(cases, want):
       got = client.generate(p, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -507,12 +508,12 @@ def _run_module(*args):
 
 
 def test_client_and_bench_command_lines(serve, eng):
+  want = eng.generate([PROMPT], stop=StopParams(max_tokens=12, ignore_eos=True))[0]
   bg = serve()
   done = _run_module("engine.client", f"--target={target(bg)}", f"--prompt={PROMPT}",
                      "--max_tokens=12", "--ignore_eos", "--json")
   assert done.returncode == 0, done.stderr
   out = json.loads(done.stdout.strip().splitlines()[-1])
-  want = eng.generate([PROMPT], stop=StopParams(max_tokens=12, ignore_eos=True))[0]
   assert out["token_ids"] == want.output_ids and out["text"] == want.text
   assert out["finish_reason"] == "length"
   bad = _run_module("engine.client", f"--target={target(bg)}", "--prompt_ids=1,99999")
