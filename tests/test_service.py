@@ -464,9 +464,10 @@ def test_internal_errors_fail_only_their_request(serve, eng, monkeypatch):
 
 def test_metrics_endpoint(serve, eng):
   bg = serve(metrics_port=0)
+  hits = eng.pool.prefix_hits
   with InferenceClient(target(bg)) as client:
-    for _ in range(2):
-      client.generate(PROMPT, max_tokens=8, ignore_eos=True)
+    for _ in range(2):  # the second run finds the first's full page (16 tokens) cached
+      client.generate(list(range(100, 120)), max_tokens=8, ignore_eos=True)
   url = f"http://127.0.0.1:{bg.server.metrics_port}/metrics"
   text = urllib.request.urlopen(url, timeout=10).read().decode()
   for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -479,6 +480,8 @@ def test_metrics_endpoint(serve, eng):
   assert 'moejax:request_success_total{finished_reason="length"} 2.0' in text
   assert "moejax:e2e_request_latency_seconds_count 2.0" in text
   assert "running=0 waiting=0" in bg.server.stats_line()
+  assert eng.pool.prefix_hits - hits == 1
+  assert f"moejax:prefix_cache_hits_total {16.0 * eng.pool.prefix_hits}" in text  # tokens
 
 
 def test_reasoning_parser_splits_deltas(serve, eng, demo):

@@ -29,10 +29,12 @@ ENGINE_COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens admitted."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),
     "num_preemptions": ("num_preemptions", "Requests preempted (pages released, recomputed)."),
-    "prefix_cache_queries": ("prefix_cache_queries", "Full prompt pages looked up in the prefix "
-                             "cache."),
-    "prefix_cache_hits": ("prefix_cache_hits", "Full prompt pages served by the prefix cache."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                             "cache (full pages only)."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
 }
+# The pool counts prefix-cache lookups in pages; vLLM's counters are in tokens.
+PAGE_COUNTED = ("prefix_cache_queries", "prefix_cache_hits")
 # Speculative decoding has not landed: exported as zeros so dashboards can be built now.
 SPEC_COUNTERS = {
     "spec_decode_num_drafts": "Draft proposals.",
@@ -44,15 +46,17 @@ SPEC_COUNTERS = {
 class _EngineCollector:
   """Reads the engine's gauges and counters at scrape time."""
 
-  def __init__(self, stats: Callable[[], dict[str, Any]]):
+  def __init__(self, stats: Callable[[], dict[str, Any]], page_size: int):
     self._stats = stats
+    self._page_size = page_size
 
   def collect(self) -> Iterator[Any]:
     s = self._stats()
     for key, (name, doc) in ENGINE_GAUGES.items():
       yield GaugeMetricFamily(PREFIX + name, doc, value=float(s[key]))
     for key, (name, doc) in ENGINE_COUNTERS.items():
-      yield CounterMetricFamily(PREFIX + name, doc, value=float(s[key]))
+      scale = self._page_size if key in PAGE_COUNTED else 1
+      yield CounterMetricFamily(PREFIX + name, doc, value=float(s[key] * scale))
     for name, doc in SPEC_COUNTERS.items():
       yield CounterMetricFamily(PREFIX + name, doc, value=float(s.get(name, 0)))
 
@@ -60,9 +64,9 @@ class _EngineCollector:
 class ServingMetrics:
   """The server's metric registry."""
 
-  def __init__(self, engine_stats: Callable[[], dict[str, Any]]):
+  def __init__(self, engine_stats: Callable[[], dict[str, Any]], page_size: int):
     self.registry = CollectorRegistry()
-    self.registry.register(_EngineCollector(engine_stats))
+    self.registry.register(_EngineCollector(engine_stats, page_size))
     r = self.registry
     self.request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
                                    ["finished_reason"], registry=r)

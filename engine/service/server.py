@@ -203,7 +203,7 @@ class InferenceServer:
 
   def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
     self.engine, self.config = engine, config
-    self.metrics = ServingMetrics(engine.stats)
+    self.metrics = ServingMetrics(engine.stats, engine.config.page_size)
     self.health = grpc_health.aio.HealthServicer()
     self.engine_loop = EngineLoop(engine)
     self.limits = validation.RequestLimits(
