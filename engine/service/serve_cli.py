@@ -58,6 +58,9 @@ flags.DEFINE_integer("max_queue_requests", 256, "Waiting requests before RESOURC
 flags.DEFINE_integer("max_queue_tokens", 1 << 18, "Waiting prompt tokens before "
                      "RESOURCE_EXHAUSTED.")
 flags.DEFINE_integer("max_message_bytes", 4 << 20, "Largest request message.")
+flags.DEFINE_integer("keepalive_time_ms", 30_000, "Server keepalive ping period.")
+flags.DEFINE_integer("keepalive_timeout_ms", 10_000, "Close a connection whose ping goes "
+                     "unanswered this long.")
 flags.DEFINE_float("stats_log_interval_s", 10.0, "One-line stats log period (0: off).")
 flags.DEFINE_integer("think_start_token_id", None, "Reasoning parser: think-start token id.")
 flags.DEFINE_integer("think_end_token_id", None, "Reasoning parser: think-end token id.")
@@ -90,6 +93,7 @@ def server_config() -> ServerConfig:
       drain_timeout_s=FLAGS.drain_timeout_s,
       api_keys=read_api_keys(FLAGS.api_keys_file) if FLAGS.api_keys_file else frozenset(),
       tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_message_bytes=FLAGS.max_message_bytes,
+      keepalive_time_ms=FLAGS.keepalive_time_ms, keepalive_timeout_ms=FLAGS.keepalive_timeout_ms,
       stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning)
 
 
