@@ -34,7 +34,8 @@ from engine.service import bench
 from engine.service import server as server_module
 from engine.service.client import AsyncInferenceClient, InferenceClient, build_request
 from engine.service.reasoning import ReasoningConfig
-from engine.service.server import BackgroundServer, ServerConfig, read_api_keys
+from engine.service.background import BackgroundServer
+from engine.service.server import ServerConfig, read_api_keys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(REPO, "checkpoints", "demo", "target")
@@ -292,6 +293,7 @@ def test_cancelled_streams_abort_once_and_free_pages(serve, eng, monkeypatch):
           *[one(i, *plan) for i, plan in enumerate(plans)]), timeout=120)
 
   outcomes = asyncio.run(run())
+  bg.call(bg.server.call_engine(lambda: None))  # aborts of ended streams are queued before this
   assert set(outcomes) <= {"finished", "cancelled", "DEADLINE_EXCEEDED", "CANCELLED"}
   assert outcomes.count("finished") >= sum(kind == "complete" for kind, _, _ in plans)
   assert outcomes.count("cancelled") > 20 and outcomes.count("DEADLINE_EXCEEDED") > 10
@@ -350,6 +352,31 @@ def test_overload_is_resource_exhausted_and_admitted_requests_complete(serve, en
       assert chunks[-1].final.finish_reason == 2 and sum(len(c.token_ids) for c in chunks) == 8
   rejected = bg.server.metrics.request_rejected.labels(code="RESOURCE_EXHAUSTED")._value.get()
   assert rejected == 2
+
+
+def test_event_loop_stays_responsive_while_a_step_holds_the_engine(serve, eng, monkeypatch):
+  bg = serve()
+  gate, step = threading.Event(), eng.step
+
+  def slow_step():  # holds the engine's lock, as a long device step does
+    with eng._lock:
+      gate.wait()
+      return step()
+
+  monkeypatch.setattr(eng, "step", slow_step)
+  with InferenceClient(target(bg), timeout=5) as client:
+    try:
+      first = client.stream(PROMPT, max_tokens=4)
+      wait_until(lambda: not eng._lock.acquire(blocking=False) or eng._lock.release(),
+                 what="step holding the lock")
+      second = client.stream(PROMPT, max_tokens=4)  # its admission waits for the lock ...
+      t0 = time.monotonic()
+      assert client.health() == "SERVING"  # ... but the event loop does not
+      assert client.model_info().vocab_size == 8192
+      assert time.monotonic() - t0 < 2
+    finally:
+      gate.set()
+    assert [c.final.usage.completion_tokens for c in (list(first)[-1], list(second)[-1])] == [4, 4]
 
 
 # ---- lifecycle, auth, errors -------------------------------------------------------------------

@@ -11,12 +11,18 @@ aborts the request once, which frees its pages at once.
 Lifecycle: health is NOT_SERVING until warm-up ends; `drain()` flips it back, refuses new
 requests with UNAVAILABLE, lets in-flight ones finish for `drain_timeout_s`, ends the rest with
 UNAVAILABLE, then stops.
+
+`Engine.add_request` and `abort` take the engine's lock, which `step()` holds for a whole device
+step; the event loop never calls them. They run, in order, on one `engine_calls` thread, so a
+step delays only the admission or abort that waits for it, not every stream; being one FIFO
+thread also keeps queue-cap check + add atomic, and an abort after its add.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import hmac
 import threading
@@ -113,9 +119,14 @@ class EngineLoop:
       self._subscribers[request_id] = deliver
       return True
 
-  def unsubscribe(self, request_id: str) -> None:
+  def unsubscribe(self, request_id: str, deliver: Callable[[Any], None] | None = None) -> bool:
+    """Removes the subscription (only if it is `deliver`'s, when given); True if removed."""
     with self._lock:
-      self._subscribers.pop(request_id, None)
+      if request_id not in self._subscribers or deliver not in (
+          None, self._subscribers[request_id]):
+        return False
+      del self._subscribers[request_id]
+      return True
 
   def subscribed(self) -> list[str]:
     with self._lock:
@@ -216,6 +227,8 @@ class InferenceServer:
     self._tasks: list[asyncio.Task] = []
     self._throughput: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=11)
     self._metrics_http: Any = None
+    self.engine_calls = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="moejax-engine-calls")
 
   # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -272,7 +285,7 @@ class InferenceServer:
       logging.warning("drain timeout: ending %d requests with UNAVAILABLE", len(late))
     for rid in late:
       self.drain_aborted.add(rid)
-      self.engine.abort(rid)
+    await self.call_engine(lambda: [self.engine.abort(rid) for rid in late])
     self.engine_loop.wake()
     for _ in range(250):  # the aborted streams end at the engine thread's next step
       if not self.engine_loop.subscribed():
@@ -288,6 +301,7 @@ class InferenceServer:
       task.cancel()
     if self._server is not None:
       await self._server.stop(grace_s)
+    await asyncio.to_thread(self.engine_calls.shutdown, True)  # pending aborts run first
     self.engine_loop.stop()
     if self._metrics_http is not None:
       self._metrics_http.shutdown()
@@ -295,6 +309,41 @@ class InferenceServer:
   async def wait(self) -> None:
     if self._server is not None:
       await self._server.wait_for_termination()
+
+  # ---- calls into the engine (off the event loop) ----------------------------------------------
+
+  async def call_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs fn(*args) on the engine-calls thread, after every call submitted before it."""
+    return await asyncio.get_running_loop().run_in_executor(self.engine_calls, fn, *args)
+
+  def submit_engine_call(self, fn: Callable[..., Any], *args: Any) -> None:
+    """Fire and forget (for `finally` blocks of cancelled streams, which must not wait)."""
+    try:
+      self.engine_calls.submit(fn, *args)
+    except RuntimeError:  # shut down: the server is stopping, run it here
+      fn(*args)
+
+  def admit(self, parsed: validation.ParsedRequest, rid: str,
+            deliver: Callable[[Any], None]) -> None:
+    """Queue caps, subscription, `Engine.add_request` (on the engine-calls thread)."""
+    self.check_capacity(len(parsed.prompt_ids))
+    if not self.engine_loop.subscribe(rid, deliver):
+      raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in use")
+    try:
+      self.engine.add_request(parsed.prompt_ids, parsed.sampling, parsed.stop, rid)
+    except ValueError as e:
+      self.engine_loop.unsubscribe(rid)
+      raise _Rejected(grpc.StatusCode.ALREADY_EXISTS if str(e).startswith("request_id")
+                      else grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    self.engine_loop.wake()
+
+  def end_stream(self, rid: str, deliver: Callable[[Any], None], client_abort: bool) -> None:
+    """A stream ended before its request: abort it once (frees its pages). Only the stream
+    that owns the subscription may abort, so a rejected duplicate id cannot end the original."""
+    if self.engine_loop.unsubscribe(rid, deliver):
+      if self.engine.abort(rid) and client_abort:
+        self.metrics.client_aborts.inc()
+      self.engine_loop.wake()
 
   # ---- load and stats ------------------------------------------------------------------------
 
@@ -321,10 +370,10 @@ class InferenceServer:
   async def _stats_loop(self) -> None:
     last_log, last_line = time.monotonic(), ""
     while True:
-      self._sample_throughput()
+      await self.call_engine(self._sample_throughput)
       interval = self.config.stats_log_interval_s
       if interval and time.monotonic() - last_log >= interval:
-        last_log, line = time.monotonic(), self.stats_line()
+        last_log, line = time.monotonic(), await self.call_engine(self.stats_line)
         if line != last_line:  # an idle server stays quiet
           logging.info("[moejax] %s", line)
         last_line = line
@@ -376,7 +425,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     try:
       srv.check_api_key(context)
       parsed = validation.parse_generate(request, engine.tokenizer, srv.limits)
-      srv.check_capacity(len(parsed.prompt_ids))
     except validation.FieldError as e:
       await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
     except _Rejected as e:
@@ -391,21 +439,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
       except RuntimeError:  # the event loop has closed (server stopped): nobody is listening
         pass
 
-    if not srv.engine_loop.subscribe(rid, deliver):
-      await self._reject(context, _Rejected(grpc.StatusCode.ALREADY_EXISTS,
-                                            f"request_id: {rid!r} is already in use"))
     try:
-      engine.add_request(parsed.prompt_ids, parsed.sampling, parsed.stop, rid)
-    except ValueError as e:
-      srv.engine_loop.unsubscribe(rid)
-      code = (grpc.StatusCode.ALREADY_EXISTS if str(e).startswith("request_id")
-              else grpc.StatusCode.INVALID_ARGUMENT)
-      await self._reject(context, _Rejected(code, str(e)))
-    srv.engine_loop.wake()
-    async for response in self._stream(rid, queue, context):
+      await srv.call_engine(srv.admit, parsed, rid, deliver)
+    except _Rejected as e:
+      await self._reject(context, e)
+    except asyncio.CancelledError:  # cancelled while admitted: the abort queues after the add
+      srv.submit_engine_call(srv.end_stream, rid, deliver, True)
+      raise
+    async for response in self._stream(rid, queue, deliver, context):
       yield response
 
-  async def _stream(self, rid: str, queue: asyncio.Queue, context: grpc.aio.ServicerContext):
+  async def _stream(self, rid: str, queue: asyncio.Queue, deliver: Callable[[Any], None],
+                    context: grpc.aio.ServicerContext):
     srv, engine, metrics = self.srv, self.engine, self.srv.metrics
     reasoning = (ReasoningState(srv.config.reasoning, engine.tokenizer)
                  if srv.config.reasoning is not None else None)
@@ -445,20 +490,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
           metrics.observe_finished(item.finish_reason, item.timings)
         yield response
     finally:
-      srv.engine_loop.unsubscribe(rid)
       srv.drain_aborted.discard(rid)
-      if not finished:
-        # Cancelled, deadline passed, or failed: end the request once and free its pages.
-        if engine.abort(rid) and not failed:
-          metrics.client_aborts.inc()
-        srv.engine_loop.wake()
+      if not finished:  # cancelled, deadline passed, or failed: end the request once
+        srv.submit_engine_call(srv.end_stream, rid, deliver, not failed)
 
   async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
     try:
       self.srv.check_api_key(context)
     except _Rejected as e:
       await self._reject(context, e)
-    aborted = self.engine.abort(request.request_id)
+    aborted = await self.srv.call_engine(self.engine.abort, request.request_id)
     self.srv.engine_loop.wake()
     return pb.AbortResponse(aborted=aborted)
 
@@ -489,8 +530,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
       self.srv.check_api_key(context)
     except _Rejected as e:
       await self._reject(context, e)
-    s = self.engine.stats()
-    queued = self.engine.queue_load()
+    s, queued = await self.srv.call_engine(lambda: (self.engine.stats(),
+                                                    self.engine.queue_load()))
     prompt_tps, gen_tps = self.srv.throughput()
     return pb.ServerLoad(
         num_requests_running=s["num_requests_running"],
@@ -521,42 +562,3 @@ class InferenceServicer(pb_grpc.InferenceServicer):
       await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
     return pb.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=True))
 
-
-class BackgroundServer:
-  """An InferenceServer on its own event-loop thread, for tests and notebooks.
-
-      with BackgroundServer(engine, ServerConfig(port=0)) as bg:
-        client = InferenceClient(f"127.0.0.1:{bg.port}")
-  """
-
-  def __init__(self, engine: Engine, config: ServerConfig = ServerConfig(port=0),
-               metrics_port: int | None = None, wait_ready: bool = True):
-    self.loop = asyncio.new_event_loop()
-    self._thread = threading.Thread(target=self.loop.run_forever, name="moejax-grpc",
-                                    daemon=True)
-    self._thread.start()
-    self.server = InferenceServer(engine, config)
-    self.starting = asyncio.run_coroutine_threadsafe(self.server.start(metrics_port), self.loop)
-    if wait_ready:
-      self.starting.result(600)
-
-  @property
-  def port(self) -> int | None:
-    """The bound port (known before warm-up ends)."""
-    return self.server.port
-
-  def call(self, coro: Any, timeout: float | None = 300) -> Any:
-    """Runs a coroutine on the server's loop and waits for its result."""
-    return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-  def close(self) -> None:
-    if self.loop.is_running():
-      self.call(self.server.stop())
-      self.loop.call_soon_threadsafe(self.loop.stop)
-      self._thread.join()
-
-  def __enter__(self) -> "BackgroundServer":
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self.close()
