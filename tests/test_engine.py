@@ -109,6 +109,8 @@ def test_prefix_cache_follow_up_turn_computes_only_new_tokens(eng):
 def test_abort_frees_pages_at_once(eng):
   ps = prompts(3, seed=8, lo=30, hi=40)
   ids = [eng.add_request(p, stop=StopParams(max_tokens=50)) for p in ps]
+  queued = eng.queue_load()
+  assert (queued.requests, queued.tokens) == (3, sum(map(len, ps)))
   eng.step()
   eng.step()
   held = eng.pool.num_pages - 1 - eng.pool.num_free
@@ -140,6 +142,7 @@ def test_stop_ids_min_tokens_and_streamed_deltas(eng):
   first = free.index(stop_tok)
   r = eng.generate([p], stop=StopParams(max_tokens=16, stop_token_ids=(stop_tok,)))[0]
   assert r.output_ids == free[:first + 1] and r.finish_reason == "stop"
+  assert r.stop_reason == stop_tok
   r = eng.generate([p], stop=StopParams(max_tokens=16, stop_token_ids=(stop_tok,),
                                         min_tokens=first + 2))[0]
   assert len(r.output_ids) > first + 1
@@ -234,6 +237,7 @@ def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   outs = [o for o in e.run() if o.request_id == rid]
   assert "".join(o.text_delta for o in outs) == free.text[:cut]
   assert outs[-1].finish_reason == "stop" and e.requests[rid].text == free.text[:cut]
+  assert outs[-1].stop_reason == stop_str
   assert_pool_full(e)
   counter.__exit__()
   assert counter.count == 0

@@ -60,6 +60,12 @@ class EngineConfig:
   kernels: KernelChoice = REFERENCE
 
 
+@dataclasses.dataclass(frozen=True)
+class QueueLoad:
+  requests: int  # waiting (not running) requests
+  tokens: int  # their tokens not yet in the cache
+
+
 def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -330,6 +336,7 @@ class Engine:
       self.counters["generation_tokens"] += 1
       n = len(req.output_ids)
       if tok in req.stop_ids and n >= req.stop.min_tokens:
+        req.stop_reason = tok
         return FINISH_STOP
       if self._stop_string_hit(req):
         return FINISH_STOP
@@ -351,6 +358,7 @@ class Engine:
     if not hits:
       return False
     i, s = min(hits)
+    req.stop_reason = s
     req.text = text[:i + len(s)] if req.stop.include_stop_str_in_output else text[:i]
     return True
 
@@ -373,7 +381,7 @@ class Engine:
     return RequestOutput(request_id=req.request_id, new_token_ids=list(new_ids),
                          text_delta=delta, finished=req.finished,
                          finish_reason=req.finish_reason, usage=req.usage(),
-                         timings=req.timings)
+                         timings=req.timings, stop_reason=req.stop_reason)
 
   # ---- conveniences --------------------------------------------------------------------------
 
@@ -423,6 +431,12 @@ class Engine:
   def save_traffic_stats(self) -> None:
     if self.config.traffic_stats_path:
       self.traffic.save(self.config.traffic_stats_path)
+
+  def queue_load(self) -> QueueLoad:
+    """The waiting queue's size, for admission control."""
+    with self._lock:
+      return QueueLoad(requests=len(self.scheduler.waiting),
+                       tokens=sum(r.num_uncomputed for r in self.scheduler.waiting))
 
   def stats(self) -> dict[str, Any]:
     """Gauges and counters for metrics endpoints."""

@@ -90,6 +90,7 @@ class Request:
   cached_tokens: int | None = None
   num_preemptions: int = 0
   finish_reason: str | None = None
+  stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))
   # Host-side detokenisation state (engine-owned).
   text: str = ""
@@ -132,6 +133,7 @@ class RequestOutput:
   finish_reason: str | None  # "stop", "length", "abort" once finished
   usage: Usage
   timings: Timings
+  stop_reason: str | int | None = None  # with finish "stop": the stop string or token id
 
 
 def stop_ids_for(stop: StopParams, eos_ids: Sequence[int]) -> tuple[int, ...]:

@@ -1,0 +1,94 @@
+"""Streams a generation from a running server.
+
+    python -m engine.client --prompt="def fib(n):" --max_tokens=64
+    python -m engine.client --target=HOST:PORT --prompt_ids=1,5,6 --json
+    python -m engine.client --info                                # model info and server load
+
+Text is printed as it streams; timings go to stderr. `--json` prints one JSON object with ids,
+text, finish reason, matched stop, usage and server timings. The API key comes from
+--api_key or $MOEJAX_API_KEY. Errors print the gRPC status and exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import grpc
+from absl import flags
+from google.protobuf import json_format
+
+from engine.service.client import Completion, InferenceClient, build_request
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "127.0.0.1:50051", "Server address HOST:PORT.")
+flags.DEFINE_string("prompt", None, "Prompt text.")
+flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
+flags.DEFINE_string("request_id", "", "Request id (default: assigned by the server).")
+flags.DEFINE_integer("max_tokens", None, "Tokens to generate (server default 64).")
+flags.DEFINE_integer("min_tokens", None, "Stops are not honoured before this many tokens.")
+flags.DEFINE_float("temperature", None, "0 is greedy (server default).")
+flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens (0: off).")
+flags.DEFINE_float("top_p", None, "Nucleus mass (1: off).")
+flags.DEFINE_float("min_p", None, "Drop tokens below min_p * p(most likely).")
+flags.DEFINE_integer("seed", None, "Sampling seed.")
+flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
+flags.DEFINE_multi_integer("stop_token_id", [], "Stop token id (repeatable).")
+flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
+flags.DEFINE_string("api_key", None, "API key (default: $MOEJAX_API_KEY).")
+flags.DEFINE_bool("tls", False, "Use TLS (system roots, or --ca_cert).")
+flags.DEFINE_string("ca_cert", None, "PEM root certificate for TLS.")
+flags.DEFINE_float("timeout_s", None, "Deadline for the whole call.")
+flags.DEFINE_bool("json", False, "Print one JSON object instead of streaming text.")
+flags.DEFINE_bool("info", False, "Print GetModelInfo and GetServerLoad, then exit.")
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  roots = None
+  if FLAGS.ca_cert:
+    with open(FLAGS.ca_cert, "rb") as fh:
+      roots = fh.read()
+  client = InferenceClient(FLAGS.target, api_key=FLAGS.api_key or
+                           os.environ.get("MOEJAX_API_KEY"), tls=FLAGS.tls,
+                           root_certificates=roots, timeout=FLAGS.timeout_s)
+  try:
+    if FLAGS.info:
+      for msg in (client.model_info(), client.server_load()):
+        print(json.dumps(json_format.MessageToDict(msg), indent=1))
+      return 0
+    if (FLAGS.prompt is None) == (FLAGS.prompt_ids is None):
+      raise SystemExit("give exactly one of --prompt or --prompt_ids")
+    try:
+      prompt = FLAGS.prompt if FLAGS.prompt is not None else [
+          int(x) for x in FLAGS.prompt_ids.split(",") if x.strip()]
+    except ValueError:
+      raise SystemExit(f"--prompt_ids must be comma-separated integers: {FLAGS.prompt_ids!r}")
+    request = build_request(
+        prompt, request_id=FLAGS.request_id, stop=FLAGS.stop,
+        stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos,
+        max_tokens=FLAGS.max_tokens, min_tokens=FLAGS.min_tokens,
+        temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
+        seed=FLAGS.seed)
+    done = Completion(sent_at=time.perf_counter())
+    for chunk in client.stream(request):
+      done.add(chunk)
+      if not FLAGS.json:
+        print(chunk.reasoning_text + chunk.text, end="", flush=True)
+  except grpc.RpcError as e:
+    print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+    return 1
+  finally:
+    client.close()
+  if FLAGS.json:
+    print(json.dumps(done.as_dict()))
+  else:
+    ttft = (done.chunk_times[0] - done.sent_at) if done.chunk_times else 0.0
+    print(f"\n[moejax] {done.completion_tokens} tokens, finish={done.finish_reason}"
+          f"{f' stop={done.stop!r}' if done.stop is not None else ''}, ttft {ttft * 1e3:.0f} ms"
+          f", total {(time.perf_counter() - done.sent_at) * 1e3:.0f} ms, cached prompt tokens "
+          f"{done.cached_tokens}/{done.prompt_tokens}", file=sys.stderr)
+  return 0

@@ -1,0 +1,99 @@
+"""Prometheus metrics for the server (vLLM's names with the `moejax:` prefix).
+
+Engine gauges and counters are read from `Engine.stats()` at scrape time (one source of truth,
+no double counting); per-request histograms (TTFT, inter-token latency, end-to-end, queue time)
+and finish-reason counts are observed by the stream handlers, which see each request's whole
+life. Everything lives in the server's own registry, so several servers in one process (tests)
+do not collide in the global one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "moejax:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+# Engine.stats() key -> (metric name, help). Counters get `_total` appended on export.
+ENGINE_GAUGES = {
+    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0-1)."),
+}
+ENGINE_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens admitted."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "num_preemptions": ("num_preemptions", "Requests preempted (pages released, recomputed)."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                             "cache (full pages only)."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
+}
+# The pool counts prefix-cache lookups in pages; vLLM's counters are in tokens.
+PAGE_COUNTED = ("prefix_cache_queries", "prefix_cache_hits")
+# Speculative decoding has not landed: exported as zeros so dashboards can be built now.
+SPEC_COUNTERS = {
+    "spec_decode_num_drafts": "Draft proposals.",
+    "spec_decode_num_draft_tokens": "Draft tokens proposed.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+}
+
+
+class _EngineCollector:
+  """Reads the engine's gauges and counters at scrape time."""
+
+  def __init__(self, stats: Callable[[], dict[str, Any]], page_size: int):
+    self._stats = stats
+    self._page_size = page_size
+
+  def collect(self) -> Iterator[Any]:
+    s = self._stats()
+    for key, (name, doc) in ENGINE_GAUGES.items():
+      yield GaugeMetricFamily(PREFIX + name, doc, value=float(s[key]))
+    for key, (name, doc) in ENGINE_COUNTERS.items():
+      scale = self._page_size if key in PAGE_COUNTED else 1
+      yield CounterMetricFamily(PREFIX + name, doc, value=float(s[key] * scale))
+    for name, doc in SPEC_COUNTERS.items():
+      yield CounterMetricFamily(PREFIX + name, doc, value=float(s.get(name, 0)))
+
+
+class ServingMetrics:
+  """The server's metric registry."""
+
+  def __init__(self, engine_stats: Callable[[], dict[str, Any]], page_size: int):
+    self.registry = CollectorRegistry()
+    self.registry.register(_EngineCollector(engine_stats, page_size))
+    r = self.registry
+    self.request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                                   ["finished_reason"], registry=r)
+    self.request_rejected = Counter(PREFIX + "request_rejected", "Requests refused before "
+                                    "admission, by gRPC status code.", ["code"], registry=r)
+    self.client_aborts = Counter(PREFIX + "client_aborts", "Requests aborted because the "
+                                 "client cancelled or its deadline passed.", registry=r)
+    self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                          buckets=LATENCY_BUCKETS, registry=r)
+    self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between streamed chunks "
+                         "divided by their tokens.", buckets=LATENCY_BUCKETS, registry=r)
+    self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
+                         buckets=LATENCY_BUCKETS, registry=r)
+    self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first "
+                                "scheduled.", buckets=LATENCY_BUCKETS, registry=r)
+
+  def observe_finished(self, reason: str, timings: Any) -> None:
+    self.request_success.labels(finished_reason=reason).inc()
+    for hist, value in ((self.ttft, timings.ttft_s), (self.e2e, timings.e2e_s),
+                        (self.queue_time, timings.queue_s)):
+      if value is not None:
+        hist.observe(value)
+
+  def text(self) -> str:
+    return generate_latest(self.registry).decode()
+
+  def serve_http(self, port: int, addr: str = "0.0.0.0") -> Any:
+    """Starts the /metrics endpoint in a daemon thread; returns the HTTP server."""
+    httpd, _ = start_http_server(port, addr=addr, registry=self.registry)
+    return httpd

@@ -1,0 +1,144 @@
+"""Launches the gRPC server over a checkpoint.
+
+    python -m engine.serve                                   # the bundled demo model, :50051
+    python -m engine.serve --checkpoint=DIR --port=50051 --max_num_seqs=64 --metrics_port=9090
+    python -m engine.serve --api_keys_file=keys.txt --tls_cert=cert.pem --tls_key=key.pem
+
+Prints where it listens, then "ready" once every shape is compiled (health turns SERVING).
+SIGTERM or Ctrl-C drains: health NOT_SERVING, new requests UNAVAILABLE, in-flight requests get
+--drain_timeout_s to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+
+from absl import flags
+from absl import logging
+
+import checkpoints
+import engine
+from engine.runtime.engine import Engine, EngineConfig
+from engine.service import mesh_flags
+from engine.service.reasoning import ReasoningConfig
+from engine.service.server import InferenceServer, ServerConfig, read_api_keys
+
+# The bundled demo model (generate_cli has the same default; importing it would define its
+# flags here too).
+DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", DEMO_CHECKPOINT, "Orbax (moejax) or Hugging Face checkpoint "
+                    "directory (default: the bundled demo model).")
+flags.DEFINE_string("model_name", None, "Name reported by GetModelInfo (default: the "
+                    "checkpoint directory's name).")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype override.")
+flags.DEFINE_string("host", "0.0.0.0", "Address to bind.")
+flags.DEFINE_integer("port", 50051, "Port to bind (0: any free port).", lower_bound=0)
+flags.DEFINE_integer("max_num_seqs", 16, "Running requests at once.", lower_bound=1)
+flags.DEFINE_integer("max_num_batched_tokens", 256, "Tokens per engine step.", lower_bound=1)
+flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from "
+                     "--kv_cache_memory_fraction on GPU, room for every sequence on CPU).")
+flags.DEFINE_float("kv_cache_memory_fraction", 0.85, "Fraction of free device memory for the "
+                   "KV cache.")
+flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.", lower_bound=1)
+flags.DEFINE_integer("max_model_len", None, "Context length served (default: min(model, 4096)).")
+flags.DEFINE_integer("max_decode_steps", 16, "Decode iterations per device loop.", lower_bound=1)
+flags.DEFINE_string("compilation_cache_dir",
+                    os.path.join(os.path.expanduser("~"), ".cache", "moejax", "jax_cache"),
+                    "JAX persistent compilation cache: a restart loads, not recompiles ('' off).")
+flags.DEFINE_string("traffic_stats_path", None, "Histogram of step shapes: read at start to "
+                    "choose the compiled buckets, written back at shutdown.")
+flags.DEFINE_string("api_keys_file", None, "File with one API key per line: clients must send "
+                    "`authorization: Bearer <key>`.")
+flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key).")
+flags.DEFINE_string("tls_key", None, "PEM private key (with --tls_cert).")
+flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics port (default: off).")
+flags.DEFINE_float("drain_timeout_s", 30.0, "Time in-flight requests get on shutdown.")
+flags.DEFINE_integer("max_queue_requests", 256, "Waiting requests before RESOURCE_EXHAUSTED.")
+flags.DEFINE_integer("max_queue_tokens", 1 << 18, "Waiting prompt tokens before "
+                     "RESOURCE_EXHAUSTED.")
+flags.DEFINE_integer("max_message_bytes", 4 << 20, "Largest request message.")
+flags.DEFINE_integer("keepalive_time_ms", 30_000, "Server keepalive ping period.")
+flags.DEFINE_integer("keepalive_timeout_ms", 10_000, "Close a connection whose ping goes "
+                     "unanswered this long.")
+flags.DEFINE_float("stats_log_interval_s", 10.0, "One-line stats log period (0: off).")
+flags.DEFINE_integer("think_start_token_id", None, "Reasoning parser: think-start token id.")
+flags.DEFINE_integer("think_end_token_id", None, "Reasoning parser: think-end token id.")
+flags.DEFINE_bool("starts_in_reasoning", False, "Generation starts inside the reasoning (the "
+                  "chat template already wrote think-start).")
+
+
+def _architecture(path: str) -> str:
+  try:
+    with open(os.path.join(path, "config.json")) as fh:
+      return (json.load(fh).get("architectures") or [""])[0]
+  except (OSError, ValueError):
+    return ""
+
+
+def server_config() -> ServerConfig:
+  if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
+    raise SystemExit("error: give both --tls_cert and --tls_key, or neither")
+  if (FLAGS.think_start_token_id is None) != (FLAGS.think_end_token_id is None):
+    raise SystemExit("error: give both --think_start_token_id and --think_end_token_id")
+  reasoning = None
+  if FLAGS.think_end_token_id is not None:
+    reasoning = ReasoningConfig(FLAGS.think_start_token_id, FLAGS.think_end_token_id,
+                                FLAGS.starts_in_reasoning)
+  return ServerConfig(
+      host=FLAGS.host, port=FLAGS.port,
+      model_name=FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.checkpoint)),
+      architecture=_architecture(FLAGS.checkpoint),
+      max_queue_requests=FLAGS.max_queue_requests, max_queue_tokens=FLAGS.max_queue_tokens,
+      drain_timeout_s=FLAGS.drain_timeout_s,
+      api_keys=read_api_keys(FLAGS.api_keys_file) if FLAGS.api_keys_file else frozenset(),
+      tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_message_bytes=FLAGS.max_message_bytes,
+      keepalive_time_ms=FLAGS.keepalive_time_ms, keepalive_timeout_ms=FLAGS.keepalive_timeout_ms,
+      stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning)
+
+
+async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> None:
+  server = InferenceServer(eng, config)
+  loop = asyncio.get_running_loop()
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+  t0 = time.perf_counter()
+  print(f"[moejax] binding {config.host}:{config.port}; compiling (health NOT_SERVING until "
+        "ready) ...", file=sys.stderr, flush=True)
+  port = await server.start(metrics_port)
+  metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
+  scheme = "TLS" if config.tls_cert else "plaintext"
+  print(f"[moejax] ready: {config.model_name} on {config.host}:{port} ({scheme}"
+        f"{', API keys' if config.api_keys else ''}{metrics}) after "
+        f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+  await server.wait()
+  eng.save_traffic_stats()  # the next start compiles buckets fitted to this traffic
+  print("[moejax] stopped", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.INFO)  # the periodic stats line
+  if len(argv) > 1:
+    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  if not os.path.isdir(FLAGS.checkpoint):
+    raise SystemExit(f"error: checkpoint directory not found: {FLAGS.checkpoint}")
+  try:
+    config = server_config()
+    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup())
+    eng = Engine.from_model(model, EngineConfig(
+        page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
+        kv_cache_memory_fraction=FLAGS.kv_cache_memory_fraction,
+        max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+        max_model_len=FLAGS.max_model_len, max_decode_steps=FLAGS.max_decode_steps,
+        compilation_cache_dir=FLAGS.compilation_cache_dir or None,
+        traffic_stats_path=FLAGS.traffic_stats_path))
+  except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
+    raise SystemExit(f"error: {e}") from None
+  asyncio.run(serve(eng, config, FLAGS.metrics_port))
+  return 0

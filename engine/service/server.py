@@ -1,0 +1,564 @@
+"""The gRPC server (`moejax.v1.Inference`, grpc.aio) over one `Engine`.
+
+Data flow: a `Generate` call is authorised, validated (`validation.parse_generate`: INVALID
+_ARGUMENT naming the field), admitted against the queue caps (RESOURCE_EXHAUSTED), subscribed
+to the engine thread and added to the engine. The engine thread (`EngineLoop`) steps while
+there is work and sleeps on an event otherwise; each step's `RequestOutput`s are handed to the
+owning stream's asyncio queue with `loop.call_soon_threadsafe`, and the stream turns them into
+`GenerateResponse`s. A stream that ends before its request (client cancel, deadline, error)
+aborts the request once, which frees its pages at once.
+
+Lifecycle: health is NOT_SERVING until warm-up ends; `drain()` flips it back, refuses new
+requests with UNAVAILABLE, lets in-flight ones finish for `drain_timeout_s`, ends the rest with
+UNAVAILABLE, then stops.
+
+`Engine.add_request` and `abort` take the engine's lock, which `step()` holds for a whole device
+step; the event loop never calls them. They run, in order, on one `engine_calls` thread, so a
+step delays only the admission or abort that waits for it, not every stream; being one FIFO
+thread also keeps queue-cap check + add atomic, and an abort after its add.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import hmac
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import grpc
+from absl import logging
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.runtime.engine import Engine
+from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from engine.service import validation
+from engine.service.metrics import ServingMetrics
+from engine.service.proto import inference_pb2 as pb
+from engine.service.proto import inference_pb2_grpc as pb_grpc
+from engine.service.reasoning import ReasoningConfig, ReasoningState
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+FINISH_REASONS = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
+                  FINISH_ABORT: pb.FINISH_REASON_ABORT}
+SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
+                        health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  host: str = "127.0.0.1"
+  port: int = 50051  # 0: any free port (start() returns it)
+  model_name: str = ""
+  architecture: str = ""
+  max_queue_requests: int = 256  # waiting (not yet running) requests
+  max_queue_tokens: int = 1 << 18  # their prompt tokens not yet prefilled
+  drain_timeout_s: float = 30.0
+  api_keys: frozenset[str] = frozenset()  # empty: no authentication
+  tls_cert: str | None = None  # PEM paths; both or neither
+  tls_key: str | None = None
+  max_message_bytes: int = 4 << 20  # larger requests fail with RESOURCE_EXHAUSTED (gRPC core)
+  max_stop_strings: int = 8
+  keepalive_time_ms: int = 30_000
+  keepalive_timeout_ms: int = 10_000
+  min_ping_interval_ms: int = 10_000  # clients pinging more often collect strikes
+  max_ping_strikes: int = 2
+  stats_log_interval_s: float = 10.0  # one-line stats log (0: off)
+  reasoning: ReasoningConfig | None = None
+  warmup: bool = True  # compile every bucket before reporting SERVING
+
+  def grpc_options(self) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", self.min_ping_interval_ms),
+            ("grpc.http2.max_ping_strikes", self.max_ping_strikes),
+            ("grpc.so_reuseport", 0)]  # a second server on a busy port must fail, not share
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFailure:
+  """Delivered to every in-flight stream when a step raises."""
+  message: str
+
+
+class EngineLoop:
+  """The engine's own thread: steps while there is work, waits on an event otherwise."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self._subscribers: dict[str, Callable[[Any], None]] = {}
+    self._lock = threading.Lock()
+    self._wake = threading.Event()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._wake.set()
+    self._thread.join()
+
+  def wake(self) -> None:
+    self._wake.set()
+
+  def subscribe(self, request_id: str, deliver: Callable[[Any], None]) -> bool:
+    with self._lock:
+      if request_id in self._subscribers:
+        return False
+      self._subscribers[request_id] = deliver
+      return True
+
+  def unsubscribe(self, request_id: str, deliver: Callable[[Any], None] | None = None) -> bool:
+    """Removes the subscription (only if it is `deliver`'s, when given); True if removed."""
+    with self._lock:
+      if request_id not in self._subscribers or deliver not in (
+          None, self._subscribers[request_id]):
+        return False
+      del self._subscribers[request_id]
+      return True
+
+  def subscribed(self) -> list[str]:
+    with self._lock:
+      return list(self._subscribers)
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      self._wake.clear()
+      if not self.engine.has_unfinished():
+        self._wake.wait(0.05)
+        continue
+      try:
+        outputs = self.engine.step()
+      except Exception as e:  # keep serving: fail what was in flight, free its pages
+        logging.exception("engine step failed; failing the in-flight requests")
+        self._fail_all(f"{type(e).__name__}: {e}")
+        continue
+      for out in outputs:
+        if out.finished:  # before delivery: the client may reuse the id as soon as it reads
+          self.engine.release(out.request_id)
+        with self._lock:
+          deliver = self._subscribers.get(out.request_id)
+        if deliver is not None:
+          deliver(out)
+
+  def _fail_all(self, message: str) -> None:
+    with self._lock:
+      subscribers = list(self._subscribers.items())
+    for rid, deliver in subscribers:
+      deliver(EngineFailure(message))
+      try:
+        self.engine.abort(rid)
+      except Exception:
+        logging.exception("request %s: abort after a failed step failed", rid)
+
+
+def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
+                         answer_started_s: float | None) -> pb.GenerateResponse:
+  """One stream message for one engine delta; the final one carries FinalInfo."""
+  resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids)
+  if reasoning is None:
+    resp.text = out.text_delta
+  else:
+    split = reasoning.split(out.new_token_ids, out.text_delta)
+    resp.text, resp.reasoning_text = split.answer_text, split.reasoning_text
+    resp.num_reasoning_tokens = split.num_reasoning_tokens
+  if out.finished:
+    final = resp.final
+    final.finish_reason = FINISH_REASONS[out.finish_reason]
+    if isinstance(out.stop_reason, str):
+      final.stop_str = out.stop_reason
+    elif out.stop_reason is not None:
+      final.stop_token_id = out.stop_reason
+    final.usage.prompt_tokens = out.usage.prompt_tokens
+    final.usage.cached_tokens = out.usage.cached_tokens
+    final.usage.completion_tokens = out.usage.completion_tokens
+    final.speculative.SetInParent()  # zeros until speculation lands
+    t = out.timings
+    final.timings.queue_s = t.queue_s or 0.0
+    final.timings.ttft_s = t.ttft_s or 0.0
+    final.timings.e2e_s = t.e2e_s or 0.0
+    if answer_started_s is not None:
+      final.timings.time_to_first_answer_token_s = answer_started_s
+  return resp
+
+
+def read_api_keys(path: str) -> frozenset[str]:
+  """One key per line; blank lines and `#` comments are ignored."""
+  with open(path) as fh:
+    keys = frozenset(line.strip() for line in fh
+                     if line.strip() and not line.lstrip().startswith("#"))
+  if not keys:
+    raise ValueError(f"api_keys_file: {path} holds no keys")
+  return keys
+
+
+class _Rejected(Exception):
+  def __init__(self, code: grpc.StatusCode, message: str):
+    super().__init__(message)
+    self.code = code
+
+
+class InferenceServer:
+  """Owns the grpc.aio server, the engine thread, health, metrics and the lifecycle."""
+
+  def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
+    self.engine, self.config = engine, config
+    self.metrics = ServingMetrics(engine.stats, engine.config.page_size)
+    self.health = grpc_health.aio.HealthServicer()
+    self.engine_loop = EngineLoop(engine)
+    self.limits = validation.RequestLimits(
+        vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
+        num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings)
+    self.state = "created"  # -> starting -> serving -> draining -> stopped
+    self.port: int | None = None
+    self._server: grpc.aio.Server | None = None
+    self.drain_aborted: set[str] = set()  # streams to end UNAVAILABLE, not ABORT
+    self._tasks: list[asyncio.Task] = []
+    self._throughput: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=11)
+    self._metrics_http: Any = None
+    self.engine_calls = concurrent.futures.ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="moejax-engine-calls")
+
+  # ---- lifecycle -----------------------------------------------------------------------------
+
+  async def start(self, metrics_port: int | None = None) -> int:
+    """Binds, starts, warms up the engine, then reports SERVING. Returns the bound port."""
+    self.state = "starting"
+    server = grpc.aio.server(options=self.config.grpc_options())
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self), server)
+    health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    address = f"{self.config.host}:{self.config.port}"
+    if self.config.tls_cert or self.config.tls_key:
+      with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:
+        creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+      self.port = server.add_secure_port(address, creds)
+    else:
+      self.port = server.add_insecure_port(address)
+    await self._set_health(NOT_SERVING)
+    await server.start()
+    self._server = server
+    self.engine_loop.start()
+    if metrics_port is not None:
+      self._metrics_http = self.metrics.serve_http(metrics_port)
+    if self.config.warmup:
+      t0 = time.perf_counter()
+      n = await asyncio.to_thread(self.engine.warmup)
+      logging.info("warm-up compiled %d programs in %.1fs", n, time.perf_counter() - t0)
+    self.state = "serving"
+    await self._set_health(SERVING)
+    self._tasks.append(asyncio.create_task(self._stats_loop()))
+    return self.port
+
+  @property
+  def metrics_port(self) -> int | None:
+    return None if self._metrics_http is None else self._metrics_http.server_port
+
+  async def _set_health(self, status: int) -> None:
+    for service in ("", SERVICE_NAME):
+      await self.health.set(service, status)
+
+  async def drain(self) -> None:
+    """NOT_SERVING and UNAVAILABLE for new requests; in-flight ones get drain_timeout_s."""
+    if self.state in ("draining", "stopped"):
+      return
+    self.state = "draining"
+    await self._set_health(NOT_SERVING)
+    deadline = time.monotonic() + self.config.drain_timeout_s
+    while self.engine_loop.subscribed() and time.monotonic() < deadline:
+      await asyncio.sleep(0.02)
+    late = self.engine_loop.subscribed()
+    if late:
+      logging.warning("drain timeout: ending %d requests with UNAVAILABLE", len(late))
+    for rid in late:
+      self.drain_aborted.add(rid)
+    await self.call_engine(lambda: [self.engine.abort(rid) for rid in late])
+    self.engine_loop.wake()
+    for _ in range(250):  # the aborted streams end at the engine thread's next step
+      if not self.engine_loop.subscribed():
+        break
+      await asyncio.sleep(0.02)
+    await self.stop()
+
+  async def stop(self, grace_s: float = 1.0) -> None:
+    if self.state == "stopped":
+      return
+    self.state = "stopped"
+    for task in self._tasks:
+      task.cancel()
+    if self._server is not None:
+      await self._server.stop(grace_s)
+    await asyncio.to_thread(self.engine_calls.shutdown, True)  # pending aborts run first
+    self.engine_loop.stop()
+    if self._metrics_http is not None:
+      self._metrics_http.shutdown()
+
+  async def wait(self) -> None:
+    if self._server is not None:
+      await self._server.wait_for_termination()
+
+  # ---- calls into the engine (off the event loop) ----------------------------------------------
+
+  async def call_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs fn(*args) on the engine-calls thread, after every call submitted before it."""
+    return await asyncio.get_running_loop().run_in_executor(self.engine_calls, fn, *args)
+
+  def submit_engine_call(self, fn: Callable[..., Any], *args: Any) -> None:
+    """Fire and forget (for `finally` blocks of cancelled streams, which must not wait)."""
+    try:
+      self.engine_calls.submit(fn, *args)
+    except RuntimeError:  # shut down: the server is stopping, run it here
+      fn(*args)
+
+  def admit(self, parsed: validation.ParsedRequest, rid: str,
+            deliver: Callable[[Any], None]) -> None:
+    """Queue caps, subscription, `Engine.add_request` (on the engine-calls thread)."""
+    self.check_capacity(len(parsed.prompt_ids))
+    if not self.engine_loop.subscribe(rid, deliver):
+      raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in use")
+    try:
+      self.engine.add_request(parsed.prompt_ids, parsed.sampling, parsed.stop, rid)
+    except ValueError as e:
+      self.engine_loop.unsubscribe(rid)
+      raise _Rejected(grpc.StatusCode.ALREADY_EXISTS if str(e).startswith("request_id")
+                      else grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    self.engine_loop.wake()
+
+  def end_stream(self, rid: str, deliver: Callable[[Any], None], client_abort: bool) -> None:
+    """A stream ended before its request: abort it once (frees its pages). Only the stream
+    that owns the subscription may abort, so a rejected duplicate id cannot end the original."""
+    if self.engine_loop.unsubscribe(rid, deliver):
+      if self.engine.abort(rid) and client_abort:
+        self.metrics.client_aborts.inc()
+      self.engine_loop.wake()
+
+  # ---- load and stats ------------------------------------------------------------------------
+
+  def _sample_throughput(self) -> None:
+    s = self.engine.stats()
+    self._throughput.append((time.monotonic(), s["prompt_tokens"], s["generation_tokens"]))
+
+  def throughput(self) -> tuple[float, float]:
+    """(prompt, generation) tokens per second over the last ~10 s."""
+    if len(self._throughput) < 2:
+      return 0.0, 0.0
+    (t0, p0, g0), (t1, p1, g1) = self._throughput[0], self._throughput[-1]
+    dt = max(t1 - t0, 1e-9)
+    return (p1 - p0) / dt, (g1 - g0) / dt
+
+  def stats_line(self) -> str:
+    s = self.engine.stats()
+    prompt_tps, gen_tps = self.throughput()
+    return (f"running={s['num_requests_running']} waiting={s['num_requests_waiting']} "
+            f"kv={100 * s['kv_cache_usage_perc']:.1f}% prompt={prompt_tps:.1f} tok/s "
+            f"gen={gen_tps:.1f} tok/s preempted={s['num_preemptions']} "
+            f"prefix_hits={s['prefix_cache_hits']}/{s['prefix_cache_queries']}")
+
+  async def _stats_loop(self) -> None:
+    last_log, last_line = time.monotonic(), ""
+    while True:
+      await self.call_engine(self._sample_throughput)
+      interval = self.config.stats_log_interval_s
+      if interval and time.monotonic() - last_log >= interval:
+        last_log, line = time.monotonic(), await self.call_engine(self.stats_line)
+        if line != last_line:  # an idle server stays quiet
+          logging.info("[moejax] %s", line)
+        last_line = line
+      await asyncio.sleep(1.0)
+
+  # ---- admission -----------------------------------------------------------------------------
+
+  def check_api_key(self, context: grpc.aio.ServicerContext) -> None:
+    if not self.config.api_keys:
+      return
+    header = dict(context.invocation_metadata() or ()).get("authorization", "")
+    token = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+    # Compare against every key (no early exit) so timing does not reveal a key's prefix.
+    ok = False
+    for key in self.config.api_keys:
+      ok |= hmac.compare_digest(token.encode(), key.encode())
+    if not ok:
+      raise _Rejected(grpc.StatusCode.UNAUTHENTICATED,
+                      "missing or invalid API key (metadata authorization: Bearer <key>)")
+
+  def check_capacity(self, num_prompt_tokens: int) -> None:
+    if self.state != "serving":
+      raise _Rejected(grpc.StatusCode.UNAVAILABLE, "server is draining" if self.state in (
+          "draining", "stopped") else "server is warming up")
+    queued = self.engine.queue_load()
+    if queued.requests >= self.config.max_queue_requests:
+      raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {queued.requests} "
+                      f"requests waiting (max_queue_requests {self.config.max_queue_requests})")
+    # A lone prompt longer than the token cap is still admitted (it fits the context length).
+    if queued.requests and queued.tokens + num_prompt_tokens > self.config.max_queue_tokens:
+      raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {queued.tokens} prompt "
+                      f"tokens waiting + {num_prompt_tokens} exceeds max_queue_tokens "
+                      f"{self.config.max_queue_tokens}")
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+  """The RPC handlers; state lives in the InferenceServer."""
+
+  def __init__(self, server: InferenceServer):
+    self.srv = server
+    self.engine = server.engine
+
+  async def _reject(self, context: grpc.aio.ServicerContext, e: _Rejected) -> None:
+    self.srv.metrics.request_rejected.labels(code=e.code.name).inc()
+    await context.abort(e.code, str(e))
+
+  async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    srv, engine = self.srv, self.engine
+    try:
+      srv.check_api_key(context)
+      parsed = validation.parse_generate(request, engine.tokenizer, srv.limits)
+    except validation.FieldError as e:
+      await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+    except _Rejected as e:
+      await self._reject(context, e)
+    rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
+    queue: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def deliver(item: Any) -> None:  # called on the engine thread
+      try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+      except RuntimeError:  # the event loop has closed (server stopped): nobody is listening
+        pass
+
+    try:
+      await srv.call_engine(srv.admit, parsed, rid, deliver)
+    except _Rejected as e:
+      await self._reject(context, e)
+    except asyncio.CancelledError:  # cancelled while admitted: the abort queues after the add
+      srv.submit_engine_call(srv.end_stream, rid, deliver, True)
+      raise
+    async for response in self._stream(rid, queue, deliver, context):
+      yield response
+
+  async def _stream(self, rid: str, queue: asyncio.Queue, deliver: Callable[[Any], None],
+                    context: grpc.aio.ServicerContext):
+    srv, engine, metrics = self.srv, self.engine, self.srv.metrics
+    reasoning = (ReasoningState(srv.config.reasoning, engine.tokenizer)
+                 if srv.config.reasoning is not None else None)
+    finished = failed = False
+    last_chunk: float | None = None
+    answer_started_s: float | None = None
+    try:
+      while not finished:
+        item = await queue.get()
+        if isinstance(item, EngineFailure):
+          failed = True
+          await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: {item.message}")
+        if item.finish_reason == FINISH_ABORT and rid in srv.drain_aborted:
+          failed = True
+          await context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"request {rid}: server shut down before it finished")
+        now = time.monotonic()
+        if item.new_token_ids:
+          if last_chunk is not None:
+            for _ in item.new_token_ids:
+              metrics.itl.observe((now - last_chunk) / len(item.new_token_ids))
+          last_chunk = now
+        try:
+          was_answering = reasoning is not None and reasoning.answer_started
+          response = response_from_output(item, reasoning, answer_started_s)
+          if reasoning is not None and reasoning.answer_started and not was_answering:
+            answer_started_s = now - item.timings.arrival
+            if item.finished:
+              response.final.timings.time_to_first_answer_token_s = answer_started_s
+        except Exception:
+          failed = True
+          logging.exception("request %s: internal error while streaming", rid)
+          await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: internal error")
+        if item.finished:
+          finished = True
+          srv.engine_loop.unsubscribe(rid)  # the id is free once the client has the final
+          metrics.observe_finished(item.finish_reason, item.timings)
+        yield response
+    finally:
+      srv.drain_aborted.discard(rid)
+      if not finished:  # cancelled, deadline passed, or failed: end the request once
+        srv.submit_engine_call(srv.end_stream, rid, deliver, not failed)
+
+  async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
+    try:
+      self.srv.check_api_key(context)
+    except _Rejected as e:
+      await self._reject(context, e)
+    aborted = await self.srv.call_engine(self.engine.abort, request.request_id)
+    self.srv.engine_loop.wake()
+    return pb.AbortResponse(aborted=aborted)
+
+  async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                         context: grpc.aio.ServicerContext):
+    try:
+      self.srv.check_api_key(context)
+    except _Rejected as e:
+      await self._reject(context, e)
+    engine, cfg = self.engine, self.engine.cfg
+    leaf = engine.params["embed"]
+    info = pb.ModelInfo(
+        model_name=self.srv.config.model_name, architecture=self.srv.config.architecture or
+        cfg.display_name, model_type=cfg.model_type,
+        max_model_len=engine.sched_config.max_model_len, vocab_size=cfg.vocab_size,
+        eos_token_ids=engine.eos_token_ids, dtype=str(leaf.dtype),
+        devices=sorted(str(d) for d in leaf.sharding.device_set),
+        has_tokenizer=engine.tokenizer is not None, page_size=engine.config.page_size,
+        max_num_seqs=engine.config.max_num_seqs)
+    if self.srv.config.reasoning is not None:
+      info.think_start_token_id = self.srv.config.reasoning.think_start_token_id
+      info.think_end_token_id = self.srv.config.reasoning.think_end_token_id
+    return info
+
+  async def GetServerLoad(self, request: pb.GetServerLoadRequest,
+                          context: grpc.aio.ServicerContext):
+    try:
+      self.srv.check_api_key(context)
+    except _Rejected as e:
+      await self._reject(context, e)
+    s, queued = await self.srv.call_engine(lambda: (self.engine.stats(),
+                                                    self.engine.queue_load()))
+    prompt_tps, gen_tps = self.srv.throughput()
+    return pb.ServerLoad(
+        num_requests_running=s["num_requests_running"],
+        num_requests_waiting=s["num_requests_waiting"], num_waiting_tokens=queued.tokens,
+        kv_cache_usage=s["kv_cache_usage_perc"], prompt_tokens_per_s=prompt_tps,
+        generation_tokens_per_s=gen_tps, num_preemptions=s["num_preemptions"],
+        serving=self.srv.state == "serving")
+
+  async def _tokenizer(self, context: grpc.aio.ServicerContext) -> Any:
+    try:
+      self.srv.check_api_key(context)
+      if self.engine.tokenizer is None:
+        raise _Rejected(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
+    except _Rejected as e:
+      await self._reject(context, e)
+    return self.engine.tokenizer
+
+  async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
+    tokenizer = await self._tokenizer(context)
+    return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text).ids)
+
+  async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
+    tokenizer = await self._tokenizer(context)
+    try:
+      ids = validation.check_token_ids("token_ids", request.token_ids,
+                                       self.engine.cfg.vocab_size)
+    except validation.FieldError as e:
+      await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+    return pb.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=True))
+

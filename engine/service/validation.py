@@ -1,0 +1,176 @@
+"""Request validation at the service edge: a proto `GenerateRequest` becomes engine inputs.
+
+Every check names the proto field and the limit, so a client can fix its request from the
+message alone (the server turns `FieldError` into INVALID_ARGUMENT). The engine validates again
+(`Engine.add_request`); its ValueErrors also start with the field name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from engine.runtime.engine import MAX_STOP_IDS
+from engine.runtime.request import StopParams
+from engine.runtime.sampling import SamplingParams
+from engine.service.proto import inference_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 64
+DRAFTERS = ("", "none", "mtp", "ngram", "draft_model")
+MAX_DRAFT_TOKENS = 16
+
+
+class FieldError(ValueError):
+  """A bad field in a request: `str(e)` starts with the field's path."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(f"{field}: {message}")
+    self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+  """What the server accepts; model limits come from the engine (`limits_for`)."""
+  vocab_size: int
+  max_model_len: int
+  num_eos_ids: int
+  max_stop_strings: int = 8
+  max_stop_string_chars: int = 256
+  max_request_id_chars: int = 128
+
+  @property
+  def max_stop_token_ids(self) -> int:
+    return MAX_STOP_IDS - self.num_eos_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+  """A validated request, ready for `Engine.add_request`."""
+  request_id: str  # "" when the server should assign one
+  prompt_ids: list[int]
+  sampling: SamplingParams
+  stop: StopParams
+
+
+def check_request_id(request_id: str, limits: RequestLimits) -> str:
+  if len(request_id) > limits.max_request_id_chars:
+    raise FieldError("request_id", f"{len(request_id)} characters, at most "
+                     f"{limits.max_request_id_chars} allowed")
+  if request_id and not request_id.isprintable():
+    raise FieldError("request_id", "must be printable characters")
+  return request_id
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int]:
+  for i, t in enumerate(ids):
+    if not 0 <= t < vocab_size:
+      raise FieldError(field, f"token id {t} at index {i} is outside the vocabulary "
+                       f"[0, {vocab_size})")
+  return list(ids)
+
+
+def prompt_ids(request: Any, tokenizer: Any, limits: RequestLimits) -> list[int]:
+  which = request.WhichOneof("prompt")
+  if which is None:
+    raise FieldError("prompt", "set text or token_ids")
+  if which == "text":
+    if not request.text:
+      raise FieldError("text", "must not be empty")
+    if tokenizer is None:
+      raise FieldError("text", "this model has no tokenizer; send token_ids")
+    ids = list(tokenizer.encode(request.text).ids)
+    if not ids:
+      raise FieldError("text", "encodes to no tokens")
+    return ids
+  if not request.token_ids.ids:
+    raise FieldError("token_ids", "must contain at least one token")
+  return check_token_ids("token_ids.ids", request.token_ids.ids, limits.vocab_size)
+
+
+def _opt(msg: Any, name: str, default: Any) -> Any:
+  return getattr(msg, name) if msg.HasField(name) else default
+
+
+def sampling_params(s: Any) -> SamplingParams:
+  temperature = _opt(s, "temperature", 0.0)
+  if not math.isfinite(temperature) or temperature < 0:
+    raise FieldError("sampling.temperature", f"must be a finite number >= 0, got {temperature}")
+  top_k = _opt(s, "top_k", 0)
+  if top_k < 0:
+    raise FieldError("sampling.top_k", f"must be >= 0 (0 disables it), got {top_k}")
+  top_p = _opt(s, "top_p", 1.0)
+  if not 0.0 < top_p <= 1.0:  # also false for NaN
+    raise FieldError("sampling.top_p", f"must be in (0, 1], got {top_p}")
+  min_p = _opt(s, "min_p", 0.0)
+  if not 0.0 <= min_p <= 1.0:
+    raise FieldError("sampling.min_p", f"must be in [0, 1], got {min_p}")
+  seed = _opt(s, "seed", 0)
+  if seed >= 2**32:
+    raise FieldError("sampling.seed", f"must be in [0, 2**32), got {seed}")
+  return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        seed=seed)
+
+
+def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits) -> StopParams:
+  room = limits.max_model_len - num_prompt_tokens
+  if room < 1:
+    raise FieldError("prompt", f"{num_prompt_tokens} tokens leave no room to generate within "
+                     f"the context length {limits.max_model_len}")
+  if s.HasField("max_tokens"):
+    max_tokens = s.max_tokens
+    if max_tokens < 1:
+      raise FieldError("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+    if max_tokens > room:
+      raise FieldError("sampling.max_tokens", f"prompt ({num_prompt_tokens} tokens) + "
+                       f"max_tokens ({max_tokens}) exceeds the context length "
+                       f"{limits.max_model_len}")
+  else:
+    max_tokens = min(DEFAULT_MAX_TOKENS, room)
+  min_tokens = _opt(s, "min_tokens", 0)
+  if not 0 <= min_tokens <= max_tokens:
+    raise FieldError("sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got "
+                     f"{min_tokens}")
+  if len(s.stop) > limits.max_stop_strings:
+    raise FieldError("sampling.stop", f"{len(s.stop)} stop strings, at most "
+                     f"{limits.max_stop_strings} allowed")
+  for i, text in enumerate(s.stop):
+    if not text:
+      raise FieldError("sampling.stop", f"stop string {i} is empty")
+    if len(text) > limits.max_stop_string_chars:
+      raise FieldError("sampling.stop", f"stop string {i} has {len(text)} characters, at most "
+                       f"{limits.max_stop_string_chars} allowed")
+  if len(s.stop_token_ids) > limits.max_stop_token_ids:
+    raise FieldError("sampling.stop_token_ids", f"{len(s.stop_token_ids)} ids, at most "
+                     f"{limits.max_stop_token_ids} allowed")
+  stop_ids = check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
+  if s.logprobs:
+    raise FieldError("sampling.logprobs", "not supported yet")
+  if s.HasField("top_logprobs"):
+    raise FieldError("sampling.top_logprobs", "not supported yet")
+  return StopParams(max_tokens=max_tokens, min_tokens=min_tokens,
+                    stop_token_ids=tuple(stop_ids), stop=tuple(s.stop),
+                    ignore_eos=s.ignore_eos,
+                    include_stop_str_in_output=s.include_stop_str_in_output)
+
+
+def check_speculative(spec: Any) -> None:
+  if spec.drafter not in DRAFTERS:
+    raise FieldError("speculative.drafter", f"unknown drafter {spec.drafter!r}; one of "
+                     f"{[d for d in DRAFTERS if d]}")
+  if spec.HasField("max_draft_tokens") and not 1 <= spec.max_draft_tokens <= MAX_DRAFT_TOKENS:
+    raise FieldError("speculative.max_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got "
+                     f"{spec.max_draft_tokens}")
+  if spec.drafter not in ("", "none"):
+    raise FieldError("speculative.drafter", "speculative decoding is not supported yet")
+
+
+def parse_generate(request: "pb.GenerateRequest", tokenizer: Any,
+                   limits: RequestLimits) -> ParsedRequest:
+  """Validates a GenerateRequest; raises FieldError naming the first bad field."""
+  rid = check_request_id(request.request_id, limits)
+  ids = prompt_ids(request, tokenizer, limits)
+  sampling = sampling_params(request.sampling)
+  stop = stop_params(request.sampling, len(ids), limits)
+  check_speculative(request.speculative)
+  return ParsedRequest(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop)
