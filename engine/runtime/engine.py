@@ -12,7 +12,8 @@ Each `step` asks the scheduler for work, runs one jitted program on the device (
 for prefill chunks mixed with decodes, or `decode_loop` for several decode iterations when the
 batch is stable), then does the host-side part: append tokens, check stops (token ids on the
 device, stop strings here after detokenisation), publish full pages to the prefix cache, and
-emit deltas. `add_request` and `abort` may be called from other threads.
+emit deltas. `add_request`, `abort`, `release`, `stats` and `queue_load` may be called from other
+threads and never wait for a device step (adds and aborts go through an inbox).
 """
 
 from __future__ import annotations
@@ -108,14 +109,24 @@ class Engine:
     self.traffic = TrafficStats()
     self.buckets = derive_buckets(self.sched_config, config.row_widths,
                                   TrafficStats.load(config.traffic_stats_path))
+    # Threads: one thread steps; any thread may add, abort, release and read stats. `_lock`
+    # (held for a whole step) guards the scheduler, pool and cache; `_inbox_lock` (held for
+    # microseconds) guards what other threads touch: the request table, the inbox of adds and
+    # aborts, pending outputs and the last stats snapshot. Adds and aborts land in the inbox
+    # and are applied at the start of the next step, or at once when no step is running.
     self.requests: dict[str, Request] = {}
+    self._inbox: list[Request] = []
+    self._aborts: list[str] = []
     self._pending: list[RequestOutput] = []  # outputs produced outside a step (aborts)
     self._lock = threading.RLock()
+    self._inbox_lock = threading.Lock()
+    self._snapshot: dict[str, Any] = {}
     self._order = itertools.count()
     self._decode_steps = 1
     self._last_batch: tuple[str, ...] = ()
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
+    self._take_snapshot()
 
   @staticmethod
   def from_model(model: Any, config: EngineConfig = EngineConfig()) -> "Engine":
@@ -160,15 +171,15 @@ class Engine:
     if need > self.pool.num_pages - 1:
       raise ValueError(f"max_tokens: prompt + max_tokens needs {need} cache pages, the pool "
                        f"has {self.pool.num_pages - 1}")
-    with self._lock:
+    with self._inbox_lock:
       rid = request_id if request_id is not None else f"req-{next(self._order)}"
       if rid in self.requests:
         raise ValueError(f"request_id: {rid!r} is already in use")
       req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
                     stop_ids=stop_ids, arrival_order=next(self._order))
       self.requests[rid] = req
-      self.scheduler.add(req)
-      self.counters["prompt_tokens"] += len(ids)
+      self._inbox.append(req)
+    self._apply_inbox_if_idle()
     return rid
 
   def _encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -187,32 +198,63 @@ class Engine:
     return ids
 
   def abort(self, request_id: str) -> bool:
-    """Ends a request now; its pages return to the pool. False if unknown or already done."""
-    with self._lock:
+    """Ends a request: at once when no step is running, else when the current step ends (its
+    pages return to the pool then). False if unknown, already finished or already aborted.
+    A request that finishes within the current step keeps its own finish reason."""
+    with self._inbox_lock:
       req = self.requests.get(request_id)
-      if req is None or req.finished:
+      if req is None or req.finished or request_id in self._aborts:
         return False
-      self._finish(req, FINISH_ABORT)
-      self._pending.append(self._output(req, []))
-      return True
+      self._aborts.append(request_id)
+    self._apply_inbox_if_idle()
+    return True
 
   def has_unfinished(self) -> bool:
-    with self._lock:
-      return self.scheduler.has_work() or bool(self._pending)
+    with self._inbox_lock:
+      if self._inbox or self._aborts or self._pending:
+        return True
+    return self.scheduler.has_work()
 
   def release(self, request_id: str) -> None:
     """Forgets a finished request (the engine keeps them until told, for late lookups)."""
-    with self._lock:
+    with self._inbox_lock:
       req = self.requests.get(request_id)
       if req is not None and req.finished:
         del self.requests[request_id]
+
+  def _apply_inbox_if_idle(self) -> None:
+    if self._lock.acquire(blocking=False):
+      try:
+        self._apply_inbox()
+      finally:
+        self._lock.release()
+
+  def _apply_inbox(self) -> None:
+    """Moves queued adds into the scheduler and carries out queued aborts (step lock held)."""
+    with self._inbox_lock:
+      adds, self._inbox = self._inbox, []
+      aborts, self._aborts = self._aborts, []
+    for req in adds:
+      self.scheduler.add(req)
+      self.counters["prompt_tokens"] += len(req.prompt_ids)
+    for rid in aborts:
+      req = self.requests.get(rid)
+      if req is not None and not req.finished:
+        self._finish(req, FINISH_ABORT)
+        out = self._output(req, [])
+        with self._inbox_lock:
+          self._pending.append(out)
+    if adds or aborts:
+      self._take_snapshot()
 
   # ---- the step ------------------------------------------------------------------------------
 
   def step(self) -> list[RequestOutput]:
     """Runs one scheduled step; returns an update for every request that changed."""
     with self._lock:
-      outputs, self._pending = self._pending, []
+      self._apply_inbox()
+      with self._inbox_lock:
+        outputs, self._pending = self._pending, []
       plan = self.scheduler.schedule(self._next_decode_steps())
       if not plan.segments:
         return outputs
@@ -231,6 +273,7 @@ class Engine:
         new = req.output_ids[sent[req.request_id]:]
         if new or req.finished:
           outputs.append(self._output(req, new))
+      self._take_snapshot()
       return outputs
 
   def _next_decode_steps(self) -> int:
@@ -432,18 +475,31 @@ class Engine:
     if self.config.traffic_stats_path:
       self.traffic.save(self.config.traffic_stats_path)
 
+  def _take_snapshot(self) -> None:
+    """Stats as of now (step lock held), for readers on other threads."""
+    pool = self.pool.stats()
+    waiting = list(self.scheduler.waiting)
+    snap = dict(self.counters, num_requests_running=len(self.scheduler.running),
+                num_requests_waiting=len(waiting), kv_cache_usage_perc=pool.usage,
+                prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
+                num_preemptions=self.scheduler.num_preemptions,
+                waiting_tokens=sum(r.num_uncomputed for r in waiting))
+    with self._inbox_lock:
+      self._snapshot = snap
+
   def queue_load(self) -> QueueLoad:
-    """The waiting queue's size, for admission control."""
-    with self._lock:
-      return QueueLoad(requests=len(self.scheduler.waiting),
-                       tokens=sum(r.num_uncomputed for r in self.scheduler.waiting))
+    """The waiting queue's size (as of the last step, plus requests added since), for
+    admission control; never waits for a step."""
+    with self._inbox_lock:
+      snap = self._snapshot
+      return QueueLoad(requests=snap.get("num_requests_waiting", 0) + len(self._inbox),
+                       tokens=snap.get("waiting_tokens", 0)
+                       + sum(len(r.prompt_ids) for r in self._inbox))
 
   def stats(self) -> dict[str, Any]:
-    """Gauges and counters for metrics endpoints."""
-    with self._lock:
-      pool = self.pool.stats()
-      return dict(self.counters, num_requests_running=len(self.scheduler.running),
-                  num_requests_waiting=len(self.scheduler.waiting),
-                  kv_cache_usage_perc=pool.usage, prefix_cache_queries=pool.prefix_queries,
-                  prefix_cache_hits=pool.prefix_hits,
-                  num_preemptions=self.scheduler.num_preemptions)
+    """Gauges and counters for metrics endpoints (as of the last step; never waits)."""
+    with self._inbox_lock:
+      snap = dict(self._snapshot)
+      snap.pop("waiting_tokens")
+      snap["num_requests_waiting"] += len(self._inbox)
+      return snap

@@ -12,10 +12,10 @@ Lifecycle: health is NOT_SERVING until warm-up ends; `drain()` flips it back, re
 requests with UNAVAILABLE, lets in-flight ones finish for `drain_timeout_s`, ends the rest with
 UNAVAILABLE, then stops.
 
-`Engine.add_request` and `abort` take the engine's lock, which `step()` holds for a whole device
-step; the event loop never calls them. They run, in order, on one `engine_calls` thread, so a
-step delays only the admission or abort that waits for it, not every stream; being one FIFO
-thread also keeps queue-cap check + add atomic, and an abort after its add.
+`Engine.add_request` and `abort` never wait for a device step (they land in the engine's inbox,
+applied at the next step), but tokenising and validating a prompt is CPU work, so the event
+loop still hands them, in order, to one `engine_calls` thread: being one FIFO thread keeps the
+queue-cap check + add atomic, and an abort after its add.
 """
 
 from __future__ import annotations
