@@ -48,6 +48,7 @@ flags.DEFINE_integer("context", 1024, "Cached tokens per row.")
 flags.DEFINE_string("kernels", "reference", "Kernel choice for attention and MoE.")
 flags.DEFINE_integer("iters", 10, "Timed iterations per measurement.")
 flags.DEFINE_bool("host", True, "Also measure the serving engine's per-token host overhead.")
+flags.DEFINE_list("ablate", None, "Batch sizes to break down by ablation (default: all).")
 flags.DEFINE_string("out", "", "Write JSON here.")
 
 DSV2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -176,16 +177,17 @@ def main(argv):
   bw = copy_bandwidth(FLAGS.iters)
   rows = []
   for b in (int(x) for x in FLAGS.batch):
-    variant = {
-        "step": impl,
-        "no_attention": dataclasses.replace(impl, attention="zero"),
-        "no_moe": dataclasses.replace(impl, moe="zero"),
-        "no_attention_no_moe": KernelChoice(attention="zero", moe="zero")}
+    variant = {"step": impl}
+    if FLAGS.ablate is None or str(b) in FLAGS.ablate:
+      variant.update(no_attention=dataclasses.replace(impl, attention="zero"),
+                     no_moe=dataclasses.replace(impl, moe="zero"),
+                     no_attention_no_moe=KernelChoice(attention="zero", moe="zero"))
     t = {name: step_time(cfg, params, b, FLAGS.context, k, FLAGS.iters)
          for name, k in variant.items()}
+    nan = float("nan")
     floor_bytes = bytes_floor(cfg, params, b, FLAGS.context)
-    row = dict(batch=b, step_s=t["step"], attention_s=t["step"] - t["no_attention"],
-               moe_s=t["step"] - t["no_moe"], other_s=t["no_attention_no_moe"],
+    row = dict(batch=b, step_s=t["step"], attention_s=t["step"] - t.get("no_attention", nan),
+               moe_s=t["step"] - t.get("no_moe", nan), other_s=t.get("no_attention_no_moe", nan),
                floor_bytes=floor_bytes, floor_s=floor_bytes / bw,
                step_over_floor=t["step"] / (floor_bytes / bw))
     if FLAGS.host:

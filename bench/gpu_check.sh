@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU check: one script for a developer who draws a GPU, run as a single device call from
+# the repository root:
+#     OUT=/tmp/out bash bench/gpu_check.sh          (the device tool sets $OUT)
+# Sized to finish in under 8 minutes on one H200, compilation included; each stage has its own
+# time limit and a failing stage does not stop the others. Writes JSON per stage and
+# $OUT/summary.md (a markdown table per stage) for BENCHMARKS.md.
+#   1. compiled kernels vs references (bench.kernel_check)        exit status = correctness
+#   2. kernel benchmarks with measured copy bandwidth / matmul rate (attention, MoE)
+#   3. end-to-end decode of a DeepSeek-V2-Lite-shaped random model at batch 1, 8, 64 against
+#      the bandwidth floor, Mosaic GPU kernels (breakdown by ablation at batch 8), and the XLA
+#      reference at batch 8
+#   4. the demo model with and without speculation
+set -u
+OUT=${OUT:-/tmp/moejax_gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+PY=${PY:-python3}
+# Smoke run of the plumbing on a CPU: MODEL=tiny KERNELS=reference bash bench/gpu_check.sh
+MODEL=${MODEL:-dsv2_lite}
+KERNELS=${KERNELS:-mosaic_gpu}
+status=0
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) ==="
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - t0))s ==="
+  [ "$rc" = 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+git rev-parse HEAD 2>/dev/null > "$OUT/commit.txt"
+stage kernel_check 120 $PY -m bench.kernel_check --out="$OUT/kernel_check.json"
+stage attention 90 $PY -m bench.attention_kernels --out "$OUT/attention.json"
+stage moe 90 $PY -m bench.moe_kernels --out "$OUT/moe.json" --tokens 1 8 64 512 8192
+stage e2e_kernels 150 $PY -m bench.decode_profile --model=$MODEL --batch=1,8,64 --ablate=8 \
+  --kernels=$KERNELS --nohost --iters=5 --out="$OUT/e2e_kernels.json"
+stage e2e_reference 60 $PY -m bench.decode_profile --model=$MODEL --batch=8 --ablate= \
+  --kernels=reference --nohost --iters=5 --out="$OUT/e2e_reference.json"
+if [ -f bench/speculative.py ]; then
+  stage speculative 90 $PY -m bench.speculative --out="$OUT/speculative.json"
+fi
+$PY -m bench.summarize "$OUT" > "$OUT/summary.md" 2>&1 || status=1
+cat "$OUT/summary.md"
+exit $status
