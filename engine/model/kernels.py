@@ -66,3 +66,12 @@ def route(k: KernelChoice) -> Callable:
 
 def moe_experts(k: KernelChoice) -> Callable:
   return _pick(_MOE_EXPERTS, k.moe, "MoE experts")
+
+
+# Mosaic GPU attention kernels (NVIDIA Hopper; bf16/f16 caches). Cache writes keep the XLA
+# scatter (`write_pages` falls back to the reference for this name): with the pages donated it
+# updates in place and moves only the new tokens.
+from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu  # noqa: E402
+
+register("mla_attention", "mosaic_gpu", mla_paged_attention_mgpu.mla_paged_attention)
+register("gqa_attention", "mosaic_gpu", gqa_paged_attention_mgpu.gqa_paged_attention)

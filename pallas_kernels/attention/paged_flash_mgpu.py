@@ -18,22 +18,28 @@ Returns:
   lse: [G, S, R] float32  per split log-sum-exp of the scaled scores (-inf: split saw nothing).
 `combine_splits` merges the splits (flash-decoding).
 
-Grid: (S, R // 64, G). Each CUDA block owns one 64-row query block of one group and the
-contiguous run of pages `split` is given (the pages a query block needs are divided evenly among
-the splits at run time, so ragged batches and short sequences waste no loads). Batch 1 with a long
-context still launches S blocks per query block.
+Grid: (S, R // 64, G). Each CUDA block owns one 64-row query block of one group and a
+contiguous run of KV blocks (`block_kv` tokens, a divisor of the page size): the KV blocks the
+query block needs are divided evenly among the splits at run time, so ragged batches and short
+sequences waste no loads, and batch 1 with a long context still launches S CUDA blocks.
 
-Inside a block: `num_compute_wgs` compute warpgroups plus one memory warpgroup. The memory
-warpgroup streams one page per step (TMA, through the page table) into a ring of `num_stages`
-SMEM slots; compute warpgroups wait for the slot, compute scores with WGMMA, run the online
-softmax in registers and accumulate P @ V with WGMMA, then release the slot. The value width Dv
-is split across the compute warpgroups (MLA: 512 = 2 x 256) because a 64 x 512 float32
-accumulator does not fit in one warpgroup's registers; each compute warpgroup recomputes the
-scores (the QK^T cost is paid twice, the price of not sharing P through SMEM — see the report).
+Inside a CUDA block: `num_compute_wgs` compute warpgroups plus one memory warpgroup. The memory
+warpgroup streams KV blocks (TMA, through the page table) into a ring of `num_stages` SMEM slots;
+each compute warpgroup waits for a slot, computes the 64 x block_kv scores with WGMMA, masks them
+(per-row key limit), runs the online softmax in registers, stages P (bf16/f16) in SMEM and
+accumulates P @ V with WGMMA, then releases the slot. The value width is split across the compute
+warpgroups (MLA: 512 = 2 x 256) because a 64 x 512 float32 accumulator does not fit in one
+warpgroup's registers; each compute warpgroup therefore recomputes the scores (QK^T is paid twice
+for MLA; FlashMLA instead shares P through SMEM). At the end, each compute warpgroup writes its
+normalised tile through SMEM (aliasing the query buffer) and warpgroup 0 writes the log-sum-exp.
 
-Constraints (WGMMA / TMA): q and pages bf16 or f16; Dk, Dv multiples of 64; P a multiple of 64
-or 16/32 (one page per step, it is the WGMMA N / K tile); float32 inputs are not supported
-(WGMMA would compute in tf32).
+Constraints (WGMMA / TMA): q and pages bf16 or f16 (float32 would run WGMMA in tf32: rejected);
+block_kv a multiple of 16 dividing the page size; Dk and each compute warpgroup's share of Dv
+multiples of the swizzle width (64 columns for block_kv >= 64, 32 for 32, 16 for 16).
+
+Interpret mode (`plgpu.force_gpu_interpret_mode`) implements neither `pl.run_state` nor stores to
+WGMMA accumulators, so under it (only) P @ V goes to a fresh accumulator and is added in
+registers; on the GPU it accumulates in place. Everything else is the same code.
 """
 
 from __future__ import annotations
@@ -97,14 +103,15 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
   block_kv = block_kv or min(page_size, 64)
   if rows % BLOCK_Q:
     raise ValueError(f"rows={rows} must be a multiple of {BLOCK_Q}")
-  if dk % 64 or dv % 64:
-    raise ValueError(f"head dims must be multiples of 64 (WGMMA tiles), got Dk={dk} Dv={dv}")
   if block_kv % 16 or page_size % block_kv:
     raise ValueError(f"block_kv={block_kv} must be a multiple of 16 (WGMMA K tile) dividing "
                      f"page_size={page_size}")
+  # Every SMEM operand is tiled in columns of the swizzle width (see _smem_transforms).
+  tile_cols = _smem_transforms(dtype, block_kv)[0].tiling[1]
   num_compute_wgs = pl.cdiv(dv, _MAX_WGMMA_N)
-  if dv % (num_compute_wgs * 64):
-    raise ValueError(f"Dv={dv} must split into {num_compute_wgs} multiples of 64")
+  if dk % tile_cols or dv % (num_compute_wgs * tile_cols):
+    raise ValueError(f"with block_kv={block_kv} the head dims must be multiples of {tile_cols} "
+                     f"(Dv of {num_compute_wgs} x {tile_cols}), got Dk={dk} Dv={dv}")
   dv_wg = dv // num_compute_wgs
   num_q_blocks = rows // BLOCK_Q
   blocks_per_page = page_size // block_kv
@@ -152,13 +159,22 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
       def _prologue(step):
         issue(step, step)
 
-      @pl.loop(num_stages, jnp.maximum(steps, num_stages))
-      def _steady(step):
+      def wait_free(step):
         slot = lax.rem(step, jnp.int32(num_stages))
         plgpu.barrier_wait(k_free.at[slot])
         if not shared_kv:
           plgpu.barrier_wait(v_free.at[slot])
-        issue(step, slot)
+        return slot
+
+      @pl.loop(num_stages, jnp.maximum(steps, num_stages))
+      def _steady(step):
+        issue(step, wait_free(step - num_stages))
+
+      # Observe the release of the last blocks too, so every barrier phase is waited for once
+      # (cheap: the memory warpgroup has nothing else to do, and interpret mode insists).
+      @pl.loop(jnp.maximum(steps - num_stages, 0), steps)
+      def _drain(step):
+        wait_free(step)
 
     @pl.when(wg < num_compute_wgs)
     def _compute_wg():
