@@ -62,7 +62,8 @@ def _normal(key, shape, dtype):
 MLA_CASES = {
     # name: (B, T, nH, Dc, Dr, page, max_pages, kv_lens, dtype, num_splits, detect_races)
     "decode_len1_boundary_ragged": (3, 1, 4, 64, 64, 32, 4, [1, 64, 77], jnp.bfloat16, 2, False),
-    "spec_verify_t4_races": (2, 4, 8, 64, 64, 32, 3, [4, 45], jnp.bfloat16, 3, True),
+    # 5 KV blocks of 32 in one split: the 3-slot ring wraps around while races are tracked.
+    "spec_verify_t4_races": (2, 4, 8, 64, 64, 32, 5, [4, 150], jnp.bfloat16, 1, True),
     "prefill_chunk_with_prefix": (2, 20, 4, 32, 32, 32, 3, [33, 84], jnp.float16, 1, False),
     "kimi_dims_512_64": (1, 2, 8, 512, 64, 64, 2, [100], jnp.bfloat16, 2, False),
 }
@@ -94,7 +95,8 @@ def test_mla_kernel_matches_reference(name):
 GQA_CASES = {
     # name: (B, T, nH, nKV, D, page, max_pages, kv_lens, dtype, num_splits, detect_races)
     "decode_len1_boundary_ragged": (3, 1, 8, 2, 32, 32, 3, [1, 64, 50], jnp.bfloat16, 2, False),
-    "spec_verify_mqa_races": (2, 4, 4, 1, 64, 64, 2, [4, 100], jnp.bfloat16, 2, True),
+    # 4 KV blocks per split through a 3-slot ring, with race detection.
+    "spec_verify_mqa_races": (2, 4, 4, 1, 64, 16, 8, [4, 100], jnp.bfloat16, 2, True),
     "prefill_chunk_with_prefix_p16": (2, 40, 4, 2, 16, 16, 6, [52, 95], jnp.float16, 1, False),
 }
 
