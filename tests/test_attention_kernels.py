@@ -3,6 +3,7 @@ CUDA lowering of the kernels at Kimi-K2.5 shapes, the reference against naive de
 float64, the in-place cache write, and the engine's kernel switch."""
 
 import contextlib
+import json
 import re
 
 import jax
@@ -292,3 +293,18 @@ def test_model_forward_with_mosaic_gpu_matches_reference(name, overrides, page_s
     got = run(kernels.KernelChoice(attention="mosaic_gpu"))
   for row, n in enumerate([6, 4]):
     np.testing.assert_allclose(got[row, :n], want[row, :n], rtol=2e-2, atol=2e-2)
+
+
+# ---- The benchmark's CPU path ----
+
+def test_bench_cpu_path_runs_reference_only(tmp_path, capsys):
+  from bench import attention_kernels as bench
+  if jax.default_backend() == "gpu":
+    pytest.skip("checks the CPU path")
+  result = bench.main(["--out", str(tmp_path / "attention.json"), "--iters", "1"])
+  assert "NO GPU" in capsys.readouterr().out
+  with open(tmp_path / "attention.json") as f:
+    saved = json.load(f)
+  assert saved["rows"] == result["rows"] and saved["copy_gbps"] > 0
+  assert {r["impl"] for r in saved["rows"]} == {"xla_reference"}
+  assert all(r["time_us"] > 0 and 0 < r["frac_copy"] for r in saved["rows"])
