@@ -82,7 +82,8 @@ def test_mla_kernel_matches_reference(name):
   scale = (dc + dr) ** -0.5
   with gpu_interpret(detect_races=races):
     got = mla_paged_attention_mgpu.mla_paged_attention(
-        q_latent, q_rope, pages, table, q_pos, kv_lens, softmax_scale=scale, num_splits=splits)
+        q_latent, q_rope, pages, table, q_pos, kv_lens, softmax_scale=scale, num_splits=splits,
+        min_tokens_per_split=1)
   want = reference.mla_paged_attention(q_latent, q_rope, pages, table, q_pos, kv_lens,
                                        softmax_scale=scale)
   assert got.shape == want.shape and got.dtype == want.dtype
@@ -113,7 +114,8 @@ def test_gqa_kernel_matches_reference(name):
   v_pages = _normal(k3, (num_pages, page, nkv, d), dtype)
   with gpu_interpret(detect_races=races):
     got = gqa_paged_attention_mgpu.gqa_paged_attention(
-        q, k_pages, v_pages, table, q_pos, kv_lens, softmax_scale=d ** -0.5, num_splits=splits)
+        q, k_pages, v_pages, table, q_pos, kv_lens, softmax_scale=d ** -0.5, num_splits=splits,
+        min_tokens_per_split=1)
   want = reference.gqa_paged_attention(q, k_pages, v_pages, table, q_pos, kv_lens,
                                        softmax_scale=d ** -0.5)
   assert got.shape == want.shape and got.dtype == want.dtype
@@ -122,9 +124,9 @@ def test_gqa_kernel_matches_reference(name):
   np.testing.assert_allclose(got, np.asarray(want, np.float32), **_tol(dtype))
 
 
-def test_kernel_writes_every_partial_and_combine_matches():
-  """The raw kernel outputs (before the split combine) are fully written: more splits than KV
-  blocks leave some splits empty (lse -inf, zeros), padded rows see nothing."""
+def test_kernel_partials_and_split_combine():
+  """The raw kernel outputs: with more splits than KV blocks some splits are idle (lse -inf, their
+  partial left unwritten: NaN here); active splits write every row; padded rows see nothing."""
   b, t, nh, d, page = 2, 1, 4, 32, 32
   table, q_pos, kv_lens = _paged_inputs(7, b, t, [1, 40], page, 2, 5)
   k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
@@ -138,17 +140,21 @@ def test_kernel_writes_every_partial_and_combine_matches():
   with gpu_interpret():
     out, lse = paged_flash_mgpu.paged_flash_attention(
         qf, k_pages, v_pages, table, row_limit, block_end, softmax_scale=0.2, num_splits=3,
-        block_kv=16)
+        block_kv=16, min_tokens_per_split=16)
   out, lse = np.asarray(out, np.float32), np.asarray(lse)
-  assert np.isfinite(out).all() and not np.isnan(lse).any()
-  # Row 0 (kv_len 1) has one KV block: splits 1 and 2 saw nothing.
-  assert np.isneginf(lse[0, 1:, :nh]).all() and (out[0, 1:] == 0).all()
-  assert np.isneginf(lse[:, :, nh:]).all()  # padded rows
-  got = paged_flash_mgpu.combine_splits(out, lse)[:, :nh]
+  assert not np.isnan(lse).any()
+  # Sequence 0 (kv_len 1) has one KV block of 16: only split 0 works. Sequence 1 (40) has 3.
+  assert np.isfinite(lse[0, 0, :nh]).all() and np.isneginf(lse[0, 1:]).all()
+  assert np.isnan(out[0, 1:]).all()  # idle splits leave their partials unwritten
+  assert np.isfinite(out[0, 0]).all() and np.isfinite(out[1]).all()
+  assert np.isfinite(lse[1, :, :nh]).all() and np.isneginf(lse[:, :, nh:]).all()
+  assert (out[1, :, nh:] == 0).all()  # padded rows of active splits
+  got = np.asarray(paged_flash_mgpu.combine_splits(out, lse))
+  assert np.isfinite(got).all() and (got[:, nh:] == 0).all()
   want = reference.gqa_paged_attention(q, k_pages, v_pages, table, q_pos, kv_lens,
                                        softmax_scale=0.2)
-  np.testing.assert_allclose(got, np.asarray(want, np.float32).reshape(b, nh, d), rtol=2e-2,
-                             atol=2e-2)
+  np.testing.assert_allclose(got[:, :nh], np.asarray(want, np.float32).reshape(b, nh, d),
+                             rtol=2e-2, atol=2e-2)
 
 
 def test_float32_cache_is_rejected():

@@ -29,7 +29,8 @@ from pallas_kernels.attention.reference import gqa_paged_attention as reference 
 def gqa_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         page_table: jax.Array, q_positions: jax.Array, kv_lens: jax.Array, *,
                         softmax_scale: float, num_splits: int | None = None,
-                        num_stages: int = 3) -> jax.Array:
+                        num_stages: int = 3,
+                        min_tokens_per_split: int = 512) -> jax.Array:
   """See the module docstring; `num_splits` defaults to filling 132 SMs twice."""
   b, t, nh, d = q.shape
   nkv = k_pages.shape[2]
@@ -45,11 +46,14 @@ def gqa_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   limit = jnp.repeat(jnp.repeat(limit, heads_per_kv, axis=1), nkv, axis=0)  # [B * nKV, T * G]
   row_limit, block_end = fold_rows(limit, rows)
   if num_splits is None:
-    num_splits = core.default_num_splits(b * nkv * rows // core.BLOCK_Q, page_table.shape[1])
+    num_splits = core.default_num_splits(
+        b * nkv * rows // core.BLOCK_Q, page_table.shape[1] * k_pages.shape[1],
+        min_tokens_per_split=min_tokens_per_split)
   out, lse = core.paged_flash_attention(
       qg, k_pages, v_pages, page_table.astype(jnp.int32), row_limit, block_end,
       softmax_scale=softmax_scale, num_splits=num_splits, num_kv_heads=nkv,
-      num_stages=num_stages)
+      num_stages=num_stages,
+      min_tokens_per_split=min_tokens_per_split)
   ctx = core.combine_splits(out, lse)[:, :rows_used]  # [B * nKV, T * G, D]
   ctx = ctx.reshape(b, nkv, t, heads_per_kv, d).transpose(0, 2, 1, 3, 4)
   return ctx.reshape(b, t, nh, d).astype(q.dtype)

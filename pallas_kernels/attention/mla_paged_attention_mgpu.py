@@ -39,7 +39,8 @@ def fold_rows(row_limit: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
 def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
                         page_table: jax.Array, q_positions: jax.Array, kv_lens: jax.Array, *,
                         softmax_scale: float, num_splits: int | None = None,
-                        block_kv: int = 32, num_stages: int = 3) -> jax.Array:
+                        block_kv: int = 32, num_stages: int = 3,
+                        min_tokens_per_split: int = 512) -> jax.Array:
   """See the module docstring; `num_splits` defaults to filling 132 SMs twice.
 
   `block_kv` tokens (a divisor of the page size) are loaded per pipeline step; with Dc + Dr = 576
@@ -55,10 +56,13 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
   limit = jnp.minimum(q_positions + 1, kv_lens[:, None]).astype(jnp.int32)  # [B, T]
   row_limit, block_end = fold_rows(jnp.repeat(limit, nh, axis=1), rows)
   if num_splits is None:
-    num_splits = core.default_num_splits(b * rows // core.BLOCK_Q, page_table.shape[1])
+    num_splits = core.default_num_splits(
+        b * rows // core.BLOCK_Q, page_table.shape[1] * latent_pages.shape[1],
+        min_tokens_per_split=min_tokens_per_split)
   out, lse = core.paged_flash_attention(
       q, latent_pages, None, page_table.astype(jnp.int32), row_limit, block_end,
       softmax_scale=softmax_scale, num_splits=num_splits, value_dim=dc,
-      block_kv=min(block_kv, latent_pages.shape[1]), num_stages=num_stages)
+      block_kv=min(block_kv, latent_pages.shape[1]), num_stages=num_stages,
+      min_tokens_per_split=min_tokens_per_split)
   ctx = core.combine_splits(out, lse)[:, :rows_used]  # [B, T * nH, Dc]
   return ctx.reshape(b, t, nh, dc).astype(q_latent.dtype)

@@ -85,7 +85,7 @@ def _interpreting() -> bool:
 def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end, *,
                           softmax_scale: float, num_splits: int, num_kv_heads: int = 1,
                           value_dim: int | None = None, block_kv: int | None = None,
-                          num_stages: int = 2):
+                          num_stages: int = 2, min_tokens_per_split: int = 512):
   """Partial (per split) attention over paged KV; see the module docstring for shapes."""
   groups, rows, dk = q.shape
   dtype = q.dtype
@@ -115,6 +115,9 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
   dv_wg = dv // num_compute_wgs
   num_q_blocks = rows // BLOCK_Q
   blocks_per_page = page_size // block_kv
+  # A split writes a 64 x Dv partial; fewer KV tokens than this per split and the partials
+  # cost more HBM traffic than they save.
+  min_blocks_per_split = max(1, min_tokens_per_split // block_kv)
   # Pages viewed as [N, P // block_kv, block_kv, ...] (a free reshape), so that a KV block is
   # addressed by static-size indices: TMA wants slice starts it can prove tile-aligned.
   def by_blocks(pages):
@@ -136,10 +139,12 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
     kv_head = lax.rem(group, jnp.int32(num_kv_heads))
     q_rows = pl.ds(q_block * BLOCK_Q, BLOCK_Q)
 
-    # This split's KV blocks: those the query block needs, divided evenly among the splits.
+    # This split's KV blocks: those the query block needs, divided evenly among the splits (but
+    # at least min_blocks_per_split each, so a short sequence leaves the later splits idle).
     end = block_end_ref[group, q_block]
     num_blocks = lax.div(end + (block_kv - 1), jnp.int32(block_kv))
-    per_split = lax.div(num_blocks + (num_splits - 1), jnp.int32(num_splits))
+    per_split = jnp.maximum(lax.div(num_blocks + (num_splits - 1), jnp.int32(num_splits)),
+                            jnp.int32(min_blocks_per_split))
     first = split * per_split
     steps = jnp.maximum(jnp.minimum(per_split, num_blocks - first), 0)
 
@@ -250,9 +255,13 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
       # with q (its last score WGMMA has completed once its accumulator was read).
       plgpu.barrier_arrive(q_free)
       plgpu.barrier_wait(q_free)
-      out_smem.at[wg][...] = out.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[group, split, q_rows, cols])
+
+      # An idle split writes only its lse (-inf): combine_splits never reads its partial.
+      @pl.when(steps > 0)
+      def _():
+        out_smem.at[wg][...] = out.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[group, split, q_rows, cols])
 
       @pl.when(wg == 0)
       def _():
@@ -300,17 +309,22 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
 def combine_splits(out: jax.Array, lse: jax.Array) -> jax.Array:
   """[G, S, R, Dv] partial contexts + [G, S, R] log-sum-exps -> [G, R, Dv] float32.
 
-  Splits that saw no key carry lse = -inf and weigh nothing; rows no split saw come out 0 (as
-  the reference's fully-masked rows).
+  Splits that saw no key carry lse = -inf and weigh nothing (their partial may be unwritten
+  memory, so it is selected away, not multiplied by 0); rows no split saw come out 0 (as the
+  reference's fully-masked rows).
   """
   lse_max = jnp.max(lse, axis=1, keepdims=True)
   lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
   w = jnp.exp(lse - lse_max)  # [G, S, R]
   denom = jnp.sum(w, axis=1)
-  num = jnp.einsum("gsr,gsrd->grd", w, out.astype(jnp.float32))
+  out = jnp.where((w > 0)[..., None], out.astype(jnp.float32), 0.0)
+  num = jnp.einsum("gsr,gsrd->grd", w, out)
   return num / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-def default_num_splits(work_blocks: int, max_pages: int, num_sms: int = 132) -> int:
-  """Enough splits for about two CUDA blocks per SM, never more than the pages."""
-  return max(1, min(max_pages, pl.cdiv(2 * num_sms, max(work_blocks, 1))))
+def default_num_splits(work_blocks: int, max_tokens: int, num_sms: int = 132,
+                       min_tokens_per_split: int = 512) -> int:
+  """Enough splits for about two CUDA blocks per SM (H200: 132 SMs), but no split shorter than
+  `min_tokens_per_split` tokens of the longest possible sequence (`max_tokens`)."""
+  wanted = pl.cdiv(2 * num_sms, max(work_blocks, 1))
+  return max(1, min(wanted, pl.cdiv(max_tokens, min_tokens_per_split)))
