@@ -66,7 +66,9 @@ MLA_CASES = {
     # 5 KV blocks of 32 in one split: the 3-slot ring wraps around while races are tracked.
     "spec_verify_t4_races": (2, 4, 8, 64, 64, 32, 5, [4, 150], jnp.bfloat16, 1, True),
     "prefill_chunk_with_prefix": (2, 20, 4, 32, 32, 32, 3, [33, 84], jnp.float16, 1, False),
-    "kimi_dims_512_64": (1, 2, 8, 512, 64, 64, 2, [100], jnp.bfloat16, 2, False),
+    # Kimi's 512 + 64: two compute warpgroups (256 value columns each) share the KV ring and the
+    # query buffer that becomes their output staging; 7 KV blocks wrap the 3-slot ring.
+    "kimi_dims_512_64_races": (1, 2, 8, 512, 64, 64, 4, [200], jnp.bfloat16, 1, True),
 }
 
 
