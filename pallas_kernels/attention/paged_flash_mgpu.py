@@ -24,14 +24,15 @@ query block needs are divided evenly among the splits at run time, so ragged bat
 sequences waste no loads, and batch 1 with a long context still launches S CUDA blocks.
 
 Inside a CUDA block: `num_compute_wgs` compute warpgroups plus one memory warpgroup. The memory
-warpgroup streams KV blocks (TMA, through the page table) into a ring of `num_stages` SMEM slots;
-each compute warpgroup waits for a slot, computes the 64 x block_kv scores with WGMMA, masks them
+warpgroup streams KV blocks (TMA, through the page table) into a ring of `num_stages` SMEM slots.
+Compute warpgroup 0 waits for a slot, computes the 64 x block_kv scores with WGMMA, masks them
 (per-row key limit), runs the online softmax in registers, stages P (bf16/f16) in SMEM and
-accumulates P @ V with WGMMA, then releases the slot. The value width is split across the compute
-warpgroups (MLA: 512 = 2 x 256) because a 64 x 512 float32 accumulator does not fit in one
-warpgroup's registers; each compute warpgroup therefore recomputes the scores (QK^T is paid twice
-for MLA; FlashMLA instead shares P through SMEM). At the end, each compute warpgroup writes its
-normalised tile through SMEM (aliasing the query buffer) and warpgroup 0 writes the log-sum-exp.
+accumulates P @ V for its share of the value columns with WGMMA, then releases the slot. The value
+width is split across the compute warpgroups (MLA: 512 = 2 x 256) because a 64 x 512 float32
+accumulator does not fit in one warpgroup's registers; the other compute warpgroups take P and the
+rescale factor alpha from warpgroup 0 through double-buffered SMEM (barriers p_ready / p_free,
+as FlashMLA does), so QK^T is computed once. At the end every compute warpgroup writes its
+normalised tile through SMEM (aliasing the query buffer) and warpgroup 0 the log-sum-exp.
 
 Constraints (WGMMA / TMA): q and pages bf16 or f16 (float32 would run WGMMA in tf32: rejected);
 block_kv a multiple of 16 dividing the page size; Dk and each compute warpgroup's share of Dv
@@ -43,9 +44,6 @@ registers; on the GPU it accumulates in place. Everything else is the same code.
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import jax
 from jax import lax
@@ -128,8 +126,8 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
   accumulate_in_place = not _interpreting()
 
   def kernel(q_ref, k_ref, v_ref, pt_ref, row_limit_ref, block_end_ref, out_ref, lse_ref,
-             q_or_out_smem, k_smem, v_smem, p_smem, limit_smem, lse_smem, q_bars, k_bars,
-             v_bars, k_free, v_free, q_free):
+             q_or_out_smem, k_smem, v_smem, p_smem, alpha_smem, inv_l_smem, limit_smem, lse_smem,
+             q_bars, k_bars, v_bars, k_free, v_free, p_ready, p_free, l_ready):
     q_smem, out_smem = q_or_out_smem
     split = lax.axis_index("split")
     q_block = lax.axis_index("q_block")
@@ -181,28 +179,59 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
       def _drain(step):
         wait_free(step)
 
-    @pl.when(wg < num_compute_wgs)
-    def _compute_wg():
-      @pl.when(wg == 0)
-      def _():
-        plgpu.copy_gmem_to_smem(q_ref.at[group, q_rows], q_smem, q_bars.at[0])
-      plgpu.copy_gmem_to_smem(row_limit_ref.at[group, q_rows], limit_smem.at[wg],
-                              q_bars.at[1 + wg])
-      plgpu.barrier_wait(q_bars.at[0])
-      plgpu.barrier_wait(q_bars.at[1 + wg])
-      row_layout = plgpu.Layout.WGMMA.reduce(1)
-      limit = plgpu.load(limit_smem.at[wg], layout=row_layout)
-      limit = lax.broadcast_in_dim(limit, (BLOCK_Q, block_kv), [0])
-      cols = pl.ds(wg * dv_wg, dv_wg)
-      p_tile = p_smem.at[wg]
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
 
+    def add_context(acc, slot, cols, p_tile):
+      """acc += P @ V[:, cols] for the KV block in `slot`, then releases the slot."""
+      if not shared_kv:
+        plgpu.barrier_wait(v_bars.at[slot])
+        v_tile = v_smem.at[slot, :, cols]
+      else:
+        v_tile = k_smem.at[slot, :, cols]
+      if accumulate_in_place:
+        def context(acc_ref):
+          plgpu.wgmma(acc_ref, p_tile, v_tile)
+        acc = pl.run_state(context)(plgpu.ACC.init(acc))
+      else:
+        def context(acc_ref):
+          plgpu.wgmma(acc_ref, p_tile, v_tile)
+          return acc_ref[...]
+        acc = acc + pl.run_scoped(context, plgpu.ACC((BLOCK_Q, dv_wg), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      if not shared_kv:
+        plgpu.barrier_arrive(v_free.at[slot])
+      return acc
+
+    def write_context(acc, inv_l, cols, tile):
+      # The staging tile aliases q_smem, which only warpgroup 0 reads: its last score WGMMA
+      # completed before it published the last P, which every warpgroup has consumed by now.
+      # An idle split writes only its lse (-inf): combine_splits never reads its partial.
+      @pl.when(steps > 0)
+      def _():
+        out_smem.at[tile][...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[tile], out_ref.at[group, split, q_rows, cols])
+
+    def zeros_acc():
+      return plgpu.layout_cast(jnp.zeros((BLOCK_Q, dv_wg), jnp.float32), plgpu.Layout.WGMMA)
+
+    @pl.when(wg == 0)
+    def _softmax_wg():
+      """Scores, masking and the online softmax for every column; P @ V for columns [0, dv_wg)."""
+      plgpu.copy_gmem_to_smem(q_ref.at[group, q_rows], q_smem, q_bars.at[0])
+      plgpu.copy_gmem_to_smem(row_limit_ref.at[group, q_rows], limit_smem, q_bars.at[1])
+      plgpu.barrier_wait(q_bars.at[0])
+      plgpu.barrier_wait(q_bars.at[1])
+      limit = lax.broadcast_in_dim(plgpu.load(limit_smem, layout=row_layout),
+                                   (BLOCK_Q, block_kv), [0])
+      cols = pl.ds(0, dv_wg)
       m_i = plgpu.layout_cast(jnp.full((BLOCK_Q,), -jnp.inf, jnp.float32), row_layout)
       l_i = plgpu.layout_cast(jnp.zeros((BLOCK_Q,), jnp.float32), row_layout)
-      acc = plgpu.layout_cast(jnp.zeros((BLOCK_Q, dv_wg), jnp.float32), plgpu.Layout.WGMMA)
 
       def step_body(step, carry):
         acc, m_i, l_i = carry
         slot = lax.rem(step, jnp.int32(num_stages))
+        p_slot = lax.rem(step, jnp.int32(2))
         plgpu.barrier_wait(k_bars.at[slot])
 
         def scores(acc_ref):
@@ -222,53 +251,59 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
         p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        # P goes through SMEM (WGMMA's A operand); the previous step's P @ V has completed
-        # (its accumulator was read), so the tile is free.
-        p_tile[...] = p.astype(dtype)
+        # P (WGMMA's A operand) and alpha go through SMEM, double-buffered: the other
+        # warpgroups may still be using step - 1's. Step - 2's are free once they said so
+        # (this warpgroup's own P @ V of that step completed when its accumulator was read).
+        if num_compute_wgs > 1:
+          @pl.when(step >= 2)
+          def _():
+            plgpu.barrier_wait(p_free.at[p_slot])
+          alpha_smem.at[p_slot][...] = alpha
+        p_smem.at[p_slot][...] = p.astype(dtype)
         plgpu.commit_smem()
-        if not shared_kv:
-          plgpu.barrier_wait(v_bars.at[slot])
-          v_tile = v_smem.at[slot, :, cols]
-        else:
-          v_tile = k_smem.at[slot, :, cols]
-
-        if accumulate_in_place:
-          def context(acc_ref):
-            plgpu.wgmma(acc_ref, p_tile, v_tile)
-          acc = pl.run_state(context)(plgpu.ACC.init(acc))
-        else:
-          def context(acc_ref):
-            plgpu.wgmma(acc_ref, p_tile, v_tile)
-            return acc_ref[...]
-          acc = acc + pl.run_scoped(context, plgpu.ACC((BLOCK_Q, dv_wg), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        if not shared_kv:
-          plgpu.barrier_arrive(v_free.at[slot])
+        if num_compute_wgs > 1:
+          plgpu.barrier_arrive(p_ready.at[p_slot])
+        acc = add_context(acc, slot, cols, p_smem.at[p_slot])
         return acc, m_new, l_i
 
-      acc, m_i, l_i = lax.fori_loop(0, steps, step_body, (acc, m_i, l_i))
-
+      acc, m_i, l_i = lax.fori_loop(0, steps, step_body, (zeros_acc(), m_i, l_i))
       seen = l_i > 0
       inv_l = jnp.where(seen, 1.0 / jnp.where(seen, l_i, 1.0), 0.0)
-      out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-      # The output staging buffer aliases q_smem: wait until every compute warpgroup is done
-      # with q (its last score WGMMA has completed once its accumulator was read).
-      plgpu.barrier_arrive(q_free)
-      plgpu.barrier_wait(q_free)
-
-      # An idle split writes only its lse (-inf): combine_splits never reads its partial.
-      @pl.when(steps > 0)
-      def _():
-        out_smem.at[wg][...] = out.astype(dtype)
+      if num_compute_wgs > 1:
+        # Observe the last releases of P too (every barrier phase is waited for once).
+        @pl.loop(jnp.maximum(steps - 2, 0), steps)
+        def _drain(step):
+          plgpu.barrier_wait(p_free.at[lax.rem(step, jnp.int32(2))])
+        inv_l_smem[...] = inv_l
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[group, split, q_rows, cols])
-
-      @pl.when(wg == 0)
-      def _():
-        lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[group, split, q_rows])
+        plgpu.barrier_arrive(l_ready)
+      write_context(acc, inv_l, cols, 0)
+      lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[group, split, q_rows])
       plgpu.wait_smem_to_gmem(0)
+
+    if num_compute_wgs > 1:
+      @pl.when((wg > 0) & (wg < num_compute_wgs))
+      def _value_wg():
+        """P @ V for columns [wg * dv_wg, (wg + 1) * dv_wg), with warpgroup 0's P and alpha."""
+        cols = pl.ds(wg * dv_wg, dv_wg)
+
+        def step_body(step, acc):
+          slot = lax.rem(step, jnp.int32(num_stages))
+          p_slot = lax.rem(step, jnp.int32(2))
+          plgpu.barrier_wait(k_bars.at[slot])  # the TMA's writes, seen by this warpgroup too
+          plgpu.barrier_wait(p_ready.at[p_slot])
+          alpha = plgpu.load(alpha_smem.at[p_slot], layout=row_layout)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          acc = add_context(acc, slot, cols, p_smem.at[p_slot])
+          plgpu.barrier_arrive(p_free.at[p_slot])
+          return acc
+
+        acc = lax.fori_loop(0, steps, step_body, zeros_acc())
+        plgpu.barrier_wait(l_ready)
+        write_context(acc, plgpu.load(inv_l_smem, layout=row_layout), cols, wg)
+        plgpu.wait_smem_to_gmem(0)
 
   def entry(*refs):
     transforms = _smem_transforms(dtype, block_kv)
@@ -281,18 +316,25 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
         k_smem=plgpu.SMEM((num_stages, block_kv, dk), dtype, transforms=transforms),
         v_smem=None if shared_kv else plgpu.SMEM(
             (num_stages, block_kv, dv), dtype, transforms=transforms),
-        p_smem=plgpu.SMEM((num_compute_wgs, BLOCK_Q, block_kv), dtype,
-                          transforms=transforms),
-        limit_smem=plgpu.SMEM((num_compute_wgs, BLOCK_Q), jnp.int32),
+        p_smem=plgpu.SMEM((2, BLOCK_Q, block_kv), dtype, transforms=transforms),
+        limit_smem=plgpu.SMEM((BLOCK_Q,), jnp.int32),
         lse_smem=plgpu.SMEM((BLOCK_Q,), jnp.float32),
-        q_bars=plgpu.Barrier(num_barriers=1 + num_compute_wgs),
+        q_bars=plgpu.Barrier(num_barriers=2),
         k_bars=plgpu.Barrier(num_barriers=num_stages),
         v_bars=None if shared_kv else plgpu.Barrier(num_barriers=num_stages),
         k_free=plgpu.Barrier(num_arrivals=num_compute_wgs, num_barriers=num_stages),
         v_free=None if shared_kv else plgpu.Barrier(
             num_arrivals=num_compute_wgs, num_barriers=num_stages),
-        q_free=plgpu.Barrier(num_arrivals=num_compute_wgs),
+        # Warpgroup 0 hands P, alpha and finally 1 / l to the other compute warpgroups.
+        alpha_smem=None, inv_l_smem=None, p_ready=None, p_free=None, l_ready=None,
     )
+    if num_compute_wgs > 1:
+      scratch.update(
+          alpha_smem=plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+          inv_l_smem=plgpu.SMEM((BLOCK_Q,), jnp.float32),
+          p_ready=plgpu.Barrier(num_barriers=2),
+          p_free=plgpu.Barrier(num_arrivals=num_compute_wgs - 1, num_barriers=2),
+          l_ready=plgpu.Barrier())
     pl.run_scoped(lambda **s: kernel(*refs, **s), **scratch, collective_axes="wg")
 
   out_type = (jax.ShapeDtypeStruct((groups, num_splits, rows, dv), dtype),
