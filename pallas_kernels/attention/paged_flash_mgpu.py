@@ -54,6 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 BLOCK_Q = 64  # WGMMA's M tile: one warpgroup's rows.
 _MAX_WGMMA_N = 256  # widest accumulator one compute warpgroup holds (64 x 256 float32).
+_MEMORY_WG_REGISTERS = 40  # per thread; the memory warpgroup only issues TMA copies.
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -124,6 +125,9 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
   # product goes to a fresh accumulator and is added in registers; on the GPU it accumulates in
   # place (a second 64 x 256 float32 accumulator would not fit in registers).
   accumulate_in_place = not _interpreting()
+  # setmaxnreg wants multiples of 8; 65536 registers per SM, 128 threads per warpgroup.
+  compute_registers = min(
+      240, (65536 - 128 * _MEMORY_WG_REGISTERS) // (128 * num_compute_wgs) // 8 * 8)
 
   def kernel(q_ref, k_ref, v_ref, pt_ref, row_limit_ref, block_end_ref, out_ref, lse_ref,
              q_or_out_smem, k_smem, v_smem, p_smem, alpha_smem, inv_l_smem, limit_smem, lse_smem,
@@ -146,8 +150,15 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
     first = split * per_split
     steps = jnp.maximum(jnp.minimum(per_split, num_blocks - first), 0)
 
+    # With 3+ warpgroups the even register split (65536 / 384 = 168 per thread) is too small for
+    # a 64 x 256 float32 accumulator plus scores: move registers to the compute warpgroups.
+    rebalance_registers = num_compute_wgs > 1
+
     @pl.when(wg == num_compute_wgs)
     def _memory_wg():
+      if rebalance_registers:
+        plgpu.set_max_registers(_MEMORY_WG_REGISTERS, action="decrease")
+
       def issue(step, slot):
         kv_block = first + step
         page = pt_ref[seq, lax.div(kv_block, jnp.int32(blocks_per_page))]
@@ -218,6 +229,8 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
     @pl.when(wg == 0)
     def _softmax_wg():
       """Scores, masking and the online softmax for every column; P @ V for columns [0, dv_wg)."""
+      if rebalance_registers:
+        plgpu.set_max_registers(compute_registers, action="increase")
       plgpu.copy_gmem_to_smem(q_ref.at[group, q_rows], q_smem, q_bars.at[0])
       plgpu.copy_gmem_to_smem(row_limit_ref.at[group, q_rows], limit_smem, q_bars.at[1])
       plgpu.barrier_wait(q_bars.at[0])
@@ -287,6 +300,7 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
       @pl.when((wg > 0) & (wg < num_compute_wgs))
       def _value_wg():
         """P @ V for columns [wg * dv_wg, (wg + 1) * dv_wg), with warpgroup 0's P and alpha."""
+        plgpu.set_max_registers(compute_registers, action="increase")
         cols = pl.ds(wg * dv_wg, dv_wg)
 
         def step_body(step, acc):
