@@ -13,7 +13,9 @@ chunked prefill are the same kernel (a longer T only adds query blocks); causali
 tokens is the per-row key limit min(q_position + 1, kv_len). KV length is split across CUDA
 blocks and merged by log-sum-exp.
 
-Needs a bf16/f16 cache, D a multiple of 64 and a page size that is a multiple of 16.
+Needs a bf16/f16 cache (float32 raises NotImplementedError), a page size that is a multiple of
+16 and D a multiple of the swizzle width of the KV block (min(page, 64) tokens: D % 64 for pages
+of 64 or more, % 32 for 32, % 16 for 16). Queries are cast to the cache dtype.
 """
 
 from __future__ import annotations

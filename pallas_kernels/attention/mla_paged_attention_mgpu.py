@@ -15,8 +15,10 @@ across CUDA blocks (flash-decoding) and the splits are merged with their log-sum
 the full Dc + Dr row (latent . q_latent + rope . q_rope in one WGMMA); values are the first Dc
 columns of the same SMEM page, so each page is read from HBM once.
 
-Needs a bf16/f16 cache, Dc and Dc + Dr multiples of 64 (Kimi/DeepSeek: 512 + 64) and a page
-size that is a multiple of 16 (64 for Kimi). Queries are cast to the cache dtype.
+Needs a bf16/f16 cache (float32 raises NotImplementedError: WGMMA would run it in tf32), a page
+size that is a multiple of 16 (64 for Kimi) and Dc, Dc + Dr multiples of the swizzle width of
+`block_kv` (32 columns for the default 32-token KV blocks; Kimi/DeepSeek 512 + 64 qualify).
+Queries are cast to the cache dtype; the output comes back in q_latent's dtype.
 """
 
 from __future__ import annotations
