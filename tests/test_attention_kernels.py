@@ -18,7 +18,7 @@ from engine.model import kernels
 from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
-from engine.model.transformer import forward_logits
+from engine.model.transformer import compute_logits, forward
 from model_configs import CONFIGS
 from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import paged_flash_mgpu, reference
@@ -292,9 +292,14 @@ def test_model_forward_with_mosaic_gpu_matches_reference(name, overrides, page_s
   table = jnp.asarray([[3, 0], [1, 2]], jnp.int32)
 
   def run(impl):
+    # Op by op, not under forward_logits' jit: GPU interpret mode runs each warpgroup as a
+    # thread that compiles and runs its own computation, with barriers blocking inside host
+    # callbacks. Nested inside an outer CPU computation on this 2-core machine that has hung
+    # (intermittently, e.g. after other tests changed the compilation cache), presumably
+    # starving XLA:CPU's thread pool. Each kernel call at top level has never hung.
     cache = init_cache(cfg, 4, page_size, jnp.bfloat16)
-    logits, _ = forward_logits(params, cache, tokens, start, n_new, table, cfg=cfg, impl=impl)
-    return np.asarray(logits)
+    hidden, _ = forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=impl)
+    return np.asarray(compute_logits(params, hidden, cfg))
 
   want = run(kernels.REFERENCE)
   with gpu_interpret():
