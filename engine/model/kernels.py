@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import reference as attn_ref
 from pallas_kernels.moe import moe_mgpu
 from pallas_kernels.moe import reference as moe_ref
@@ -26,8 +27,13 @@ class KernelChoice:
 
 REFERENCE = KernelChoice()
 
-_MLA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.mla_paged_attention}
-_GQA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.gqa_paged_attention}
+# Mosaic GPU attention kernels (NVIDIA Hopper; bf16/f16 caches). Cache writes keep the XLA
+# scatter (`write_pages` falls back to the reference for this name): with the pages donated it
+# updates in place and moves only the new tokens.
+_MLA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.mla_paged_attention,
+                                       "mosaic_gpu": mla_paged_attention_mgpu.mla_paged_attention}
+_GQA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.gqa_paged_attention,
+                                       "mosaic_gpu": gqa_paged_attention_mgpu.gqa_paged_attention}
 _WRITE_PAGES: dict[str, Callable] = {"reference": attn_ref.write_pages}
 _ROUTE: dict[str, Callable] = {"reference": moe_ref.route, "mosaic_gpu": moe_mgpu.route}
 _MOE_EXPERTS: dict[str, Callable] = {"reference": moe_ref.moe_experts,
@@ -68,3 +74,4 @@ def route(k: KernelChoice) -> Callable:
 
 def moe_experts(k: KernelChoice) -> Callable:
   return _pick(_MOE_EXPERTS, k.moe, "MoE experts")
+
