@@ -21,7 +21,7 @@ from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params
-from engine.model.transformer import forward_logits, moe as moe_layer
+from engine.model.transformer import compute_logits, forward, moe as moe_layer
 from model_configs import CONFIGS
 from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, moe_mgpu, permute, reference
 from pallas_kernels.moe import routing
@@ -286,24 +286,34 @@ def test_moe_layer_equals_reference(t):
   _assert_close(got, want, jnp.bfloat16)
 
 
-def test_tiny_model_forward_with_mosaic_gpu_moe_equals_reference():
+def test_tiny_model_forward_calls_mosaic_gpu_moe_and_matches_reference_per_layer():
+  """The model reaches the kernel through the switch with real shapes, and every call matches
+  the reference on the same inputs. (Whole-model logits are not compared: in eager bf16, the
+  per-layer bf16 differences grow through random-weight layers; jitting the forward instead
+  nests GPU interpret mode inside an outer CPU computation, which has hung on 2 cores.)"""
   cfg = _tiny_moe_config()
   params = init_params(cfg, seed=4, dtype=jnp.bfloat16)
   b, t, ps = 2, 5, 4
   tokens = jnp.asarray(np.random.default_rng(2).integers(3, cfg.vocab_size, (b, t)), jnp.int32)
   page_table = jnp.asarray(contiguous_page_table(b, 8, ps))
-  args = (tokens, jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32), page_table)
+  calls = []
 
-  def run(impl):
-    cache = init_cache(cfg, page_table.size, ps, jnp.bfloat16)
-    return forward_logits(params, cache, *args, cfg=cfg, impl=impl)[0]
+  def checked(x, weights, ids, *w, **kw):
+    got = moe_mgpu.moe_experts(x, weights, ids, *w, **kw)
+    calls.append((got, reference.moe_experts(x, weights, ids, *w, **kw)))
+    return got
 
-  want = run(REFERENCE)
+  kernels.register("moe_experts", "checked_mosaic_gpu", checked)
   with gpu_interpret():
-    got = run(KernelChoice(moe="mosaic_gpu"))
-  # bf16 through 3 layers: a few bf16 ulps of the logit scale.
-  _assert_close(got, want, jnp.bfloat16)
-  np.testing.assert_array_equal(np.argmax(np.asarray(got), -1), np.argmax(np.asarray(want), -1))
+    cache = init_cache(cfg, page_table.size, ps, jnp.bfloat16)
+    hidden, _ = forward(params, cache, tokens, jnp.zeros((b,), jnp.int32),
+                        jnp.full((b,), t, jnp.int32), page_table, cfg=cfg,
+                        impl=KernelChoice(moe="checked_mosaic_gpu"))
+  n_moe = sum("moe" in layer for layer in params["layers"])
+  assert len(calls) == n_moe > 0
+  for got, want in calls:
+    _assert_close(got, want, jnp.bfloat16)
+  assert np.isfinite(np.asarray(compute_logits(params, hidden, cfg))).all()
 
 
 def test_engine_switch_registers_mosaic_gpu_and_keeps_default():
