@@ -120,6 +120,29 @@ class Completion:
   token_ids: list[int]
   finish_reason: str  # "stop" or "length"
   prompt_tokens: int
+  spec: dict | None = None  # speculative decoding counters of this row (see spec_summary)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """How `generate_tokens` speculates (see `engine.runtime.speculative`).
+
+  method: "ngram" (prompt lookup), "mtp" (the checkpoint's MTP layer) or "draft" (a small
+  model with the same tokenizer: `draft_cfg`, `draft_params`). num_draft_tokens: K >= 1.
+  """
+  method: str
+  num_draft_tokens: int = 4
+  draft_cfg: ModelConfig | None = None
+  draft_params: Params | None = None
+
+
+def spec_summary(drafted_steps: int, draft_tokens: int, accepted: int, steps: int,
+                 emitted: int, accepted_at: Sequence[int]) -> dict:
+  """Counters as reported: mean accepted length = tokens emitted per target forward."""
+  return {"steps": steps, "drafts": drafted_steps, "drafted": draft_tokens,
+          "accepted": accepted, "accepted_at": list(accepted_at),
+          "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+          "mean_accepted_length": emitted / steps if steps else 0.0}
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -132,8 +155,14 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
                     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                     eos_ids: Sequence[int] = (), stop_token_ids: Sequence[Sequence[int]] = (),
                     ignore_eos: bool = False, min_new_tokens: int = 0, page_size: int = 16,
-                    cache_dtype=None, impl: KernelChoice = REFERENCE) -> list[Completion]:
-  """Generates for a batch of token-id prompts of different lengths."""
+                    cache_dtype=None, impl: KernelChoice = REFERENCE,
+                    speculative: SpeculativeConfig | None = None) -> list[Completion]:
+  """Generates for a batch of token-id prompts of different lengths.
+
+  With `speculative`, decoding drafts and verifies several tokens per target forward; the
+  output is the same as without it (identical under greedy, same distribution when sampling),
+  and each `Completion.spec` carries the row's counters.
+  """
   b = len(prompts)
   if b == 0:
     return []
@@ -163,8 +192,13 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   lengths_arr = jnp.asarray(lengths, jnp.int32)
-  logits, cache = prefill(params, cache, jnp.asarray(tokens), lengths_arr, page_table,
-                          cfg=cfg, impl=impl)
+  if speculative is not None and speculative.method == "mtp":
+    from engine.runtime.speculative.loop import prefill_hidden  # imports this module
+    logits, prompt_hidden, cache = prefill_hidden(params, cache, jnp.asarray(tokens),
+                                                  lengths_arr, page_table, cfg=cfg, impl=impl)
+  else:
+    logits, cache = prefill(params, cache, jnp.asarray(tokens), lengths_arr, page_table,
+                            cfg=cfg, impl=impl)
 
   stop_rows = []
   for i in range(b):
@@ -179,6 +213,11 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   stops = StopCriteria(max_new_tokens=jnp.asarray(max_new, jnp.int32),
                        stop_ids=jnp.asarray(stop_arr),
                        min_new_tokens=jnp.full((b,), min_new_tokens, jnp.int32))
+  if speculative is not None:
+    return _speculate(params, cfg, cache, logits, tokens, lengths, page_table,
+                      SamplingArrays.from_params(samp), stops, max_steps, speculative,
+                      prompt_hidden if speculative.method == "mtp" else None, page_size, dtype,
+                      impl)
   out, cache = decode(params, cache, logits, lengths_arr, page_table,
                       SamplingArrays.from_params(samp), stops, max_steps=max_steps, cfg=cfg,
                       impl=impl)
@@ -187,3 +226,46 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   return [Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
                      finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
                      prompt_tokens=lengths[i]) for i in range(b)]
+
+
+def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling, stops,
+               max_steps, spec, prompt_hidden, page_size, dtype, impl) -> list[Completion]:
+  """`generate_tokens`' speculative tail: drafter set-up, `speculative_decode`, counters."""
+  from engine.runtime.speculative.loop import DRAFTERS, speculative_decode
+
+  if spec.method not in DRAFTERS:
+    raise ValueError(f"unknown speculative method {spec.method!r}; expected one of {DRAFTERS}")
+  if spec.num_draft_tokens < 1:
+    raise ValueError(f"num_draft_tokens must be >= 1, got {spec.num_draft_tokens}")
+  if spec.method == "mtp" and cfg.num_nextn_predict_layers < 1:
+    raise ValueError("speculative method 'mtp' needs a checkpoint with an MTP layer "
+                     "(num_nextn_predict_layers >= 1)")
+  lengths_arr = jnp.asarray(lengths, jnp.int32)
+  draft_cache = None
+  if spec.method == "draft":
+    if spec.draft_cfg is None or spec.draft_params is None:
+      raise ValueError("speculative method 'draft' needs draft_cfg and draft_params")
+    if spec.draft_cfg.vocab_size != cfg.vocab_size:
+      raise ValueError(f"the draft model's vocabulary ({spec.draft_cfg.vocab_size}) differs "
+                       f"from the target's ({cfg.vocab_size})")
+    draft_cache = init_cache(spec.draft_cfg, page_table.size, page_size, dtype)
+    _, draft_cache = prefill(spec.draft_params, draft_cache, jnp.asarray(tokens), lengths_arr,
+                             page_table, cfg=spec.draft_cfg, impl=impl)
+  out, cache = speculative_decode(
+      params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
+      prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
+      max_steps=max_steps, num_draft=spec.num_draft_tokens, drafter=spec.method, cfg=cfg,
+      draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl)
+  del cache
+  toks, counts, reasons, st = jax.device_get(
+      (out.tokens, out.num_tokens, out.finish_reason, out.stats))
+  result = []
+  for i in range(len(lengths)):
+    # Tokens from verification steps: all but the first (which prefill produced).
+    summary = spec_summary(int(st.drafted_steps[i]), int(st.draft_tokens[i]),
+                           int(st.accepted_tokens[i]), int(st.steps[i]), int(counts[i]) - 1,
+                           [int(x) for x in st.accepted_at[i]])
+    result.append(Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
+                             finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
+                             prompt_tokens=lengths[i], spec=summary))
+  return result

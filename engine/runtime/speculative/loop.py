@@ -1,0 +1,211 @@
+"""`speculative_decode`: the speculative counterpart of `generate.decode`, one jitted while loop.
+
+Each iteration, for every live row (B rows, K = num_draft):
+1. the drafter proposes up to K tokens (`drafters`), capped so the row cannot pass its limit;
+2. ONE target forward over `[newest, d_1 .. d_K]` (T = K + 1; positions n_cached .. n_cached+K,
+   the first n_draft + 1 real);
+3. `acceptance.verify` accepts a prefix d_1 .. d_a and chooses the extra token (correction or
+   bonus), so the row emits a + 1 tokens; stop ids inside the block end the row there;
+4. the row advances by length only: n_cached += a + 1. Cache slots of rejected drafts were
+   written but lie past n_cached, so attention never reads them and later steps overwrite them.
+
+Rows accept different counts and finish independently (EOS/stop ids after min_new_tokens,
+max_new_tokens); finished rows write nothing. No host round trip until every row is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.model.transformer import Cache, compute_logits, forward
+from engine.runtime.generate import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, StopCriteria)
+from engine.runtime.sampling import SamplingArrays, sample
+from engine.runtime.speculative import drafters
+from engine.runtime.speculative.acceptance import verify
+
+DRAFTERS = ("ngram", "mtp", "draft")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecStats:
+  """Per-row counters of one `speculative_decode` call."""
+  steps: jax.Array  # [B] target verification forwards the row took part in
+  drafted_steps: jax.Array  # [B] of those, steps with at least one drafted token
+  draft_tokens: jax.Array  # [B] drafted tokens
+  accepted_tokens: jax.Array  # [B] accepted drafted tokens
+  accepted_at: jax.Array  # [B, K] steps whose draft at slot i (0-based) was accepted
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecOutput:
+  tokens: jax.Array  # [B, max_steps] int32, -1 past each row's end
+  num_tokens: jax.Array  # [B] int32
+  finish_reason: jax.Array  # [B] int32 (FINISH_*)
+  cache_lengths: jax.Array  # [B] int32 tokens whose cache entries are valid at the end
+  stats: SpecStats
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def prefill_hidden(params: Params, cache: Cache, tokens: jax.Array, lengths: jax.Array,
+                   page_table: jax.Array, *, cfg: ModelConfig, impl: KernelChoice = REFERENCE
+                   ) -> tuple[jax.Array, jax.Array, Cache]:
+  """`generate.prefill` that also returns every position's hidden state (for MTP).
+
+  Returns (last-token logits [B, V], hidden [B, T, H], cache)."""
+  b = tokens.shape[0]
+  hidden, cache = forward(params, cache, tokens, jnp.zeros((b,), jnp.int32), lengths,
+                          page_table, cfg=cfg, impl=impl)
+  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+  return compute_logits(params, last, cfg), hidden, cache
+
+
+def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
+           ) -> jax.Array:
+  """buffer[b, start[b] + i] = values[b, i] for i < count[b]. buffer [B, N], values [B, T]."""
+  t = values.shape[1]
+  cols = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, buffer.shape[1])
+  rows = jnp.arange(buffer.shape[0])[:, None]
+  return buffer.at[rows, cols].set(values, mode="drop")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl"),
+    donate_argnames=("cache",))
+def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
+                       prompt_tokens: jax.Array, lengths: jax.Array, page_table: jax.Array,
+                       sampling: SamplingArrays, stops: StopCriteria,
+                       prompt_hidden: jax.Array | None = None, draft_params: Params | None = None,
+                       draft_cache: Cache | None = None, *, max_steps: int, num_draft: int,
+                       drafter: str, cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
+                       impl: KernelChoice = REFERENCE) -> tuple[SpecOutput, Cache]:
+  """Speculative generation of up to `max_steps` tokens per row.
+
+  Args:
+    first_logits: [B, V] logits of each row's last prompt token (from prefill).
+    prompt_tokens: [B, Tp] right-padded prompts (the n-gram history starts from them).
+    lengths: [B] prompt lengths (tokens in the cache).
+    prompt_hidden: [B, Tp, H] target hidden states of the prompt (drafter "mtp").
+    draft_params, draft_cache: the draft model and its cache holding the prompts ("draft");
+      its cache uses the same page table.
+    num_draft: K, drafted tokens per step (>= 1).
+    drafter: one of DRAFTERS.
+  Returns:
+    (SpecOutput, cache).
+  """
+  if drafter not in DRAFTERS:
+    raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
+  b, k = first_logits.shape[0], num_draft
+  history_len = prompt_tokens.shape[1] + max_steps
+  limit = jnp.minimum(stops.max_new_tokens, max_steps)
+  slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+  # The first token comes from the prefill logits exactly as in `generate.decode`.
+  tok = sample(first_logits, sampling, lengths)
+  out = jnp.full((b, max_steps), -1, jnp.int32).at[:, 0].set(tok)
+  n_out = jnp.ones((b,), jnp.int32)
+  hit_stop = jnp.any(tok[:, None] == stops.stop_ids, axis=-1) & (n_out >= stops.min_new_tokens)
+  reasons = jnp.where(hit_stop, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
+                                                       FINISH_NONE))
+  history = jnp.zeros((b, history_len), jnp.int32).at[:, :prompt_tokens.shape[1]].set(
+      jnp.where(jnp.arange(prompt_tokens.shape[1])[None, :] < lengths[:, None], prompt_tokens, 0))
+  history = _place(history, lengths, tok[:, None], jnp.ones((b,), jnp.int32))
+  n_cached = lengths.astype(jnp.int32)
+
+  aux = {}
+  if drafter == "mtp":
+    # MTP over the prompt: position i combines h_i with token i+1 (the first output at the end).
+    shifted = jnp.take_along_axis(history, jnp.minimum(
+        jnp.arange(prompt_tokens.shape[1])[None, :] + 1, history_len - 1), axis=1)
+    aux["mtp_hidden"], cache = drafters.mtp_observe(
+        params, cache, prompt_hidden, shifted, jnp.zeros((b,), jnp.int32), n_cached,
+        page_table, cfg=cfg, impl=impl)
+  elif drafter == "draft":
+    aux = {"cache": draft_cache, "lag": jnp.zeros((b,), bool), "lag_tok": tok}
+
+  zeros = jnp.zeros((b,), jnp.int32)
+  stats = SpecStats(steps=zeros, drafted_steps=zeros, draft_tokens=zeros,
+                    accepted_tokens=zeros, accepted_at=jnp.zeros((b, k), jnp.int32))
+
+  def step(state):
+    cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
+    live = reasons == FINISH_NONE
+    live_i = live.astype(jnp.int32)
+
+    # 1. Draft.
+    q = None
+    if drafter == "ngram":
+      draft, n_draft = drafters.ngram_propose(history, n_cached, k)
+    elif drafter == "mtp":
+      draft, q, cache = drafters.mtp_propose(params, cache, aux["mtp_hidden"], n_cached, live,
+                                             page_table, sampling, k=k, cfg=cfg, impl=impl)
+      n_draft = jnp.full((b,), k, jnp.int32)
+    else:
+      draft, q, dcache = drafters.draft_model_propose(
+          draft_params, aux["cache"], tok, n_cached, aux["lag"], aux["lag_tok"], live,
+          page_table, sampling, k=k, draft_cfg=draft_cfg, impl=impl)
+      n_draft = jnp.full((b,), k, jnp.int32)
+    # The step emits n_draft + 1 tokens at most: never pass the row's limit (nor the cache).
+    n_draft = jnp.where(live, jnp.minimum(n_draft, limit - n_out - 1), 0)
+
+    # 2. Verify: one target forward over [newest, d_1 .. d_K].
+    block = jnp.concatenate([tok[:, None], draft], axis=1)
+    hidden, cache = forward(params, cache, block, n_cached, (n_draft + 1) * live_i, page_table,
+                            cfg=cfg, impl=impl)
+    logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
+    n_acc, extra = verify(logits, draft, q, n_draft, sampling, n_cached + 1)
+
+    # 3. Emit d_1 .. d_a, extra; a stop id inside the block ends the row there.
+    emitted = jnp.where(slots < n_acc[:, None],
+                        jnp.concatenate([draft, jnp.zeros((b, 1), jnp.int32)], axis=1),
+                        extra[:, None])
+    n_emit = n_acc + 1
+    is_stop = (jnp.any(emitted[:, :, None] == stops.stop_ids[:, None, :], axis=-1)
+               & (slots < n_emit[:, None])
+               & (n_out[:, None] + slots + 1 >= stops.min_new_tokens[:, None]))
+    stopped = jnp.any(is_stop, axis=1)
+    n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n_emit)
+    n_emit = n_emit * live_i
+    out = _place(out, n_out, emitted, n_emit)
+    history = _place(history, n_cached + 1, emitted, n_emit)
+    n_out = n_out + n_emit
+    reason = jnp.where(stopped, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
+                                                       FINISH_NONE))
+    reasons = jnp.where(live, reason, reasons)
+    new_tok = jnp.where(live, extra, tok)
+    # Rollback of rejected drafts (and of tokens after a stop): by length only.
+    new_cached = n_cached + n_emit
+
+    # 4. Let the drafter see what was verified.
+    if drafter == "mtp":
+      mtp_hidden, cache = drafters.mtp_observe(params, cache, hidden, emitted, n_cached,
+                                               (n_acc + 1) * live_i, page_table, cfg=cfg,
+                                               impl=impl)
+      aux = {"mtp_hidden": jnp.where(live[:, None], mtp_hidden, aux["mtp_hidden"])}
+    elif drafter == "draft":
+      all_in = live & (n_acc == k)  # d_K was accepted but never fed to the draft model
+      aux = {"cache": dcache, "lag": jnp.where(live, all_in, aux["lag"]),
+             "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
+
+    stats = SpecStats(
+        steps=stats.steps + live_i,
+        drafted_steps=stats.drafted_steps + (n_draft > 0).astype(jnp.int32),
+        draft_tokens=stats.draft_tokens + n_draft,
+        accepted_tokens=stats.accepted_tokens + n_acc,
+        accepted_at=stats.accepted_at + (slots[:, :k] < n_acc[:, None]).astype(jnp.int32))
+    return cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats
+
+  state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
+  state = jax.lax.while_loop(lambda s: jnp.any(s[7] == FINISH_NONE), step, state)
+  cache, _, _, _, n_cached, n_out, out, reasons, stats = state
+  return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
+                    cache_lengths=n_cached, stats=stats), cache
