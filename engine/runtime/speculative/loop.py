@@ -43,6 +43,22 @@ class SpecStats:
   accepted_tokens: jax.Array  # [B] accepted drafted tokens
   accepted_at: jax.Array  # [B, K] steps whose draft at slot i (0-based) was accepted
 
+  @staticmethod
+  def zeros(b: int, k: int) -> "SpecStats":
+    z = jnp.zeros((b,), jnp.int32)
+    return SpecStats(z, z, z, z, jnp.zeros((b, k), jnp.int32))
+
+  def add(self, live: jax.Array, n_draft: jax.Array, n_accepted: jax.Array) -> "SpecStats":
+    """Counts one verification step of the `live` rows."""
+    k = self.accepted_at.shape[1]
+    slot = jnp.arange(k, dtype=jnp.int32)[None, :]
+    return SpecStats(
+        steps=self.steps + live.astype(jnp.int32),
+        drafted_steps=self.drafted_steps + (n_draft > 0).astype(jnp.int32),
+        draft_tokens=self.draft_tokens + n_draft,
+        accepted_tokens=self.accepted_tokens + n_accepted,
+        accepted_at=self.accepted_at + (slot < n_accepted[:, None]).astype(jnp.int32))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -78,6 +94,53 @@ def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Ar
   return buffer.at[rows, cols].set(values, mode="drop")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verified:
+  """One verification step's result (B rows, K drafts)."""
+  cache: Cache
+  hidden: jax.Array  # [B, K+1, H] target hidden states of the block (for MTP)
+  n_accepted: jax.Array  # [B] accepted drafts
+  extra: jax.Array  # [B] the token after them (correction or bonus)
+  emitted: jax.Array  # [B, K+1] d_1 .. d_a, extra, then don't-care
+  n_emit: jax.Array  # [B] tokens the row emits (a + 1, cut after a stop id; 0 if not live)
+  stopped: jax.Array  # [B] bool: a stop id ended the row inside the block
+
+
+def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
+                 q: jax.Array | None, n_draft: jax.Array, n_cached: jax.Array, live: jax.Array,
+                 n_out: jax.Array, stop_ids: jax.Array, min_before_stop: jax.Array,
+                 sampling: SamplingArrays, page_table: jax.Array, *, cfg: ModelConfig,
+                 impl: KernelChoice) -> Verified:
+  """ONE target forward over `[tok, d_1 .. d_K]`, acceptance and stop ids.
+
+  Args:
+    tok: [B] newest token (position n_cached); draft [B, K]; q [B, K, V] or None (one-hot);
+    n_draft: [B] real drafts (0 for rows that are not live); live: [B] bool.
+    n_out: [B] tokens the row emitted so far; a stop id counts only once the row has emitted
+      at least `min_before_stop` [B] tokens; stop_ids: [B, S] padded with -1.
+  """
+  b, k = draft.shape
+  live_i = live.astype(jnp.int32)
+  block = jnp.concatenate([tok[:, None], draft], axis=1)
+  hidden, cache = forward(params, cache, block, n_cached, (n_draft + 1) * live_i, page_table,
+                          cfg=cfg, impl=impl)
+  logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
+  n_acc, extra = verify(logits, draft, q, n_draft, sampling, n_cached + 1)
+  slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  emitted = jnp.where(slots < n_acc[:, None],
+                      jnp.concatenate([draft, jnp.zeros((b, 1), jnp.int32)], axis=1),
+                      extra[:, None])
+  n_emit = n_acc + 1
+  is_stop = (jnp.any(emitted[:, :, None] == stop_ids[:, None, :], axis=-1)
+             & (slots < n_emit[:, None])
+             & (n_out[:, None] + slots + 1 >= min_before_stop[:, None]))
+  stopped = jnp.any(is_stop, axis=1) & live
+  n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n_emit)
+  return Verified(cache=cache, hidden=hidden, n_accepted=n_acc * live_i, extra=extra,
+                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped)
+
+
 @functools.partial(
     jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl"),
     donate_argnames=("cache",))
@@ -107,7 +170,6 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
   b, k = first_logits.shape[0], num_draft
   history_len = prompt_tokens.shape[1] + max_steps
   limit = jnp.minimum(stops.max_new_tokens, max_steps)
-  slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
 
   # The first token comes from the prefill logits exactly as in `generate.decode`.
   tok = sample(first_logits, sampling, lengths)
@@ -132,9 +194,7 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
   elif drafter == "draft":
     aux = {"cache": draft_cache, "lag": jnp.zeros((b,), bool), "lag_tok": tok}
 
-  zeros = jnp.zeros((b,), jnp.int32)
-  stats = SpecStats(steps=zeros, drafted_steps=zeros, draft_tokens=zeros,
-                    accepted_tokens=zeros, accepted_at=jnp.zeros((b, k), jnp.int32))
+  stats = SpecStats.zeros(b, k)
 
   def step(state):
     cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
@@ -157,35 +217,22 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     # The step emits n_draft + 1 tokens at most: never pass the row's limit (nor the cache).
     n_draft = jnp.where(live, jnp.minimum(n_draft, limit - n_out - 1), 0)
 
-    # 2. Verify: one target forward over [newest, d_1 .. d_K].
-    block = jnp.concatenate([tok[:, None], draft], axis=1)
-    hidden, cache = forward(params, cache, block, n_cached, (n_draft + 1) * live_i, page_table,
-                            cfg=cfg, impl=impl)
-    logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
-    n_acc, extra = verify(logits, draft, q, n_draft, sampling, n_cached + 1)
-
-    # 3. Emit d_1 .. d_a, extra; a stop id inside the block ends the row there.
-    emitted = jnp.where(slots < n_acc[:, None],
-                        jnp.concatenate([draft, jnp.zeros((b, 1), jnp.int32)], axis=1),
-                        extra[:, None])
-    n_emit = n_acc + 1
-    is_stop = (jnp.any(emitted[:, :, None] == stops.stop_ids[:, None, :], axis=-1)
-               & (slots < n_emit[:, None])
-               & (n_out[:, None] + slots + 1 >= stops.min_new_tokens[:, None]))
-    stopped = jnp.any(is_stop, axis=1)
-    n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n_emit)
-    n_emit = n_emit * live_i
+    # 2-3. Verify with one target forward, emit d_1 .. d_a and the extra token.
+    v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, n_out,
+                     stops.stop_ids, stops.min_new_tokens, sampling, page_table, cfg=cfg,
+                     impl=impl)
+    cache, hidden, n_acc, emitted, n_emit = v.cache, v.hidden, v.n_accepted, v.emitted, v.n_emit
     out = _place(out, n_out, emitted, n_emit)
     history = _place(history, n_cached + 1, emitted, n_emit)
     n_out = n_out + n_emit
-    reason = jnp.where(stopped, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
-                                                       FINISH_NONE))
+    reason = jnp.where(v.stopped, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
+                                                         FINISH_NONE))
     reasons = jnp.where(live, reason, reasons)
-    new_tok = jnp.where(live, extra, tok)
+    new_tok = jnp.where(live, v.extra, tok)
     # Rollback of rejected drafts (and of tokens after a stop): by length only.
     new_cached = n_cached + n_emit
 
-    # 4. Let the drafter see what was verified.
+    # 4. Let the drafter see what was verified (MTP: the verified block's hidden states).
     if drafter == "mtp":
       mtp_hidden, cache = drafters.mtp_observe(params, cache, hidden, emitted, n_cached,
                                                (n_acc + 1) * live_i, page_table, cfg=cfg,
@@ -196,12 +243,7 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
       aux = {"cache": dcache, "lag": jnp.where(live, all_in, aux["lag"]),
              "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
 
-    stats = SpecStats(
-        steps=stats.steps + live_i,
-        drafted_steps=stats.drafted_steps + (n_draft > 0).astype(jnp.int32),
-        draft_tokens=stats.draft_tokens + n_draft,
-        accepted_tokens=stats.accepted_tokens + n_acc,
-        accepted_at=stats.accepted_at + (slots[:, :k] < n_acc[:, None]).astype(jnp.int32))
+    stats = stats.add(live, n_draft, n_acc)
     return cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats
 
   state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
