@@ -199,6 +199,39 @@ def test_sampling_reproduces_and_ignores_batch_company(model):
   assert a[0].token_ids == greedy.token_ids and a[0].spec["accepted"] > 0
 
 
+def test_ngram_sampling_reproduces_plain_sampling_token_for_token(model):
+  """A deterministic drafter is verified by the target's own (seed, position) samples, so the
+  sampled output is exactly the non-speculative one (and independent of the draft length)."""
+  cfg, params = model
+  samp = [SamplingParams(temperature=0.8, top_p=0.9, seed=5),
+          SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=6),
+          SamplingParams(temperature=0.05, seed=4)]
+  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], sampling=samp)
+  got = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], sampling=samp,
+                        speculative=SpeculativeConfig("ngram", 3))
+  assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+  assert got[2].spec["accepted"] > 0  # the near-greedy row repeats itself
+
+
+def test_engine_decode_loop_with_ngram_drafts_matches_plain(model):
+  from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.request import StopParams
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+                                         row_widths=(16,), max_model_len=64, max_decode_steps=8,
+                                         cache_dtype=jnp.float32, speculative="ngram",
+                                         num_draft_tokens=3))
+  samp = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5), SamplingParams()]
+  got = eng.generate(PROMPTS, samp, StopParams(max_tokens=20))
+  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=20, sampling=samp)
+  assert [r.output_ids for r in got] == [c.token_ids for c in plain]
+  c = eng.counters
+  assert c["spec_steps"] > 0 and 0 < c["spec_accepted"] <= c["spec_drafted"]
+  assert c["steps"] < sum(len(r.output_ids) for r in got)  # fewer host steps than tokens
+  eng.pool.check_invariants()
+  assert eng.pool.num_free == eng.pool.num_pages - 1
+
+
 def test_rejected_drafts_roll_back_by_length(model):
   """After partially accepted steps, the cache and lengths equal those of plain decoding."""
   cfg, params = model

@@ -12,8 +12,11 @@ distribution of the token at position `first_position[b] + i`.
   temperature/top-k/top-p/min-p transforms. d_i is accepted with probability
   min(1, p_i(d_i) / q_i(d_i)); at the first rejection the extra token comes from
   normalize(max(0, p_i - q_i)); if every drafted token is accepted it comes from p_{n_draft}.
-  Deterministic drafters pass `draft_probs=None`: q is one-hot at d_i, so d_i is accepted with
-  probability p_i(d_i) and a rejection samples p_i without d_i.
+  Deterministic drafters pass `draft_probs=None`: q is one-hot at d_i, so d_i must be accepted
+  with probability p_i(d_i) and a rejection must sample p_i without d_i. Sampling x_i ~ p_i and
+  accepting while x_i == d_i does exactly that; with x_i drawn by `sampling.sample` under the
+  same (seed, position) key, the output is token for token the non-speculative sample (so it
+  also does not depend on how many tokens were drafted).
 
 Randomness of the token at position P comes from fold_in(key(seed), P) only (as in
 `sampling.sample`), split into one stream per use, so results do not depend on batch company.
@@ -24,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.runtime.sampling import SamplingArrays, transformed_logits
+from engine.runtime.sampling import SamplingArrays, sample, transformed_logits
 
 # fold_in tags under the (seed, position) key: one independent stream per use.
 STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_DRAFT = 1, 2, 3
@@ -66,15 +69,25 @@ def _greedy(target_logits, draft, n_draft):
   return n_acc, jnp.take_along_axis(best, n_acc[:, None], axis=1)[:, 0]
 
 
+def _match_samples(target_logits, draft, n_draft, s, first_position):
+  """One-hot q: the target's own sample at every slot, accepted while it equals the draft."""
+  b, k = draft.shape
+  positions = first_position[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  x = sample(target_logits.reshape(b * (k + 1), -1), repeat_rows(s, k + 1),
+             positions.reshape(-1)).reshape(b, k + 1)
+  ok = (draft == x[:, :k]) & (jnp.arange(k)[None, :] < n_draft[:, None])
+  n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+  return n_acc, jnp.take_along_axis(x, n_acc[:, None], axis=1)[:, 0]
+
+
 def _stochastic(target_logits, draft, draft_probs, n_draft, s, first_position):
+  if draft_probs is None:
+    return _match_samples(target_logits, draft, n_draft, s, first_position)
   b, k = draft.shape
   p = block_probs(target_logits, s)  # [B, K+1, V]
   positions = first_position[:, None] + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
   p_draft = jnp.take_along_axis(p[:, :k], draft[:, :, None], axis=-1)[..., 0]  # [B, K]
-  if draft_probs is None:  # deterministic drafter: q is one-hot at the draft
-    q_all = jax.nn.one_hot(draft, p.shape[-1], dtype=p.dtype)
-  else:
-    q_all = draft_probs.astype(p.dtype)
+  q_all = draft_probs.astype(p.dtype)
   q_draft = jnp.take_along_axis(q_all, draft[:, :, None], axis=-1)[..., 0]
   u = jax.vmap(jax.vmap(jax.random.uniform))(position_keys(s.seed, positions[:, :k],
                                                            STREAM_ACCEPT))
