@@ -124,6 +124,22 @@ def test_ngram_prefers_the_longest_then_most_recent_match():
   assert draft[1].tolist() == [6, 3, 4]
 
 
+def test_learned_table_learns_decays_and_evicts():
+  from engine.runtime.speculative import learned
+  table = learned.NgramTable.empty(num_slots=64, num_candidates=2)
+  hist = jnp.asarray([[5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 9]], jnp.int32)
+  pos = jnp.arange(3, 12, dtype=jnp.int32)[None, :]
+  table = jax.jit(learned.update)(table, hist, pos, jnp.ones_like(pos, bool))
+  # After (6, 7): 8 once, then 9 twice (the newer evidence, decayed less) -> 9.
+  tok, found = learned.lookup(table, jnp.asarray([[5, 6, 7]]), 0.5)
+  assert found.tolist() == [True] and tok.tolist() == [9]
+  draft, n = learned.propose(table, hist, jnp.asarray([7]), 3)  # after ... 5 6 7 9
+  assert n.tolist() == [3] and draft[0].tolist() == [5, 6, 7]
+  # An unseen context drafts nothing; min_count filters weak candidates.
+  assert learned.lookup(table, jnp.asarray([[1, 2, 3]]), 0.5)[1].tolist() == [False]
+  assert learned.lookup(table, jnp.asarray([[5, 6, 7]]), 5.0)[1].tolist() == [False]
+
+
 # ---- the loop on a tiny random model ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -230,6 +246,27 @@ def test_engine_decode_loop_with_ngram_drafts_matches_plain(model):
   assert c["steps"] < sum(len(r.output_ids) for r in got)  # fewer host steps than tokens
   eng.pool.check_invariants()
   assert eng.pool.num_free == eng.pool.num_pages - 1
+
+
+def test_learned_drafter_carries_knowledge_across_calls(model, tmp_path):
+  from engine.runtime.speculative.learned import NgramMemory
+  cfg, params = model
+  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9])
+  memory = NgramMemory(num_slots=1024)
+  spec = SpeculativeConfig("learned", 3, memory=memory)
+  first = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+  memory.save(str(tmp_path / "table.npz"))
+  second = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+  for got in (first, second):
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+  # The second call drafts the continuations the first one emitted.
+  assert sum(c.spec["steps"] for c in second) < sum(c.spec["steps"] for c in first)
+  assert sum(c.spec["accepted"] for c in second) >= 10
+  # A saved table reloads in another process's memory and drafts the same way.
+  again = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9],
+                          speculative=SpeculativeConfig(
+                              "learned", 3, memory=NgramMemory.load(str(tmp_path / "table.npz"))))
+  assert [c.spec for c in again] == [c.spec for c in second]
 
 
 def test_rejected_drafts_roll_back_by_length(model):

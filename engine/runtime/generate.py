@@ -127,13 +127,16 @@ class Completion:
 class SpeculativeConfig:
   """How `generate_tokens` speculates (see `engine.runtime.speculative`).
 
-  method: "ngram" (prompt lookup), "mtp" (the checkpoint's MTP layer) or "draft" (a small
-  model with the same tokenizer: `draft_cfg`, `draft_params`). num_draft_tokens: K >= 1.
+  method: "ngram" (prompt lookup), "mtp" (the checkpoint's MTP layer), "draft" (a small
+  model with the same tokenizer: `draft_cfg`, `draft_params`) or "learned" (an n-gram table
+  learned across requests: `memory`, a `learned.NgramMemory` updated in place; a fresh one per
+  call if None). num_draft_tokens: K >= 1.
   """
   method: str
   num_draft_tokens: int = 4
   draft_cfg: ModelConfig | None = None
   draft_params: Params | None = None
+  memory: object | None = None  # engine.runtime.speculative.learned.NgramMemory
 
 
 def spec_summary(drafted_steps: int, draft_tokens: int, accepted: int, steps: int,
@@ -251,12 +254,19 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
     draft_cache = init_cache(spec.draft_cfg, page_table.size, page_size, dtype)
     _, draft_cache = prefill(spec.draft_params, draft_cache, jnp.asarray(tokens), lengths_arr,
                              page_table, cfg=spec.draft_cfg, impl=impl)
+  memory = None
+  if spec.method == "learned":
+    from engine.runtime.speculative.learned import NgramMemory
+    memory = spec.memory if spec.memory is not None else NgramMemory()
   out, cache = speculative_decode(
       params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
       prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
-      max_steps=max_steps, num_draft=spec.num_draft_tokens, drafter=spec.method, cfg=cfg,
+      memory.table if memory is not None else None, max_steps=max_steps,
+      num_draft=spec.num_draft_tokens, drafter=spec.method, cfg=cfg,
       draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl)
   del cache
+  if memory is not None:
+    memory.table = out.ngram_table
   toks, counts, reasons, st = jax.device_get(
       (out.tokens, out.num_tokens, out.finish_reason, out.stats))
   result = []

@@ -47,10 +47,13 @@ flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
                   "checkpoint's for Orbax, bfloat16 for Hugging Face).")
 flags.DEFINE_bool("json", False, "Print JSON lines instead of text.")
-flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft"],
+flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft", "learned"],
                   "Speculative decoding drafter: n-gram prompt lookup, the checkpoint's MTP "
-                  "layer, or a draft model (--draft_checkpoint).")
+                  "layer, a draft model (--draft_checkpoint), or an n-gram table learned "
+                  "across requests (--learned_table).")
 flags.DEFINE_integer("num_draft_tokens", 4, "Tokens drafted per step.", lower_bound=1)
+flags.DEFINE_string("learned_table", None, "With --speculative=learned: .npz table loaded "
+                    "when it exists and saved after generating.")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory for --speculative=draft "
                     "(default: the demo draft model when running the demo target).")
 
@@ -65,6 +68,11 @@ def _parse_ids(s: str) -> list[int]:
 def _speculative_config(model: "engine.LoadedModel") -> "engine.SpeculativeConfig | None":
   if FLAGS.speculative == "off":
     return None
+  if FLAGS.speculative == "learned":
+    from engine.runtime.speculative.learned import NgramMemory
+    path = FLAGS.learned_table
+    memory = NgramMemory.load(path) if path and os.path.exists(path) else NgramMemory()
+    return engine.SpeculativeConfig("learned", FLAGS.num_draft_tokens, memory=memory)
   if FLAGS.speculative != "draft":
     return engine.SpeculativeConfig(FLAGS.speculative, FLAGS.num_draft_tokens)
   path = FLAGS.draft_checkpoint
@@ -110,6 +118,8 @@ def main(argv: list[str]) -> int:
     else:
       print(r.text if model.tokenizer is not None else " ".join(map(str, r.token_ids)))
   n = sum(len(r.token_ids) for r in results)
+  if speculative is not None and speculative.memory is not None and FLAGS.learned_table:
+    speculative.memory.save(FLAGS.learned_table)
   if speculative is not None:
     steps = sum(r.spec["steps"] for r in results)
     accepted = sum(r.spec["accepted"] for r in results)

@@ -27,10 +27,10 @@ from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
 from engine.runtime.generate import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, StopCriteria)
 from engine.runtime.sampling import SamplingArrays, sample
-from engine.runtime.speculative import drafters
+from engine.runtime.speculative import drafters, learned
 from engine.runtime.speculative.acceptance import verify
 
-DRAFTERS = ("ngram", "mtp", "draft")
+DRAFTERS = ("ngram", "mtp", "draft", "learned")
 
 
 @jax.tree_util.register_dataclass
@@ -68,6 +68,7 @@ class SpecOutput:
   finish_reason: jax.Array  # [B] int32 (FINISH_*)
   cache_lengths: jax.Array  # [B] int32 tokens whose cache entries are valid at the end
   stats: SpecStats
+  ngram_table: learned.NgramTable | None  # the updated table (drafter "learned")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -143,12 +144,14 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
 
 @functools.partial(
     jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl"),
-    donate_argnames=("cache",))
+    donate_argnames=("cache", "ngram_table"))
 def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                        prompt_tokens: jax.Array, lengths: jax.Array, page_table: jax.Array,
                        sampling: SamplingArrays, stops: StopCriteria,
                        prompt_hidden: jax.Array | None = None, draft_params: Params | None = None,
-                       draft_cache: Cache | None = None, *, max_steps: int, num_draft: int,
+                       draft_cache: Cache | None = None,
+                       ngram_table: learned.NgramTable | None = None, *, max_steps: int,
+                       num_draft: int,
                        drafter: str, cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
                        impl: KernelChoice = REFERENCE) -> tuple[SpecOutput, Cache]:
   """Speculative generation of up to `max_steps` tokens per row.
@@ -160,6 +163,7 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     prompt_hidden: [B, Tp, H] target hidden states of the prompt (drafter "mtp").
     draft_params, draft_cache: the draft model and its cache holding the prompts ("draft");
       its cache uses the same page table.
+    ngram_table: the learned n-gram table ("learned"); donated, the updated one is returned.
     num_draft: K, drafted tokens per step (>= 1).
     drafter: one of DRAFTERS.
   Returns:
@@ -193,6 +197,8 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
         page_table, cfg=cfg, impl=impl)
   elif drafter == "draft":
     aux = {"cache": draft_cache, "lag": jnp.zeros((b,), bool), "lag_tok": tok}
+  elif drafter == "learned":
+    aux = {"table": ngram_table}
 
   stats = SpecStats.zeros(b, k)
 
@@ -205,6 +211,8 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     q = None
     if drafter == "ngram":
       draft, n_draft = drafters.ngram_propose(history, n_cached, k)
+    elif drafter == "learned":
+      draft, n_draft = learned.propose(aux["table"], history, n_cached, k)
     elif drafter == "mtp":
       draft, q, cache = drafters.mtp_propose(params, cache, aux["mtp_hidden"], n_cached, live,
                                              page_table, sampling, k=k, cfg=cfg, impl=impl)
@@ -238,6 +246,10 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                                                (n_acc + 1) * live_i, page_table, cfg=cfg,
                                                impl=impl)
       aux = {"mtp_hidden": jnp.where(live[:, None], mtp_hidden, aux["mtp_hidden"])}
+    elif drafter == "learned":  # learn from every emitted token (history already holds them)
+      emitted_at = n_cached[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+      aux = {"table": learned.update(aux["table"], history, emitted_at,
+                                     jnp.arange(k + 1)[None, :] < n_emit[:, None])}
     elif drafter == "draft":
       all_in = live & (n_acc == k)  # d_K was accepted but never fed to the draft model
       aux = {"cache": dcache, "lag": jnp.where(live, all_in, aux["lag"]),
@@ -248,6 +260,7 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
 
   state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
   state = jax.lax.while_loop(lambda s: jnp.any(s[7] == FINISH_NONE), step, state)
-  cache, _, _, _, n_cached, n_out, out, reasons, stats = state
+  cache, aux, _, _, n_cached, n_out, out, reasons, stats = state
   return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
-                    cache_lengths=n_cached, stats=stats), cache
+                    cache_lengths=n_cached, stats=stats,
+                    ngram_table=aux["table"] if drafter == "learned" else None), cache
