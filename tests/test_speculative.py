@@ -1,6 +1,7 @@
 """Speculative decoding: the acceptance rule is lossless, every drafter reproduces greedy
 decoding exactly, rejected drafts roll back by length, and drafting pays off where it should."""
 
+import dataclasses
 import os
 
 import jax
@@ -267,6 +268,33 @@ def test_learned_drafter_carries_knowledge_across_calls(model, tmp_path):
                           speculative=SpeculativeConfig(
                               "learned", 3, memory=NgramMemory.load(str(tmp_path / "table.npz"))))
   assert [c.spec for c in again] == [c.spec for c in second]
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_random"])
+def test_adaptive_draft_length_keeps_output_and_backs_off(model, method):
+  cfg, params = model
+  spec = dataclasses.replace(_spec(model, method), adaptive=True)
+  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9])
+  got = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+  assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+  k_steps = got[0].spec["k_steps"]
+  assert set(k_steps) == ({0, 1, 2, 3} if method == "mtp" else {1, 2, 3})
+  # Random drafters are almost never right: after the prior fades the loop drafts the least.
+  least = min(k_steps)
+  assert k_steps[least] > k_steps[3]
+  assert sum(k_steps.values()) == max(c.spec["steps"] for c in got)  # one choice per iteration
+
+
+def test_goodput_choice():
+  from engine.runtime.speculative import goodput
+  choices = goodput.k_choices(4)
+  assert choices == (0, 1, 2, 4) and goodput.k_choices(3, allow_zero=False) == (1, 2, 3)
+  pick = lambda a, rows, dc: choices[int(goodput.choose(jnp.float32(a), jnp.int32(rows),
+                                                        choices, dc, 0.02))]
+  assert pick(0.9, 1, 0.0) == 4  # cheap, accurate drafts: draft the most
+  assert pick(0.05, 1, 0.2) == 0  # costly, useless drafts: plain decoding
+  assert pick(0.7, 64, 0.0) < pick(0.7, 1, 0.0)  # a big batch makes verification dear
+  np.testing.assert_allclose(goodput.expected_tokens(jnp.float32(0.5), 2.0), 1.75, rtol=1e-6)
 
 
 def test_rejected_drafts_roll_back_by_length(model):

@@ -130,13 +130,23 @@ class SpeculativeConfig:
   method: "ngram" (prompt lookup), "mtp" (the checkpoint's MTP layer), "draft" (a small
   model with the same tokenizer: `draft_cfg`, `draft_params`) or "learned" (an n-gram table
   learned across requests: `memory`, a `learned.NgramMemory` updated in place; a fresh one per
-  call if None). num_draft_tokens: K >= 1.
+  call if None). num_draft_tokens: K >= 1. adaptive: pick the draft length (<= K) every loop
+  step by the goodput model of `speculative.goodput` with `draft_cost` (default per method:
+  DEFAULT_DRAFT_COST) and `verify_cost`.
   """
   method: str
   num_draft_tokens: int = 4
   draft_cfg: ModelConfig | None = None
   draft_params: Params | None = None
   memory: object | None = None  # engine.runtime.speculative.learned.NgramMemory
+  adaptive: bool = False
+  draft_cost: float | None = None
+  verify_cost: float = 0.02
+
+
+# One drafted token's cost relative to a target decode step (the demo models' proportions):
+# lookups are free, the MTP layer is ~1/5 of the model, the demo draft model ~1/8.
+DEFAULT_DRAFT_COST = {"ngram": 0.0, "learned": 0.0, "mtp": 0.2, "draft": 0.12}
 
 
 def spec_summary(drafted_steps: int, draft_tokens: int, accepted: int, steps: int,
@@ -263,18 +273,25 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
       prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
       memory.table if memory is not None else None, max_steps=max_steps,
       num_draft=spec.num_draft_tokens, drafter=spec.method, cfg=cfg,
-      draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl)
+      draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl,
+      adaptive=spec.adaptive, verify_cost=spec.verify_cost,
+      draft_cost=(spec.draft_cost if spec.draft_cost is not None
+                  else DEFAULT_DRAFT_COST[spec.method]))
   del cache
   if memory is not None:
     memory.table = out.ngram_table
-  toks, counts, reasons, st = jax.device_get(
-      (out.tokens, out.num_tokens, out.finish_reason, out.stats))
+  toks, counts, reasons, st, k_steps = jax.device_get(
+      (out.tokens, out.num_tokens, out.finish_reason, out.stats, out.k_steps))
   result = []
   for i in range(len(lengths)):
     # Tokens from verification steps: all but the first (which prefill produced).
     summary = spec_summary(int(st.drafted_steps[i]), int(st.draft_tokens[i]),
                            int(st.accepted_tokens[i]), int(st.steps[i]), int(counts[i]) - 1,
                            [int(x) for x in st.accepted_at[i]])
+    if spec.adaptive:  # loop steps per draft length (the whole batch shares the choice)
+      from engine.runtime.speculative.loop import spec_k_choices
+      summary["k_steps"] = dict(zip(spec_k_choices(spec.num_draft_tokens, spec.method),
+                                    map(int, k_steps)))
     result.append(Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
                              finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
                              prompt_tokens=lengths[i], spec=summary))

@@ -27,7 +27,7 @@ from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
 from engine.runtime.generate import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, StopCriteria)
 from engine.runtime.sampling import SamplingArrays, sample
-from engine.runtime.speculative import drafters, learned
+from engine.runtime.speculative import drafters, goodput, learned
 from engine.runtime.speculative.acceptance import verify
 
 DRAFTERS = ("ngram", "mtp", "draft", "learned")
@@ -69,6 +69,7 @@ class SpecOutput:
   cache_lengths: jax.Array  # [B] int32 tokens whose cache entries are valid at the end
   stats: SpecStats
   ngram_table: learned.NgramTable | None  # the updated table (drafter "learned")
+  k_steps: jax.Array  # [len(choices)] loop steps run with each draft length (see k_choices)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -143,7 +144,8 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl"),
+    jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl",
+                              "adaptive", "draft_cost", "verify_cost"),
     donate_argnames=("cache", "ngram_table"))
 def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                        prompt_tokens: jax.Array, lengths: jax.Array, page_table: jax.Array,
@@ -153,7 +155,9 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                        ngram_table: learned.NgramTable | None = None, *, max_steps: int,
                        num_draft: int,
                        drafter: str, cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
-                       impl: KernelChoice = REFERENCE) -> tuple[SpecOutput, Cache]:
+                       impl: KernelChoice = REFERENCE, adaptive: bool = False,
+                       draft_cost: float = 0.0, verify_cost: float = 0.02
+                       ) -> tuple[SpecOutput, Cache]:
   """Speculative generation of up to `max_steps` tokens per row.
 
   Args:
@@ -164,8 +168,10 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     draft_params, draft_cache: the draft model and its cache holding the prompts ("draft");
       its cache uses the same page table.
     ngram_table: the learned n-gram table ("learned"); donated, the updated one is returned.
-    num_draft: K, drafted tokens per step (>= 1).
+    num_draft: K, drafted tokens per step (>= 1); with `adaptive`, the most per step.
     drafter: one of DRAFTERS.
+    adaptive: choose the draft length every step from `goodput` (k in `spec_k_choices`);
+      draft_cost, verify_cost: its cost model.
   Returns:
     (SpecOutput, cache).
   """
@@ -202,14 +208,17 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
 
   stats = SpecStats.zeros(b, k)
 
-  def step(state):
+  def step(k, state):
+    """One draft-verify step with k (static) drafts; returns (state, accepted, rejections)."""
     cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
     live = reasons == FINISH_NONE
     live_i = live.astype(jnp.int32)
 
     # 1. Draft.
     q = None
-    if drafter == "ngram":
+    if k == 0:  # plain decoding through the same program
+      draft, n_draft = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+    elif drafter == "ngram":
       draft, n_draft = drafters.ngram_propose(history, n_cached, k)
     elif drafter == "learned":
       draft, n_draft = learned.propose(aux["table"], history, n_cached, k)
@@ -256,11 +265,37 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
              "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
 
     stats = stats.add(live, n_draft, n_acc)
-    return cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats
+    rejections = jnp.sum((live & (n_acc < n_draft)).astype(jnp.float32))
+    return ((cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats),
+            jnp.sum(n_acc).astype(jnp.float32), rejections)
+
+  choices = spec_k_choices(k, drafter) if adaptive else (k,)
+
+  def body(loop_state):
+    state, accepted, rejected, k_steps = loop_state
+    if adaptive:
+      a = goodput.acceptance_estimate(accepted, rejected)
+      live_rows = jnp.sum(state[7] == FINISH_NONE)
+      index = goodput.choose(a, live_rows, choices, draft_cost, verify_cost)
+      state, acc, rej = jax.lax.switch(
+          index, [functools.partial(step, kc) for kc in choices], state)
+    else:
+      index = jnp.int32(0)
+      state, acc, rej = step(k, state)
+    return (state, goodput.DECAY * accepted + acc, goodput.DECAY * rejected + rej,
+            k_steps.at[index].add(1))
 
   state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
-  state = jax.lax.while_loop(lambda s: jnp.any(s[7] == FINISH_NONE), step, state)
-  cache, aux, _, _, n_cached, n_out, out, reasons, stats = state
+  loop_state = (state, jnp.float32(0), jnp.float32(0), jnp.zeros((len(choices),), jnp.int32))
+  loop_state = jax.lax.while_loop(lambda s: jnp.any(s[0][7] == FINISH_NONE), body, loop_state)
+  (cache, aux, _, _, n_cached, n_out, out, reasons, stats), _, _, k_steps = loop_state
   return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
                     cache_lengths=n_cached, stats=stats,
-                    ngram_table=aux["table"] if drafter == "learned" else None), cache
+                    ngram_table=aux["table"] if drafter == "learned" else None,
+                    k_steps=k_steps), cache
+
+
+def spec_k_choices(num_draft: int, drafter: str) -> tuple[int, ...]:
+  """Draft lengths an adaptive loop compiles. The draft model always drafts (its cache may
+  lag by one token only, which a step without drafts would not feed)."""
+  return goodput.k_choices(num_draft, allow_zero=drafter != "draft")
