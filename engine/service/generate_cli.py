@@ -52,6 +52,8 @@ flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft", "learne
                   "layer, a draft model (--draft_checkpoint), or an n-gram table learned "
                   "across requests (--learned_table).")
 flags.DEFINE_integer("num_draft_tokens", 4, "Tokens drafted per step.", lower_bound=1)
+flags.DEFINE_bool("adaptive_k", False, "Choose the draft length (<= --num_draft_tokens) every "
+                  "step from a goodput model.")
 flags.DEFINE_string("learned_table", None, "With --speculative=learned: .npz table loaded "
                     "when it exists and saved after generating.")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory for --speculative=draft "
@@ -72,16 +74,19 @@ def _speculative_config(model: "engine.LoadedModel") -> "engine.SpeculativeConfi
     from engine.runtime.speculative.learned import NgramMemory
     path = FLAGS.learned_table
     memory = NgramMemory.load(path) if path and os.path.exists(path) else NgramMemory()
-    return engine.SpeculativeConfig("learned", FLAGS.num_draft_tokens, memory=memory)
+    return engine.SpeculativeConfig("learned", FLAGS.num_draft_tokens, memory=memory,
+                                    adaptive=FLAGS.adaptive_k)
   if FLAGS.speculative != "draft":
-    return engine.SpeculativeConfig(FLAGS.speculative, FLAGS.num_draft_tokens)
+    return engine.SpeculativeConfig(FLAGS.speculative, FLAGS.num_draft_tokens,
+                                    adaptive=FLAGS.adaptive_k)
   path = FLAGS.draft_checkpoint
   if path is None:
     if os.path.abspath(FLAGS.checkpoint) != os.path.abspath(DEMO_CHECKPOINT):
       raise ValueError("--speculative=draft needs --draft_checkpoint")
     path = DEMO_DRAFT
   draft = engine.load(path, dtype=model.params["embed"].dtype)
-  return engine.SpeculativeConfig("draft", FLAGS.num_draft_tokens, draft.config, draft.params)
+  return engine.SpeculativeConfig("draft", FLAGS.num_draft_tokens, draft.config, draft.params,
+                                  adaptive=FLAGS.adaptive_k)
 
 
 def main(argv: list[str]) -> int:
