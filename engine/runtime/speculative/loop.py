@@ -11,6 +11,8 @@ Each iteration, for every live row (B rows, K = num_draft):
 
 Rows accept different counts and finish independently (EOS/stop ids after min_new_tokens,
 max_new_tokens); finished rows write nothing. No host round trip until every row is done.
+With `adaptive`, each iteration first picks its draft length (`goodput`) and runs the step
+compiled for it (`lax.switch`).
 """
 
 from __future__ import annotations
