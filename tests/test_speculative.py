@@ -230,21 +230,29 @@ def test_ngram_sampling_reproduces_plain_sampling_token_for_token(model):
   assert got[2].spec["accepted"] > 0  # the near-greedy row repeats itself
 
 
-def test_engine_decode_loop_with_ngram_drafts_matches_plain(model):
+@pytest.mark.parametrize("drafter", ["ngram", "learned"])
+def test_engine_decode_loop_with_drafts_matches_plain(model, drafter):
   from engine.runtime.engine import Engine, EngineConfig
   from engine.runtime.request import StopParams
   cfg, params = model
   eng = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=4, max_num_batched_tokens=64,
                                          row_widths=(16,), max_model_len=64, max_decode_steps=8,
-                                         cache_dtype=jnp.float32, speculative="ngram",
-                                         num_draft_tokens=3))
+                                         cache_dtype=jnp.float32, speculative=drafter,
+                                         num_draft_tokens=3, learned_table_slots=1024))
   samp = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=5), SamplingParams()]
-  got = eng.generate(PROMPTS, samp, StopParams(max_tokens=20))
   plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=20, sampling=samp)
-  assert [r.output_ids for r in got] == [c.token_ids for c in plain]
+  # The learned table starts empty; the second round drafts what the first one decoded.
+  rounds = 2 if drafter == "learned" else 1
+  accepted = [0]
+  for _ in range(rounds):
+    got = eng.generate(PROMPTS, samp, StopParams(max_tokens=20))
+    assert [r.output_ids for r in got] == [c.token_ids for c in plain]
+    accepted.append(eng.counters["spec_accepted"])
+  if drafter == "learned":
+    assert accepted[2] - accepted[1] > accepted[1]  # the second round drafts from the table
   c = eng.counters
   assert c["spec_steps"] > 0 and 0 < c["spec_accepted"] <= c["spec_drafted"]
-  assert c["steps"] < sum(len(r.output_ids) for r in got)  # fewer host steps than tokens
+  assert c["steps"] < rounds * sum(len(r.output_ids) for r in got)  # fewer host steps
   eng.pool.check_invariants()
   assert eng.pool.num_free == eng.pool.num_pages - 1
 

@@ -37,6 +37,7 @@ from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Re
                                     RequestOutput, StopParams, stop_ids_for)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
+from engine.runtime.speculative.learned import NgramTable
 from engine.runtime.speculative.serving import speculative_decode_loop
 
 MAX_STOP_IDS = 16  # stop token ids per request (EOS included): a static shape of decode_loop
@@ -53,12 +54,15 @@ class EngineConfig:
   enable_prefix_cache: bool = True
   row_widths: tuple[int, ...] = DEFAULT_ROW_WIDTHS
   max_decode_steps: int = 16  # most decode iterations per device loop (1 disables the loop)
-  # Speculative decoding in decode-only loops: None (off) or "ngram" (prompt lookup in the
-  # request's last `ngram_window` tokens), drafting `num_draft_tokens` per iteration. A loop
-  # then gets a budget of at least num_draft_tokens + 1 tokens (max_decode_steps must allow it).
+  # Speculative decoding in decode-only loops: None (off), "ngram" (prompt lookup in the
+  # request's last `ngram_window` tokens) or "learned" (an n-gram table learned from every
+  # request's decoded tokens, `learned_table_slots` slots, kept by the engine), drafting
+  # `num_draft_tokens` per iteration. A loop then gets a budget of at least
+  # num_draft_tokens + 1 tokens (max_decode_steps must allow it).
   speculative: str | None = None
   num_draft_tokens: int = 4
   ngram_window: int = 512
+  learned_table_slots: int = 1 << 16
   cache_dtype: Any = None  # default: the parameters' dtype
   compilation_cache_dir: str | None = None  # JAX's persistent cache: restarts do not recompile
   traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
@@ -110,9 +114,11 @@ class Engine:
     self._last_batch: tuple[str, ...] = ()
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
-    if config.speculative not in (None, "ngram"):
-      raise ValueError(f"EngineConfig.speculative must be None or 'ngram', got "
+    if config.speculative not in (None, "ngram", "learned"):
+      raise ValueError(f"EngineConfig.speculative must be None, 'ngram' or 'learned', got "
                        f"{config.speculative!r}")
+    self.ngram_table = (NgramTable.empty(config.learned_table_slots)
+                        if config.speculative == "learned" else None)
     if config.speculative and config.max_decode_steps < config.num_draft_tokens + 1:
       raise ValueError("EngineConfig.max_decode_steps must be >= num_draft_tokens + 1 with "
                        "speculative decoding")
@@ -308,11 +314,11 @@ class Engine:
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
     if self.config.speculative:
       history, history_len = self._histories(reqs, b)
-      out, counts, _, spec, self.cache = speculative_decode_loop(
+      out, counts, _, spec, self.ngram_table, self.cache = speculative_decode_loop(
           self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
-          min_before, np.int32(plan.num_steps), history, history_len,
+          min_before, np.int32(plan.num_steps), history, history_len, self.ngram_table,
           max_steps=self.config.max_decode_steps, num_draft=self.config.num_draft_tokens,
-          cfg=self.cfg, impl=self.config.kernels)
+          drafter=self.config.speculative, cfg=self.cfg, impl=self.config.kernels)
       out, counts, spec = jax.device_get((out, counts, spec))
       self.counters["spec_steps"] += int(spec.steps.sum())
       self.counters["spec_drafted"] += int(spec.draft_tokens.sum())
@@ -440,11 +446,12 @@ class Engine:
               cfg=self.cfg, impl=self.config.kernels)
         elif self.config.speculative:
           history, history_len = self._histories([], b)
-          *_, self.cache = speculative_decode_loop(
+          *_, self.ngram_table, self.cache = speculative_decode_loop(
               self.params, self.cache, zeros, zeros, table, samp,
               np.full((b, MAX_STOP_IDS), -1, np.int32), zeros, zeros, np.int32(1), history,
-              history_len, max_steps=self.config.max_decode_steps,
-              num_draft=self.config.num_draft_tokens, cfg=self.cfg, impl=self.config.kernels)
+              history_len, self.ngram_table, max_steps=self.config.max_decode_steps,
+              num_draft=self.config.num_draft_tokens, drafter=self.config.speculative,
+              cfg=self.cfg, impl=self.config.kernels)
         else:
           _, _, _, self.cache = steps.decode_loop(
               self.params, self.cache, zeros, zeros, table, samp,
