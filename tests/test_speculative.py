@@ -316,6 +316,19 @@ def test_adaptive_draft_length_keeps_output_and_backs_off(model, method):
   assert sum(k_steps.values()) == max(c.spec["steps"] for c in got)  # one choice per iteration
 
 
+def test_bad_speculative_settings_are_named(model):
+  cfg, params = model
+  plain_cfg = config_from_dict(CONFIGS["deepseek_v3"])  # no MTP layer
+  llama = config_from_dict(dict(CONFIGS["llama"], vocab_size=64))
+  for c, spec, msg in [(cfg, SpeculativeConfig("eagle"), "unknown speculative method"),
+                       (cfg, SpeculativeConfig("ngram", 0), "num_draft_tokens"),
+                       (plain_cfg, SpeculativeConfig("mtp"), "MTP layer"),
+                       (cfg, SpeculativeConfig("draft"), "draft_cfg and draft_params"),
+                       (cfg, SpeculativeConfig("draft", 2, llama, {}), "vocabulary")]:
+    with pytest.raises(ValueError, match=msg):
+      generate_tokens(params, c, [[1, 2]], max_new_tokens=2, speculative=spec)
+
+
 def test_goodput_choice():
   from engine.runtime.speculative import goodput
   choices = goodput.k_choices(4)

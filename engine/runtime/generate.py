@@ -143,6 +143,22 @@ class SpeculativeConfig:
   draft_cost: float | None = None
   verify_cost: float = 0.02
 
+  def validate(self, cfg: ModelConfig) -> None:
+    methods = ("ngram", "mtp", "draft", "learned")  # speculative.loop.DRAFTERS
+    if self.method not in methods:
+      raise ValueError(f"unknown speculative method {self.method!r}; expected one of {methods}")
+    if self.num_draft_tokens < 1:
+      raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+    if self.method == "mtp" and cfg.num_nextn_predict_layers < 1:
+      raise ValueError("speculative method 'mtp' needs a checkpoint with an MTP layer "
+                       "(num_nextn_predict_layers >= 1)")
+    if self.method == "draft":
+      if self.draft_cfg is None or self.draft_params is None:
+        raise ValueError("speculative method 'draft' needs draft_cfg and draft_params")
+      if self.draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({self.draft_cfg.vocab_size}) differs "
+                         f"from the target's ({cfg.vocab_size})")
+
 
 # One drafted token's cost relative to a target decode step (the demo models' proportions):
 # lookups are free, the MTP layer is ~1/5 of the model, the demo draft model ~1/8.
@@ -189,6 +205,8 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   samp = [sampling] * b if isinstance(sampling, SamplingParams) else list(sampling)
   if len(samp) != b:
     raise ValueError(f"got {len(samp)} sampling settings for {b} prompts")
+  if speculative is not None:
+    speculative.validate(cfg)
   total = max(l + m for l, m in zip(lengths, max_new))
   if total > cfg.max_position_embeddings:
     raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's "
@@ -244,23 +262,11 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
 def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling, stops,
                max_steps, spec, prompt_hidden, page_size, dtype, impl) -> list[Completion]:
   """`generate_tokens`' speculative tail: drafter set-up, `speculative_decode`, counters."""
-  from engine.runtime.speculative.loop import DRAFTERS, speculative_decode
+  from engine.runtime.speculative.loop import speculative_decode  # imports this module
 
-  if spec.method not in DRAFTERS:
-    raise ValueError(f"unknown speculative method {spec.method!r}; expected one of {DRAFTERS}")
-  if spec.num_draft_tokens < 1:
-    raise ValueError(f"num_draft_tokens must be >= 1, got {spec.num_draft_tokens}")
-  if spec.method == "mtp" and cfg.num_nextn_predict_layers < 1:
-    raise ValueError("speculative method 'mtp' needs a checkpoint with an MTP layer "
-                     "(num_nextn_predict_layers >= 1)")
   lengths_arr = jnp.asarray(lengths, jnp.int32)
   draft_cache = None
   if spec.method == "draft":
-    if spec.draft_cfg is None or spec.draft_params is None:
-      raise ValueError("speculative method 'draft' needs draft_cfg and draft_params")
-    if spec.draft_cfg.vocab_size != cfg.vocab_size:
-      raise ValueError(f"the draft model's vocabulary ({spec.draft_cfg.vocab_size}) differs "
-                       f"from the target's ({cfg.vocab_size})")
     draft_cache = init_cache(spec.draft_cfg, page_table.size, page_size, dtype)
     _, draft_cache = prefill(spec.draft_params, draft_cache, jnp.asarray(tokens), lengths_arr,
                              page_table, cfg=spec.draft_cfg, impl=impl)
