@@ -8,8 +8,9 @@ thin script that is never imported as `engine.generate`: that name is the functi
 
 from engine.api import GenerationResult, LoadedModel, generate, load
 from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.generate import SpeculativeConfig
 from engine.runtime.request import RequestOutput, StopParams
 from engine.runtime.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "GenerationResult", "LoadedModel", "RequestOutput",
-           "SamplingParams", "StopParams", "generate", "load"]
+           "SamplingParams", "SpeculativeConfig", "StopParams", "generate", "load"]

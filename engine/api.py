@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
-from engine.runtime.generate import generate_tokens
+from engine.runtime.generate import SpeculativeConfig, generate_tokens
 from engine.runtime.sampling import SamplingParams
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
@@ -61,6 +61,7 @@ class GenerationResult:
   text: str
   finish_reason: str  # "stop" or "length"
   prompt_tokens: int
+  spec: dict | None = None  # speculative decoding counters (drafted, accepted, ...) if used
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -141,9 +142,13 @@ def _as_prompt_list(prompts: Any) -> tuple[list[Any], bool]:
 def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence[int] = 64,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | Sequence[int] = 0, stop_token_ids: Sequence[int] = (),
-             ignore_eos: bool = False, min_new_tokens: int = 0
+             ignore_eos: bool = False, min_new_tokens: int = 0,
+             speculative: SpeculativeConfig | None = None
              ) -> GenerationResult | list[GenerationResult]:
   """Generates from one prompt or a batch (text or token ids, mixed lengths allowed).
+
+  `speculative` (e.g. `SpeculativeConfig("mtp", num_draft_tokens=2)`) drafts and verifies
+  several tokens per target forward without changing the output distribution.
 
   A single prompt returns one `GenerationResult`, a list returns a list. With an int `seed`,
   row i uses `seed + i`; pass a list to set each row's seed.
@@ -163,8 +168,10 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
     completions = generate_tokens(
         model.params, model.config, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         eos_ids=model.eos_token_ids, stop_token_ids=[list(stop_token_ids)] * len(ids),
-        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels)
+        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels,
+        speculative=speculative)
   results = [GenerationResult(token_ids=c.token_ids, text=model.decode(c.token_ids),
-                              finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens)
+                              finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
+                              spec=c.spec)
              for c in completions]
   return results[0] if single else results

@@ -103,3 +103,19 @@ def test_cli_text_prompt_and_errors():
   assert r.returncode != 0 and "prompt_ids" in r.stderr and "Traceback" not in r.stderr
   r = _cli(f"--checkpoint={FIXTURE}", "--prompt=hi", "--top_p=1.5")
   assert r.returncode != 0 and "top_p" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_speculative_json_has_spec_and_same_tokens():
+  g = np.load(os.path.join(FIXTURE, "golden.npz"))
+  ids = ",".join(map(str, g["prompt_0"].tolist()))
+  r = _cli(f"--checkpoint={FIXTURE}", f"--prompt_ids={ids}", "--max_new_tokens=32",
+           "--ignore_eos", "--dtype=float32", "--json", "--speculative=ngram",
+           "--num_draft_tokens=3")
+  assert r.returncode == 0, r.stderr
+  obj = json.loads(r.stdout.strip().splitlines()[-1])
+  assert obj["token_ids"] == g["greedy_0"].tolist()
+  spec = obj["spec"]
+  assert spec["steps"] >= 1 and len(spec["accepted_at"]) == 3
+  assert spec["mean_accepted_length"] == pytest.approx(31 / spec["steps"])
+  r = _cli(f"--checkpoint={FIXTURE}", "--prompt_ids=1,2", "--speculative=draft")
+  assert r.returncode != 0 and "--draft_checkpoint" in r.stderr

@@ -40,6 +40,8 @@ from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Re
                                     RequestOutput, StopParams, stop_ids_for)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
+from engine.runtime.speculative.learned import NgramTable
+from engine.runtime.speculative.serving import speculative_decode_loop
 
 MAX_STOP_IDS = 16  # stop token ids per request (EOS included): a static shape of decode_loop
 
@@ -55,6 +57,15 @@ class EngineConfig:
   enable_prefix_cache: bool = True
   row_widths: tuple[int, ...] = DEFAULT_ROW_WIDTHS
   max_decode_steps: int = 16  # most decode iterations per device loop (1 disables the loop)
+  # Speculative decoding in decode-only loops: None (off), "ngram" (prompt lookup in the
+  # request's last `ngram_window` tokens) or "learned" (an n-gram table learned from every
+  # request's decoded tokens, `learned_table_slots` slots, kept by the engine), drafting
+  # `num_draft_tokens` per iteration. A loop then gets a budget of at least
+  # num_draft_tokens + 1 tokens (max_decode_steps must allow it).
+  speculative: str | None = None
+  num_draft_tokens: int = 4
+  ngram_window: int = 512
+  learned_table_slots: int = 1 << 16
   cache_dtype: Any = None  # default: the parameters' dtype
   compilation_cache_dir: str | None = None  # JAX's persistent cache: restarts do not recompile
   traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
@@ -126,6 +137,16 @@ class Engine:
     self._last_batch: tuple[str, ...] = ()
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
+    if config.speculative not in (None, "ngram", "learned"):
+      raise ValueError(f"EngineConfig.speculative must be None, 'ngram' or 'learned', got "
+                       f"{config.speculative!r}")
+    self.ngram_table = (NgramTable.empty(config.learned_table_slots)
+                        if config.speculative == "learned" else None)
+    if config.speculative and config.max_decode_steps < config.num_draft_tokens + 1:
+      raise ValueError("EngineConfig.max_decode_steps must be >= num_draft_tokens + 1 with "
+                       "speculative decoding")
+    if config.speculative:
+      self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
     self._take_snapshot()
 
   @staticmethod
@@ -284,6 +305,8 @@ class Engine:
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
     self._last_batch = batch
+    if self.config.speculative:  # one speculative iteration may emit num_draft_tokens + 1
+      return max(self._decode_steps, self.config.num_draft_tokens + 1)
     return self._decode_steps
 
   def _page_table_row(self, req: Request) -> np.ndarray:
@@ -348,16 +371,40 @@ class Engine:
       stop_ids[i, :len(req.stop_ids)] = req.stop_ids
       remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
-    with self._on_mesh():
-      out, counts, _, self.cache = steps.decode_loop(
-          self.params, self.cache, tokens, n_cached, table,
-          self._sampling_arrays(reqs + [None] * (b - len(reqs))), stop_ids, remaining,
-          min_before, np.int32(plan.num_steps), max_steps=self.config.max_decode_steps,
-          cfg=self.cfg, impl=self.config.kernels)
-    out, counts = jax.device_get((out, counts))
+    sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
+    if self.config.speculative:
+      history, history_len = self._histories(reqs, b)
+      with self._on_mesh():
+        out, counts, _, spec, self.ngram_table, self.cache = speculative_decode_loop(
+            self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
+            min_before, np.int32(plan.num_steps), history, history_len, self.ngram_table,
+            max_steps=self.config.max_decode_steps, num_draft=self.config.num_draft_tokens,
+            drafter=self.config.speculative, cfg=self.cfg, impl=self.config.kernels)
+      out, counts, spec = jax.device_get((out, counts, spec))
+      self.counters["spec_steps"] += int(spec.steps.sum())
+      self.counters["spec_drafted"] += int(spec.draft_tokens.sum())
+      self.counters["spec_accepted"] += int(spec.accepted_tokens.sum())
+    else:
+      with self._on_mesh():
+        out, counts, _, self.cache = steps.decode_loop(
+            self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
+            min_before, np.int32(plan.num_steps), max_steps=self.config.max_decode_steps,
+            cfg=self.cfg, impl=self.config.kernels)
+      out, counts = jax.device_get((out, counts))
     for i, req in enumerate(reqs):
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]])
+
+  def _histories(self, reqs: Sequence[Request], b: int) -> tuple[np.ndarray, np.ndarray]:
+    """[b, window + max_decode_steps] each request's last `ngram_window` tokens, and counts."""
+    window = self.config.ngram_window
+    history = np.zeros((b, window + self.config.max_decode_steps), np.int32)
+    history_len = np.zeros((b,), np.int32)
+    for i, req in enumerate(reqs):
+      recent = req.all_ids[-window:]
+      history[i, :len(recent)] = recent
+      history_len[i] = len(recent)
+    return history, history_len
 
   # ---- host-side token handling --------------------------------------------------------------
 
@@ -460,6 +507,14 @@ class Engine:
         if kind == "step":
           _, self.cache = steps.model_step(
               self.params, self.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
+              cfg=self.cfg, impl=self.config.kernels)
+        elif self.config.speculative:
+          history, history_len = self._histories([], b)
+          *_, self.ngram_table, self.cache = speculative_decode_loop(
+              self.params, self.cache, zeros, zeros, table, samp,
+              np.full((b, MAX_STOP_IDS), -1, np.int32), zeros, zeros, np.int32(1), history,
+              history_len, self.ngram_table, max_steps=self.config.max_decode_steps,
+              num_draft=self.config.num_draft_tokens, drafter=self.config.speculative,
               cfg=self.cfg, impl=self.config.kernels)
         else:
           _, _, _, self.cache = steps.decode_loop(

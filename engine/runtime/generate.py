@@ -120,6 +120,58 @@ class Completion:
   token_ids: list[int]
   finish_reason: str  # "stop" or "length"
   prompt_tokens: int
+  spec: dict | None = None  # speculative decoding counters of this row (see spec_summary)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """How `generate_tokens` speculates (see `engine.runtime.speculative`).
+
+  method: "ngram" (prompt lookup), "mtp" (the checkpoint's MTP layer), "draft" (a small
+  model with the same tokenizer: `draft_cfg`, `draft_params`) or "learned" (an n-gram table
+  learned across requests: `memory`, a `learned.NgramMemory` updated in place; a fresh one per
+  call if None). num_draft_tokens: K >= 1. adaptive: pick the draft length (<= K) every loop
+  step by the goodput model of `speculative.goodput` with `draft_cost` (default per method:
+  DEFAULT_DRAFT_COST) and `verify_cost`.
+  """
+  method: str
+  num_draft_tokens: int = 4
+  draft_cfg: ModelConfig | None = None
+  draft_params: Params | None = None
+  memory: object | None = None  # engine.runtime.speculative.learned.NgramMemory
+  adaptive: bool = False
+  draft_cost: float | None = None
+  verify_cost: float = 0.02
+
+  def validate(self, cfg: ModelConfig) -> None:
+    methods = ("ngram", "mtp", "draft", "learned")  # speculative.loop.DRAFTERS
+    if self.method not in methods:
+      raise ValueError(f"unknown speculative method {self.method!r}; expected one of {methods}")
+    if self.num_draft_tokens < 1:
+      raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+    if self.method == "mtp" and cfg.num_nextn_predict_layers < 1:
+      raise ValueError("speculative method 'mtp' needs a checkpoint with an MTP layer "
+                       "(num_nextn_predict_layers >= 1)")
+    if self.method == "draft":
+      if self.draft_cfg is None or self.draft_params is None:
+        raise ValueError("speculative method 'draft' needs draft_cfg and draft_params")
+      if self.draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({self.draft_cfg.vocab_size}) differs "
+                         f"from the target's ({cfg.vocab_size})")
+
+
+# One drafted token's cost relative to a target decode step (the demo models' proportions):
+# lookups are free, the MTP layer is ~1/5 of the model, the demo draft model ~1/8.
+DEFAULT_DRAFT_COST = {"ngram": 0.0, "learned": 0.0, "mtp": 0.2, "draft": 0.12}
+
+
+def spec_summary(drafted_steps: int, draft_tokens: int, accepted: int, steps: int,
+                 emitted: int, accepted_at: Sequence[int]) -> dict:
+  """Counters as reported: mean accepted length = tokens emitted per target forward."""
+  return {"steps": steps, "drafts": drafted_steps, "drafted": draft_tokens,
+          "accepted": accepted, "accepted_at": list(accepted_at),
+          "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+          "mean_accepted_length": emitted / steps if steps else 0.0}
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -132,8 +184,14 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
                     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                     eos_ids: Sequence[int] = (), stop_token_ids: Sequence[Sequence[int]] = (),
                     ignore_eos: bool = False, min_new_tokens: int = 0, page_size: int = 16,
-                    cache_dtype=None, impl: KernelChoice = REFERENCE) -> list[Completion]:
-  """Generates for a batch of token-id prompts of different lengths."""
+                    cache_dtype=None, impl: KernelChoice = REFERENCE,
+                    speculative: SpeculativeConfig | None = None) -> list[Completion]:
+  """Generates for a batch of token-id prompts of different lengths.
+
+  With `speculative`, decoding drafts and verifies several tokens per target forward; the
+  output is the same as without it (identical under greedy, same distribution when sampling),
+  and each `Completion.spec` carries the row's counters.
+  """
   b = len(prompts)
   if b == 0:
     return []
@@ -147,6 +205,8 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   samp = [sampling] * b if isinstance(sampling, SamplingParams) else list(sampling)
   if len(samp) != b:
     raise ValueError(f"got {len(samp)} sampling settings for {b} prompts")
+  if speculative is not None:
+    speculative.validate(cfg)
   total = max(l + m for l, m in zip(lengths, max_new))
   if total > cfg.max_position_embeddings:
     raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's "
@@ -163,8 +223,13 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   lengths_arr = jnp.asarray(lengths, jnp.int32)
-  logits, cache = prefill(params, cache, jnp.asarray(tokens), lengths_arr, page_table,
-                          cfg=cfg, impl=impl)
+  if speculative is not None and speculative.method == "mtp":
+    from engine.runtime.speculative.loop import prefill_hidden  # imports this module
+    logits, prompt_hidden, cache = prefill_hidden(params, cache, jnp.asarray(tokens),
+                                                  lengths_arr, page_table, cfg=cfg, impl=impl)
+  else:
+    logits, cache = prefill(params, cache, jnp.asarray(tokens), lengths_arr, page_table,
+                            cfg=cfg, impl=impl)
 
   stop_rows = []
   for i in range(b):
@@ -179,6 +244,11 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   stops = StopCriteria(max_new_tokens=jnp.asarray(max_new, jnp.int32),
                        stop_ids=jnp.asarray(stop_arr),
                        min_new_tokens=jnp.full((b,), min_new_tokens, jnp.int32))
+  if speculative is not None:
+    return _speculate(params, cfg, cache, logits, tokens, lengths, page_table,
+                      SamplingArrays.from_params(samp), stops, max_steps, speculative,
+                      prompt_hidden if speculative.method == "mtp" else None, page_size, dtype,
+                      impl)
   out, cache = decode(params, cache, logits, lengths_arr, page_table,
                       SamplingArrays.from_params(samp), stops, max_steps=max_steps, cfg=cfg,
                       impl=impl)
@@ -187,3 +257,48 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   return [Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
                      finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
                      prompt_tokens=lengths[i]) for i in range(b)]
+
+
+def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling, stops,
+               max_steps, spec, prompt_hidden, page_size, dtype, impl) -> list[Completion]:
+  """`generate_tokens`' speculative tail: drafter set-up, `speculative_decode`, counters."""
+  from engine.runtime.speculative.loop import speculative_decode  # imports this module
+
+  lengths_arr = jnp.asarray(lengths, jnp.int32)
+  draft_cache = None
+  if spec.method == "draft":
+    draft_cache = init_cache(spec.draft_cfg, page_table.size, page_size, dtype)
+    _, draft_cache = prefill(spec.draft_params, draft_cache, jnp.asarray(tokens), lengths_arr,
+                             page_table, cfg=spec.draft_cfg, impl=impl)
+  memory = None
+  if spec.method == "learned":
+    from engine.runtime.speculative.learned import NgramMemory
+    memory = spec.memory if spec.memory is not None else NgramMemory()
+  out, cache = speculative_decode(
+      params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
+      prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
+      memory.table if memory is not None else None, max_steps=max_steps,
+      num_draft=spec.num_draft_tokens, drafter=spec.method, cfg=cfg,
+      draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl,
+      adaptive=spec.adaptive, verify_cost=spec.verify_cost,
+      draft_cost=(spec.draft_cost if spec.draft_cost is not None
+                  else DEFAULT_DRAFT_COST[spec.method]))
+  del cache
+  if memory is not None:
+    memory.table = out.ngram_table
+  toks, counts, reasons, st, k_steps = jax.device_get(
+      (out.tokens, out.num_tokens, out.finish_reason, out.stats, out.k_steps))
+  result = []
+  for i in range(len(lengths)):
+    # Tokens from verification steps: all but the first (which prefill produced).
+    summary = spec_summary(int(st.drafted_steps[i]), int(st.draft_tokens[i]),
+                           int(st.accepted_tokens[i]), int(st.steps[i]), int(counts[i]) - 1,
+                           [int(x) for x in st.accepted_at[i]])
+    if spec.adaptive:  # loop steps per draft length (the whole batch shares the choice)
+      from engine.runtime.speculative.loop import spec_k_choices
+      summary["k_steps"] = dict(zip(spec_k_choices(spec.num_draft_tokens, spec.method),
+                                    map(int, k_steps)))
+    result.append(Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
+                             finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
+                             prompt_tokens=lengths[i], spec=summary))
+  return result

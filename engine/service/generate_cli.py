@@ -7,7 +7,11 @@
 
 `--prompt` and `--prompt_ids` may be repeated to run a batch. `--json` prints one JSON object per
 prompt (one line each) with `token_ids` (generated ids only), `text`, `finish_reason`,
-`prompt_tokens`.
+`prompt_tokens`, and with `--speculative` a `spec` object (drafted, accepted, mean accepted
+length = tokens per target forward).
+
+    python -m engine.generate --prompt="import os" --speculative=mtp --num_draft_tokens=2
+    python -m engine.generate --prompt="import os" --speculative=draft   # demo draft model
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from engine.service import mesh_flags
 
 # The bundled demo model (checkpoints/demo, trained by checkpoints.train_demo).
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
+DEMO_DRAFT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "draft")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", DEMO_CHECKPOINT,
@@ -44,6 +49,17 @@ flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
                   "checkpoint's for Orbax, bfloat16 for Hugging Face).")
 flags.DEFINE_bool("json", False, "Print JSON lines instead of text.")
+flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft", "learned"],
+                  "Speculative decoding drafter: n-gram prompt lookup, the checkpoint's MTP "
+                  "layer, a draft model (--draft_checkpoint), or an n-gram table learned "
+                  "across requests (--learned_table).")
+flags.DEFINE_integer("num_draft_tokens", 4, "Tokens drafted per step.", lower_bound=1)
+flags.DEFINE_bool("adaptive_k", False, "Choose the draft length (<= --num_draft_tokens) every "
+                  "step from a goodput model.")
+flags.DEFINE_string("learned_table", None, "With --speculative=learned: .npz table loaded "
+                    "when it exists and saved after generating.")
+flags.DEFINE_string("draft_checkpoint", None, "Draft model directory for --speculative=draft "
+                    "(default: the demo draft model when running the demo target).")
 
 
 def _parse_ids(s: str) -> list[int]:
@@ -51,6 +67,28 @@ def _parse_ids(s: str) -> list[int]:
     return [int(x) for x in s.replace(" ", "").split(",") if x]
   except ValueError:
     raise SystemExit(f"--prompt_ids must be comma-separated integers, got {s!r}")
+
+
+def _speculative_config(model: "engine.LoadedModel") -> "engine.SpeculativeConfig | None":
+  if FLAGS.speculative == "off":
+    return None
+  if FLAGS.speculative == "learned":
+    from engine.runtime.speculative.learned import NgramMemory
+    path = FLAGS.learned_table
+    memory = NgramMemory.load(path) if path and os.path.exists(path) else NgramMemory()
+    return engine.SpeculativeConfig("learned", FLAGS.num_draft_tokens, memory=memory,
+                                    adaptive=FLAGS.adaptive_k)
+  if FLAGS.speculative != "draft":
+    return engine.SpeculativeConfig(FLAGS.speculative, FLAGS.num_draft_tokens,
+                                    adaptive=FLAGS.adaptive_k)
+  path = FLAGS.draft_checkpoint
+  if path is None:
+    if os.path.abspath(FLAGS.checkpoint) != os.path.abspath(DEMO_CHECKPOINT):
+      raise ValueError("--speculative=draft needs --draft_checkpoint")
+    path = DEMO_DRAFT
+  draft = engine.load(path, dtype=model.params["embed"].dtype)
+  return engine.SpeculativeConfig("draft", FLAGS.num_draft_tokens, draft.config, draft.params,
+                                  adaptive=FLAGS.adaptive_k)
 
 
 def main(argv: list[str]) -> int:
@@ -66,22 +104,37 @@ def main(argv: list[str]) -> int:
   t0 = time.perf_counter()
   try:
     model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup())
+    speculative = _speculative_config(model)
     t1 = time.perf_counter()
     results = engine.generate(
         model, prompts, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
         top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p, seed=FLAGS.seed,
-        stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos)
+        stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos,
+        speculative=speculative)
   except (ValueError, FileNotFoundError, NotImplementedError) as e:
     # Bad input (checkpoint, prompt, sampling setting): one line, no traceback.
     raise SystemExit(f"error: {e}") from None
   t2 = time.perf_counter()
   for r in results:
     if FLAGS.json:
-      print(json.dumps({"token_ids": r.token_ids, "text": r.text,
-                        "finish_reason": r.finish_reason, "prompt_tokens": r.prompt_tokens}))
+      line = {"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+              "prompt_tokens": r.prompt_tokens}
+      if r.spec is not None:
+        line["spec"] = r.spec
+      print(json.dumps(line))
     else:
       print(r.text if model.tokenizer is not None else " ".join(map(str, r.token_ids)))
   n = sum(len(r.token_ids) for r in results)
+  if speculative is not None and speculative.memory is not None and FLAGS.learned_table:
+    speculative.memory.save(FLAGS.learned_table)
+  if speculative is not None:
+    steps = sum(r.spec["steps"] for r in results)
+    accepted = sum(r.spec["accepted"] for r in results)
+    drafted = sum(r.spec["drafted"] for r in results)
+    per_step = sum(len(r.token_ids) - 1 for r in results) / max(steps, 1)  # prefill gave 1
+    print(f"[moejax] speculative={speculative.method} k={speculative.num_draft_tokens}: "
+          f"{accepted}/{drafted} drafted tokens accepted, {per_step:.2f} tokens per target "
+          "forward", file=sys.stderr)
   print(f"[moejax] {model.config.display_name}: load {t1 - t0:.1f}s, generate {n} tokens in "
         f"{t2 - t1:.1f}s (includes compilation)", file=sys.stderr)
   return 0

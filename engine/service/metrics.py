@@ -35,11 +35,12 @@ ENGINE_COUNTERS = {
 }
 # The pool counts prefix-cache lookups in pages; vLLM's counters are in tokens.
 PAGE_COUNTED = ("prefix_cache_queries", "prefix_cache_hits")
-# Speculative decoding has not landed: exported as zeros so dashboards can be built now.
+# Speculative decoding counters (zero when the engine does not speculate): metric name ->
+# (engine counter, help). Mean accepted length = 1 + accepted / drafts.
 SPEC_COUNTERS = {
-    "spec_decode_num_drafts": "Draft proposals.",
-    "spec_decode_num_draft_tokens": "Draft tokens proposed.",
-    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    "spec_decode_num_drafts": ("spec_steps", "Draft-and-verify steps (row x step)."),
+    "spec_decode_num_draft_tokens": ("spec_drafted", "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens": ("spec_accepted", "Draft tokens accepted."),
 }
 
 
@@ -57,8 +58,8 @@ class _EngineCollector:
     for key, (name, doc) in ENGINE_COUNTERS.items():
       scale = self._page_size if key in PAGE_COUNTED else 1
       yield CounterMetricFamily(PREFIX + name, doc, value=float(s[key] * scale))
-    for name, doc in SPEC_COUNTERS.items():
-      yield CounterMetricFamily(PREFIX + name, doc, value=float(s.get(name, 0)))
+    for name, (key, doc) in SPEC_COUNTERS.items():
+      yield CounterMetricFamily(PREFIX + name, doc, value=float(s.get(key, 0)))
 
 
 class ServingMetrics:

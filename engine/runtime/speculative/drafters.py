@@ -1,0 +1,134 @@
+"""Drafters: cheap proposals of the next K tokens of every row, all on the device.
+
+Shapes: B rows, K = num_draft tokens, L = token history length, V vocabulary, H hidden size.
+Every drafter proposes at the start of a loop step, when row b has `n_cached[b]` tokens in the
+target cache and its newest token `tok[b]` (not yet in the cache) at position `n_cached[b]`;
+draft j (1-based) is the token at position `n_cached + j`.
+
+* `ngram_propose`: prompt lookup. The longest suffix (n = 5 down to 2) of the row's own token
+  history that occurred before; the tokens that followed its most recent occurrence are the
+  draft. Deterministic (one-hot q).
+* MTP (`mtp_observe`, `mtp_propose`): DeepSeek's multi-token-prediction layer. After each
+  verification it runs over the verified block (filling its cache entries, which live after the
+  decoder layers in the target cache) and keeps its output hidden state at the last cached
+  position, which predicts d_1; for K > 1 the layer is chained on its own output hidden state.
+* Draft model (`draft_model_propose`): a small model with the same tokenizer and its own paged
+  cache decodes K tokens autoregressively. Its cache lags by one token when all K drafts were
+  accepted (d_K was never fed); the first forward of the next proposal feeds it.
+
+Sampled rows draw drafts from the drafter's transformed distribution q (same temperature/top-k/
+top-p/min-p as the target) and return q for the acceptance rule; greedy rows take the argmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice
+from engine.model.params import Params
+from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
+from engine.runtime.sampling import SamplingArrays
+from engine.runtime.speculative.acceptance import draft_sample
+
+NGRAM_MIN, NGRAM_MAX = 2, 5
+
+
+def ngram_propose(history: jax.Array, newest: jax.Array, k: int, min_n: int = NGRAM_MIN,
+                  max_n: int = NGRAM_MAX) -> tuple[jax.Array, jax.Array]:
+  """Prompt lookup in each row's own history.
+
+  Args:
+    history: [B, L] int32 tokens of the row (prompt then outputs), entries past `newest` unused.
+    newest: [B] int32 index of the newest token in `history`.
+  Returns:
+    (draft [B, K] int32, n_draft [B] int32; 0 when no suffix of length >= min_n recurs).
+  """
+  b, length = history.shape
+  ends = jnp.arange(length, dtype=jnp.int32)[None, :]
+  run = jnp.zeros((b, length), jnp.int32)  # matched suffix length ending at each index
+  alive = jnp.ones((b, length), bool)
+  for m in range(max_n):
+    suffix_tok = jnp.take_along_axis(history, jnp.maximum(newest - m, 0)[:, None], axis=1)
+    shifted = jnp.concatenate([jnp.full((b, m), -1, history.dtype), history[:, :length - m]],
+                              axis=1)  # shifted[e] = history[e - m]
+    alive = alive & (shifted == suffix_tok) & (m <= newest)[:, None]
+    run = run + alive.astype(jnp.int32)
+  # A candidate must end before the newest token so that a continuation exists; prefer the
+  # longest match, then the most recent one.
+  valid = (ends < newest[:, None]) & (run >= min_n)
+  score = jnp.where(valid, run * length + ends, -1)
+  best = jnp.argmax(score, axis=1).astype(jnp.int32)
+  found = jnp.max(score, axis=1) >= 0
+  cols = best[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None, :]
+  draft = jnp.take_along_axis(history, jnp.minimum(cols, length - 1), axis=1)
+  n_draft = jnp.where(found, jnp.minimum(k, newest - best), 0).astype(jnp.int32)
+  return draft, n_draft
+
+
+def mtp_observe(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
+                start: jax.Array, n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
+                impl: KernelChoice) -> tuple[jax.Array, Cache]:
+  """Runs the MTP layer over a verified block and keeps its output at the block's last real
+  position. hidden [B, T, H] (target, after the final norm); next_tokens [B, T] (token i+1 for
+  every position i); start, n_new [B]. Returns (MTP hidden [B, H], cache)."""
+  out, cache = forward_mtp(params, cache, hidden, next_tokens, start, n_new, page_table,
+                           cfg=cfg, impl=impl)
+  last = jnp.maximum(n_new - 1, 0)[:, None, None]
+  return jnp.take_along_axis(out, last, axis=1)[:, 0], cache
+
+
+def mtp_propose(params: Params, cache: Cache, mtp_hidden: jax.Array, n_cached: jax.Array,
+                live: jax.Array, page_table: jax.Array, sampling: SamplingArrays, *, k: int,
+                cfg: ModelConfig, impl: KernelChoice
+                ) -> tuple[jax.Array, jax.Array, Cache]:
+  """K drafts from the MTP layer. mtp_hidden [B, H]: its output at position n_cached - 1.
+
+  Returns (draft [B, K], q [B, K, V], cache). Chained steps write MTP cache entries at positions
+  n_cached .. n_cached + K - 2 that the next `mtp_observe` overwrites.
+  """
+  h = mtp_hidden
+  drafts, qs = [], []
+  for j in range(1, k + 1):
+    if j > 1:
+      out, cache = forward_mtp(params, cache, h[:, None], drafts[-1][:, None],
+                               n_cached + j - 2, live.astype(jnp.int32), page_table, cfg=cfg,
+                               impl=impl)
+      h = out[:, 0]
+    tok, q = draft_sample(compute_logits(params, h, cfg), sampling, n_cached + j)
+    drafts.append(tok)
+    qs.append(q)
+  return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), cache
+
+
+def draft_model_propose(draft_params: Params, draft_cache: Cache, tok: jax.Array,
+                        n_cached: jax.Array, lag: jax.Array, lag_tok: jax.Array,
+                        live: jax.Array, page_table: jax.Array, sampling: SamplingArrays, *,
+                        k: int, draft_cfg: ModelConfig, impl: KernelChoice
+                        ) -> tuple[jax.Array, jax.Array, Cache]:
+  """K drafts from a small model decoding autoregressively in its own cache.
+
+  Args:
+    tok: [B] the newest token (position n_cached).
+    lag: [B] bool: the draft cache lacks position n_cached - 1 (holding `lag_tok` [B]).
+  Returns:
+    (draft [B, K], q [B, K, V], draft cache holding positions < n_cached + K - 1).
+  """
+  lag_i = lag.astype(jnp.int32)
+  first = jnp.where(lag[:, None], jnp.stack([lag_tok, tok], axis=1),
+                    jnp.stack([tok, jnp.zeros_like(tok)], axis=1))
+  hidden, draft_cache = forward(draft_params, draft_cache, first, n_cached - lag_i,
+                                (1 + lag_i) * live, page_table, cfg=draft_cfg, impl=impl)
+  h = jnp.take_along_axis(hidden, lag_i[:, None, None], axis=1)[:, 0]
+  drafts, qs = [], []
+  for j in range(1, k + 1):
+    if j > 1:
+      hidden, draft_cache = forward(draft_params, draft_cache, drafts[-1][:, None],
+                                    n_cached + j - 1, live.astype(jnp.int32), page_table,
+                                    cfg=draft_cfg, impl=impl)
+      h = hidden[:, 0]
+    tok_j, q = draft_sample(compute_logits(draft_params, h, draft_cfg), sampling, n_cached + j)
+    drafts.append(tok_j)
+    qs.append(q)
+  return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), draft_cache

@@ -1,0 +1,303 @@
+"""`speculative_decode`: the speculative counterpart of `generate.decode`, one jitted while loop.
+
+Each iteration, for every live row (B rows, K = num_draft):
+1. the drafter proposes up to K tokens (`drafters`), capped so the row cannot pass its limit;
+2. ONE target forward over `[newest, d_1 .. d_K]` (T = K + 1; positions n_cached .. n_cached+K,
+   the first n_draft + 1 real);
+3. `acceptance.verify` accepts a prefix d_1 .. d_a and chooses the extra token (correction or
+   bonus), so the row emits a + 1 tokens; stop ids inside the block end the row there;
+4. the row advances by length only: n_cached += a + 1. Cache slots of rejected drafts were
+   written but lie past n_cached, so attention never reads them and later steps overwrite them.
+
+Rows accept different counts and finish independently (EOS/stop ids after min_new_tokens,
+max_new_tokens); finished rows write nothing. No host round trip until every row is done.
+With `adaptive`, each iteration first picks its draft length (`goodput`) and runs the step
+compiled for it (`lax.switch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.model.transformer import Cache, compute_logits, forward
+from engine.runtime.generate import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, StopCriteria)
+from engine.runtime.sampling import SamplingArrays, sample
+from engine.runtime.speculative import drafters, goodput, learned
+from engine.runtime.speculative.acceptance import verify
+
+DRAFTERS = ("ngram", "mtp", "draft", "learned")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecStats:
+  """Per-row counters of one `speculative_decode` call."""
+  steps: jax.Array  # [B] target verification forwards the row took part in
+  drafted_steps: jax.Array  # [B] of those, steps with at least one drafted token
+  draft_tokens: jax.Array  # [B] drafted tokens
+  accepted_tokens: jax.Array  # [B] accepted drafted tokens
+  accepted_at: jax.Array  # [B, K] steps whose draft at slot i (0-based) was accepted
+
+  @staticmethod
+  def zeros(b: int, k: int) -> "SpecStats":
+    z = jnp.zeros((b,), jnp.int32)
+    return SpecStats(z, z, z, z, jnp.zeros((b, k), jnp.int32))
+
+  def add(self, live: jax.Array, n_draft: jax.Array, n_accepted: jax.Array) -> "SpecStats":
+    """Counts one verification step of the `live` rows."""
+    k = self.accepted_at.shape[1]
+    slot = jnp.arange(k, dtype=jnp.int32)[None, :]
+    return SpecStats(
+        steps=self.steps + live.astype(jnp.int32),
+        drafted_steps=self.drafted_steps + (n_draft > 0).astype(jnp.int32),
+        draft_tokens=self.draft_tokens + n_draft,
+        accepted_tokens=self.accepted_tokens + n_accepted,
+        accepted_at=self.accepted_at + (slot < n_accepted[:, None]).astype(jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecOutput:
+  tokens: jax.Array  # [B, max_steps] int32, -1 past each row's end
+  num_tokens: jax.Array  # [B] int32
+  finish_reason: jax.Array  # [B] int32 (FINISH_*)
+  cache_lengths: jax.Array  # [B] int32 tokens whose cache entries are valid at the end
+  stats: SpecStats
+  ngram_table: learned.NgramTable | None  # the updated table (drafter "learned")
+  k_steps: jax.Array  # [len(choices)] loop steps run with each draft length (see k_choices)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def prefill_hidden(params: Params, cache: Cache, tokens: jax.Array, lengths: jax.Array,
+                   page_table: jax.Array, *, cfg: ModelConfig, impl: KernelChoice = REFERENCE
+                   ) -> tuple[jax.Array, jax.Array, Cache]:
+  """`generate.prefill` that also returns every position's hidden state (for MTP).
+
+  Returns (last-token logits [B, V], hidden [B, T, H], cache)."""
+  b = tokens.shape[0]
+  hidden, cache = forward(params, cache, tokens, jnp.zeros((b,), jnp.int32), lengths,
+                          page_table, cfg=cfg, impl=impl)
+  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+  return compute_logits(params, last, cfg), hidden, cache
+
+
+def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
+           ) -> jax.Array:
+  """buffer[b, start[b] + i] = values[b, i] for i < count[b]. buffer [B, N], values [B, T]."""
+  t = values.shape[1]
+  cols = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, buffer.shape[1])
+  rows = jnp.arange(buffer.shape[0])[:, None]
+  return buffer.at[rows, cols].set(values, mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Verified:
+  """One verification step's result (B rows, K drafts)."""
+  cache: Cache
+  hidden: jax.Array  # [B, K+1, H] target hidden states of the block (for MTP)
+  n_accepted: jax.Array  # [B] accepted drafts
+  extra: jax.Array  # [B] the token after them (correction or bonus)
+  emitted: jax.Array  # [B, K+1] d_1 .. d_a, extra, then don't-care
+  n_emit: jax.Array  # [B] tokens the row emits (a + 1, cut after a stop id; 0 if not live)
+  stopped: jax.Array  # [B] bool: a stop id ended the row inside the block
+
+
+def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
+                 q: jax.Array | None, n_draft: jax.Array, n_cached: jax.Array, live: jax.Array,
+                 n_out: jax.Array, stop_ids: jax.Array, min_before_stop: jax.Array,
+                 sampling: SamplingArrays, page_table: jax.Array, *, cfg: ModelConfig,
+                 impl: KernelChoice) -> Verified:
+  """ONE target forward over `[tok, d_1 .. d_K]`, acceptance and stop ids.
+
+  Args:
+    tok: [B] newest token (position n_cached); draft [B, K]; q [B, K, V] or None (one-hot);
+    n_draft: [B] real drafts (0 for rows that are not live); live: [B] bool.
+    n_out: [B] tokens the row emitted so far; a stop id counts only once the row has emitted
+      at least `min_before_stop` [B] tokens; stop_ids: [B, S] padded with -1.
+  """
+  b, k = draft.shape
+  live_i = live.astype(jnp.int32)
+  block = jnp.concatenate([tok[:, None], draft], axis=1)
+  hidden, cache = forward(params, cache, block, n_cached, (n_draft + 1) * live_i, page_table,
+                          cfg=cfg, impl=impl)
+  logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
+  n_acc, extra = verify(logits, draft, q, n_draft, sampling, n_cached + 1)
+  slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  emitted = jnp.where(slots < n_acc[:, None],
+                      jnp.concatenate([draft, jnp.zeros((b, 1), jnp.int32)], axis=1),
+                      extra[:, None])
+  n_emit = n_acc + 1
+  is_stop = (jnp.any(emitted[:, :, None] == stop_ids[:, None, :], axis=-1)
+             & (slots < n_emit[:, None])
+             & (n_out[:, None] + slots + 1 >= min_before_stop[:, None]))
+  stopped = jnp.any(is_stop, axis=1) & live
+  n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n_emit)
+  return Verified(cache=cache, hidden=hidden, n_accepted=n_acc * live_i, extra=extra,
+                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl",
+                              "adaptive", "draft_cost", "verify_cost"),
+    donate_argnames=("cache", "ngram_table"))
+def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
+                       prompt_tokens: jax.Array, lengths: jax.Array, page_table: jax.Array,
+                       sampling: SamplingArrays, stops: StopCriteria,
+                       prompt_hidden: jax.Array | None = None, draft_params: Params | None = None,
+                       draft_cache: Cache | None = None,
+                       ngram_table: learned.NgramTable | None = None, *, max_steps: int,
+                       num_draft: int,
+                       drafter: str, cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
+                       impl: KernelChoice = REFERENCE, adaptive: bool = False,
+                       draft_cost: float = 0.0, verify_cost: float = 0.02
+                       ) -> tuple[SpecOutput, Cache]:
+  """Speculative generation of up to `max_steps` tokens per row.
+
+  Args:
+    first_logits: [B, V] logits of each row's last prompt token (from prefill).
+    prompt_tokens: [B, Tp] right-padded prompts (the n-gram history starts from them).
+    lengths: [B] prompt lengths (tokens in the cache).
+    prompt_hidden: [B, Tp, H] target hidden states of the prompt (drafter "mtp").
+    draft_params, draft_cache: the draft model and its cache holding the prompts ("draft");
+      its cache uses the same page table.
+    ngram_table: the learned n-gram table ("learned"); donated, the updated one is returned.
+    num_draft: K, drafted tokens per step (>= 1); with `adaptive`, the most per step.
+    drafter: one of DRAFTERS.
+    adaptive: choose the draft length every step from `goodput` (k in `spec_k_choices`);
+      draft_cost, verify_cost: its cost model.
+  Returns:
+    (SpecOutput, cache).
+  """
+  if drafter not in DRAFTERS:
+    raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
+  b, k = first_logits.shape[0], num_draft
+  history_len = prompt_tokens.shape[1] + max_steps
+  limit = jnp.minimum(stops.max_new_tokens, max_steps)
+
+  # The first token comes from the prefill logits exactly as in `generate.decode`.
+  tok = sample(first_logits, sampling, lengths)
+  out = jnp.full((b, max_steps), -1, jnp.int32).at[:, 0].set(tok)
+  n_out = jnp.ones((b,), jnp.int32)
+  hit_stop = jnp.any(tok[:, None] == stops.stop_ids, axis=-1) & (n_out >= stops.min_new_tokens)
+  reasons = jnp.where(hit_stop, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
+                                                       FINISH_NONE))
+  history = jnp.zeros((b, history_len), jnp.int32).at[:, :prompt_tokens.shape[1]].set(
+      jnp.where(jnp.arange(prompt_tokens.shape[1])[None, :] < lengths[:, None], prompt_tokens, 0))
+  history = _place(history, lengths, tok[:, None], jnp.ones((b,), jnp.int32))
+  n_cached = lengths.astype(jnp.int32)
+
+  aux = {}
+  if drafter == "mtp":
+    # MTP over the prompt: position i combines h_i with token i+1 (the first output at the end).
+    shifted = jnp.take_along_axis(history, jnp.minimum(
+        jnp.arange(prompt_tokens.shape[1])[None, :] + 1, history_len - 1), axis=1)
+    aux["mtp_hidden"], cache = drafters.mtp_observe(
+        params, cache, prompt_hidden, shifted, jnp.zeros((b,), jnp.int32), n_cached,
+        page_table, cfg=cfg, impl=impl)
+  elif drafter == "draft":
+    aux = {"cache": draft_cache, "lag": jnp.zeros((b,), bool), "lag_tok": tok}
+  elif drafter == "learned":
+    aux = {"table": ngram_table}
+
+  stats = SpecStats.zeros(b, k)
+
+  def step(k, state):
+    """One draft-verify step with k (static) drafts; returns (state, accepted, rejections)."""
+    cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
+    live = reasons == FINISH_NONE
+    live_i = live.astype(jnp.int32)
+
+    # 1. Draft.
+    q = None
+    if k == 0:  # plain decoding through the same program
+      draft, n_draft = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+    elif drafter == "ngram":
+      draft, n_draft = drafters.ngram_propose(history, n_cached, k)
+    elif drafter == "learned":
+      draft, n_draft = learned.propose(aux["table"], history, n_cached, k)
+    elif drafter == "mtp":
+      draft, q, cache = drafters.mtp_propose(params, cache, aux["mtp_hidden"], n_cached, live,
+                                             page_table, sampling, k=k, cfg=cfg, impl=impl)
+      n_draft = jnp.full((b,), k, jnp.int32)
+    else:
+      draft, q, dcache = drafters.draft_model_propose(
+          draft_params, aux["cache"], tok, n_cached, aux["lag"], aux["lag_tok"], live,
+          page_table, sampling, k=k, draft_cfg=draft_cfg, impl=impl)
+      n_draft = jnp.full((b,), k, jnp.int32)
+    # The step emits n_draft + 1 tokens at most: never pass the row's limit (nor the cache).
+    n_draft = jnp.where(live, jnp.minimum(n_draft, limit - n_out - 1), 0)
+
+    # 2-3. Verify with one target forward, emit d_1 .. d_a and the extra token.
+    v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, n_out,
+                     stops.stop_ids, stops.min_new_tokens, sampling, page_table, cfg=cfg,
+                     impl=impl)
+    cache, hidden, n_acc, emitted, n_emit = v.cache, v.hidden, v.n_accepted, v.emitted, v.n_emit
+    out = _place(out, n_out, emitted, n_emit)
+    history = _place(history, n_cached + 1, emitted, n_emit)
+    n_out = n_out + n_emit
+    reason = jnp.where(v.stopped, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
+                                                         FINISH_NONE))
+    reasons = jnp.where(live, reason, reasons)
+    new_tok = jnp.where(live, v.extra, tok)
+    # Rollback of rejected drafts (and of tokens after a stop): by length only.
+    new_cached = n_cached + n_emit
+
+    # 4. Let the drafter see what was verified (MTP: the verified block's hidden states).
+    if drafter == "mtp":
+      mtp_hidden, cache = drafters.mtp_observe(params, cache, hidden, emitted, n_cached,
+                                               (n_acc + 1) * live_i, page_table, cfg=cfg,
+                                               impl=impl)
+      aux = {"mtp_hidden": jnp.where(live[:, None], mtp_hidden, aux["mtp_hidden"])}
+    elif drafter == "learned":  # learn from every emitted token (history already holds them)
+      emitted_at = n_cached[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+      aux = {"table": learned.update(aux["table"], history, emitted_at,
+                                     jnp.arange(k + 1)[None, :] < n_emit[:, None])}
+    elif drafter == "draft":
+      all_in = live & (n_acc == k)  # d_K was accepted but never fed to the draft model
+      aux = {"cache": dcache, "lag": jnp.where(live, all_in, aux["lag"]),
+             "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
+
+    stats = stats.add(live, n_draft, n_acc)
+    rejections = jnp.sum((live & (n_acc < n_draft)).astype(jnp.float32))
+    return ((cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats),
+            jnp.sum(n_acc).astype(jnp.float32), rejections)
+
+  choices = spec_k_choices(k, drafter) if adaptive else (k,)
+
+  def body(loop_state):
+    state, accepted, rejected, k_steps = loop_state
+    if adaptive:
+      a = goodput.acceptance_estimate(accepted, rejected)
+      live_rows = jnp.sum(state[7] == FINISH_NONE)
+      index = goodput.choose(a, live_rows, choices, draft_cost, verify_cost)
+      state, acc, rej = jax.lax.switch(
+          index, [functools.partial(step, kc) for kc in choices], state)
+    else:
+      index = jnp.int32(0)
+      state, acc, rej = step(k, state)
+    return (state, goodput.DECAY * accepted + acc, goodput.DECAY * rejected + rej,
+            k_steps.at[index].add(1))
+
+  state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
+  loop_state = (state, jnp.float32(0), jnp.float32(0), jnp.zeros((len(choices),), jnp.int32))
+  loop_state = jax.lax.while_loop(lambda s: jnp.any(s[0][7] == FINISH_NONE), body, loop_state)
+  (cache, aux, _, _, n_cached, n_out, out, reasons, stats), _, _, k_steps = loop_state
+  return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
+                    cache_lengths=n_cached, stats=stats,
+                    ngram_table=aux["table"] if drafter == "learned" else None,
+                    k_steps=k_steps), cache
+
+
+def spec_k_choices(num_draft: int, drafter: str) -> tuple[int, ...]:
+  """Draft lengths an adaptive loop compiles. The draft model always drafts (its cache may
+  lag by one token only, which a step without drafts would not feed)."""
+  return goodput.k_choices(num_draft, allow_zero=drafter != "draft")
