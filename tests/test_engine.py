@@ -259,3 +259,29 @@ def test_persistent_compilation_cache_survives_a_restart(tmp_path):
   assert first["compiled"] >= first["programs"] > 0
   assert second["obtained"] >= second["programs"] and second["compiled"] == 0
   assert second["output"] == first["output"]
+
+
+def test_logprobs_equal_the_models_distribution(eng, model):
+  cfg, params = model
+  prompt = prompts(1, seed=31)[0]
+  r = eng.generate([prompt], SamplingParams(temperature=0.7, seed=3, logprobs=4),
+                   StopParams(max_tokens=10))[0]
+  assert len(r.output_logprobs) == len(r.output_ids) == 10
+  seq = r.all_ids
+  n = len(seq) - 1
+  table = jnp.arange(1, 1 + -(-n // 8), dtype=jnp.int32)[None, :]
+  logits, _ = forward_logits(params, init_cache(cfg, table.shape[1] + 1, 8, jnp.float32),
+                             jnp.asarray([seq[:n]]), jnp.asarray([0]), jnp.asarray([n]), table,
+                             cfg=cfg)
+  ref = jax.nn.log_softmax(logits[0], axis=-1)
+  for i, (tok, lp) in enumerate(zip(r.output_ids, r.output_logprobs)):
+    row = np.asarray(ref[len(prompt) - 1 + i])
+    assert lp.logprob == pytest.approx(row[tok], abs=1e-4)
+    assert [t for t, _ in lp.top] == list(np.argsort(-row)[:4])
+    assert [v for _, v in lp.top] == pytest.approx(np.sort(row)[::-1][:4], abs=1e-4)
+  plain = eng.generate([prompt], SamplingParams(temperature=0.7, seed=3),
+                       StopParams(max_tokens=10))[0]
+  assert plain.output_ids == r.output_ids and plain.output_logprobs == []
+  with pytest.raises(ValueError, match="logprobs"):
+    eng.add_request([1, 2], SamplingParams(logprobs=21))
+  assert_pool_full(eng)

@@ -132,6 +132,8 @@ def test_stream_equals_the_engines_direct_output(serve, eng, demo):
   stop_str = want[0].text[10:13]
   stopped = eng.generate([PROMPT], SamplingParams(), StopParams(max_tokens=24, stop=(stop_str,),
                                                                 ignore_eos=True))[0]
+  want_lp = eng.generate([PROMPT], SamplingParams(logprobs=3),
+                         StopParams(max_tokens=8, ignore_eos=True))[0]
   bg = serve()  # after the direct runs: the server's thread then owns the engine's steps
   with InferenceClient(target(bg)) as client:
     for (p, s, t), ref in zip(cases, want):
@@ -161,6 +163,13 @@ def test_stream_equals_the_engines_direct_output(serve, eng, demo):
     assert status_of(lambda: client.detokenize([9999]))[0] == grpc.StatusCode.INVALID_ARGUMENT
     load = client.server_load()
     assert load.serving and load.num_requests_waiting == 0
+    # Log-probabilities stream with the tokens and equal the engine's.
+    got = client.generate(PROMPT, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=3)
+    assert len(got.logprobs) == len(got.token_ids) == 8
+    for tok, (lp, top), ref in zip(got.token_ids, got.logprobs, want_lp.output_logprobs):
+      assert top[0][0] == tok and lp == pytest.approx(top[0][1]) and len(top) == 3
+      assert lp == pytest.approx(ref.logprob, abs=1e-5)
+      assert [t for t, _ in top] == [t for t, _ in ref.top]
 
 
 # ---- validation ----------------------------------------------------------------------------
@@ -194,8 +203,9 @@ BAD_REQUESTS = [  # (build_request kwargs, field the error must name)
     (dict(stop_token_ids=list(range(3, 23))), "sampling.stop_token_ids"),
     (dict(stop_token_ids=[9000]), "sampling.stop_token_ids"),
     (dict(stop_token_ids=[-3]), "sampling.stop_token_ids"),
-    (dict(logprobs=True), "sampling.logprobs"),
-    (dict(top_logprobs=5), "sampling.top_logprobs"),
+    (dict(top_logprobs=5), "sampling.top_logprobs"),  # without logprobs=True
+    (dict(logprobs=True, top_logprobs=21), "sampling.top_logprobs"),
+    (dict(logprobs=True, top_logprobs=-1), "sampling.top_logprobs"),
     (dict(drafter="magic"), "speculative.drafter"),
     (dict(drafter="mtp"), "speculative.drafter"),
     (dict(max_draft_tokens=0), "speculative.max_draft_tokens"),

@@ -37,7 +37,7 @@ from engine.runtime import steps
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
 from engine.runtime.page_pool import NULL_PAGE, PagePool
 from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request,
-                                    RequestOutput, StopParams, stop_ids_for)
+                                    RequestOutput, StopParams, TokenLogprob, stop_ids_for)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
 from engine.runtime.speculative.learned import NgramTable
@@ -82,6 +82,16 @@ def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _logprob(req: Request, lps: tuple[np.ndarray, np.ndarray, np.ndarray],
+             at: tuple[int, ...]) -> TokenLogprob | None:
+  """The request's logprobs entry from a program's (chosen, top ids, top logprobs) at `at`."""
+  if req.sampling.logprobs is None:
+    return None
+  chosen, ids, lp = (x[at] for x in lps)
+  k = req.sampling.logprobs
+  return TokenLogprob(float(chosen), tuple((int(i), float(v)) for i, v in zip(ids[:k], lp[:k])))
 
 
 class Engine:
@@ -175,6 +185,8 @@ class Engine:
     """Queues a request; raises ValueError naming the offending field on bad input."""
     ids = self._encode(prompt)
     sampling.validate()
+    if sampling.logprobs is not None and self.config.speculative:
+      raise ValueError("logprobs: not available while the engine decodes speculatively")
     stop.validate()
     stop_ids = stop_ids_for(stop, self.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
@@ -346,13 +358,16 @@ class Engine:
         r += 1
       sampling_rows.append(r - 1 if seg.samples else None)
     with self._on_mesh():
-      sampled, self.cache = steps.model_step(
+      sampled, lps, self.cache = steps.model_step(
           self.params, self.cache, tokens, start, n_new, table,
           self._sampling_arrays(row_req), cfg=self.cfg, impl=self.config.kernels)
-    sampled = np.asarray(jax.device_get(sampled))
+    sampled, lps = jax.device_get((sampled, lps))
     for seg, row in zip(plan.segments, sampling_rows):
-      self._advance(seg.request, seg.start + seg.num_tokens,
-                    [int(sampled[row])] if row is not None else [])
+      if row is None:
+        self._advance(seg.request, seg.start + seg.num_tokens, [])
+      else:
+        self._advance(seg.request, seg.start + seg.num_tokens, [int(sampled[row])],
+                      [_logprob(seg.request, lps, (row,))])
 
   def _run_decode_loop(self, plan: SchedulerOutput) -> None:
     reqs = [s.request for s in plan.segments]
@@ -381,19 +396,21 @@ class Engine:
             max_steps=self.config.max_decode_steps, num_draft=self.config.num_draft_tokens,
             drafter=self.config.speculative, cfg=self.cfg, impl=self.config.kernels)
       out, counts, spec = jax.device_get((out, counts, spec))
+      lps = None  # add_request refuses logprobs when the engine speculates
       self.counters["spec_steps"] += int(spec.steps.sum())
       self.counters["spec_drafted"] += int(spec.draft_tokens.sum())
       self.counters["spec_accepted"] += int(spec.accepted_tokens.sum())
     else:
       with self._on_mesh():
-        out, counts, _, self.cache = steps.decode_loop(
+        out, counts, _, lps, self.cache = steps.decode_loop(
             self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
             min_before, np.int32(plan.num_steps), max_steps=self.config.max_decode_steps,
             cfg=self.cfg, impl=self.config.kernels)
-      out, counts = jax.device_get((out, counts))
+      out, counts, lps = jax.device_get((out, counts, lps))
     for i, req in enumerate(reqs):
       n = int(counts[i])
-      self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]])
+      self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
+                    None if lps is None else [_logprob(req, lps, (i, j)) for j in range(n)])
 
   def _histories(self, reqs: Sequence[Request], b: int) -> tuple[np.ndarray, np.ndarray]:
     """[b, window + max_decode_steps] each request's last `ngram_window` tokens, and counts."""
@@ -408,21 +425,25 @@ class Engine:
 
   # ---- host-side token handling --------------------------------------------------------------
 
-  def _advance(self, req: Request, num_computed: int, new_ids: list[int]) -> None:
+  def _advance(self, req: Request, num_computed: int, new_ids: list[int],
+               logprobs: list[TokenLogprob | None] | None = None) -> None:
     """Records a step's result: new tokens, cache progress (full pages join the prefix cache,
     also when the request ends here), then the finish if a stop rule fired."""
-    reason = self._append(req, new_ids)
+    reason = self._append(req, new_ids, logprobs)
     self.scheduler.record_computed(req, num_computed)
     if reason is not None:
       self._finish(req, reason)
 
-  def _append(self, req: Request, new_ids: list[int]) -> str | None:
+  def _append(self, req: Request, new_ids: list[int],
+              logprobs: list[TokenLogprob | None] | None = None) -> str | None:
     """Appends sampled tokens, applying the stop rules in order; returns the finish reason if
     one fired. Tokens after a stop are dropped (the device loop may run past a stop string)."""
-    for tok in new_ids:
+    for i, tok in enumerate(new_ids):
       if req.timings.first_token is None:
         req.timings.first_token = time.monotonic()
       req.output_ids.append(tok)
+      if logprobs is not None and logprobs[i] is not None:
+        req.output_logprobs.append(logprobs[i])
       self.counters["generation_tokens"] += 1
       n = len(req.output_ids)
       if tok in req.stop_ids and n >= req.stop.min_tokens:
@@ -471,7 +492,10 @@ class Engine:
     return RequestOutput(request_id=req.request_id, new_token_ids=list(new_ids),
                          text_delta=delta, finished=req.finished,
                          finish_reason=req.finish_reason, usage=req.usage(),
-                         timings=req.timings, stop_reason=req.stop_reason)
+                         timings=req.timings, stop_reason=req.stop_reason,
+                         new_logprobs=(None if req.sampling.logprobs is None else
+                                       req.output_logprobs[len(req.output_logprobs)
+                                                           - len(new_ids):]))
 
   # ---- conveniences --------------------------------------------------------------------------
 
@@ -505,7 +529,7 @@ class Engine:
         zeros = np.zeros((b,), np.int32)
         samp = self._sampling_arrays([None] * b)
         if kind == "step":
-          _, self.cache = steps.model_step(
+          _, _, self.cache = steps.model_step(
               self.params, self.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
               cfg=self.cfg, impl=self.config.kernels)
         elif self.config.speculative:
@@ -517,7 +541,7 @@ class Engine:
               num_draft=self.config.num_draft_tokens, drafter=self.config.speculative,
               cfg=self.cfg, impl=self.config.kernels)
         else:
-          _, _, _, self.cache = steps.decode_loop(
+          *_, self.cache = steps.decode_loop(
               self.params, self.cache, zeros, zeros, table, samp,
               np.full((b, MAX_STOP_IDS), -1, np.int32), zeros, zeros, np.int32(1),
               max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=self.config.kernels)

@@ -44,6 +44,13 @@ class StopParams:
       raise ValueError("stop strings must be non-empty")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """A generated token's log-probability and the top alternatives (id, logprob), best first."""
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class Timings:
   """Wall-clock timestamps (time.monotonic) of a request's life."""
@@ -82,6 +89,7 @@ class Request:
   stop_ids: tuple[int, ...]  # token ids that end the request (stop ids + EOS unless ignored)
   arrival_order: int
   output_ids: list[int] = dataclasses.field(default_factory=list)
+  output_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # if asked
   status: Status = Status.WAITING
   num_computed: int = 0
   pages: list[int] = dataclasses.field(default_factory=list)
@@ -134,6 +142,7 @@ class RequestOutput:
   usage: Usage
   timings: Timings
   stop_reason: str | int | None = None  # with finish "stop": the stop string or token id
+  new_logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 def stop_ids_for(stop: StopParams, eos_ids: Sequence[int]) -> tuple[int, ...]:

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+MAX_TOP_LOGPROBS = 20  # top alternatives per token the serving programs compute (static shape)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -28,6 +30,10 @@ class SamplingParams:
   top_p: float = 1.0  # 1: off
   min_p: float = 0.0  # 0: off
   seed: int = 0
+  # Serving only: report the sampled token's log-probability and this many top alternatives
+  # (None: off; 0: the sampled token only). Log-probabilities are of the model's distribution
+  # (log_softmax of the logits), before temperature/top-k/top-p/min-p, as in vLLM.
+  logprobs: int | None = None
 
   def validate(self) -> None:
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -40,6 +46,8 @@ class SamplingParams:
       raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+      raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
 
 @jax.tree_util.register_dataclass
@@ -100,3 +108,12 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
     return jnp.where(s.temperature > 0, picked, greedy)
 
   return jax.lax.cond(jnp.any(s.temperature > 0), stochastic, lambda _: greedy, None)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Log-probabilities of `tokens` [B] under logits [B, V] (the model's distribution), and the
+  top MAX_TOP_LOGPROBS alternatives: ([B] float32, ids [B, K] int32, logprobs [B, K])."""
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+  top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
+  return chosen, top_ids.astype(jnp.int32), top_lp

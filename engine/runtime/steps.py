@@ -24,13 +24,14 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
-from engine.runtime.sampling import SamplingArrays, sample
+from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
 def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
                n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays, *,
-               cfg: ModelConfig, impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+               cfg: ModelConfig, impl: KernelChoice = REFERENCE
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], Cache]:
   """Forward over packed rows and sample after each row's last real token.
 
   Args:
@@ -40,12 +41,13 @@ def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array
     sampling: [B] per-row sampling parameters.
   Returns:
     ([B] int32 token sampled at position start + n_new (meaningful where the row ends its
-    request's known tokens), cache).
+    request's known tokens), its logprobs (`sampling.token_logprobs`), cache).
   """
   hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
   last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = compute_logits(params, last, cfg)
-  return sample(logits, sampling, start + n_new), cache
+  tokens = sample(logits, sampling, start + n_new)
+  return tokens, token_logprobs(logits, tokens), cache
 
 
 @functools.partial(jax.jit, static_argnames=("max_steps", "cfg", "impl"),
@@ -54,7 +56,7 @@ def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.A
                 page_table: jax.Array, sampling: SamplingArrays, stop_ids: jax.Array,
                 remaining: jax.Array, min_before_stop: jax.Array, num_steps: jax.Array, *,
                 max_steps: int, cfg: ModelConfig, impl: KernelChoice = REFERENCE
-                ) -> tuple[jax.Array, jax.Array, jax.Array, Cache]:
+                ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...], Cache]:
   """Runs up to `num_steps` (<= max_steps) decode iterations on the device.
 
   Args:
@@ -66,30 +68,39 @@ def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.A
     num_steps: int32 scalar.
   Returns:
     (out [B, max_steps] new tokens (-1 past each row's count), counts [B],
-     stopped [B] bool (the last token is a stop id), cache).
+     stopped [B] bool (the last token is a stop id), logprobs (chosen [B, max_steps], top ids
+     [B, max_steps, K], top logprobs [B, max_steps, K]), cache).
   """
   b = tokens.shape[0]
   cols = jnp.arange(max_steps, dtype=jnp.int32)[None, :]
   limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
 
   def step(state):
-    cache, tok, n_cached, done, count, out, stopped = state
+    cache, tok, n_cached, done, count, out, stopped, lps = state
     live = (~done).astype(jnp.int32)
     hidden, cache = forward(params, cache, tok[:, None], n_cached, live, page_table, cfg=cfg,
                             impl=impl)
     n_cached = n_cached + live
     logits = compute_logits(params, hidden[:, 0], cfg)
     new = sample(logits, sampling, n_cached)
-    out = jnp.where((cols == count[:, None]) & ~done[:, None], new[:, None], out)
+    here = (cols == count[:, None]) & ~done[:, None]  # [B, max_steps]: this step's column
+    out = jnp.where(here, new[:, None], out)
+    chosen, top_ids, top_lp = token_logprobs(logits, new)
+    lps = (jnp.where(here, chosen[:, None], lps[0]),
+           jnp.where(here[..., None], top_ids[:, None], lps[1]),
+           jnp.where(here[..., None], top_lp[:, None], lps[2]))
     count = count + live
     hit = (jnp.any(new[:, None] == stop_ids, axis=-1) & (count >= min_before_stop) & ~done)
     stopped = stopped | hit
     done = done | hit | (count >= limit)
-    return cache, jnp.where(live > 0, new, tok), n_cached, done, count, out, stopped
+    return cache, jnp.where(live > 0, new, tok), n_cached, done, count, out, stopped, lps
 
   zeros = jnp.zeros((b,), jnp.int32)
+  k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+  lps = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, k), jnp.int32),
+         jnp.zeros((b, max_steps, k), jnp.float32))
   state = (cache, tokens, n_cached, limit <= 0, zeros, jnp.full((b, max_steps), -1, jnp.int32),
-           jnp.zeros((b,), bool))
+           jnp.zeros((b,), bool), lps)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), step, state)
-  cache, _, _, _, count, out, stopped = state
-  return out, count, stopped, cache
+  cache, _, _, _, count, out, stopped, lps = state
+  return out, count, stopped, lps, cache

@@ -75,12 +75,17 @@ class Completion:
   sent_at: float = 0.0
   chunk_times: list[float] = dataclasses.field(default_factory=list)
   chunk_tokens: list[int] = dataclasses.field(default_factory=list)
+  # With logprobs: per token (logprob, [(token_id, logprob), ...] best alternatives first).
+  logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(
+      default_factory=list)
 
   def add(self, chunk: pb.GenerateResponse) -> None:
     self.chunk_times.append(time.perf_counter())
     self.chunk_tokens.append(len(chunk.token_ids))
     self.request_id = chunk.request_id
     self.token_ids.extend(chunk.token_ids)
+    self.logprobs.extend((lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+                         for lp in chunk.logprobs)
     self.text += chunk.text
     self.reasoning_text += chunk.reasoning_text
     if chunk.HasField("final"):

@@ -167,6 +167,10 @@ def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
                          answer_started_s: float | None) -> pb.GenerateResponse:
   """One stream message for one engine delta; the final one carries FinalInfo."""
   resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids)
+  for lp in out.new_logprobs or ():
+    entry = resp.logprobs.add(logprob=lp.logprob)
+    for token_id, value in lp.top:
+      entry.top.add(token_id=token_id, logprob=value)
   if reasoning is None:
     resp.text = out.text_delta
   else:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from engine.runtime.engine import MAX_STOP_IDS
 from engine.runtime.request import StopParams
-from engine.runtime.sampling import SamplingParams
+from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from engine.service.proto import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64
@@ -108,8 +108,18 @@ def sampling_params(s: Any) -> SamplingParams:
   seed = _opt(s, "seed", 0)
   if seed >= 2**32:
     raise FieldError("sampling.seed", f"must be in [0, 2**32), got {seed}")
+  logprobs = None
+  if s.HasField("top_logprobs"):
+    if not s.logprobs:
+      raise FieldError("sampling.top_logprobs", "requires sampling.logprobs = true")
+    if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+      raise FieldError("sampling.top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
+                       f"{s.top_logprobs}")
+    logprobs = s.top_logprobs
+  elif s.logprobs:
+    logprobs = 0
   return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        seed=seed)
+                        seed=seed, logprobs=logprobs)
 
 
 def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits) -> StopParams:
@@ -144,10 +154,6 @@ def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits) -> StopPa
     raise FieldError("sampling.stop_token_ids", f"{len(s.stop_token_ids)} ids, at most "
                      f"{limits.max_stop_token_ids} allowed")
   stop_ids = check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
-  if s.logprobs:
-    raise FieldError("sampling.logprobs", "not supported yet")
-  if s.HasField("top_logprobs"):
-    raise FieldError("sampling.top_logprobs", "not supported yet")
   return StopParams(max_tokens=max_tokens, min_tokens=min_tokens,
                     stop_token_ids=tuple(stop_ids), stop=tuple(s.stop),
                     ignore_eos=s.ignore_eos,

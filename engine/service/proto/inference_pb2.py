@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moejax/v1/inference.proto\x12\tmoejax.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9c\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobs\"Y\n\x12SpeculativeOptions\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x1d\n\x10max_draft_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x13\n\x11_max_draft_tokens\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.moejax.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.moejax.v1.SamplingParams\x12\x32\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1d.moejax.v1.SpeculativeOptionsB\x08\n\x06prompt\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\x05\"]\n\x10SpeculativeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\"\x85\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12)\n\x1ctime_to_first_answer_token_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x1f\n\x1d_time_to_first_answer_token_s\"\xf0\x01\n\tFinalInfo\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.moejax.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.moejax.v1.Usage\x12\x30\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1b.moejax.v1.SpeculativeStats\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.moejax.v1.TimingsB\x0e\n\x0cmatched_stop\"\xa2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12\x1c\n\x14num_reasoning_tokens\x18\x05 \x01(\x05\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.moejax.v1.FinalInfo\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xdf\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x08 \x03(\t\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\x11\n\tpage_size\x18\n \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12!\n\x14think_start_token_id\x18\x0c \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x12think_end_token_id\x18\r \x01(\x05H\x01\x88\x01\x01\x42\x17\n\x15_think_start_token_idB\x15\n\x13_think_end_token_id\"\x16\n\x14GetServerLoadRequest\"\xe4\x01\n\nServerLoad\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\x05\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_tokens\x18\x03 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x0f\n\x07serving\x18\x08 \x01(\x08\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x03\n\tInference\x12\x45\n\x08Generate\x12\x1a.moejax.v1.GenerateRequest\x1a\x1b.moejax.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.moejax.v1.AbortRequest\x1a\x18.moejax.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.moejax.v1.GetModelInfoRequest\x1a\x14.moejax.v1.ModelInfo\x12G\n\rGetServerLoad\x12\x1f.moejax.v1.GetServerLoadRequest\x1a\x15.moejax.v1.ServerLoad\x12\x43\n\x08Tokenize\x12\x1a.moejax.v1.TokenizeRequest\x1a\x1b.moejax.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.moejax.v1.DetokenizeRequest\x1a\x1d.moejax.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moejax/v1/inference.proto\x12\tmoejax.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9c\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\r \x01(\x05H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobs\"Y\n\x12SpeculativeOptions\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x1d\n\x10max_draft_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x13\n\x11_max_draft_tokens\"\xca\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.moejax.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.moejax.v1.SamplingParams\x12\x32\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1d.moejax.v1.SpeculativeOptionsB\x08\n\x06prompt\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\x05\"]\n\x10SpeculativeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\"\x85\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12)\n\x1ctime_to_first_answer_token_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x1f\n\x1d_time_to_first_answer_token_s\"\xf0\x01\n\tFinalInfo\x12.\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x17.moejax.v1.FinishReason\x12\x12\n\x08stop_str\x18\x02 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x03 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.moejax.v1.Usage\x12\x30\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1b.moejax.v1.SpeculativeStats\x12#\n\x07timings\x18\x06 \x01(\x0b\x32\x12.moejax.v1.TimingsB\x0e\n\x0cmatched_stop\"\xcd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x16\n\x0ereasoning_text\x18\x04 \x01(\t\x12\x1c\n\x14num_reasoning_tokens\x18\x05 \x01(\x05\x12#\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x14.moejax.v1.FinalInfo\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.moejax.v1.TokenLogprob\"C\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\"\n\x03top\x18\x02 \x03(\x0b\x32\x15.moejax.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xdf\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x08 \x03(\t\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\x12\x11\n\tpage_size\x18\n \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\x05\x12!\n\x14think_start_token_id\x18\x0c \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x12think_end_token_id\x18\r \x01(\x05H\x01\x88\x01\x01\x42\x17\n\x15_think_start_token_idB\x15\n\x13_think_end_token_id\"\x16\n\x14GetServerLoadRequest\"\xe4\x01\n\nServerLoad\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\x05\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\x05\x12\x1a\n\x12num_waiting_tokens\x18\x03 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1b\n\x13prompt_tokens_per_s\x18\x05 \x01(\x01\x12\x1f\n\x17generation_tokens_per_s\x18\x06 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x12\x0f\n\x07serving\x18\x08 \x01(\x08\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xad\x03\n\tInference\x12\x45\n\x08Generate\x12\x1a.moejax.v1.GenerateRequest\x1a\x1b.moejax.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.moejax.v1.AbortRequest\x1a\x18.moejax.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.moejax.v1.GetModelInfoRequest\x1a\x14.moejax.v1.ModelInfo\x12G\n\rGetServerLoad\x12\x1f.moejax.v1.GetServerLoadRequest\x1a\x15.moejax.v1.ServerLoad\x12\x43\n\x08Tokenize\x12\x1a.moejax.v1.TokenizeRequest\x1a\x1b.moejax.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.moejax.v1.DetokenizeRequest\x1a\x1d.moejax.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moejax.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2373
-  _globals['_FINISHREASON']._serialized_end=2493
+  _globals['_FINISHREASON']._serialized_start=2534
+  _globals['_FINISHREASON']._serialized_end=2654
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_SAMPLINGPARAMS']._serialized_start=66
@@ -51,27 +51,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FINALINFO']._serialized_start=1116
   _globals['_FINALINFO']._serialized_end=1356
   _globals['_GENERATERESPONSE']._serialized_start=1359
-  _globals['_GENERATERESPONSE']._serialized_end=1521
-  _globals['_ABORTREQUEST']._serialized_start=1523
-  _globals['_ABORTREQUEST']._serialized_end=1557
-  _globals['_ABORTRESPONSE']._serialized_start=1559
-  _globals['_ABORTRESPONSE']._serialized_end=1591
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1593
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1614
-  _globals['_MODELINFO']._serialized_start=1617
-  _globals['_MODELINFO']._serialized_end=1968
-  _globals['_GETSERVERLOADREQUEST']._serialized_start=1970
-  _globals['_GETSERVERLOADREQUEST']._serialized_end=1992
-  _globals['_SERVERLOAD']._serialized_start=1995
-  _globals['_SERVERLOAD']._serialized_end=2223
-  _globals['_TOKENIZEREQUEST']._serialized_start=2225
-  _globals['_TOKENIZEREQUEST']._serialized_end=2256
-  _globals['_TOKENIZERESPONSE']._serialized_start=2258
-  _globals['_TOKENIZERESPONSE']._serialized_end=2295
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2297
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2335
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2337
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2371
-  _globals['_INFERENCE']._serialized_start=2496
-  _globals['_INFERENCE']._serialized_end=2925
+  _globals['_GENERATERESPONSE']._serialized_end=1564
+  _globals['_TOKENLOGPROB']._serialized_start=1566
+  _globals['_TOKENLOGPROB']._serialized_end=1633
+  _globals['_TOPLOGPROB']._serialized_start=1635
+  _globals['_TOPLOGPROB']._serialized_end=1682
+  _globals['_ABORTREQUEST']._serialized_start=1684
+  _globals['_ABORTREQUEST']._serialized_end=1718
+  _globals['_ABORTRESPONSE']._serialized_start=1720
+  _globals['_ABORTRESPONSE']._serialized_end=1752
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1754
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1775
+  _globals['_MODELINFO']._serialized_start=1778
+  _globals['_MODELINFO']._serialized_end=2129
+  _globals['_GETSERVERLOADREQUEST']._serialized_start=2131
+  _globals['_GETSERVERLOADREQUEST']._serialized_end=2153
+  _globals['_SERVERLOAD']._serialized_start=2156
+  _globals['_SERVERLOAD']._serialized_end=2384
+  _globals['_TOKENIZEREQUEST']._serialized_start=2386
+  _globals['_TOKENIZEREQUEST']._serialized_end=2417
+  _globals['_TOKENIZERESPONSE']._serialized_start=2419
+  _globals['_TOKENIZERESPONSE']._serialized_end=2456
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2458
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2496
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2498
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2532
+  _globals['_INFERENCE']._serialized_start=2657
+  _globals['_INFERENCE']._serialized_end=3086
 # @@protoc_insertion_point(module_scope)
