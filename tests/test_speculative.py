@@ -267,10 +267,13 @@ def test_engine_decode_loop_with_drafts_matches_plain(model, drafter):
   # The learned table starts empty; the second round drafts what the first one decoded.
   rounds = 2 if drafter == "learned" else 1
   accepted = [0]
+  per_request = 0
   for _ in range(rounds):
     got = eng.generate(PROMPTS, samp, StopParams(max_tokens=20))
     assert [r.output_ids for r in got] == [c.token_ids for c in plain]
     accepted.append(eng.counters["spec_accepted"])
+    per_request += sum(r.usage().spec_accepted_tokens for r in got)
+  assert per_request == eng.counters["spec_accepted"]  # usage attributes every accepted token
   if drafter == "learned":
     assert accepted[2] - accepted[1] > accepted[1]  # the second round drafts from the table
   c = eng.counters

@@ -400,6 +400,9 @@ class Engine:
       self.counters["spec_steps"] += int(spec.steps.sum())
       self.counters["spec_drafted"] += int(spec.draft_tokens.sum())
       self.counters["spec_accepted"] += int(spec.accepted_tokens.sum())
+      for i, req in enumerate(reqs):
+        for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
+          req.spec[j] += int(x[i])
     else:
       with self._on_mesh():
         out, counts, _, lps, self.cache = steps.decode_loop(

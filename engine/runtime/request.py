@@ -77,6 +77,9 @@ class Usage:
   prompt_tokens: int
   cached_tokens: int  # prompt tokens served from the prefix cache at admission
   completion_tokens: int
+  spec_drafts: int = 0  # speculative verification steps with a draft
+  spec_draft_tokens: int = 0
+  spec_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -97,6 +100,8 @@ class Request:
   num_cached_pages: int = 0  # leading pages already registered in the prefix cache
   cached_tokens: int | None = None
   num_preemptions: int = 0
+  # Speculative decoding: [steps with a draft, drafted tokens, accepted drafted tokens].
+  spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
   finish_reason: str | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))
@@ -128,7 +133,8 @@ class Request:
 
   def usage(self) -> Usage:
     return Usage(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens or 0,
-                 completion_tokens=len(self.output_ids))
+                 completion_tokens=len(self.output_ids), spec_drafts=self.spec[0],
+                 spec_draft_tokens=self.spec[1], spec_accepted_tokens=self.spec[2])
 
 
 @dataclasses.dataclass

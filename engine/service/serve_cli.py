@@ -51,6 +51,11 @@ flags.DEFINE_integer("max_decode_steps", 16, "Decode iterations per device loop.
 flags.DEFINE_string("compilation_cache_dir",
                     os.path.join(os.path.expanduser("~"), ".cache", "moejax", "jax_cache"),
                     "JAX persistent compilation cache: a restart loads, not recompiles ('' off).")
+flags.DEFINE_enum("speculative", "off", ["off", "ngram", "learned"], "Speculative decoding "
+                  "for decode-only steps: n-gram prompt lookup, or a table learned across "
+                  "requests (lossless; logprobs are refused while on).")
+flags.DEFINE_integer("num_draft_tokens", 4, "Draft tokens per step with --speculative.",
+                     lower_bound=1)
 flags.DEFINE_string("traffic_stats_path", None, "Histogram of step shapes: read at start to "
                     "choose the compiled buckets, written back at shutdown.")
 flags.DEFINE_string("api_keys_file", None, "File with one API key per line: clients must send "
@@ -137,7 +142,9 @@ def main(argv: list[str]) -> int:
         max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         max_model_len=FLAGS.max_model_len, max_decode_steps=FLAGS.max_decode_steps,
         compilation_cache_dir=FLAGS.compilation_cache_dir or None,
-        traffic_stats_path=FLAGS.traffic_stats_path))
+        traffic_stats_path=FLAGS.traffic_stats_path,
+        speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
+        num_draft_tokens=FLAGS.num_draft_tokens))
   except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
     raise SystemExit(f"error: {e}") from None
   asyncio.run(serve(eng, config, FLAGS.metrics_port))

@@ -187,7 +187,9 @@ def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
     final.usage.prompt_tokens = out.usage.prompt_tokens
     final.usage.cached_tokens = out.usage.cached_tokens
     final.usage.completion_tokens = out.usage.completion_tokens
-    final.speculative.SetInParent()  # zeros until speculation lands
+    final.speculative.num_drafts = out.usage.spec_drafts
+    final.speculative.num_draft_tokens = out.usage.spec_draft_tokens
+    final.speculative.num_accepted_tokens = out.usage.spec_accepted_tokens
     t = out.timings
     final.timings.queue_s = t.queue_s or 0.0
     final.timings.ttft_s = t.ttft_s or 0.0
