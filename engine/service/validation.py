@@ -168,7 +168,8 @@ def check_speculative(spec: Any) -> None:
     raise FieldError("speculative.max_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got "
                      f"{spec.max_draft_tokens}")
   if spec.drafter not in ("", "none"):
-    raise FieldError("speculative.drafter", "speculative decoding is not supported yet")
+    raise FieldError("speculative.drafter", "choosing a drafter per request is not supported "
+                     "yet (the server-wide --speculative applies to every request)")
 
 
 def parse_generate(request: "pb.GenerateRequest", tokenizer: Any,
