@@ -109,3 +109,27 @@ def test_expert_shards_sum_to_the_whole():
   parts = sum(moe_experts(x, w, ids, gate[s:s + 2], up[s:s + 2], down[s:s + 2], expert_offset=s)
               for s in range(0, e, 2))
   np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,offset", [(1, 0), (3, 0), (2, 4), (5, 2)])
+def test_gathered_decode_path_equals_dense_and_grouped(tokens, offset):
+  from pallas_kernels.moe import reference as ref
+  rng = np.random.default_rng(tokens + offset)
+  e_local, e_total, h, i, k = 8, 16, 24, 12, 3
+  x = jnp.asarray(rng.normal(size=(tokens, h)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.choice(e_total, k, replace=False) for _ in range(tokens)]),
+                    jnp.int32)
+  w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+  gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)
+                    for s in [(e_local, h, i), (e_local, h, i), (e_local, i, h)])
+  gathered = ref.moe_experts_gathered(x, w, ids, gate, up, down, expert_offset=offset)
+  dense = ref.moe_experts_dense(x, w, ids, gate, up, down, expert_offset=offset)
+  np.testing.assert_allclose(gathered, dense, rtol=1e-5, atol=1e-5)
+  # Past the dispatch threshold the grouped path runs; both agree on the same inputs.
+  xs, ws, idss = (jnp.tile(a, (4, 1)) for a in (x, w, ids))
+  assert idss.size > e_local
+  grouped = ref.moe_experts(xs, ws, idss, gate, up, down, expert_offset=offset)
+  np.testing.assert_allclose(grouped[:tokens], gathered, rtol=1e-5, atol=1e-5)
+  if tokens * k <= e_local:
+    np.testing.assert_allclose(ref.moe_experts(x, w, ids, gate, up, down, expert_offset=offset),
+                               gathered, rtol=0, atol=0)

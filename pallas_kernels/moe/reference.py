@@ -82,8 +82,11 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   """Weighted sum of the chosen experts' SwiGLU MLPs, over a local shard of experts.
 
   Token copies are sorted by expert and run as ragged groups (`lax.ragged_dot`), then combined
-  back in token order. Copies routed to experts outside [expert_offset, expert_offset + E_local)
-  contribute zero, so expert-parallel shards can sum their partial outputs.
+  back in token order. With fewer copies than local experts (decode), each copy instead gathers
+  its expert's weights (`moe_experts_gathered`): XLA lowers `ragged_dot` to a dense loop over
+  every expert, which at decode sizes reads all E experts' weights instead of the k chosen.
+  Copies routed to experts outside [expert_offset, expert_offset + E_local) contribute zero, so
+  expert-parallel shards can sum their partial outputs.
 
   Args:
     x: [T, H].
@@ -92,6 +95,9 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   Returns:
     [T, H] in x's dtype.
   """
+  if expert_ids.size <= w_gate.shape[0]:
+    return moe_experts_gathered(x, weights, expert_ids, w_gate, w_up, w_down,
+                                expert_offset=expert_offset)
   t, h = x.shape
   k = expert_ids.shape[1]
   e_local = w_gate.shape[0]
@@ -110,6 +116,22 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   y = y.astype(jnp.float32) * w[:, None]
   out = jnp.zeros((t, h), jnp.float32).at[token_of_copy].add(y)
   return out.astype(x.dtype)
+
+
+def moe_experts_gathered(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                         w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+                         expert_offset: int = 0) -> jax.Array:
+  """`moe_experts` for a few tokens: every token copy gathers its own expert's weights, so a
+  step reads only the chosen experts ([T, k, H, I] gathered; use when T * k <= E_local)."""
+  e_local = w_gate.shape[0]
+  local = expert_ids - expert_offset  # [T, k]
+  in_shard = (local >= 0) & (local < e_local)
+  idx = jnp.clip(local, 0, e_local - 1)
+  gate = jnp.einsum("th,tkhi->tki", x, w_gate[idx])
+  up = jnp.einsum("th,tkhi->tki", x, w_up[idx])
+  y = jnp.einsum("tki,tkih->tkh", jax.nn.silu(gate) * up, w_down[idx])  # [T, k, H]
+  w = jnp.where(in_shard, weights, 0.0)
+  return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), w).astype(x.dtype)
 
 
 def moe_experts_dense(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
