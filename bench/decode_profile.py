@@ -148,25 +148,28 @@ def copy_bandwidth(iters: int) -> float:
   return 2 * 2 * n / _median_time(lambda: f(a), iters)
 
 
-def host_overhead(cfg, params, batch: int, impl: KernelChoice) -> float:
-  """Per-token wall seconds of the Engine decoding `batch` requests one step per round trip."""
+def host_overhead(cfg, params, batch: int, context: int, impl: KernelChoice) -> float:
+  """Median wall seconds of the Engine's full-batch decode steps (one step per host round trip,
+  max_decode_steps=1) for `batch` requests of `context` prompt tokens."""
   from engine.runtime.engine import Engine, EngineConfig
   from engine.runtime.request import StopParams
   eng = Engine(cfg, params, EngineConfig(page_size=64, max_num_seqs=batch,
-                                         max_num_batched_tokens=max(64, batch),
-                                         row_widths=(64,), max_model_len=256,
-                                         max_decode_steps=1, kernels=impl))
-  prompts = [[1 + (i % 50), 5, 6, 7] for i in range(batch)]
-  eng.generate(prompts, stop=StopParams(max_tokens=4, ignore_eos=True))  # compile
+                                         max_num_batched_tokens=512, row_widths=(64,),
+                                         max_model_len=context + 192, max_decode_steps=1,
+                                         kernels=impl))
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, cfg.vocab_size, context).tolist() for _ in range(batch)]
+  eng.generate([p[:8] for p in prompts], stop=StopParams(max_tokens=4, ignore_eos=True))
   for p in prompts:
-    eng.add_request(p, stop=StopParams(max_tokens=34, ignore_eos=True))
-  eng.step()  # the prefill step
-  t = time.perf_counter()
-  n = 0
+    eng.add_request(p, stop=StopParams(max_tokens=160, ignore_eos=True))
+  samples = []
   while eng.has_unfinished():
+    loops = eng.counters["decode_loops"]
+    t = time.perf_counter()
     eng.step()
-    n += 1
-  return (time.perf_counter() - t) / max(n, 1)
+    if eng.counters["decode_loops"] > loops and len(eng.scheduler.running) == batch:
+      samples.append(time.perf_counter() - t)  # a full-batch decode step (not prefill)
+  return statistics.median(samples) if samples else float("nan")
 
 
 def main(argv):
@@ -191,7 +194,7 @@ def main(argv):
                floor_bytes=floor_bytes, floor_s=floor_bytes / bw,
                step_over_floor=t["step"] / (floor_bytes / bw))
     if FLAGS.host:
-      row["engine_step_s"] = host_overhead(cfg, params, b, impl)
+      row["engine_step_s"] = host_overhead(cfg, params, b, FLAGS.context, impl)
       row["host_s"] = row["engine_step_s"] - t["step"]
     rows.append(row)
   result = dict(model=FLAGS.model, config=cfg.display_name, platform=jax.default_backend(),

@@ -127,9 +127,9 @@ def test_gathered_decode_path_equals_dense_and_grouped(tokens, offset):
   np.testing.assert_allclose(gathered, dense, rtol=1e-5, atol=1e-5)
   # Past the dispatch threshold the grouped path runs; both agree on the same inputs.
   xs, ws, idss = (jnp.tile(a, (4, 1)) for a in (x, w, ids))
-  assert idss.size > e_local
+  assert not ref._gather_pays(idss.size, gate)
   grouped = ref.moe_experts(xs, ws, idss, gate, up, down, expert_offset=offset)
   np.testing.assert_allclose(grouped[:tokens], gathered, rtol=1e-5, atol=1e-5)
-  if tokens * k <= e_local:
+  if ref._gather_pays(tokens * k, gate):
     np.testing.assert_allclose(ref.moe_experts(x, w, ids, gate, up, down, expert_offset=offset),
                                gathered, rtol=0, atol=0)
