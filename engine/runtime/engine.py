@@ -510,14 +510,18 @@ class Engine:
   def generate(self, prompts: Sequence[str | Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                stop: StopParams | Sequence[StopParams] = StopParams()) -> list[Request]:
-    """Runs a batch of prompts to completion through the scheduler; returns finished requests."""
+    """Runs a batch of prompts to completion through the scheduler; returns the finished
+    requests (and forgets them: `Engine.requests` keeps only what streaming callers release)."""
     n = len(prompts)
     samp = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
     stops = [stop] * n if isinstance(stop, StopParams) else list(stop)
     ids = [self.add_request(p, s, t) for p, s, t in zip(prompts, samp, stops)]
     for _ in self.run():
       pass
-    return [self.requests[i] for i in ids]
+    done = [self.requests[i] for i in ids]
+    for i in ids:
+      self.release(i)  # the caller holds the results; the engine need not
+    return done
 
   def warmup(self, progress=None) -> int:
     """Compiles every bucket (mixed shapes, then decode-loop batch sizes); returns the count.
