@@ -137,3 +137,9 @@ def test_buckets_cover_every_step_and_follow_traffic():
   tuned = derive_buckets(cfg, row_widths=(16, 64), stats=stats)
   assert 32 in [w for w, _ in tuned.mixed]  # 30-token chunks fit one row
   assert 3 in tuned.decode and 6 in tuned.decode and tuned.decode[-1] == 8
+
+
+def test_page_keys_extend_from_known_keys():
+  tokens = list(range(40))
+  assert page_keys(tokens, 4, "s", known=page_keys(tokens[:12], 4, "s")) == page_keys(tokens, 4,
+                                                                                    "s")

@@ -328,14 +328,9 @@ class Engine:
 
   @staticmethod
   def _sampling_arrays(reqs: Sequence[Request | None]) -> SamplingArrays:
+    """Per-row sampling parameters; padding rows (None) sample greedily."""
     default = SamplingParams()
-    ps = [r.sampling if r is not None else default for r in reqs]
-    return SamplingArrays(
-        temperature=np.asarray([p.temperature for p in ps], np.float32),
-        top_k=np.asarray([p.top_k for p in ps], np.int32),
-        top_p=np.asarray([p.top_p for p in ps], np.float32),
-        min_p=np.asarray([p.min_p for p in ps], np.float32),
-        seed=np.asarray([p.seed for p in ps], np.uint32))
+    return SamplingArrays.from_params([r.sampling if r is not None else default for r in reqs])
 
   def _run_model_step(self, plan: SchedulerOutput) -> None:
     b, w = self.buckets.pack([s.num_tokens for s in plan.segments])
@@ -440,7 +435,9 @@ class Engine:
   def _append(self, req: Request, new_ids: list[int],
               logprobs: list[TokenLogprob | None] | None = None) -> str | None:
     """Appends sampled tokens, applying the stop rules in order; returns the finish reason if
-    one fired. Tokens after a stop are dropped (the device loop may run past a stop string)."""
+    one fired. Tokens after a stop are dropped (the device loop may run past a stop string).
+    The text is decoded once per call, or per token only while stop strings are watched."""
+    reason, text_upto = None, None
     for i, tok in enumerate(new_ids):
       if req.timings.first_token is None:
         req.timings.first_token = time.monotonic()
@@ -450,20 +447,23 @@ class Engine:
       self.counters["generation_tokens"] += 1
       n = len(req.output_ids)
       if tok in req.stop_ids and n >= req.stop.min_tokens:
-        req.stop_reason = tok
-        return FINISH_STOP
-      if self._stop_string_hit(req):
-        return FINISH_STOP
+        req.stop_reason, reason, text_upto = tok, FINISH_STOP, n - 1  # its text is not output
+        break
+      if req.stop.stop and self._stop_string_hit(req):
+        return FINISH_STOP  # req.text is already cut at the stop string
       if n >= req.stop.max_tokens or req.num_tokens >= self.sched_config.max_model_len:
-        return FINISH_LENGTH
-    return None
+        reason = FINISH_LENGTH
+        break
+    if self.tokenizer is not None and new_ids:
+      req.text = self.tokenizer.decode(req.output_ids[:text_upto], skip_special_tokens=True)
+    return reason
 
   def _stop_string_hit(self, req: Request) -> bool:
     if self.tokenizer is None:
       return False
     text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
     req.text = text
-    if not req.stop.stop or len(req.output_ids) < req.stop.min_tokens:
+    if len(req.output_ids) < req.stop.min_tokens:
       return False
     longest = max(len(s) for s in req.stop.stop)
     window_start = max(0, req.num_sent_chars - longest)

@@ -26,14 +26,17 @@ class OutOfPages(Exception):
   """Raised by `allocate` when the pool cannot supply the pages asked for."""
 
 
-def page_keys(tokens: Sequence[int], page_size: int, salt: Hashable = None) -> list[int]:
+def page_keys(tokens: Sequence[int], page_size: int, salt: Hashable = None,
+              known: Sequence[int] = ()) -> list[int]:
   """Prefix keys of every full page of `tokens` (a key covers all tokens up to its page end).
 
   `salt` separates key spaces (e.g. different models or LoRA adapters sharing a pool).
+  `known`: keys already computed for the leading pages of the same tokens; only the pages
+  after them are hashed.
   """
-  keys = []
-  parent: Hashable = ("moejax-prefix", salt)
-  for i in range(len(tokens) // page_size):
+  keys = list(known)
+  parent: Hashable = keys[-1] if keys else ("moejax-prefix", salt)
+  for i in range(len(keys), len(tokens) // page_size):
     parent = hash((parent, tuple(tokens[i * page_size:(i + 1) * page_size])))
     keys.append(parent)
   return keys

@@ -64,12 +64,14 @@ class SamplingArrays:
   def from_params(params: Sequence[SamplingParams]) -> "SamplingArrays":
     for p in params:
       p.validate()
+    # Host arrays: a jitted call transfers them with its other arguments (no compile, no
+    # separate dispatch per field).
     return SamplingArrays(
-        temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-        top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-        top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-        min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
-        seed=jnp.asarray([p.seed for p in params], jnp.uint32),
+        temperature=np.asarray([p.temperature for p in params], np.float32),
+        top_k=np.asarray([p.top_k for p in params], np.int32),
+        top_p=np.asarray([p.top_p for p in params], np.float32),
+        min_p=np.asarray([p.min_p for p in params], np.float32),
+        seed=np.asarray([p.seed for p in params], np.uint32),
     )
 
 

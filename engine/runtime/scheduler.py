@@ -169,10 +169,9 @@ class Scheduler:
     """Advances `req` to `num_computed` cached tokens and publishes its new full pages."""
     req.num_computed = num_computed
     full = min(num_computed, req.num_tokens) // self.pool.page_size
-    if full > len(req.page_keys):
-      # Keys chain over the known tokens; recompute from the start only for the new pages.
+    if full > len(req.page_keys):  # hash only the newly full pages, chained on the last key
       req.page_keys = page_keys(req.all_ids[:full * self.pool.page_size], self.pool.page_size,
-                                self.prefix_salt)
+                                self.prefix_salt, known=req.page_keys)
     for j in range(req.num_cached_pages, full):
       self.pool.cache_page(req.pages[j], req.page_keys[j])
     req.num_cached_pages = max(req.num_cached_pages, full)

@@ -36,7 +36,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import permute as permute_lib
-from pallas_kernels.moe.reference import swiglu_mlp
 
 # WGMMA's M: one warpgroup computes 64 rows (here: 64 weight columns) per instruction.
 _WEIGHT_TILE = 64
@@ -143,14 +142,8 @@ def decode_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
   return jnp.where(used, y_t, 0).transpose(0, 2, 1).reshape(slots * nt, -1)
 
 
-def decode_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
-                            w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                            block_tokens: int) -> jax.Array:
-  """Plain JAX of `decode_swiglu`."""
-  slots = xs.reshape(-1, block_tokens, xs.shape[1])
-  ys = jax.vmap(lambda x, e: swiglu_mlp(x, w_gate[e], w_up[e], w_down[e]))(slots, slot_expert)
-  used = jnp.arange(slots.shape[0]) < num_slots[0]
-  return jnp.where(used[:, None, None], ys, 0).reshape(xs.shape).astype(xs.dtype)
+# Plain JAX of `decode_swiglu` (slots of block_tokens rows).
+decode_swiglu_reference = permute_lib.tiled_swiglu_reference
 
 
 def moe_experts_decode(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,

@@ -44,7 +44,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import permute as permute_lib
-from pallas_kernels.moe.reference import swiglu_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,14 +144,8 @@ def grouped_swiglu(xs: jax.Array, tile_expert: jax.Array, num_tiles: jax.Array,
   return _grouped_matmul(h, (w_down,), tile_expert, num_tiles, cfg, xs.dtype)
 
 
-def grouped_swiglu_reference(xs: jax.Array, tile_expert: jax.Array, num_tiles: jax.Array,
-                             w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                             block_m: int) -> jax.Array:
-  """Plain JAX of `grouped_swiglu`: each used tile through its expert's MLP; unused rows 0."""
-  tiles = xs.reshape(-1, block_m, xs.shape[1])
-  ys = jax.vmap(lambda x, e: swiglu_mlp(x, w_gate[e], w_up[e], w_down[e]))(tiles, tile_expert)
-  used = jnp.arange(tiles.shape[0]) < num_tiles[0]
-  return jnp.where(used[:, None, None], ys, 0).reshape(xs.shape).astype(xs.dtype)
+# Plain JAX of `grouped_swiglu` (tiles of block_m rows).
+grouped_swiglu_reference = permute_lib.tiled_swiglu_reference
 
 
 def moe_experts_grouped(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,

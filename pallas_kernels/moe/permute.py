@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.reference import swiglu_mlp
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -133,3 +135,14 @@ def moe_experts_permuted(x: jax.Array, weights: jax.Array, expert_ids: jax.Array
   up = jax.lax.ragged_dot(xs, w_up, perm.group_sizes)
   ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, perm.group_sizes)
   return combine(ys, perm, weights, x.dtype)
+
+
+def tiled_swiglu_reference(xs: jax.Array, tile_expert: jax.Array, num_tiles: jax.Array,
+                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                           block_rows: int) -> jax.Array:
+  """Plain JAX of the tiled expert kernels (grouped and decode): each used tile of
+  `block_rows` permuted rows through its expert's SwiGLU MLP; rows of unused tiles are 0."""
+  tiles = xs.reshape(-1, block_rows, xs.shape[1])
+  ys = jax.vmap(lambda x, e: swiglu_mlp(x, w_gate[e], w_up[e], w_down[e]))(tiles, tile_expert)
+  used = jnp.arange(tiles.shape[0]) < num_tiles[0]
+  return jnp.where(used[:, None, None], ys, 0).reshape(xs.shape).astype(xs.dtype)
