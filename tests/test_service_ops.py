@@ -1,0 +1,239 @@
+"""The gRPC service end to end, operations: warm-up/drain/health/reflection, API keys, TLS,
+per-request INTERNAL, metrics, reasoning split, the command lines (harness:
+`service_harness.py`)."""
+
+from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
+
+
+def test_warmup_drain_health_and_reflection(serve, eng, monkeypatch):
+  warm_gate = threading.Event()
+  monkeypatch.setattr(eng, "warmup", lambda: warm_gate.wait() and 0)
+  bg = serve(warmup=True, wait_ready=False, drain_timeout_s=30)
+  wait_until(lambda: bg.port, what="bind")
+  with InferenceClient(target(bg)) as client:
+    wait_until(lambda: status_of(client.health)[0] == grpc.StatusCode.OK, what="health")
+    assert client.health() == "NOT_SERVING"
+    code, details = status_of(lambda: client.generate(PROMPT))
+    assert code == grpc.StatusCode.UNAVAILABLE and "warming up" in details
+    warm_gate.set()
+    bg.starting.result(30)
+    assert client.health() == "SERVING"
+    services = ProtoReflectionDescriptorDatabase(client.channel).get_services()
+    assert "moejax.v1.Inference" in services and "grpc.health.v1.Health" in services
+    with gated_engine(monkeypatch, eng) as step_gate:
+      in_flight = client.stream(PROMPT, max_tokens=12, ignore_eos=True)
+      wait_until(lambda: eng.queue_load().requests == 1, what="admission")
+      drained = asyncio.run_coroutine_threadsafe(bg.server.drain(), bg.loop)
+      wait_until(lambda: client.health() == "NOT_SERVING", what="NOT_SERVING")
+      code, details = status_of(lambda: client.generate(PROMPT))
+      assert code == grpc.StatusCode.UNAVAILABLE and "draining" in details
+      step_gate.set()
+      chunks = list(in_flight)  # the in-flight request finishes normally
+      assert chunks[-1].final.finish_reason == 2
+      drained.result(30)
+    assert bg.server.state == "stopped"
+
+
+def test_drain_timeout_ends_late_streams_unavailable(serve, eng, monkeypatch):
+  bg = serve(drain_timeout_s=0.3)
+  step = eng.step
+  monkeypatch.setattr(eng, "step", lambda: (time.sleep(0.05), step())[1])
+  with InferenceClient(target(bg)) as client:
+    stream = client.stream(PROMPT, max_tokens=100, ignore_eos=True)
+    next(stream)
+    t0 = time.monotonic()
+    bg.call(bg.server.drain())
+    assert time.monotonic() - t0 < 5
+    code, details = status_of(lambda: list(stream))
+    assert code == grpc.StatusCode.UNAVAILABLE and "shut down" in details
+
+
+def test_api_keys(serve, eng, tmp_path):
+  keys_file = tmp_path / "keys"
+  keys_file.write_text("# serving keys\nsecret-1\n\nsecret-2\n")
+  keys = read_api_keys(str(keys_file))
+  assert keys == {"secret-1", "secret-2"}
+  bg = serve(api_keys=keys)
+  for key in (None, "wrong", "secret-1x", "secret"):
+    with InferenceClient(target(bg), api_key=key) as client:
+      code, _ = status_of(lambda: client.generate(PROMPT, max_tokens=2))
+      assert code == grpc.StatusCode.UNAUTHENTICATED
+      assert status_of(client.model_info)[0] == grpc.StatusCode.UNAUTHENTICATED
+      assert client.health() == "SERVING"  # probes need no key
+  with InferenceClient(target(bg), api_key="secret-2") as client:
+    assert client.generate(PROMPT, max_tokens=2).completion_tokens == 2
+  empty = tmp_path / "empty"
+  empty.write_text("# nothing\n")
+  with pytest.raises(ValueError, match="api_keys_file"):
+    read_api_keys(str(empty))
+
+
+def test_internal_errors_fail_only_their_request(serve, eng, monkeypatch):
+  bg = serve()
+  convert = server_module.response_from_output
+
+  def flaky(out, *args):
+    if out.request_id == "boom" and out.new_token_ids:
+      raise RuntimeError("injected")
+    return convert(out, *args)
+
+  monkeypatch.setattr(server_module, "response_from_output", flaky)
+
+  async def run():
+    async with AsyncInferenceClient(target(bg)) as client:
+      async def boom():
+        try:
+          await client.generate(PROMPT, request_id="boom", max_tokens=30)
+        except grpc.aio.AioRpcError as e:
+          return e.code(), e.details()
+      return await asyncio.gather(boom(), client.generate(PROMPT, max_tokens=30,
+                                                          ignore_eos=True))
+
+  (code, details), ok = asyncio.run(run())
+  assert code == grpc.StatusCode.INTERNAL and "boom" in details
+  assert ok.completion_tokens == 30
+  # A failing engine step fails the requests in flight, and the server carries on.
+  step, failed = eng.step, []
+
+  def failing_step():
+    if not failed:
+      failed.append(1)
+      raise RuntimeError("device lost")
+    return step()
+
+  monkeypatch.setattr(eng, "step", failing_step)
+  with InferenceClient(target(bg)) as client:
+    code, details = status_of(lambda: client.generate(PROMPT, max_tokens=4))
+    assert code == grpc.StatusCode.INTERNAL and "device lost" in details
+    assert client.generate(PROMPT, max_tokens=4).completion_tokens == 4
+    assert client.health() == "SERVING"
+
+
+# ---- metrics and reasoning ---------------------------------------------------------------------
+
+
+def test_metrics_endpoint(serve, eng):
+  bg = serve(metrics_port=0)
+  hits = eng.pool.prefix_hits
+  with InferenceClient(target(bg)) as client:
+    for _ in range(2):  # the second run finds the first's full page (16 tokens) cached
+      client.generate(list(range(100, 120)), max_tokens=8, ignore_eos=True)
+  url = f"http://127.0.0.1:{bg.server.metrics_port}/metrics"
+  text = urllib.request.urlopen(url, timeout=10).read().decode()
+  for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+               "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+               "prefix_cache_queries_total", "prefix_cache_hits_total",
+               "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count",
+               "e2e_request_latency_seconds_sum", "request_queue_time_seconds_count",
+               "spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total"):
+    assert f"moejax:{name}" in text, name
+  assert 'moejax:request_success_total{finished_reason="length"} 2.0' in text
+  assert "moejax:e2e_request_latency_seconds_count 2.0" in text
+  assert "running=0 waiting=0" in bg.server.stats_line()
+  assert eng.pool.prefix_hits - hits == 1
+  assert f"moejax:prefix_cache_hits_total {16.0 * eng.pool.prefix_hits}" in text  # tokens
+
+
+def test_reasoning_parser_splits_deltas(serve, eng, demo):
+  free = eng.generate([PROMPT], stop=StopParams(max_tokens=24, ignore_eos=True))[0].output_ids
+  end = next(i for i in range(4, len(free)) if free[i] not in free[:i])
+  bg = serve(reasoning=ReasoningConfig(think_start_token_id=8191, think_end_token_id=free[end],
+                                       starts_in_reasoning=True))
+  with InferenceClient(target(bg)) as client:
+    chunks = list(client.stream(PROMPT, max_tokens=24, ignore_eos=True))
+    info = client.model_info()
+  assert info.think_end_token_id == free[end]
+  assert [t for c in chunks for t in c.token_ids] == free
+  assert sum(c.num_reasoning_tokens for c in chunks) == end + 1
+  reasoning = "".join(c.reasoning_text for c in chunks)
+  answer = "".join(c.text for c in chunks)
+  assert reasoning and answer and reasoning + answer == demo.decode(free)
+  timings = chunks[-1].final.timings
+  assert 0 < timings.time_to_first_answer_token_s <= timings.e2e_s
+
+
+# ---- command-line client and benchmark -----------------------------------------------------------
+
+
+def _run_module(*args):
+  return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_client_and_bench_command_lines(serve, eng):
+  want = eng.generate([PROMPT], stop=StopParams(max_tokens=12, ignore_eos=True))[0]
+  bg = serve()
+  done = _run_module("engine.client", f"--target={target(bg)}", f"--prompt={PROMPT}",
+                     "--max_tokens=12", "--ignore_eos", "--json")
+  assert done.returncode == 0, done.stderr
+  out = json.loads(done.stdout.strip().splitlines()[-1])
+  assert out["token_ids"] == want.output_ids and out["text"] == want.text
+  assert out["finish_reason"] == "length"
+  bad = _run_module("engine.client", f"--target={target(bg)}", "--prompt_ids=1,99999")
+  assert bad.returncode == 1 and "INVALID_ARGUMENT: token_ids.ids" in bad.stderr
+  bench = _run_module("engine.bench", f"--target={target(bg)}", "--num_prompts=6",
+                      "--concurrency=3", "--dataset=shared_prefix", "--output_len=8",
+                      "--input_len=16", "--prefix_len=32", "--num_prefixes=1")
+  assert bench.returncode == 0, bench.stderr
+  summary = json.loads(bench.stdout.strip().splitlines()[-1])
+  assert summary["completed"] == 6 and summary["failed"] == 0
+  assert summary["prefix_cache_hit_rate"] > 0 and summary["ttft_ms"]["p50"] > 0
+  assert "TTFT" in bench.stdout and "requests/s" in bench.stdout
+
+
+def test_bench_datasets(serve, eng):
+  bg = serve()
+  for name in ("random", "multi_turn"):
+    convs = bench.make_dataset(name, 8, vocab_size=8192, max_model_len=128, input_len=16,
+                               output_len=8, num_turns=4, seed=1)
+    assert sum(len(c.turns) for c in convs) == 8
+    results, duration = asyncio.run(bench.run_benchmark(target(bg), convs, concurrency=4,
+                                                        request_rate=200.0, seed=1))
+    summary = bench.summarize(results, duration)
+    assert summary["completed"] == 8 and summary["output_tokens"] > 8
+    assert summary["e2el_ms"]["max"] >= summary["ttft_ms"]["max"] > 0
+    if name == "multi_turn":  # follow-up turns reuse the conversation's cached pages
+      assert summary["prefix_cache_hit_rate"] > 0.2
+    assert "E2EL" in bench.format_table(summary)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
+def test_tls(serve, tmp_path):
+  key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                  str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                  "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                 check=True, capture_output=True)
+  bg = serve(tls_cert=str(cert), tls_key=str(key))
+  with InferenceClient(f"localhost:{bg.port}", root_certificates=cert.read_bytes()) as client:
+    assert client.generate(PROMPT, max_tokens=3).completion_tokens == 3
+  with InferenceClient(target(bg), timeout=5) as plaintext:
+    assert status_of(lambda: plaintext.generate(PROMPT))[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_serve_command_line_starts_serves_and_drains_on_sigterm():
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "engine.serve", "--port=0", "--host=127.0.0.1",
+       "--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=64",
+       "--max_decode_steps=2", "--drain_timeout_s=5"],
+      cwd=REPO, stderr=subprocess.PIPE, text=True)
+  try:
+    lines = []
+    for line in proc.stderr:
+      lines.append(line)
+      if "ready:" in line:
+        break
+    ready = [l for l in lines if "ready:" in l]
+    assert ready, "".join(lines)
+    port = int(ready[0].split("127.0.0.1:")[1].split()[0])
+    assert any("binding" in l for l in lines)
+    with InferenceClient(f"127.0.0.1:{port}") as client:
+      assert client.health() == "SERVING"
+      assert client.model_info().model_name == "target"
+      assert client.generate(PROMPT, max_tokens=4).completion_tokens == 4
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=30) == 0 and "stopped" in rest
+  finally:
+    if proc.poll() is None:
+      proc.kill()
