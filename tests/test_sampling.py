@@ -92,3 +92,72 @@ def test_rows_mix_greedy_and_sampling():
 def test_invalid_params_are_named(kw, field):
   with pytest.raises(ValueError, match=field):
     SamplingParams(**kw).validate()
+
+
+# ---- the candidate prefilter (vocabularies larger than PREFILTER_CANDIDATES) ----
+
+from engine.runtime.sampling import PREFILTER_CANDIDATES, candidate_logits  # noqa: E402
+
+
+def _peaked_logits(rng, rows, vocab, scale):
+  return jnp.asarray(rng.standard_normal((rows, vocab)) * scale, jnp.float32)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=50), dict(top_k=PREFILTER_CANDIDATES),
+                                dict(top_p=0.9), dict(top_p=0.5, top_k=5000),
+                                dict(min_p=0.05), dict(top_k=2000, min_p=0.3),
+                                dict(top_k=500, top_p=0.9, temperature=0.5)])
+def test_candidates_keep_exactly_what_the_full_sort_keeps(kw):
+  rng = np.random.default_rng(3)
+  vocab = 5000
+  logits = _peaked_logits(rng, 6, vocab, 4.0)
+  s = SamplingArrays.from_params([SamplingParams(**{"temperature": 1.0, **kw}, seed=i)
+                                  for i in range(6)])
+  full_masked, order = transformed_logits(logits, s)
+  masked, ids, exact = candidate_logits(logits, s)
+  assert np.asarray(exact).all(), kw
+  for r in range(6):
+    want = set(np.asarray(order[r])[np.isfinite(np.asarray(full_masked[r]))].tolist())
+    got = set(np.asarray(ids[r])[np.isfinite(np.asarray(masked[r]))].tolist())
+    assert got == want and 0 < len(got) <= PREFILTER_CANDIDATES
+
+
+def test_candidates_not_exact_when_kept_tokens_may_lie_outside():
+  flat = jnp.zeros((4, 5000), jnp.float32)  # every token equally likely: nothing is cut early
+  s = SamplingArrays.from_params([SamplingParams(temperature=1.0),
+                                  SamplingParams(temperature=1.0, top_p=0.5),
+                                  SamplingParams(temperature=1.0, top_k=3000, top_p=0.9),
+                                  SamplingParams(temperature=1.0, top_k=10)])
+  assert np.asarray(candidate_logits(flat, s)[2]).tolist() == [False, False, False, True]
+
+
+def test_sampled_token_independent_of_batch_company_forcing_the_full_sort():
+  rng = np.random.default_rng(5)
+  logits = _peaked_logits(rng, 3, 5000, 4.0)
+  rows = [SamplingParams(temperature=0.8, top_p=0.9, seed=11),
+          SamplingParams(temperature=1.0, top_k=40, seed=12),
+          SamplingParams(temperature=1.0, seed=13)]  # no truncation: needs the full sort
+  pos = jnp.asarray([7, 8, 9], jnp.int32)
+  together = np.asarray(sample(logits, SamplingArrays.from_params(rows), pos))
+  assert not bool(candidate_logits(logits, SamplingArrays.from_params(rows))[2][2])
+  for i in range(2):  # alone, rows 0 and 1 take the candidate path
+    alone = sample(logits[i:i + 1], SamplingArrays.from_params(rows[i:i + 1]), pos[i:i + 1])
+    assert int(alone[0]) == together[i]
+
+
+def test_prefiltered_samples_follow_the_nucleus_distribution():
+  rng = np.random.default_rng(9)
+  vocab, n = 3000, 3000
+  base = np.asarray(_peaked_logits(rng, 1, vocab, 3.0))[0]
+  s_one = SamplingArrays.from_params([SamplingParams(temperature=1.0, top_p=0.8)])
+  masked, ids, exact = candidate_logits(jnp.asarray(base[None]), s_one)
+  assert bool(exact[0])
+  kept = np.asarray(ids[0])[np.isfinite(np.asarray(masked[0]))]
+  want = np.exp(base[kept] - base[kept].max())
+  want /= want.sum()
+  s = SamplingArrays.from_params([SamplingParams(temperature=1.0, top_p=0.8, seed=i)
+                                  for i in range(n)])
+  got = np.asarray(sample(jnp.asarray(np.tile(base, (n, 1))), s, jnp.zeros(n, jnp.int32)))
+  assert set(got.tolist()) <= set(kept.tolist())
+  freq = np.array([(got == t).sum() for t in kept]) / n
+  assert 0.5 * np.abs(freq - want).sum() < 0.06  # total variation

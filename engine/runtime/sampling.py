@@ -20,6 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20  # top alternatives per token the serving programs compute (static shape)
+# Sampled rows choose among their top PREFILTER_CANDIDATES tokens (lax.top_k) instead of sorting
+# the whole vocabulary (160k for Kimi) whenever that is exact; see `over_kept_tokens`.
+PREFILTER_CANDIDATES = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,25 +78,81 @@ class SamplingArrays:
     )
 
 
+def _scaled(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+  temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
+  return logits.astype(jnp.float32) / temp[:, None]
+
+
+def _keep_sorted(xs: jax.Array, s: SamplingArrays, log_z: jax.Array | None
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Which of `xs` [B, M] (scaled logits, descending) survive top-k, top-p and min-p.
+
+  log_z: None when `xs` is the whole vocabulary; otherwise xs is its top M and log_z [B] the
+  full vocabulary's logsumexp, the normaliser of rows without top-k (rows with
+  0 < top_k <= M renormalise over their top k, all of which are in xs).
+  Returns (keep [B, M] bool, probabilities after top-k [B, M]).
+  """
+  m = xs.shape[-1]
+  rank = jnp.arange(m, dtype=jnp.int32)[None, :]
+  keep = (s.top_k[:, None] <= 0) | (rank < s.top_k[:, None])
+  xk = jnp.where(keep, xs, -jnp.inf)
+  lz = jax.nn.logsumexp(xk, axis=-1)
+  if log_z is not None:
+    lz = jnp.where((s.top_k > 0) & (s.top_k <= m), lz, log_z)
+  probs = jnp.exp(xk - lz[:, None])
+  before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
+  keep = keep & ((before < s.top_p[:, None]) | (s.top_p[:, None] >= 1.0) | (rank == 0))
+  keep = keep & (probs >= s.min_p[:, None] * probs[:, :1])
+  return keep, probs
+
+
 def transformed_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array, jax.Array]:
-  """Applies temperature/top-k/top-p/min-p. logits [B, V] float32.
+  """Applies temperature/top-k/top-p/min-p over the whole vocabulary. logits [B, V] float32.
 
   Returns (masked logits sorted in descending order [B, V], vocabulary ids of that order [B, V]);
   masked entries are -inf. Greedy rows are treated as temperature 1 here (callers take argmax).
   """
-  v = logits.shape[-1]
-  temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-  x = logits.astype(jnp.float32) / temp[:, None]
+  x = _scaled(logits, s)
   order = jnp.argsort(-x, axis=-1)
   xs = jnp.take_along_axis(x, order, axis=-1)
-  rank = jnp.arange(v, dtype=jnp.int32)[None, :]
-  keep = (s.top_k[:, None] <= 0) | (rank < s.top_k[:, None])
-  xs = jnp.where(keep, xs, -jnp.inf)
-  probs = jax.nn.softmax(xs, axis=-1)
-  before = jnp.cumsum(probs, axis=-1) - probs  # probability mass ranked above each token
-  keep = keep & ((before < s.top_p[:, None]) | (rank == 0))
-  keep = keep & (probs >= s.min_p[:, None] * probs[:, :1])
+  keep, _ = _keep_sorted(xs, s, None)
   return jnp.where(keep, xs, -jnp.inf), order
+
+
+def candidate_logits(logits: jax.Array, s: SamplingArrays, num: int = PREFILTER_CANDIDATES
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`transformed_logits` restricted to each row's `num` most likely tokens (no full sort).
+
+  Returns (masked [B, num], ids [B, num], exact [B] bool). A row is exact when every token the
+  full transform keeps is among its candidates: top_k in [1, num]; or the candidates already
+  hold top_p of the probability mass; or the num-th candidate falls below min_p of the best.
+  """
+  x = _scaled(logits, s)
+  xs, ids = jax.lax.top_k(x, num)
+  keep, probs = _keep_sorted(xs, s, jax.nn.logsumexp(x, axis=-1))
+  top_k_inside = (s.top_k > 0) & (s.top_k <= num)
+  normalised = (s.top_k <= 0) | (s.top_k >= x.shape[-1])  # probs are of the full vocabulary
+  nucleus_inside = normalised & (jnp.sum(probs, axis=-1) >= s.top_p)
+  # Later tokens are no more likely than the num-th, so min-p drops them all (a ratio: any
+  # normalisation will do, but top-p must be off for rows whose normaliser is unknown).
+  min_p_cut = (probs[:, -1] < s.min_p * probs[:, 0]) & (normalised | (s.top_p >= 1.0))
+  exact = top_k_inside | nucleus_inside | min_p_cut
+  return jnp.where(keep, xs, -jnp.inf), ids.astype(jnp.int32), exact
+
+
+def over_kept_tokens(logits: jax.Array, s: SamplingArrays, fn):
+  """fn(masked [B, M], ids [B, M]) on the kept tokens of every row, M <= V.
+
+  From `candidate_logits` when that is exact for every sampled row (the usual case: top-k,
+  top-p or min-p leave far fewer than PREFILTER_CANDIDATES tokens), else from the full sort.
+  `fn` must give the same answer for both (it sees the same kept tokens either way).
+  """
+  if logits.shape[-1] <= PREFILTER_CANDIDATES:
+    return fn(*transformed_logits(logits, s))
+  masked, ids, exact = candidate_logits(logits, s)
+  return jax.lax.cond(jnp.all(exact | (s.temperature <= 0)),
+                      lambda _: fn(masked, ids),
+                      lambda _: fn(*transformed_logits(logits, s)), None)
 
 
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
@@ -102,12 +161,20 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
   def stochastic(_):
-    masked, order = transformed_logits(logits, s)
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
         s.seed, positions.astype(jnp.uint32))
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
-    picked = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(s.temperature > 0, picked, greedy)
+
+    def pick(masked, ids):
+      # Gumbel-max with noise drawn per (row key, vocabulary id): the same token whether it
+      # is chosen among the candidates or over the fully sorted vocabulary, and only the
+      # tokens considered cost a random draw.
+      noise = jax.vmap(lambda k, row: jax.vmap(
+          lambda i: jax.random.gumbel(jax.random.fold_in(k, i)))(row))(keys, ids)
+      score = masked + noise
+      best = jnp.argmax(score, axis=-1)[:, None]
+      return jnp.take_along_axis(ids, best, axis=-1)[:, 0].astype(jnp.int32)
+
+    return jnp.where(s.temperature > 0, over_kept_tokens(logits, s, pick), greedy)
 
   return jax.lax.cond(jnp.any(s.temperature > 0), stochastic, lambda _: greedy, None)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.runtime.sampling import SamplingArrays, sample, transformed_logits
+from engine.runtime.sampling import SamplingArrays, over_kept_tokens, sample
 
 # fold_in tags under the (seed, position) key: one independent stream per use.
 STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_DRAFT = 1, 2, 3
@@ -49,10 +49,12 @@ def repeat_rows(s: SamplingArrays, n: int) -> SamplingArrays:
 
 def sampling_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
   """Probabilities after the row's transforms, in vocabulary order. logits [N, V] -> [N, V]."""
-  masked, order = transformed_logits(logits, s)
-  probs_sorted = jax.nn.softmax(masked, axis=-1)
   rows = jnp.arange(logits.shape[0])[:, None]
-  return jnp.zeros_like(probs_sorted).at[rows, order].set(probs_sorted)
+
+  def scatter(masked, ids):
+    return jnp.zeros(logits.shape, jnp.float32).at[rows, ids].set(jax.nn.softmax(masked, -1))
+
+  return over_kept_tokens(logits, s, scatter)
 
 
 def block_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
