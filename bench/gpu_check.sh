@@ -6,7 +6,8 @@
 # time limit and a failing stage does not stop the others. Writes JSON per stage and
 # $OUT/summary.md (a markdown table per stage) for BENCHMARKS.md.
 #   1. compiled kernels vs references (bench.kernel_check)        exit status = correctness
-#   2. kernel benchmarks with measured copy bandwidth / matmul rate (attention, MoE)
+#   2. kernel benchmarks with measured copy bandwidth / matmul rate (attention, MoE); sampling
+#      at Kimi's vocabulary (candidate prefilter vs full sort)
 #   3. end-to-end decode of a DeepSeek-V2-Lite-shaped random model at batch 1, 8, 64 against
 #      the bandwidth floor, Mosaic GPU kernels (breakdown by ablation at batch 8), and the XLA
 #      reference at batch 8
@@ -35,6 +36,7 @@ git rev-parse HEAD 2>/dev/null > "$OUT/commit.txt"
 stage kernel_check 120 $PY -m bench.kernel_check --out="$OUT/kernel_check.json"
 stage attention 90 $PY -m bench.attention_kernels --out "$OUT/attention.json"
 stage moe 90 $PY -m bench.moe_kernels --out "$OUT/moe.json" --tokens 1 8 64 512 8192
+stage sampling 30 $PY -m bench.sampling --vocab=163840 --rows=1,8,40,320 --out="$OUT/sampling.json"
 stage e2e_kernels 150 $PY -m bench.decode_profile --model=$MODEL --batch=1,8,64 --ablate=8 \
   --kernels=$KERNELS --nohost --iters=5 --out="$OUT/e2e_kernels.json"
 stage e2e_reference 60 $PY -m bench.decode_profile --model=$MODEL --batch=8 --ablate= \
