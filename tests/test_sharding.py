@@ -90,3 +90,24 @@ def test_two_processes_match_one():
     assert o["devices"] == 8 and o["local"] == 4
     assert o["logits"] == pytest.approx(ref["logits"], rel=1e-5, abs=1e-5)
     assert o["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
+
+
+def test_token_dispatch_equals_single_device_and_lowers_ragged_for_cuda():
+  """expert_parallel="dispatch": tokens split over the EP group and exchanged with the experts'
+  owners (padded all_to_all on CPU; the CUDA branch, ragged_all_to_all, run through an emulation
+  of its documented semantics); exported for CUDA it contains ragged_all_to_all."""
+  results = _run("dispatch")
+  export = results.pop("export")
+  auto = results.pop("auto")
+  assert auto["max_abs_diff"] <= 1e-5 * auto["max_abs_ref"] + 1e-6
+  assert len(results) == 6
+  for name, r in results.items():
+    for got in (r, r["ragged_emulated"], r["padded_block"]):
+      assert got["max_abs_diff"] <= 1e-5 * got["max_abs_ref"] + 1e-6, (name, r)
+    assert r["ragged_calls"] == 8, name  # 2 MoE layers x (x, weights, ids, results)
+    assert r["all_to_all_not_psum"], name
+  assert export["reference/cuda"]["ragged_all_to_all"] > 0
+  assert export["reference/cpu"]["ragged_all_to_all"] == 0
+  assert export["reference/cpu"]["all_to_all"] >= 5  # counts + 4 exchanges
+  assert export["mosaic_gpu/cuda"]["ragged_all_to_all"] > 0 and export["mosaic_gpu/cuda"]["mosaic"]
+  assert all(e["nr_devices"] == 8 for e in export.values())

@@ -30,6 +30,10 @@ from engine.model.kernels import KernelChoice
 from engine.model.params import Params
 from engine.model.sharding import EP_AXES, axis_size, ep_size
 
+# "auto" dispatches from this many tokens per device of the mesh (prefill sizes); below it the
+# single all-reduce of the psum formulation costs less latency than four exchanges.
+DISPATCH_MIN_TOKENS = 16
+
 
 def _mesh():
   mesh = jax.sharding.get_abstract_mesh()
@@ -49,11 +53,17 @@ def split_batch_over_data(x: jax.Array) -> jax.Array:
 
 def routed_experts(impl: KernelChoice, x: jax.Array, weights: jax.Array, ids: jax.Array,
                    experts: Params) -> jax.Array:
-  """x [T, H], weights/ids [T, k], experts {gate, up: [E, H, I], down: [E, I, H]} -> [T, H]."""
+  """x [T, H], weights/ids [T, k], experts {gate, up: [E, H, I], down: [E, I, H]} -> [T, H].
+
+  One entry point for every layout: one device, the psum formulation, token dispatch
+  (`impl.expert_parallel`, see the module docstring)."""
   fn = kernels.moe_experts(impl)
-  n = ep_size(_mesh())
+  mesh = _mesh()
+  n = ep_size(mesh)
   if n == 1:
     return fn(x, weights, ids, experts["gate"], experts["up"], experts["down"])
+  if _dispatch_pays(impl.expert_parallel, x.shape[0], mesh):
+    return dispatch_experts(fn, x, weights, ids, experts)
   e_local = experts["gate"].shape[0] // n
 
   def local(x, weights, ids, gate, up, down):
@@ -67,3 +77,93 @@ def routed_experts(impl: KernelChoice, x: jax.Array, weights: jax.Array, ids: ja
   return jax.shard_map(local, in_specs=(P(), P(), P(), shard, shard, shard), out_specs=P(),
                        axis_names=set(EP_AXES))(
                            x, weights, ids, experts["gate"], experts["up"], experts["down"])
+
+
+def _dispatch_pays(mode: str, tokens: int, mesh) -> bool:
+  if mode not in ("psum", "dispatch", "auto"):
+    raise ValueError(f"expert_parallel: {mode!r} is not psum, dispatch or auto")
+  if mode == "auto":
+    return tokens >= DISPATCH_MIN_TOKENS * axis_size(mesh, "data") * ep_size(mesh)
+  return mode == "dispatch"
+
+
+def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
+                     experts: Params) -> jax.Array:
+  """Token-dispatch expert parallelism under the current mesh (see the module docstring).
+
+  The token axis is split over `data x expert x tensor` (padded to a multiple of it); each
+  device sends each of its tokens once to every EP device owning one of its chosen experts,
+  runs `fn` (the MoE kernel, with the expert offset of its shard) on what it received and sends
+  the partial outputs back, where they are summed in float32. Returns [T, H] split the same way
+  (XLA gathers it where the next layer needs it replicated).
+  """
+  mesh = _mesh()
+  n = ep_size(mesh)
+  e_local = experts["gate"].shape[0] // n
+  token_axes = tuple(a for a in ("data",) + EP_AXES if a in mesh.axis_names)
+  split = axis_size(mesh, "data") * n
+  t = x.shape[0]
+  pad = -t % split
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    ids = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1)
+
+  def local(x, weights, ids, gate, up, down):
+    c = x.shape[0]  # this device's tokens
+    me = jax.lax.axis_index(EP_AXES)
+    dest = jnp.where(ids >= 0, ids // e_local, -1)  # [C, k] EP device owning each choice
+    needs = jnp.any(dest[:, :, None] == jnp.arange(n)[None, None, :], axis=1).T  # [n, C]
+    # Block d lists the tokens device d must see, in token order, then the others (unsent).
+    order = jnp.argsort(~needs, axis=1, stable=True)  # [n, C]
+    sizes = jnp.sum(needs, axis=1).astype(jnp.int32)  # [n]
+    sent = jnp.arange(c)[None, :] < sizes[:, None]  # [n, C]
+    send_ids = jnp.where(sent[..., None], ids[order], -1)
+    recv_sizes = jax.lax.all_to_all(sizes, EP_AXES, 0, 0, tiled=True)  # [n] from each device
+    rx = exchange(x[order], sizes, recv_sizes, 0)
+    rw = exchange(weights[order], sizes, recv_sizes, 0)
+    rids = exchange(send_ids, sizes, recv_sizes, -1)
+    y = fn(rx.reshape(n * c, -1), rw.reshape(n * c, -1), rids.reshape(n * c, -1), gate, up,
+           down, expert_offset=me * e_local)
+    # The reverse exchange: block s of y goes back to device s, into block `me`.
+    back = exchange(y.astype(jnp.float32).reshape(n, c, -1), recv_sizes, sizes, 0)
+    back = jnp.where(sent[..., None], back, 0.0)
+    out = jnp.zeros((c, x.shape[1]), jnp.float32).at[order.reshape(-1)].add(
+        back.reshape(n * c, -1))
+    return out.astype(x.dtype)
+
+  tokens, shard = P(token_axes), P(EP_AXES)
+  y = jax.shard_map(local, in_specs=(tokens, tokens, tokens, shard, shard, shard),
+                    out_specs=tokens, axis_names=set(token_axes))(
+                        x, weights, ids, experts["gate"], experts["up"], experts["down"])
+  return y[:t] if pad else y
+
+
+def exchange(blocks: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, fill) -> jax.Array:
+  """Inside shard_map over the EP group: the first sizes[d] rows of blocks[d] go to EP device d.
+
+  blocks [n, C, ...], sizes / recv_sizes [n] (recv_sizes[s] = what device s sends here, from
+  an all_to_all of sizes). Returns [n, C, ...] whose block s holds device s's rows, then `fill`.
+  On CUDA/ROCm one `ragged_all_to_all` moves only the real rows; elsewhere (XLA:CPU has no
+  ragged all-to-all) a padded `all_to_all` moves whole blocks and the padding is masked: the
+  results are identical. The platform is picked when the program is lowered.
+  """
+  n, c = blocks.shape[:2]
+  tail = (1,) * (blocks.ndim - 2)
+
+  def ragged(blocks, sizes, recv_sizes):
+    flat = blocks.reshape(n * c, *blocks.shape[2:])
+    me = jax.lax.axis_index(EP_AXES)
+    starts = jnp.arange(n, dtype=jnp.int32) * c
+    out = jax.lax.ragged_all_to_all(flat, jnp.full_like(flat, fill), starts, sizes,
+                                    jnp.full((n,), me * c, jnp.int32), recv_sizes,
+                                    axis_name=EP_AXES)
+    return out.reshape(blocks.shape)
+
+  def padded(blocks, sizes, recv_sizes):
+    recv = jax.lax.all_to_all(blocks, EP_AXES, 0, 0, tiled=True)
+    valid = jnp.arange(c)[None, :] < recv_sizes[:, None]
+    return jnp.where(valid.reshape(n, c, *tail), recv, jnp.asarray(fill, blocks.dtype))
+
+  return jax.lax.platform_dependent(blocks, sizes, recv_sizes, cuda=ragged, rocm=ragged,
+                                    default=padded)

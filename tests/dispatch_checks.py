@@ -1,0 +1,155 @@
+"""Token-dispatch expert parallelism, checked inside sharding_child.py (8 forced CPU devices).
+
+* the model with `expert_parallel="dispatch"` (and "auto") against one device;
+* the GPU formulation (`ragged_all_to_all`) run on CPU through an emulation written from the
+  documented semantics of `jax.lax.ragged_all_to_all`, so the offsets and sizes the engine
+  passes are checked, not only the CPU twin;
+* the dispatch function exported for CUDA (StableHLO contains `ragged_all_to_all`) and for CPU
+  (`all_to_all`, no ragged one).
+"""
+
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from engine.model import expert_parallel, sharding
+from engine.model.kernels import KernelChoice
+from pallas_kernels.moe import moe_mgpu
+from pallas_kernels.moe import reference as moe_ref
+
+DISPATCH = KernelChoice(expert_parallel="dispatch")
+MOSAIC_CALL = "mosaic_gpu_v2"
+CALLS = []  # shapes the emulation was traced with
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name, axis_index_groups=None):
+  """`jax.lax.ragged_all_to_all` as its docstring specifies it, from all_gathers and masks."""
+  del axis_index_groups
+  CALLS.append(operand.shape)
+  size = jax.lax.psum(1, axis_name)
+  me = jax.lax.axis_index(axis_name)
+  ops = jax.lax.all_gather(operand, axis_name)
+  ios, sss, oos = (jax.lax.all_gather(a, axis_name)
+                   for a in (input_offsets, send_sizes, output_offsets))
+  # The receiver's recv_sizes must equal what each sender sends it.
+  sent_here = jax.lax.all_to_all(send_sizes, axis_name, 0, 0, tiled=True)
+  rows = jnp.arange(output.shape[0])
+  spp = input_offsets.shape[0] // size
+  result = output
+  for s in range(size):
+    for j in range(spp):
+      i = me * spp + j
+      io, sz, oo = ios[s, i], sss[s, i], oos[s, i]
+      take = (rows >= oo) & (rows < oo + sz)
+      vals = ops[s][jnp.clip(io + rows - oo, 0, operand.shape[0] - 1)]
+      result = jnp.where(take.reshape(-1, *(1,) * (output.ndim - 1)), vals, result)
+  bad = jnp.any(sent_here != recv_sizes)
+  return jnp.where(bad, jnp.nan, result.astype(jnp.float32)).astype(output.dtype) \
+      if jnp.issubdtype(output.dtype, jnp.floating) else jnp.where(bad, -7, result)
+
+
+def _gpu_branch(*args, cuda, rocm=None, default=None, **_):
+  return cuda(*args)
+
+
+def _diff(got, ref):
+  return dict(max_abs_diff=float(np.max(np.abs(got - ref))),
+              max_abs_ref=float(np.max(np.abs(ref))))
+
+
+def dispatch_results(model, logits):
+  out = {}
+  for name in ("deepseek_v3", "qwen3_moe"):
+    cfg, params = model(name)
+    ref = logits(cfg, params)
+    for spec in ("expert:8", "data:2,expert:4", "tensor:4,expert:2"):
+      mesh = sharding.make_mesh(spec)
+      placed = sharding.shard_params(cfg, params, mesh)
+      r = _diff(logits(cfg, placed, mesh, DISPATCH), ref)
+      CALLS.clear()
+      jax.clear_caches()  # retrace forward_logits with the patched functions
+      with mock.patch.object(jax.lax, "platform_dependent", _gpu_branch), \
+          mock.patch.object(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all):
+        r["ragged_emulated"] = _diff(logits(cfg, placed, mesh, DISPATCH), ref)
+      r["ragged_calls"] = len(CALLS)
+      jax.clear_caches()
+      jaxpr = jaxpr_of(cfg, placed, mesh)
+      r["all_to_all_not_psum"] = "all_to_all" in jaxpr and "psum" not in jaxpr
+      # A block whose token count (6) does not divide the devices: padded, then cut.
+      r["padded_block"] = _diff(short_block(cfg, placed, mesh), short_block(cfg, params))
+      out[f"{name}/{spec}"] = r
+  # "auto" picks dispatch at prefill sizes (16 tokens >= 2 per device with the threshold
+  # lowered) and the psum formulation below it.
+  cfg, params = model("deepseek_v3")
+  mesh = sharding.make_mesh("expert:8")
+  placed = sharding.shard_params(cfg, params, mesh)
+  jax.clear_caches()
+  with mock.patch.object(expert_parallel, "DISPATCH_MIN_TOKENS", 2):
+    out["auto"] = _diff(logits(cfg, placed, mesh, KernelChoice(expert_parallel="auto")),
+                        logits(cfg, params))
+  out["export"] = export_checks()
+  return out
+
+
+def jaxpr_of(cfg, params, mesh):
+  from engine.model.cache import init_cache
+  from engine.model.transformer import forward_logits
+  tokens = np.ones((2, 8), np.int32)
+  with jax.set_mesh(mesh):
+    return str(jax.make_jaxpr(lambda p, c: forward_logits(
+        p, c, tokens, np.zeros(2, np.int32), np.full(2, 8, np.int32),
+        np.arange(4, dtype=np.int32).reshape(2, 2) + 1, cfg=cfg, impl=DISPATCH))(
+            params, init_cache(cfg, 5, 8, jnp.float32)))
+
+
+def short_block(cfg, params, mesh=None):
+  from engine.model.cache import init_cache
+  from engine.model.transformer import forward_logits
+  tokens = np.asarray([[1, 5, 6], [1, 40, 0]], np.int32)
+  args = (params, init_cache(cfg, 5, 8, jnp.float32), tokens, np.zeros(2, np.int32),
+          np.asarray([3, 2], np.int32), np.arange(4, dtype=np.int32).reshape(2, 2) + 1)
+  if mesh is None:
+    return np.asarray(forward_logits(*args, cfg=cfg)[0])
+  with jax.set_mesh(mesh):
+    return np.asarray(forward_logits(*args, cfg=cfg, impl=DISPATCH)[0])
+
+
+def _dispatch_fn(fn):
+  def f(x, w, ids, gate, up, down):
+    return expert_parallel.dispatch_experts(fn, x, w, ids,
+                                            dict(gate=gate, up=up, down=down))
+  return f
+
+
+def export_checks():
+  """Exports the dispatch function over `expert:8` for CUDA and CPU on this CPU-only host."""
+  t, h, i, e, k = 64, 256, 128, 32, 4
+  mesh = sharding.make_mesh("expert:8")
+  res = {}
+  for dtype, fn, label in ((jnp.float32, moe_ref.moe_experts, "reference"),
+                           (jnp.bfloat16, moe_mgpu.moe_experts, "mosaic_gpu")):
+    tok = NamedSharding(mesh, P(("data", "expert", "tensor")))
+    exp = NamedSharding(mesh, P(("expert", "tensor")))
+    args = (jax.ShapeDtypeStruct((t, h), dtype, sharding=tok),
+            jax.ShapeDtypeStruct((t, k), jnp.float32, sharding=tok),
+            jax.ShapeDtypeStruct((t, k), jnp.int32, sharding=tok),
+            jax.ShapeDtypeStruct((e, h, i), dtype, sharding=exp),
+            jax.ShapeDtypeStruct((e, h, i), dtype, sharding=exp),
+            jax.ShapeDtypeStruct((e, i, h), dtype, sharding=exp))
+    for platform in (("cuda", "cpu") if label == "reference" else ("cuda",)):
+      with jax.set_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(_dispatch_fn(fn)), platforms=[platform],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(c)
+                            for c in (MOSAIC_CALL, "ragged_all_to_all")])(*args)
+      text = exported.mlir_module()
+      res[f"{label}/{platform}"] = dict(
+          ragged_all_to_all=text.count("ragged_all_to_all"),
+          all_to_all=len(re.findall(r"stablehlo\.all_to_all", text)),
+          mosaic=text.count(MOSAIC_CALL), nr_devices=exported.nr_devices)
+  return res
