@@ -92,6 +92,7 @@ def dispatch_results(model, logits):
   with mock.patch.object(expert_parallel, "DISPATCH_MIN_TOKENS", 2):
     out["auto"] = _diff(logits(cfg, placed, mesh, KernelChoice(expert_parallel="auto")),
                         logits(cfg, params))
+  out["bf16_direct"] = bf16_direct()
   out["export"] = export_checks()
   return out
 
@@ -117,6 +118,26 @@ def short_block(cfg, params, mesh=None):
     return np.asarray(forward_logits(*args, cfg=cfg)[0])
   with jax.set_mesh(mesh):
     return np.asarray(forward_logits(*args, cfg=cfg, impl=DISPATCH)[0])
+
+
+def bf16_direct():
+  """dispatch_experts on bfloat16 tokens (ids and weights travel bit-cast inside the rows)
+  against moe_experts on one device; 45 tokens (padded to 48), some routed nowhere."""
+  keys = jax.random.split(jax.random.key(3), 5)
+  t, h, i, e, k = 45, 64, 32, 16, 3
+  x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
+  w = jax.random.uniform(keys[1], (t, k), jnp.float32)
+  ids = jax.random.randint(keys[2], (t, k), 0, e).at[::7, 1].set(-1)
+  gate, up = (jax.random.normal(kk, (e, h, i), jnp.bfloat16) * 0.2 for kk in keys[3:5])
+  down = jnp.swapaxes(gate, 1, 2)
+  ref = np.asarray(moe_ref.moe_experts(x, w, ids, gate, up, down), np.float32)
+  mesh = sharding.make_mesh("data:2,expert:2,tensor:2")
+  with jax.set_mesh(mesh):
+    placed = [jax.device_put(a, NamedSharding(mesh, P(("expert", "tensor"))))
+              for a in (gate, up, down)]
+    got = np.asarray(jax.jit(_dispatch_fn(moe_ref.moe_experts))(x, w, ids, *placed),
+                     np.float32)
+  return _diff(got, ref)
 
 
 def _dispatch_fn(fn):

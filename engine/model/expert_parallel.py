@@ -118,15 +118,15 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
     order = jnp.argsort(~needs, axis=1, stable=True)  # [n, C]
     sizes = jnp.sum(needs, axis=1).astype(jnp.int32)  # [n]
     sent = jnp.arange(c)[None, :] < sizes[:, None]  # [n, C]
-    send_ids = jnp.where(sent[..., None], ids[order], -1)
     recv_sizes = jax.lax.all_to_all(sizes, EP_AXES, 0, 0, tiled=True)  # [n] from each device
-    rx = exchange(x[order], sizes, recv_sizes, 0)
-    rw = exchange(weights[order], sizes, recv_sizes, 0)
-    rids = exchange(send_ids, sizes, recv_sizes, -1)
+    packed = exchange(_pack(x, weights, ids)[order], sizes, recv_sizes)
+    rx, rw, rids = _unpack(packed, x.shape[1], ids.shape[1])
+    received = jnp.arange(c)[None, :] < recv_sizes[:, None]  # [n, C] real rows
+    rids = jnp.where(received[..., None], rids, -1)  # padding rows go to no expert
     y = fn(rx.reshape(n * c, -1), rw.reshape(n * c, -1), rids.reshape(n * c, -1), gate, up,
            down, expert_offset=me * e_local)
     # The reverse exchange: block s of y goes back to device s, into block `me`.
-    back = exchange(y.astype(jnp.float32).reshape(n, c, -1), recv_sizes, sizes, 0)
+    back = exchange(y.astype(jnp.float32).reshape(n, c, -1), recv_sizes, sizes)
     back = jnp.where(sent[..., None], back, 0.0)
     out = jnp.zeros((c, x.shape[1]), jnp.float32).at[order.reshape(-1)].add(
         back.reshape(n * c, -1))
@@ -139,11 +139,30 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
   return y[:t] if pad else y
 
 
-def exchange(blocks: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, fill) -> jax.Array:
+def _pack(x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
+  """[T, H + m]: each token's row, then its routing weights and expert ids bit-cast into x's
+  dtype (exact), so one exchange carries all three."""
+  meta = jnp.concatenate([weights.astype(jnp.float32),
+                          jax.lax.bitcast_convert_type(ids.astype(jnp.int32), jnp.float32)], -1)
+  meta = jax.lax.bitcast_convert_type(meta, x.dtype).reshape(x.shape[0], -1)
+  return jnp.concatenate([x, meta], axis=-1)
+
+
+def _unpack(packed: jax.Array, h: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Inverse of `_pack` on [..., H + m] -> (x [..., H], weights [..., k], ids [..., k])."""
+  x, meta = packed[..., :h], packed[..., h:]
+  per = 4 // packed.dtype.itemsize  # x-dtype values per 32-bit word
+  if per > 1:
+    meta = meta.reshape(*meta.shape[:-1], 2 * k, per)
+  meta = jax.lax.bitcast_convert_type(meta, jnp.float32)
+  return x, meta[..., :k], jax.lax.bitcast_convert_type(meta[..., k:], jnp.int32)
+
+
+def exchange(blocks: jax.Array, sizes: jax.Array, recv_sizes: jax.Array) -> jax.Array:
   """Inside shard_map over the EP group: the first sizes[d] rows of blocks[d] go to EP device d.
 
   blocks [n, C, ...], sizes / recv_sizes [n] (recv_sizes[s] = what device s sends here, from
-  an all_to_all of sizes). Returns [n, C, ...] whose block s holds device s's rows, then `fill`.
+  an all_to_all of sizes). Returns [n, C, ...] whose block s holds device s's rows, then zeros.
   On CUDA/ROCm one `ragged_all_to_all` moves only the real rows; elsewhere (XLA:CPU has no
   ragged all-to-all) a padded `all_to_all` moves whole blocks and the padding is masked: the
   results are identical. The platform is picked when the program is lowered.
@@ -155,7 +174,7 @@ def exchange(blocks: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, fill) -
     flat = blocks.reshape(n * c, *blocks.shape[2:])
     me = jax.lax.axis_index(EP_AXES)
     starts = jnp.arange(n, dtype=jnp.int32) * c
-    out = jax.lax.ragged_all_to_all(flat, jnp.full_like(flat, fill), starts, sizes,
+    out = jax.lax.ragged_all_to_all(flat, jnp.zeros_like(flat), starts, sizes,
                                     jnp.full((n,), me * c, jnp.int32), recv_sizes,
                                     axis_name=EP_AXES)
     return out.reshape(blocks.shape)
@@ -163,7 +182,7 @@ def exchange(blocks: jax.Array, sizes: jax.Array, recv_sizes: jax.Array, fill) -
   def padded(blocks, sizes, recv_sizes):
     recv = jax.lax.all_to_all(blocks, EP_AXES, 0, 0, tiled=True)
     valid = jnp.arange(c)[None, :] < recv_sizes[:, None]
-    return jnp.where(valid.reshape(n, c, *tail), recv, jnp.asarray(fill, blocks.dtype))
+    return jnp.where(valid.reshape(n, c, *tail), recv, jnp.zeros((), blocks.dtype))
 
   return jax.lax.platform_dependent(blocks, sizes, recv_sizes, cuda=ragged, rocm=ragged,
                                     default=padded)
