@@ -92,6 +92,7 @@ def dispatch_results(model, logits):
   with mock.patch.object(expert_parallel, "DISPATCH_MIN_TOKENS", 2):
     out["auto"] = _diff(logits(cfg, placed, mesh, KernelChoice(expert_parallel="auto")),
                         logits(cfg, params))
+  out["low_rank"] = low_rank_split(model, logits)
   out["bf16_direct"] = bf16_direct()
   out["export"] = export_checks()
   return out
@@ -118,6 +119,33 @@ def short_block(cfg, params, mesh=None):
     return np.asarray(forward_logits(*args, cfg=cfg)[0])
   with jax.set_mesh(mesh):
     return np.asarray(forward_logits(*args, cfg=cfg, impl=DISPATCH)[0])
+
+
+def low_rank_split(model, logits):
+  """q_a / kv_a split by output column over tensor:4: a quarter of the bytes per device, the
+  same logits, and the compiled program gathers only activations, never these weights."""
+  from engine.model.cache import init_cache
+  from engine.model.transformer import forward_logits
+  cfg, params = model("deepseek_v3")
+  mesh = sharding.make_mesh("tensor:4,expert:2")
+  placed = sharding.shard_params(cfg, params, mesh)
+  r = _diff(logits(cfg, placed, mesh), logits(cfg, params))
+  attn = placed["layers"][0]["attn"]
+  r["fraction"] = {n: sorted({b / attn[n].nbytes for b in
+                              sharding.bytes_per_device(attn[n]).values()}) for n in ("q_a", "kv_a")}
+  cache = init_cache(cfg, 5, 8, jnp.float32)
+  cache = jax.device_put(cache, [sharding.cache_sharding(cfg, mesh)] * len(cache))
+  tokens = np.ones((2, 8), np.int32)
+  with jax.set_mesh(mesh):
+    hlo = forward_logits.lower(placed, cache, tokens, np.zeros(2, np.int32),
+                               np.full(2, 8, np.int32),
+                               np.arange(4, dtype=np.int32).reshape(2, 2) + 1,
+                               cfg=cfg).compile().as_text()
+  gathered = re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)
+  weights = {",".join(map(str, attn[n].shape)) for n in ("q_a", "kv_a")}
+  r["gathered_shapes"] = sorted(set(gathered))
+  r["weights_gathered"] = bool(weights & set(gathered))
+  return r
 
 
 def bf16_direct():

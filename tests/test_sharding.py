@@ -46,7 +46,8 @@ def test_every_parameter_follows_its_rule():
   attn = moe_layer["attn"]
   assert attn["q_b"] == P(None, "tensor", None) and attn["kv_b"] == P(None, "tensor", None)
   assert attn["o"] == P("tensor", None, None)
-  assert attn["q_a"] == P() and attn["kv_a"] == P() and attn["kv_a_norm"] == P()
+  assert attn["q_a"] == P(None, "tensor") and attn["kv_a"] == P(None, "tensor")
+  assert attn["kv_a_norm"] == P() and attn["q_a_norm"] == P()
   assert specs["layers"][0]["mlp"]["up"] == P(None, "tensor")
   assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
   with pytest.raises(ValueError, match="does not divide"):
@@ -111,6 +112,10 @@ def test_token_dispatch_equals_single_device_and_lowers_ragged_for_cuda():
   results = _run("dispatch")
   export = results.pop("export")
   auto = results.pop("auto")
+  low_rank = results.pop("low_rank")  # q_a / kv_a split by output column over tensor:4
+  assert low_rank["max_abs_diff"] <= 1e-5 * low_rank["max_abs_ref"] + 1e-6, low_rank
+  assert low_rank["fraction"] == {"q_a": [0.25], "kv_a": [0.25]}, low_rank
+  assert low_rank["gathered_shapes"] and not low_rank["weights_gathered"], low_rank
   bf16 = results.pop("bf16_direct")
   assert bf16["max_abs_diff"] <= 1e-2 * bf16["max_abs_ref"], bf16
   assert auto["max_abs_diff"] <= 1e-5 * auto["max_abs_ref"] + 1e-6

@@ -51,6 +51,16 @@ def split_batch_over_data(x: jax.Array) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, P("data"))
 
 
+def replicated_features(y: jax.Array) -> jax.Array:
+  """Constrains y's last axis to be whole on every device (other axes as XLA propagates them):
+  the outputs of `q_a` / `kv_a`, whose columns are split over `tensor`, are gathered here, so
+  the norm and the head-split up-projections that follow see them whole. No-op without
+  tensor parallelism."""
+  if axis_size(_mesh(), "tensor") == 1:
+    return y
+  return jax.lax.with_sharding_constraint(y, P(*(P.UNCONSTRAINED,) * (y.ndim - 1), None))
+
+
 def routed_experts(impl: KernelChoice, x: jax.Array, weights: jax.Array, ids: jax.Array,
                    experts: Params) -> jax.Array:
   """x [T, H], weights/ids [T, k], experts {gate, up: [E, H, I], down: [E, I, H]} -> [T, H].
