@@ -1,22 +1,46 @@
 """Parallelism inside the forward: expert-parallel routed experts, batch rows over `data`.
 
 Under `jax.set_mesh(mesh)` with `expert x tensor > 1` (see `engine.model.sharding`), each device
-of the expert-parallel group holds E / (expert * tensor) whole experts. Activations entering the
-MoE are replicated over that group (tensor-parallel attention ends in an all-reduce), so every
-device already has every token of its data shard: it runs its local experts on the copies routed
-to them (`moe_experts` with an expert offset; other copies contribute zero) and one `psum` over
-the group combines the partial outputs. This is the all-gather + mask formulation of expert
-parallelism; it is exact (up to the order of a float sum) and runs on every backend. Its
-communication is one all-reduce of [T, H] per MoE layer (float32), like a tensor-parallel MLP.
+of the expert-parallel (EP) group of N = expert x tensor devices holds E / N whole experts.
+`routed_experts` is the one entry point; `KernelChoice.expert_parallel` picks the formulation
+(the model never branches on it):
 
-Why no token dispatch (`ragged_all_to_all`): with tensor-parallel attention every device of the
-group already holds every token, so there is nothing to send before the experts; the only
-traffic is combining the results, which the all-reduce does. Dispatch pays off when the
-activations entering the MoE are *different* per device (data-parallel attention, as in
-SGLang's DP-attention + DeepEP): then each device sends only its tokens' routed copies (T*k*H/N
-per device instead of an all-reduce of T*H). That layout is the next step for large batches;
-`ragged_all_to_all` exists on GPU only (XLA:CPU lacks it), so its CPU twin would be this
-all-gather + mask formulation.
+* "psum" (the default): activations entering the MoE are replicated over the EP group
+  (tensor-parallel attention ends in an all-reduce), so every device already has every token of
+  its data shard: it runs its local experts on the copies routed to them (`moe_experts` with an
+  expert offset; other copies contribute zero) and one float32 `psum` combines the partial
+  outputs (all-gather + mask formulation). One collective per layer: best when latency rules
+  (decode at small batch).
+* "dispatch" (`dispatch_experts`): the token axis is split over `data x expert x tensor` (from
+  replicated activations that is a local slice, no traffic). Each device lists, per EP device,
+  the tokens that chose at least one expert there (one copy per token and device, however many
+  of its k experts live there), exchanges the counts (`all_to_all` of [N] ints), sends the rows
+  (token, routing weights and ids bit-cast into one row) to their owners (`exchange`), runs its
+  local experts with the MoE kernel on what it received, sends the outputs back by the reverse
+  exchange and sums them per token in float32. The result leaves split over the group; XLA
+  all-gathers it where the next layer's tensor-parallel attention needs it whole.
+* "auto": dispatch when the step has at least DISPATCH_MIN_TOKENS tokens per device (prefill
+  sizes), psum below (a guess, not measured on a GPU yet).
+
+`exchange` is the one place the platform matters: on CUDA/ROCm one `ragged_all_to_all` moves
+only the real rows (receivers have fixed blocks of C = T/N rows per sender, so no offsets need
+exchanging beyond the counts); elsewhere (XLA:CPU has no ragged all-to-all) a padded
+`all_to_all` moves whole [N, C] blocks and the padding is masked. Both give identical inputs to
+the experts, so results are identical; `lax.platform_dependent` picks the branch at lowering.
+
+Communication per device and MoE layer, per token of the step (T tokens over N devices, hidden H,
+c = distinct EP devices a token's k experts live on, N(1 - (1 - 1/N)^k) = 5.25 for uniform
+routing with k = N = 8; activations b = 2 bytes):
+* psum: ring all-reduce of [T, H] float32: 2 (N-1)/N * H * 4 bytes (Kimi K2.5: 50.2 KB);
+* dispatch, ragged: rows out c (N-1)/N^2 * (H + 2k*4/b) * b, results back the same in b bytes,
+  plus the all-gather (N-1)/N * H * b for the next layer: Kimi 8.3 + 8.2 + 12.5 = 29 KB (42%
+  less than psum; without the all-gather, i.e. with data-parallel attention whose tokens are
+  already split, 16.5 KB against 37.6 KB for all-gather + reduce-scatter);
+* dispatch, padded all_to_all (the CPU twin): as if c = N: 12.6 + 12.5 + 12.5 = 37.7 KB.
+Dispatch costs four dependent collectives per layer (counts, rows, results, all-gather) against
+one, which is why decode at small batch stays on psum. The receive buffer holds N * C rows (any
+device may receive every token of the group), so the expert kernel runs over a buffer of T rows
+padded with rows routed nowhere (id -1).
 """
 
 from __future__ import annotations
@@ -135,8 +159,9 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
     rids = jnp.where(received[..., None], rids, -1)  # padding rows go to no expert
     y = fn(rx.reshape(n * c, -1), rw.reshape(n * c, -1), rids.reshape(n * c, -1), gate, up,
            down, expert_offset=me * e_local)
-    # The reverse exchange: block s of y goes back to device s, into block `me`.
-    back = exchange(y.astype(jnp.float32).reshape(n, c, -1), recv_sizes, sizes)
+    # The reverse exchange: block s of y goes back to device s, into block `me`. y is already
+    # rounded to x's dtype by the kernel, so it travels in that dtype; the sum is float32.
+    back = exchange(y.reshape(n, c, -1), recv_sizes, sizes).astype(jnp.float32)
     back = jnp.where(sent[..., None], back, 0.0)
     out = jnp.zeros((c, x.shape[1]), jnp.float32).at[order.reshape(-1)].add(
         back.reshape(n * c, -1))
