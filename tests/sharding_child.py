@@ -115,8 +115,7 @@ def run_multiprocess(port, pid):
 
 
 def run_dispatch():
-  """Token dispatch (`expert_parallel="dispatch"`) vs one device, and the exchange lowered for
-  CUDA (ragged_all_to_all) vs CPU (all_to_all)."""
+  """Token dispatch (`expert_parallel="dispatch"`) vs one device (tests/dispatch_checks.py)."""
   from dispatch_checks import dispatch_results
   return dispatch_results(model, logits)
 
