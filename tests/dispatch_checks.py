@@ -93,6 +93,7 @@ def dispatch_results(model, logits):
   with mock.patch.object(expert_parallel, "DISPATCH_MIN_TOKENS", 2):
     out["auto"] = _diff(logits(cfg, placed, mesh, KernelChoice(expert_parallel="auto")),
                         logits(cfg, params))
+  out["engine_greedy_equal"] = engine_greedy(model)
   out["low_rank"] = low_rank_split(model, logits)
   out["bf16_direct"] = bf16_direct()
   out["export"] = export_checks()
@@ -120,6 +121,24 @@ def short_block(cfg, params, mesh=None):
     return np.asarray(forward_logits(*args, cfg=cfg)[0])
   with jax.set_mesh(mesh):
     return np.asarray(forward_logits(*args, cfg=cfg, impl=DISPATCH)[0])
+
+
+def engine_greedy(model):
+  """The serving engine (prefill rows, decode loop) with dispatch on data:2,expert:4 produces the
+  one-device greedy tokens."""
+  from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.request import StopParams
+  cfg, params = model("deepseek_v3")
+  mesh = sharding.make_mesh("data:2,expert:4")
+
+  def run(p, mesh=None, kernels=KernelChoice()):
+    eng = Engine(cfg, p, EngineConfig(page_size=8, max_num_seqs=2, max_num_batched_tokens=16,
+                                      row_widths=(16,), max_model_len=64,
+                                      cache_dtype=jnp.float32, kernels=kernels), mesh=mesh)
+    return [r.output_ids for r in eng.generate([[1, 5, 6, 7, 8], [1, 40, 41]],
+                                               stop=StopParams(max_tokens=8))]
+
+  return run(params) == run(sharding.shard_params(cfg, params, mesh), mesh, DISPATCH)
 
 
 def low_rank_split(model, logits):

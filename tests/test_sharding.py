@@ -112,6 +112,7 @@ def test_token_dispatch_equals_single_device():
   results = _run("dispatch")
   export = results.pop("export")
   auto = results.pop("auto")
+  assert results.pop("engine_greedy_equal")
   low_rank = results.pop("low_rank")  # q_a / kv_a split by output column over tensor:4
   assert low_rank["max_abs_diff"] <= 1e-5 * low_rank["max_abs_ref"] + 1e-6, low_rank
   assert low_rank["fraction"] == {"q_a": [0.25], "kv_a": [0.25]}, low_rank
