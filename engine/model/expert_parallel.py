@@ -55,7 +55,8 @@ from engine.model.params import Params
 from engine.model.sharding import EP_AXES, axis_size, ep_size
 
 # "auto" dispatches from this many tokens per device of the mesh (prefill sizes); below it the
-# single all-reduce of the psum formulation costs less latency than four exchanges.
+# single all-reduce of the psum formulation costs less latency than dispatch's four
+# dependent collectives (counts, rows out, results back, all-gather).
 DISPATCH_MIN_TOKENS = 16
 
 
