@@ -12,6 +12,7 @@
 #      the bandwidth floor, Mosaic GPU kernels (breakdown by ablation at batch 8), and the XLA
 #      reference at batch 8
 #   4. the demo model with and without speculation
+#   5. token-dispatch expert parallelism compiled on the device (ragged_all_to_all exchange)
 set -u
 OUT=${OUT:-/tmp/moejax_gpu_check}
 mkdir -p "$OUT"
@@ -44,6 +45,7 @@ stage e2e_reference 60 $PY -m bench.decode_profile --model=$MODEL --batch=8 --ab
 if [ -f bench/speculative.py ]; then
   stage speculative 90 $PY -m bench.speculative --out="$OUT/speculative.json"
 fi
+stage dispatch 60 $PY -m bench.dispatch_check --out="$OUT/dispatch.json"
 $PY -m bench.summarize "$OUT" > "$OUT/summary.md" 2>&1 || status=1
 cat "$OUT/summary.md"
 exit $status

@@ -5,8 +5,8 @@ import json
 import os
 import sys
 
-MODE = sys.argv[1]  # "meshes" or "multiprocess"
-if MODE == "meshes":
+MODE = sys.argv[1]  # "meshes", "dispatch", "reference" or "multiprocess"
+if MODE in ("meshes", "dispatch"):
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 else:
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 from engine.model import sharding  # noqa: E402
 from engine.model.cache import init_cache  # noqa: E402
 from engine.model.config import config_from_dict  # noqa: E402
+from engine.model.kernels import REFERENCE, KernelChoice  # noqa: E402
 from engine.model.params import init_params  # noqa: E402
 from engine.model.transformer import forward_logits  # noqa: E402
 from model_configs import CONFIGS  # noqa: E402
@@ -34,13 +35,13 @@ def model(name):
   return cfg, init_params(cfg, seed=1, scale=2.0)
 
 
-def logits(cfg, params, mesh=None):
+def logits(cfg, params, mesh=None, impl=REFERENCE):
   cache = init_cache(cfg, 5, 8, jnp.float32)
   if mesh is not None:
     cache = jax.device_put(cache, [sharding.cache_sharding(cfg, mesh)] * len(cache))
     with jax.set_mesh(mesh):
       out, _ = forward_logits(params, cache, TOKENS, np.zeros(2, np.int32), N_NEW, TABLE,
-                              cfg=cfg)
+                              cfg=cfg, impl=impl)
   else:
     out, _ = forward_logits(params, cache, TOKENS, np.zeros(2, np.int32), N_NEW, TABLE, cfg=cfg)
   return np.asarray(jax.device_get(out))
@@ -113,9 +114,17 @@ def run_multiprocess(port, pid):
               logits=out.reshape(-1)[:64].tolist(), checksum=float(np.abs(out).sum()))
 
 
+def run_dispatch():
+  """Token dispatch (`expert_parallel="dispatch"`) vs one device (tests/dispatch_checks.py)."""
+  from dispatch_checks import dispatch_results
+  return dispatch_results(model, logits)
+
+
 if __name__ == "__main__":
   if MODE == "meshes":
     print(json.dumps(run_meshes()))
+  elif MODE == "dispatch":
+    print(json.dumps(run_dispatch()))
   elif MODE == "reference":
     cfg, params = model("deepseek_v3")
     out = logits(cfg, params)

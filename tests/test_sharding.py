@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -45,11 +46,23 @@ def test_every_parameter_follows_its_rule():
   attn = moe_layer["attn"]
   assert attn["q_b"] == P(None, "tensor", None) and attn["kv_b"] == P(None, "tensor", None)
   assert attn["o"] == P("tensor", None, None)
-  assert attn["q_a"] == P() and attn["kv_a"] == P() and attn["kv_a_norm"] == P()
+  assert attn["q_a"] == P(None, "tensor") and attn["kv_a"] == P(None, "tensor")
+  assert attn["kv_a_norm"] == P() and attn["q_a_norm"] == P()
   assert specs["layers"][0]["mlp"]["up"] == P(None, "tensor")
   assert specs["embed"] == P("tensor", None) and specs["lm_head"] == P(None, "tensor")
   with pytest.raises(ValueError, match="does not divide"):
     sharding.check_divisible(cfg, jax.sharding.AbstractMesh((1, 1, 128), sharding.MESH_AXES))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_dispatch_packing_is_exact(dtype):
+  """Routing weights and expert ids travel bit-cast inside the token rows."""
+  from engine.model.expert_parallel import _pack, _unpack
+  x = jax.random.normal(jax.random.key(0), (5, 8)).astype(dtype)
+  w = jax.random.uniform(jax.random.key(1), (5, 3))
+  ids = jnp.asarray([[0, 7, -1], [383, 2, 1], [5, 5, 5], [-1, -1, -1], [9, 10, 11]], jnp.int32)
+  gx, gw, gids = _unpack(_pack(x, w, ids)[None], 8, 3)
+  assert (gx[0] == x).all() and (gw[0] == w).all() and (gids[0] == ids).all()
 
 
 def _run(*args, timeout=600):
@@ -90,3 +103,47 @@ def test_two_processes_match_one():
     assert o["devices"] == 8 and o["local"] == 4
     assert o["logits"] == pytest.approx(ref["logits"], rel=1e-5, abs=1e-5)
     assert o["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
+
+
+def test_token_dispatch_equals_single_device():
+  """expert_parallel="dispatch": tokens split over the EP group and exchanged with the experts'
+  owners (padded all_to_all on CPU; the CUDA branch, ragged_all_to_all, run through an emulation
+  of its documented semantics), "auto", bf16 rows, and the q_a/kv_a column split."""
+  results = _run("dispatch")
+  export = results.pop("export")
+  auto = results.pop("auto")
+  assert results.pop("engine_greedy_equal")
+  low_rank = results.pop("low_rank")  # q_a / kv_a split by output column over tensor:4
+  assert low_rank["max_abs_diff"] <= 1e-5 * low_rank["max_abs_ref"] + 1e-6, low_rank
+  assert low_rank["fraction"] == {"q_a": [0.25], "kv_a": [0.25]}, low_rank
+  assert low_rank["gathered_shapes"] and not low_rank["weights_gathered"], low_rank
+  bf16 = results.pop("bf16_direct")
+  assert bf16["max_abs_diff"] <= 1e-2 * bf16["max_abs_ref"], bf16
+  assert auto["max_abs_diff"] <= 1e-5 * auto["max_abs_ref"] + 1e-6
+  assert len(results) == 6
+  for name, r in results.items():
+    for got in (r, r["ragged_emulated"], r["padded_block"]):
+      assert got["max_abs_diff"] <= 1e-5 * got["max_abs_ref"] + 1e-6, (name, r)
+    assert r["ragged_calls"] == 4, name  # 2 MoE layers x (tokens out, results back)
+    assert r["all_to_all_not_psum"], name
+  assert export["reference/cpu"]["ragged_all_to_all"] == 0
+  assert export["reference/cpu"]["all_to_all"] == 3  # sizes, tokens out, results back
+  assert export["reference/cpu"]["nr_devices"] == 8
+
+
+@pytest.mark.parametrize("kernel", ["reference", "mosaic_gpu"])
+def test_dispatch_lowers_to_ragged_all_to_all_for_cuda(kernel):
+  """On this CPU-only host: the dispatch function exported for CUDA over an abstract mesh of 8
+  H200s (no devices needed) exchanges with ragged_all_to_all (counts by all_to_all), also around
+  the Mosaic GPU MoE kernel."""
+  from dispatch_checks import H200, export_dispatch
+  from pallas_kernels.moe import moe_mgpu, reference
+  mesh = jax.sharding.AbstractMesh((1, 8, 1), sharding.MESH_AXES,
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                                   abstract_device=H200)
+  fn, dtype = ((reference.moe_experts, jnp.float32) if kernel == "reference"
+               else (moe_mgpu.moe_experts, jnp.bfloat16))
+  got = export_dispatch(mesh, "cuda", fn, dtype)
+  assert got["ragged_all_to_all"] == 2 and got["all_to_all"] == 1, got  # out, back; sizes
+  assert got["nr_devices"] == 8
+  assert got["mosaic"] == (2 if kernel == "mosaic_gpu" else 0), got

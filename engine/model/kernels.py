@@ -23,6 +23,10 @@ class KernelChoice:
   """Which implementation each hot path uses ("reference" = plain JAX, runs everywhere)."""
   attention: str = "reference"
   moe: str = "reference"
+  # How routed experts are combined over an expert-parallel group (`expert_parallel.py`):
+  # "psum" (replicated tokens, one all-reduce), "dispatch" (tokens split over the group and
+  # exchanged with the experts' owners), "auto" (dispatch from DISPATCH_MIN_TOKENS per device).
+  expert_parallel: str = "psum"
 
 
 REFERENCE = KernelChoice()

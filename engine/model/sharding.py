@@ -5,7 +5,11 @@ The mesh has three named axes (any may be 1):
 * `expert`, `tensor`: together they form the expert-parallel group: routed experts are split
   over `expert x tensor` devices (each holds E / (expert * tensor) whole experts), while
   attention heads, the shared/dense MLPs' inner dimension and the vocabulary are split over
-  `tensor` only (Megatron-style tensor parallelism; XLA inserts the all-reduces).
+  `tensor` only (Megatron-style tensor parallelism; XLA inserts the all-reduces). MLA's low-rank
+  down-projections (`q_a` [H, q_lora], `kv_a` [H, kv_lora + rope]) are split over `tensor` by
+  their output dimension: each device computes whole output columns, and the forward gathers
+  the small [T, rank] activation (`replicated_features`) before the norm: bit-identical
+  columns, one all-gather of T x (q_lora + kv_lora + rope) values per layer.
 
 JAX's SPMD partitioner does the distributed work: parameters carry `NamedSharding`s, the jitted
 forward runs under `jax.set_mesh(mesh)`, and only the MoE layer is written explicitly with
@@ -102,7 +106,9 @@ def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P
       return P(t_if(0), None, None)
     if name in ("q_bias", "k_bias", "v_bias"):
       return P(t_if(0), None)
-  return P()  # norms, routers, low-rank down-projections, eh_proj: replicated
+    if name in ("q_a", "kv_a"):  # [H, rank]: output dim; the forward gathers the activation
+      return P(None, t_if(1))
+  return P()  # norms, routers, eh_proj: replicated
 
 
 def param_specs(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from engine.model import kernels
 from engine.model.config import ModelConfig
-from engine.model.expert_parallel import routed_experts, split_batch_over_data
+from engine.model.expert_parallel import (replicated_features, routed_experts,
+                                          split_batch_over_data)
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.rope import apply_rope, rope_cos_sin
@@ -49,11 +50,11 @@ def mla_attention(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ct
   if cfg.q_lora_rank is None:
     q = jnp.einsum("bth,hnd->btnd", x, p["q"])
   else:
-    q_a = rms_norm(x @ p["q_a"], p["q_a_norm"], cfg.rms_norm_eps)
+    q_a = rms_norm(replicated_features(x @ p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
     q = jnp.einsum("btr,rnd->btnd", q_a, p["q_b"])
   q_nope, q_rope = q[..., :dn], q[..., dn:]
 
-  kv = x @ p["kv_a"]  # [B, T, Dc + Dr]
+  kv = replicated_features(x @ p["kv_a"])  # [B, T, Dc + Dr] (columns split over tensor)
   c_kv = rms_norm(kv[..., :dc], p["kv_a_norm"], cfg.rms_norm_eps)
   cos, sin = ctx.cos_sin(cfg)
   k_rope = apply_rope(kv[..., dc:], cos, sin, cfg.rope.interleave)
