@@ -103,6 +103,19 @@ def test_cli_text_prompt_and_errors():
   assert r.returncode != 0 and "prompt_ids" in r.stderr and "Traceback" not in r.stderr
   r = _cli(f"--checkpoint={FIXTURE}", "--prompt=hi", "--top_p=1.5")
   assert r.returncode != 0 and "top_p" in r.stderr and "Traceback" not in r.stderr
+  r = _cli(f"--checkpoint={FIXTURE}", "--prompt=hi", "--attention=mosaic_gpu")
+  assert r.returncode != 0 and "--attention=mosaic_gpu" in r.stderr
+  assert "Traceback" not in r.stderr
+
+
+def test_cli_kernel_flags_select_the_implementation():
+  g = np.load(os.path.join(FIXTURE, "golden.npz"))
+  ids = ",".join(map(str, g["prompt_0"].tolist()))
+  r = _cli(f"--checkpoint={FIXTURE}", f"--prompt_ids={ids}", "--max_new_tokens=8",
+           "--ignore_eos", "--dtype=float32", "--json", "--expert_parallel=dispatch",
+           "--attention=reference", "--moe=reference")
+  assert r.returncode == 0, r.stderr
+  assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == g["greedy_0"][:8].tolist()
 
 
 def test_cli_speculative_json_has_spec_and_same_tokens():

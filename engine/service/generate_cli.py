@@ -104,6 +104,7 @@ def main(argv: list[str]) -> int:
   t0 = time.perf_counter()
   try:
     model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup())
+    model.kernels = mesh_flags.kernel_choice()
     speculative = _speculative_config(model)
     t1 = time.perf_counter()
     results = engine.generate(

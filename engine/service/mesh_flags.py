@@ -1,7 +1,9 @@
-"""Flags shared by the launch scripts for running over several devices and processes.
+"""Flags shared by the launch scripts: devices, processes and kernel implementations.
 
     --mesh=data:1,expert:8,tensor:1      (default: one device)
     --coordinator_address=host:port --num_processes=2 --process_id=0   (multi-host)
+    --attention=mosaic_gpu --moe=mosaic_gpu --expert_parallel=dispatch   (default: the plain-JAX
+      references and psum; the Mosaic GPU kernels need a Hopper GPU and bf16 weights)
 
 Import this module from a script to define the flags; call `setup()` first thing in `main`.
 """
@@ -11,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from absl import flags
+import jax
 
 from engine.model import sharding
+from engine.model.kernels import KernelChoice
 
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'expert:8' or 'tensor:4,expert:2' "
                     "(axes data, expert, tensor; their product must equal the device count). "
@@ -21,7 +25,24 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-
 flags.DEFINE_integer("num_processes", 1, "Processes in the job.", lower_bound=1)
 flags.DEFINE_integer("process_id", 0, "This process's index in the job.", lower_bound=0)
 
+flags.DEFINE_enum("attention", "reference", ["reference", "mosaic_gpu"],
+                  "Attention implementation.")
+flags.DEFINE_enum("moe", "reference", ["reference", "mosaic_gpu"], "Routed-expert implementation.")
+flags.DEFINE_enum("expert_parallel", "psum", ["psum", "dispatch", "auto"],
+                  "How an expert-parallel mesh combines experts: psum (tokens replicated, one "
+                  "all-reduce), dispatch (tokens exchanged with the experts' owners), auto.")
+
 FLAGS = flags.FLAGS
+
+
+def kernel_choice() -> KernelChoice:
+  """The kernels the flags name; a Mosaic GPU kernel on a machine without a GPU is refused."""
+  for name in ("attention", "moe"):
+    if FLAGS[name].value == "mosaic_gpu" and jax.default_backend() != "gpu":
+      raise ValueError(f"--{name}=mosaic_gpu needs an NVIDIA GPU (the JAX backend here is "
+                       f"{jax.default_backend()!r})")
+  return KernelChoice(attention=FLAGS.attention, moe=FLAGS.moe,
+                      expert_parallel=FLAGS.expert_parallel)
 
 
 def setup() -> Any:

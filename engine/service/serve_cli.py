@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
   try:
     config = server_config()
     model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup())
+    model.kernels = mesh_flags.kernel_choice()
     eng = Engine.from_model(model, EngineConfig(
         page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
         kv_cache_memory_fraction=FLAGS.kv_cache_memory_fraction,
