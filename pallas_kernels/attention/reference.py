@@ -38,6 +38,70 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
   return p / jnp.where(denom > 0, denom, 1.0)
 
 
+# Query blocks at least this long (prefill chunks) run `_blocked_attention`; shorter ones (decode,
+# speculative verification) the one-pass form below.
+BLOCKED_MIN_QUERIES = 32
+
+
+def _blocked_attention(q: jax.Array, kv: jax.Array, dv: int, q_positions: jax.Array,
+                       kv_lens: jax.Array) -> jax.Array:
+  """Causal attention by blocks with an online softmax (flash-attention order), for long query
+  blocks: each block of queries visits only the key blocks it can see (up to its last query's
+  position and the longest kv_len, a dynamic bound: later blocks are skipped by `lax.cond`, so
+  the loop stays reverse-differentiable), and no [T, S] score matrix is materialised. A prompt
+  of T tokens costs ~T^2/2 instead of T * S.
+
+  Args:
+    q: [B, T, nH, D] float32 queries, already scaled.
+    kv: [B, S, D] float32 keys; values are kv[..., :dv].
+    q_positions, kv_lens: as in `mla_paged_attention`.
+  Returns:
+    [B, T, nH, dv] float32; queries with no visible key give zeros.
+  """
+  b, t, nh, _ = q.shape
+  s_len = kv.shape[1]
+  bq = 64
+  bk = 128 if t >= 256 else 64
+  n_qb, n_kb = -(-t // bq), -(-s_len // bk)
+  kv = jnp.pad(kv, ((0, 0), (0, n_kb * bk - s_len), (0, 0)))
+  q = jnp.pad(q, ((0, 0), (0, n_qb * bq - t), (0, 0), (0, 0)))
+  pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, n_qb * bq - t)), constant_values=-1)
+  q = jnp.moveaxis(q.reshape(b, n_qb, bq, nh, -1), 1, 0)  # [n_qb, B, bq, nH, D]
+  pos = jnp.moveaxis(pos.reshape(b, n_qb, bq), 1, 0)
+  kv_blocks = jnp.moveaxis(kv.reshape(b, n_kb, bk, -1), 1, 0)  # [n_kb, B, bk, D]
+  kv_max = jnp.max(kv_lens)
+
+  def query_block(_, xs):
+    qb, pb = xs
+    visible = jnp.minimum(jnp.max(pb) + 1, kv_max)  # keys [0, visible) may be seen
+
+    def key_block(carry, kx):
+      j, kb = kx
+
+      def update(carry):
+        m, l, acc = carry
+        kpos = j * bk + jnp.arange(bk, dtype=jnp.int32)
+        mask = ((kpos[None, None, :] <= pb[:, :, None])
+                & (kpos[None, None, :] < kv_lens[:, None, None]))[:, :, None, :]
+        sc = jnp.where(mask, jnp.einsum("bqhd,bkd->bqhk", qb, kb), -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(mask, jnp.exp(sc - m_safe[..., None]), 0.0)
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        acc = acc * alpha[..., None] + jnp.einsum("bqhk,bkc->bqhc", p, kb[..., :dv])
+        return m_new, l * alpha + jnp.sum(p, axis=-1), acc
+
+      return jax.lax.cond(j * bk < visible, update, lambda c: c, carry), None
+
+    init = (jnp.full((b, bq, nh), -jnp.inf, jnp.float32), jnp.zeros((b, bq, nh), jnp.float32),
+            jnp.zeros((b, bq, nh, dv), jnp.float32))
+    (_, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(n_kb, dtype=jnp.int32), kv_blocks))
+    return None, acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+  _, out = jax.lax.scan(query_block, None, (q, pos))  # [n_qb, B, bq, nH, dv]
+  return jnp.moveaxis(out, 0, 1).reshape(b, n_qb * bq, nh, dv)[:, :t]
+
+
 def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: jax.Array,
                         page_table: jax.Array, q_positions: jax.Array, kv_lens: jax.Array, *,
                         softmax_scale: float) -> jax.Array:
@@ -56,6 +120,9 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
   """
   dc = q_latent.shape[-1]
   kv = gather_pages(latent_pages, page_table).astype(jnp.float32)  # [B, S, Dc+Dr]
+  if q_latent.shape[1] >= BLOCKED_MIN_QUERIES:
+    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32) * softmax_scale
+    return _blocked_attention(q, kv, dc, q_positions, kv_lens).astype(q_latent.dtype)
   c, k_rope = kv[..., :dc], kv[..., dc:]
   scores = (jnp.einsum("bthc,bsc->bths", q_latent.astype(jnp.float32), c)
             + jnp.einsum("bthr,bsr->bths", q_rope.astype(jnp.float32), k_rope)) * softmax_scale
