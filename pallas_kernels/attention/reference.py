@@ -120,12 +120,12 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
   """
   dc = q_latent.shape[-1]
   kv = gather_pages(latent_pages, page_table).astype(jnp.float32)  # [B, S, Dc+Dr]
+  # One contraction over latent and rope parts together (the cache row is [c_kv, k_rope]).
+  q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32) * softmax_scale
   if q_latent.shape[1] >= BLOCKED_MIN_QUERIES:
-    q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32) * softmax_scale
     return _blocked_attention(q, kv, dc, q_positions, kv_lens).astype(q_latent.dtype)
-  c, k_rope = kv[..., :dc], kv[..., dc:]
-  scores = (jnp.einsum("bthc,bsc->bths", q_latent.astype(jnp.float32), c)
-            + jnp.einsum("bthr,bsr->bths", q_rope.astype(jnp.float32), k_rope)) * softmax_scale
+  c = kv[..., :dc]
+  scores = jnp.einsum("bthd,bsd->bths", q, kv)
   mask = _causal_mask(q_positions, kv_lens, kv.shape[1])[:, :, None, :]
   probs = _masked_softmax(scores, mask)
   return jnp.einsum("bths,bsc->bthc", probs, c).astype(q_latent.dtype)
