@@ -38,41 +38,52 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
   return p / jnp.where(denom > 0, denom, 1.0)
 
 
-# Query blocks at least this long (prefill chunks) run `_blocked_attention`; shorter ones (decode,
-# speculative verification) the one-pass form below.
+# `_blocked_attention` runs for query blocks at least this long (prefill chunks) and for page
+# tables of at least BLOCKED_MIN_KEYS positions (decode over a serving engine's page table sized
+# for max_model_len: only the pages the longest row uses are gathered); else the one-pass form.
 BLOCKED_MIN_QUERIES = 32
+BLOCKED_MIN_KEYS = 512
 
 
 def _block_sizes(t: int) -> tuple[int, int]:
   """(query rows, key rows) per block; measured on 2 CPU cores at the demo model's shapes."""
-  return 64, (128 if t >= 256 else 64)
+  return 64, (64 if BLOCKED_MIN_QUERIES <= t < 256 else 128)
 
 
-def _blocked_attention(q: jax.Array, kv: jax.Array, dv: int, q_positions: jax.Array,
-                       kv_lens: jax.Array) -> jax.Array:
-  """Causal attention by blocks with an online softmax (flash-attention order), for long query
-  blocks: each block of queries visits only the key blocks it can see (up to its last query's
-  position and the longest kv_len, a dynamic bound: later blocks are skipped by `lax.cond`, so
-  the loop stays reverse-differentiable), and no [T, S] score matrix is materialised. A prompt
-  of T tokens costs ~T^2/2 instead of T * S.
+def _uses_blocks(t: int, max_keys: int) -> bool:
+  return t >= BLOCKED_MIN_QUERIES or max_keys >= BLOCKED_MIN_KEYS
+
+
+def _blocked_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, dv: int,
+                       q_positions: jax.Array, kv_lens: jax.Array) -> jax.Array:
+  """Causal attention by blocks with an online softmax (flash-attention order). Each block of
+  queries visits only the key blocks it can see (up to its last query's position and the longest
+  kv_len, a dynamic bound: later blocks are skipped by `lax.cond`, so the loop stays
+  reverse-differentiable) and gathers only those blocks' pages; no [T, S] score matrix is
+  materialised. A prompt of T tokens costs ~T^2/2 instead of T * S; a decode step costs the
+  longest row's length, not the page table's width.
 
   Args:
     q: [B, T, nH, D] float32 queries, already scaled.
-    kv: [B, S, D] float32 keys; values are kv[..., :dv].
+    pages: [N, P, D] cache pages (keys; values are the first dv channels); page_table [B, M].
     q_positions, kv_lens: as in `mla_paged_attention`.
   Returns:
     [B, T, nH, dv] float32; queries with no visible key give zeros.
   """
   b, t, nh, _ = q.shape
-  s_len = kv.shape[1]
+  page = pages.shape[1]
   bq, bk = _block_sizes(t)
-  n_qb, n_kb = -(-t // bq), -(-s_len // bk)
-  kv = jnp.pad(kv, ((0, 0), (0, n_kb * bk - s_len), (0, 0)))
+  bq = min(bq, t)
+  pages_per_block = max(1, -(-bk // page))
+  bk = pages_per_block * page
+  n_qb, n_kb = -(-t // bq), -(-page_table.shape[1] // pages_per_block)
+  # Padding entries name the null page 0; their positions lie past every kv_len.
+  table = jnp.pad(page_table, ((0, 0), (0, n_kb * pages_per_block - page_table.shape[1])))
   q = jnp.pad(q, ((0, 0), (0, n_qb * bq - t), (0, 0), (0, 0)))
   pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, n_qb * bq - t)), constant_values=-1)
   q = jnp.moveaxis(q.reshape(b, n_qb, bq, nh, -1), 1, 0)  # [n_qb, B, bq, nH, D]
   pos = jnp.moveaxis(pos.reshape(b, n_qb, bq), 1, 0)
-  kv_blocks = jnp.moveaxis(kv.reshape(b, n_kb, bk, -1), 1, 0)  # [n_kb, B, bk, D]
+  table_blocks = jnp.moveaxis(table.reshape(b, n_kb, pages_per_block), 1, 0)  # [n_kb, B, ppb]
   kv_max = jnp.max(kv_lens)
 
   def query_block(_, xs):
@@ -80,10 +91,11 @@ def _blocked_attention(q: jax.Array, kv: jax.Array, dv: int, q_positions: jax.Ar
     visible = jnp.minimum(jnp.max(pb) + 1, kv_max)  # keys [0, visible) may be seen
 
     def key_block(carry, kx):
-      j, kb = kx
+      j, tb = kx
 
       def update(carry):
         m, l, acc = carry
+        kb = gather_pages(pages, tb).astype(jnp.float32)  # [B, bk, D]
         kpos = j * bk + jnp.arange(bk, dtype=jnp.int32)
         mask = ((kpos[None, None, :] <= pb[:, :, None])
                 & (kpos[None, None, :] < kv_lens[:, None, None]))[:, :, None, :]
@@ -99,7 +111,8 @@ def _blocked_attention(q: jax.Array, kv: jax.Array, dv: int, q_positions: jax.Ar
 
     init = (jnp.full((b, bq, nh), -jnp.inf, jnp.float32), jnp.zeros((b, bq, nh), jnp.float32),
             jnp.zeros((b, bq, nh, dv), jnp.float32))
-    (_, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(n_kb, dtype=jnp.int32), kv_blocks))
+    (_, l, acc), _ = jax.lax.scan(key_block, init,
+                                  (jnp.arange(n_kb, dtype=jnp.int32), table_blocks))
     return None, acc / jnp.where(l > 0, l, 1.0)[..., None]
 
   _, out = jax.lax.scan(query_block, None, (q, pos))  # [n_qb, B, bq, nH, dv]
@@ -123,11 +136,12 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
     [B, T, nH, Dc] latent context in q_latent's dtype (the caller applies W_UV).
   """
   dc = q_latent.shape[-1]
-  kv = gather_pages(latent_pages, page_table).astype(jnp.float32)  # [B, S, Dc+Dr]
   # One contraction over latent and rope parts together (the cache row is [c_kv, k_rope]).
   q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(jnp.float32) * softmax_scale
-  if q_latent.shape[1] >= BLOCKED_MIN_QUERIES:
-    return _blocked_attention(q, kv, dc, q_positions, kv_lens).astype(q_latent.dtype)
+  if _uses_blocks(q_latent.shape[1], page_table.shape[1] * latent_pages.shape[1]):
+    return _blocked_attention(q, latent_pages, page_table, dc, q_positions,
+                              kv_lens).astype(q_latent.dtype)
+  kv = gather_pages(latent_pages, page_table).astype(jnp.float32)  # [B, S, Dc+Dr]
   c = kv[..., :dc]
   scores = jnp.einsum("bthd,bsd->bths", q, kv)
   mask = _causal_mask(q_positions, kv_lens, kv.shape[1])[:, :, None, :]
