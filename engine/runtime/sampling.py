@@ -96,10 +96,20 @@ def transformed_logits(logits: jax.Array, s: SamplingArrays) -> tuple[jax.Array,
   return jnp.where(keep, xs, -jnp.inf), order
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+  """jnp.argmax over the last axis (first index of the maximum), [..., V] -> [...] int32, as two
+  plain reductions: XLA:CPU runs argmax's (value, index) reduction ~10x slower (1.1 ms of a
+  ~5 ms decode step at batch 32 x 8,192 vocabulary)."""
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+  first = jnp.min(jnp.where(logits == m, ids, logits.shape[-1]), axis=-1)
+  return jnp.minimum(first, logits.shape[-1] - 1)  # a NaN row: last index
+
+
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
   """Chooses one token per row. logits [B, V] float32; positions [B] int32 (of the sampled
   token, used with the row's seed for randomness). Returns [B] int32."""
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = argmax(logits)
 
   def stochastic(_):
     masked, order = transformed_logits(logits, s)

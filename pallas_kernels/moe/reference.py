@@ -167,10 +167,14 @@ def moe_experts_all(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   local = expert_ids - expert_offset  # [T, k]
   hit = local[:, :, None] == jnp.arange(e_local, dtype=local.dtype)[None, None, :]
   w = jnp.sum(jnp.where(hit, weights[:, :, None], 0.0), axis=1)  # [T, E_local] float32
-  gate = jnp.einsum("th,ehi->tei", x, w_gate)
-  up = jnp.einsum("th,ehi->tei", x, w_up)
-  act = (jax.nn.silu(gate) * up).astype(jnp.float32) * w[:, :, None]
-  return jnp.einsum("tei,eih->th", act.astype(x.dtype), w_down).astype(x.dtype)
+  # Batched over experts ([E, T, H] x [E, H, I]): contracting H of [E, H, I] against [T, H]
+  # directly makes XLA:CPU transpose every expert's weights on every call.
+  xb = jnp.broadcast_to(x[None], (e_local,) + x.shape)
+  gate = jnp.einsum("eth,ehi->eti", xb, w_gate)
+  up = jnp.einsum("eth,ehi->eti", xb, w_up)
+  act = (jax.nn.silu(gate) * up).astype(jnp.float32) * w.T[:, :, None]
+  y = jnp.einsum("eti,eih->eth", act.astype(x.dtype), w_down)
+  return jnp.sum(y.astype(jnp.float32), axis=0).astype(x.dtype)
 
 
 def moe_experts_tiled(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
