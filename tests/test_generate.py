@@ -54,6 +54,26 @@ def test_eos_and_stop_ids_stop_only_their_row(model):
   assert len(out[0].token_ids) > first + 1
 
 
+def test_one_new_token_skips_decode_and_matches_longer_runs(model):
+  """max_new_tokens == 1 (time to first token) samples from the prefill logits without the
+  decode program: same token, stop reasons and sampling as the first token of a longer run."""
+  cfg, params = model
+  s = [SamplingParams(), SamplingParams(temperature=0.9, seed=7), SamplingParams()]
+  longer = generate_tokens(params, cfg, PROMPTS, max_new_tokens=4, sampling=s)
+  one = generate_tokens(params, cfg, PROMPTS, max_new_tokens=1, sampling=s)
+  assert [c.token_ids for c in one] == [c.token_ids[:1] for c in longer]
+  assert [c.finish_reason for c in one] == ["length"] * 3
+  eos = longer[0].token_ids[0]
+  one = generate_tokens(params, cfg, PROMPTS, max_new_tokens=1, sampling=s, eos_ids=[eos])
+  assert one[0].finish_reason == "stop" and one[0].token_ids == [eos]
+  one = generate_tokens(params, cfg, PROMPTS[:1], max_new_tokens=1, eos_ids=[eos],
+                        min_new_tokens=2)
+  assert one[0].finish_reason == "length"
+  before = gen.decode._cache_size()
+  generate_tokens(params, cfg, [[3] * 40], max_new_tokens=1)
+  assert gen.decode._cache_size() == before  # no decode program for one token
+
+
 def test_seeded_sampling_reproduces_and_ignores_batch_company(model):
   cfg, params = model
   s = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)

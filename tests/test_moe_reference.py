@@ -133,3 +133,40 @@ def test_gathered_decode_path_equals_dense_and_grouped(tokens, offset):
   if ref._gather_pays(tokens * k, gate):
     np.testing.assert_allclose(ref.moe_experts(x, w, ids, gate, up, down, expert_offset=offset),
                                gathered, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens,offset,dtype", [(6, 0, jnp.float32), (40, 4, jnp.float32),
+                                                 (300, 2, jnp.float32), (300, 0, jnp.bfloat16)])
+def test_every_formulation_equals_ragged(tokens, offset, dtype):
+  """all-experts, tiled and ragged agree, with out-of-shard and padding (-1) ids; moe_experts
+  dispatches to the formulation its shapes pick."""
+  from pallas_kernels.moe import reference as ref
+  rng = np.random.default_rng(tokens + offset)
+  e_local, e_total, h, i, k = 8, 16, 24, 12, 3
+  x = jnp.asarray(rng.normal(size=(tokens, h)), dtype)
+  ids = np.stack([rng.choice(e_total, k, replace=False) for _ in range(tokens)]).astype(np.int32)
+  ids[::7] = -1  # padding tokens go to no expert
+  ids = jnp.asarray(ids)
+  w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+  gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.3, dtype)
+                    for s in [(e_local, h, i), (e_local, h, i), (e_local, i, h)])
+  args = (x, w, ids, gate, up, down)
+  want = np.asarray(ref.moe_experts_ragged(*args, expert_offset=offset), np.float32)
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  for name, got in [("all", ref.moe_experts_all(*args, expert_offset=offset)),
+                    ("tiled", ref.moe_experts_tiled(*args, expert_offset=offset, tile=64)),
+                    ("tiled16", ref.moe_experts_tiled(*args, expert_offset=offset, tile=16)),
+                    ("dispatch", ref.moe_experts(*args, expert_offset=offset))]:
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol,
+                               err_msg=name)
+  assert not np.any(np.asarray(ref.moe_experts_tiled(*args, expert_offset=offset))[::7])
+
+
+def test_dispatch_picks_by_shape():
+  from pallas_kernels.moe import reference as ref
+  e, h, i, k = 8, 256, 160, 2  # the demo model
+  gate = jnp.zeros((e, h, i), jnp.float32)
+  assert ref._gather_pays(1 * k, gate) and not ref._gather_pays(32 * k, gate)
+  assert ref._dense_pays(32, 32 * k, e, ref._tile_rows(32 * k, e))
+  assert not ref._dense_pays(512, 512 * k, e, ref._tile_rows(512 * k, e))
+  assert ref._tile_rows(512 * k, e) == 128 and ref._tile_rows(4096 * k, e) == 256

@@ -94,6 +94,19 @@ def test_invalid_params_are_named(kw, field):
     SamplingParams(**kw).validate()
 
 
+def test_argmax_is_jnp_argmax_with_ties_and_infs():
+  from engine.runtime.sampling import argmax
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 50)).astype(np.float32)
+  x[1, [3, 7, 40]] = 9.0  # ties: the first index wins
+  x[2] = -np.inf
+  x[3, 10] = np.inf
+  x[4, :] = 0.0
+  got = np.asarray(argmax(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+  assert got.dtype == np.int32 and got[1] == 3
+
+
 # ---- the candidate prefilter (vocabularies larger than PREFILTER_CANDIDATES) ----
 
 from engine.runtime.sampling import PREFILTER_CANDIDATES, candidate_logits  # noqa: E402

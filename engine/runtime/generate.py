@@ -62,6 +62,38 @@ class DecodeOutput:
   finish_reason: jax.Array  # [B] int32 (FINISH_*)
 
 
+def _choose(logits, n_cached, n_out, done, out, reasons, *, sampling: SamplingArrays,
+            stops: StopCriteria, max_steps: int):
+  """Samples the next token of every live row and records it; finished rows stay put."""
+  steps = jnp.arange(max_steps, dtype=jnp.int32)[None, :]
+  tok = sample(logits, sampling, n_cached)
+  live = ~done
+  out = jnp.where((steps == n_out[:, None]) & live[:, None], tok[:, None], out)
+  n_out = n_out + live.astype(jnp.int32)
+  hit_stop = jnp.any(tok[:, None] == stops.stop_ids, axis=-1) & (n_out >= stops.min_new_tokens)
+  hit_len = n_out >= jnp.minimum(stops.max_new_tokens, max_steps)  # also bounds the loop
+  reason = jnp.where(hit_stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE))
+  reasons = jnp.where(live, reason, reasons)
+  return tok, n_out, done | (reasons != FINISH_NONE), out, reasons
+
+
+def _choose_first(first_logits, lengths, choose, max_steps: int):
+  b = first_logits.shape[0]
+  zeros = jnp.zeros((b,), jnp.int32)
+  return choose(first_logits, lengths, zeros, jnp.zeros((b,), bool),
+                jnp.full((b, max_steps), -1, jnp.int32), zeros)
+
+
+@jax.jit
+def first_token(first_logits: jax.Array, lengths: jax.Array, sampling: SamplingArrays,
+                stops: StopCriteria) -> DecodeOutput:
+  """`decode` for max_new_tokens == 1 (time to first token): samples from the prefill's logits
+  without the decode program (and without touching the cache)."""
+  choose = functools.partial(_choose, sampling=sampling, stops=stops, max_steps=1)
+  _, n_out, _, out, reasons = _choose_first(first_logits, lengths, choose, 1)
+  return DecodeOutput(tokens=out, num_tokens=n_out, finish_reason=reasons)
+
+
 @functools.partial(jax.jit, static_argnames=("max_steps", "cfg", "impl"),
                    donate_argnames=("cache",))
 def decode(params: Params, cache: Cache, first_logits: jax.Array, lengths: jax.Array,
@@ -77,19 +109,7 @@ def decode(params: Params, cache: Cache, first_logits: jax.Array, lengths: jax.A
     (DecodeOutput, cache).
   """
   b = first_logits.shape[0]
-  steps = jnp.arange(max_steps, dtype=jnp.int32)[None, :]
-
-  def choose(logits, n_cached, n_out, done, out, reasons):
-    """Samples the next token of every live row and records it; finished rows stay put."""
-    tok = sample(logits, sampling, n_cached)
-    live = ~done
-    out = jnp.where((steps == n_out[:, None]) & live[:, None], tok[:, None], out)
-    n_out = n_out + live.astype(jnp.int32)
-    hit_stop = jnp.any(tok[:, None] == stops.stop_ids, axis=-1) & (n_out >= stops.min_new_tokens)
-    hit_len = n_out >= jnp.minimum(stops.max_new_tokens, max_steps)  # also bounds the loop
-    reason = jnp.where(hit_stop, FINISH_STOP, jnp.where(hit_len, FINISH_LENGTH, FINISH_NONE))
-    reasons = jnp.where(live, reason, reasons)
-    return tok, n_out, done | (reasons != FINISH_NONE), out, reasons
+  choose = functools.partial(_choose, sampling=sampling, stops=stops, max_steps=max_steps)
 
   def step(state):
     cache, tok, n_cached, done, n_out, out, reasons = state
@@ -101,10 +121,7 @@ def decode(params: Params, cache: Cache, first_logits: jax.Array, lengths: jax.A
     tok, n_out, done, out, reasons = choose(logits, n_cached, n_out, done, out, reasons)
     return cache, tok, n_cached, done, n_out, out, reasons
 
-  zeros = jnp.zeros((b,), jnp.int32)
-  tok, n_out, done, out, reasons = choose(
-      first_logits, lengths, zeros, jnp.zeros((b,), bool),
-      jnp.full((b, max_steps), -1, jnp.int32), zeros)
+  tok, n_out, done, out, reasons = _choose_first(first_logits, lengths, choose, max_steps)
   # The newest token is not in the cache yet: each step feeds it, then samples the next one.
   state = (cache, tok, lengths.astype(jnp.int32), done, n_out, out, reasons)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), step, state)
@@ -249,9 +266,12 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
                       SamplingArrays.from_params(samp), stops, max_steps, speculative,
                       prompt_hidden if speculative.method == "mtp" else None, page_size, dtype,
                       impl)
-  out, cache = decode(params, cache, logits, lengths_arr, page_table,
-                      SamplingArrays.from_params(samp), stops, max_steps=max_steps, cfg=cfg,
-                      impl=impl)
+  if max(max_new) == 1:
+    out = first_token(logits, lengths_arr, SamplingArrays.from_params(samp), stops)
+  else:
+    out, cache = decode(params, cache, logits, lengths_arr, page_table,
+                        SamplingArrays.from_params(samp), stops, max_steps=max_steps, cfg=cfg,
+                        impl=impl)
   del cache
   toks, counts, reasons = jax.device_get((out.tokens, out.num_tokens, out.finish_reason))
   return [Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],

@@ -155,10 +155,20 @@ def over_kept_tokens(logits: jax.Array, s: SamplingArrays, fn):
                       lambda _: fn(*transformed_logits(logits, s)), None)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+  """jnp.argmax over the last axis (first index of the maximum), [..., V] -> [...] int32, as two
+  plain reductions: XLA:CPU runs argmax's (value, index) reduction ~10x slower (1.1 ms of a
+  ~5 ms decode step at batch 32 x 8,192 vocabulary)."""
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+  first = jnp.min(jnp.where(logits == m, ids, logits.shape[-1]), axis=-1)
+  return jnp.minimum(first, logits.shape[-1] - 1)  # a NaN row: last index
+
+
 def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Array:
   """Chooses one token per row. logits [B, V] float32; positions [B] int32 (of the sampled
   token, used with the row's seed for randomness). Returns [B] int32."""
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = argmax(logits)
 
   def stochastic(_):
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
@@ -171,7 +181,7 @@ def sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array) -> jax.Ar
       noise = jax.vmap(lambda k, row: jax.vmap(
           lambda i: jax.random.gumbel(jax.random.fold_in(k, i)))(row))(keys, ids)
       score = masked + noise
-      best = jnp.argmax(score, axis=-1)[:, None]
+      best = argmax(score)[:, None]
       return jnp.take_along_axis(ids, best, axis=-1)[:, 0].astype(jnp.int32)
 
     return jnp.where(s.temperature > 0, over_kept_tokens(logits, s, pick), greedy)

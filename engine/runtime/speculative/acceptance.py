@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.runtime.sampling import SamplingArrays, over_kept_tokens, sample
+from engine.runtime.sampling import SamplingArrays, argmax, over_kept_tokens, sample
 
 # fold_in tags under the (seed, position) key: one independent stream per use.
 STREAM_ACCEPT, STREAM_RESAMPLE, STREAM_DRAFT = 1, 2, 3
@@ -65,7 +65,7 @@ def block_probs(logits: jax.Array, s: SamplingArrays) -> jax.Array:
 
 def _greedy(target_logits, draft, n_draft):
   k = draft.shape[1]
-  best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+  best = argmax(target_logits)  # [B, K+1]
   ok = (draft == best[:, :k]) & (jnp.arange(k)[None, :] < n_draft[:, None])
   n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
   return n_acc, jnp.take_along_axis(best, n_acc[:, None], axis=1)[:, 0]
@@ -148,7 +148,7 @@ def draft_sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array
   Greedy rows take the argmax (their q is irrelevant: greedy verification ignores it); sampled
   rows sample their transformed distribution q from the drafting stream of (seed, position).
   """
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = argmax(logits)
 
   def stochastic(_):
     q = sampling_probs(logits, s)
