@@ -34,6 +34,9 @@ class SamplingParams:
   # (None: off; 0: the sampled token only). Log-probabilities are of the model's distribution
   # (log_softmax of the logits), before temperature/top-k/top-p/min-p, as in vLLM.
   logprobs: int | None = None
+  # Serving only: the speculative drafter for this request (None: the engine's default;
+  # "off", or one the engine enables: "ngram", "learned", "mtp", "draft").
+  drafter: str | None = None
 
   def validate(self) -> None:
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -46,6 +49,9 @@ class SamplingParams:
       raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+    if self.drafter not in (None, "off", "ngram", "learned", "mtp", "draft"):
+      raise ValueError(f"drafter must be one of off, ngram, learned, mtp, draft, got "
+                       f"{self.drafter!r}")
     if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
