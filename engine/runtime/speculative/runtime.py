@@ -39,7 +39,10 @@ from engine.runtime.speculative.serving import (DRAFTER_IDS, drafter_id,
 
 # Cost per drafted token relative to a plain decode step until measured (adaptive mode).
 DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
-DEFAULT_BASE, DEFAULT_PER_ROW = 0.0, 0.02
+DEFAULT_BASE, DEFAULT_PER_ROW = 0.03, 0.02
+# Floor of the fitted base cost per verified position: timings within noise of each other must
+# not make verification free (a drafter that proposes nothing would then never back off).
+MIN_BASE = 0.03
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "draft_cfg", "impl", "mtp"),
@@ -216,7 +219,7 @@ class SpecRuntime:
   # ---- the cost model ------------------------------------------------------------------------
 
   def measure_costs(self, params, cache, batch_sizes: Sequence[int], max_pages: int, *,
-                    impl: KernelChoice = REFERENCE, repeats: int = 3):
+                    impl: KernelChoice = REFERENCE, repeats: int = 5):
     """Times the verify forward for every compiled k (and each model drafter's step) at the
     given batch sizes, fits T(B, k) and installs it. Returns the cache (donated through)."""
 
@@ -264,7 +267,7 @@ class SpecRuntime:
       per_row, base = np.polyfit(xs, ys, 1)
     else:
       per_row, base = 0.0, float(ys.mean()) if len(ys) else 0.0
-    base, per_row = max(float(base), 0.0), max(float(per_row), 0.0)
+    base, per_row = max(float(base), MIN_BASE), max(float(per_row), 0.0)
     costs = self.costs.copy()
     for d, rs in drafter_s.items():
       if rs:

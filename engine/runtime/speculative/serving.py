@@ -139,34 +139,39 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
   def step(k, s):
     live = ~s["done"]
     cache, tok, n_cached = s["cache"], s["tok"], s["n_cached"]
-    draft = jnp.zeros((b, k), jnp.int32)
+    # Proposals of kk = max(k, 1) tokens: with k = 0 the first one is only compared with the
+    # emitted token afterwards (evidence for the acceptance estimate at no verify cost).
+    kk = max(k, 1)
+    draft = jnp.zeros((b, kk), jnp.int32)
     n_draft = jnp.zeros((b,), jnp.int32)
     q = None
     new = {}
-    if k > 0:
-      if "ngram" in drafters:
-        d, n = dr.ngram_propose(s["history"], s["history_len"] - 1, k)
-        draft, n_draft = jnp.where(use["ngram"][:, None], d, draft), \
-            jnp.where(use["ngram"], n, n_draft)
-      if "learned" in drafters:
-        d, n = learned.propose(s["table"], s["history"], s["history_len"] - 1, k)
-        draft, n_draft = jnp.where(use["learned"][:, None], d, draft), \
-            jnp.where(use["learned"], n, n_draft)
-      if "mtp" in drafters:
-        d, qm, cache = dr.mtp_propose(params, cache, s["mtp_hidden"], n_cached, live,
-                                      page_table, sampling, k=k, cfg=cfg, impl=impl)
-        draft = jnp.where(use["mtp"][:, None], d, draft)
-        n_draft = jnp.where(use["mtp"], k, n_draft)
-        q = qm
-    if "draft" in drafters:  # fed every iteration (k = 0 too), drafts only with k > 0
+    if "ngram" in drafters:
+      d, n = dr.ngram_propose(s["history"], s["history_len"] - 1, kk)
+      draft, n_draft = jnp.where(use["ngram"][:, None], d, draft), \
+          jnp.where(use["ngram"], n, n_draft)
+    if "learned" in drafters:
+      d, n = learned.propose(s["table"], s["history"], s["history_len"] - 1, kk)
+      draft, n_draft = jnp.where(use["learned"][:, None], d, draft), \
+          jnp.where(use["learned"], n, n_draft)
+    if "mtp" in drafters:  # k = 0: one head projection, no MTP forward
+      d, qm, cache = dr.mtp_propose(params, cache, s["mtp_hidden"], n_cached, live,
+                                    page_table, sampling, k=kk, cfg=cfg, impl=impl)
+      draft = jnp.where(use["mtp"][:, None], d, draft)
+      n_draft = jnp.where(use["mtp"], kk, n_draft)
+      q = qm
+    if "draft" in drafters:  # fed every iteration (k = 0 too)
       d, qd, new["draft_cache"] = _draft_feed_propose(
-            draft_params, s["draft_cache"], s["pending"], s["n_pending"], tok, n_cached, live,
-            page_table, sampling, k=max(k, 1), draft_cfg=draft_cfg, impl=impl)
-      if k > 0:
-        draft = jnp.where(use["draft"][:, None], d, draft)
-        n_draft = jnp.where(use["draft"], k, n_draft)
-        q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
-    n_draft = jnp.where(live, jnp.minimum(n_draft, limit - s["count"] - 1), 0)
+          draft_params, s["draft_cache"], s["pending"], s["n_pending"], tok, n_cached, live,
+          page_table, sampling, k=kk, draft_cfg=draft_cfg, impl=impl)
+      draft = jnp.where(use["draft"][:, None], d, draft)
+      n_draft = jnp.where(use["draft"], kk, n_draft)
+      q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
+    shadow, n_shadow = draft[:, 0], n_draft
+    if k == 0:
+      draft, n_draft, q = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), None
+    cap = limit - s["count"] - 1  # drafts the row's budget allows
+    n_draft = jnp.where(live, jnp.minimum(n_draft, cap), 0)
     # Rows of model drafters use their q; the others (deterministic drafters, off) match
     # the target's own samples, so their sampled output is that of plain decoding.
     v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, s["count"],
@@ -202,14 +207,19 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     s["stopped"] = s["stopped"] | v.stopped
     s["done"] = s["done"] | v.stopped | (s["count"] >= limit)
     s["stats"] = s["stats"].add(live, n_draft, n_acc)
-    # Evidence for the acceptance estimate: accepted drafts, and rows whose chain ended
-    # before k (a rejection or no proposal), per drafter.
-    drafting = live & (ids > 0)
-    ended = (drafting & (n_acc < k)).astype(jnp.float32)
-    acc = jnp.where(drafting, n_acc, 0).astype(jnp.float32)
+    # Evidence for the acceptance estimate, per drafter: accepted drafts, and rows whose chain
+    # ended before k or the budget's cap (a rejection or no proposal); with k = 0, whether the
+    # first proposal equals the emitted token.
+    drafting = live & (ids > 0) & (cap >= 1)
+    if k > 0:
+      ended = drafting & (n_acc < jnp.minimum(k, cap))
+      acc = jnp.where(drafting, n_acc, 0).astype(jnp.float32)
+    else:
+      hit = drafting & (n_shadow > 0) & (shadow == v.emitted[:, 0])
+      ended, acc = drafting & ~hit, hit.astype(jnp.float32)
     onehot = jax.nn.one_hot(ids, len(DRAFTER_IDS), dtype=jnp.float32)  # [B, D]
-    evidence = jnp.stack([acc @ onehot, ended @ onehot], axis=1)  # [D, 2]
-    decay = goodput.DECAY if k > 0 else goodput.IDLE_DECAY
+    evidence = jnp.stack([acc @ onehot, ended.astype(jnp.float32) @ onehot], axis=1)  # [D, 2]
+    decay = goodput.DECAY
     s["accept"] = decay * s["accept"] + evidence
     return s
 
