@@ -37,6 +37,7 @@ class SamplingParams:
   # Serving only: the speculative drafter for this request (None: the engine's default;
   # "off", or one the engine enables: "ngram", "learned", "mtp", "draft").
   drafter: str | None = None
+  max_draft_tokens: int | None = None  # per-request cap on drafts per step (None: the engine's)
 
   def validate(self) -> None:
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -52,6 +53,8 @@ class SamplingParams:
     if self.drafter not in (None, "off", "ngram", "learned", "mtp", "draft"):
       raise ValueError(f"drafter must be one of off, ngram, learned, mtp, draft, got "
                        f"{self.drafter!r}")
+    if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
+      raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
     if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

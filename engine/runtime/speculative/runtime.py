@@ -181,16 +181,19 @@ class SpecRuntime:
     b = tokens.shape[0]
     history, history_len = self.histories(reqs, b)
     row_drafter = np.zeros((b,), np.int32)
+    row_max_draft = np.zeros((b,), np.int32)
     mtp_hidden = None
     if "mtp" in self.enabled:
       mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
     for i, req in enumerate(reqs):
       row_drafter[i] = drafter_id(req.drafter)
+      row_max_draft[i] = req.sampling.max_draft_tokens or self.k
       if mtp_hidden is not None and req.mtp_hidden is not None:
         mtp_hidden[i] = req.mtp_hidden
     res, cache = speculative_decode_loop(
         params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
-        np.int32(num_steps), history, history_len, row_drafter, self.accept, self.costs,
+        np.int32(num_steps), history, history_len, row_drafter, row_max_draft, self.accept,
+        self.costs,
         np.int32(self.force_k if force_k is None else force_k), self.table, mtp_hidden,
         self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
         choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,

@@ -101,7 +101,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
                             min_before_stop: jax.Array, num_steps: jax.Array,
                             history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
-                            accept: jax.Array, costs: jax.Array, force_k: jax.Array,
+                            row_max_draft: jax.Array, accept: jax.Array, costs: jax.Array, force_k: jax.Array,
                             table: learned.NgramTable | None = None,
                             mtp_hidden: jax.Array | None = None,
                             draft_params: Params | None = None,
@@ -118,6 +118,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       W >= history_len + max_steps (the loop appends what it emits).
     history_len: [B] int32 tokens in `history` (>= 1 for real rows).
     row_drafter: [B] int32 index into DRAFTER_IDS (0: off); only enabled drafters.
+    row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
     accept: [len(DRAFTER_IDS), 2] float32 decayed (accepted, ended) counts per drafter.
     costs: [len(DRAFTER_IDS) + 2] float32, relative to a plain decode step: each drafter's
       cost per drafted token (when a live row uses it), then per verified position the base
@@ -170,7 +171,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     shadow, n_shadow = draft[:, 0], n_draft
     if k == 0:
       draft, n_draft, q = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), None
-    cap = limit - s["count"] - 1  # drafts the row's budget allows
+    cap = jnp.minimum(limit - s["count"] - 1, row_max_draft)  # drafts the row allows
     n_draft = jnp.where(live, jnp.minimum(n_draft, cap), 0)
     # Rows of model drafters use their q; the others (deterministic drafters, off) match
     # the target's own samples, so their sampled output is that of plain decoding.
