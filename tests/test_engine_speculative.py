@@ -95,12 +95,17 @@ def test_drafter_per_request(model):
       eng.add_request([1, 2], SamplingParams(drafter=bad))
   with pytest.raises(ValueError, match="drafter"):
     eng.add_request([1, 2], SamplingParams(drafter="eagle"))
-  with pytest.raises(ValueError, match="logprobs"):
-    eng.add_request([1, 2], SamplingParams(drafter="ngram", logprobs=2))
-  # A request without drafts may ask for logprobs, also next to drafting requests.
-  got = eng.generate(ps[:2], [SamplingParams(logprobs=1), SamplingParams(drafter="ngram")],
-                     StopParams(max_tokens=6))
-  assert len(got[0].output_logprobs) == 6 and got[0].output_ids == want[0][:6]
+  # Logprobs of drafting rows come from the verify logits: equal to plain decoding's.
+  ref = eng.generate(ps[:1], SamplingParams(logprobs=3), StopParams(max_tokens=20))[0]
+  got = eng.generate(ps[:2], [SamplingParams(logprobs=3, drafter="ngram"),
+                              SamplingParams(logprobs=2, drafter="off")],
+                     StopParams(max_tokens=20))
+  assert got[0].output_ids == ref.output_ids == want[0]
+  assert got[0].usage().spec_accepted_tokens > 0
+  assert len(got[0].output_logprobs) == 20 and len(got[1].output_logprobs) == 20
+  for a, r in zip(got[0].output_logprobs, ref.output_logprobs):
+    assert a.logprob == pytest.approx(r.logprob, abs=1e-4)
+    assert [t for t, _ in a.top] == [t for t, _ in r.top] and len(a.top) == 3
   assert_pool_full(eng)
 
 

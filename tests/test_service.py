@@ -148,7 +148,7 @@ def test_bad_requests_get_invalid_argument_naming_the_field(serve, eng):
 
 def test_drafter_per_request(eng, demo):
   """A server whose engine enables drafters: each request picks one (or none); the output is
-  the plain greedy one; drafters it lacks and logprobs with drafts are INVALID_ARGUMENT."""
+  the plain greedy one, with logprobs if asked; a drafter it lacks is INVALID_ARGUMENT."""
   prompt = "import os\nimport sys\nimport re\nimport json\nimport time\nimport"
   want = eng.generate([prompt], SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))[0]
   spec = Engine.from_model(demo, dataclasses.replace(ENGINE_CONFIG, drafters=("ngram", "mtp"),
@@ -163,10 +163,13 @@ def test_drafter_per_request(eng, demo):
         assert got.spec_draft_tokens == 0
     got = client.generate(prompt, max_tokens=8, drafter="mtp", max_draft_tokens=1)
     assert got.token_ids == want.output_ids[:8]
-    for kwargs, field in [(dict(drafter="learned"), "speculative.drafter"),
-                          (dict(drafter="ngram", logprobs=True), "sampling.logprobs")]:
-      code, details = status_of(lambda: client.generate(prompt, max_tokens=4, **kwargs))
-      assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field + ":")
+    got = client.generate(prompt, max_tokens=8, ignore_eos=True, drafter="ngram",
+                          logprobs=True, top_logprobs=2)
+    assert got.token_ids == want.output_ids[:8] and len(got.logprobs) == 8
+    assert all(top[0][0] == tok for tok, (_, top) in zip(got.token_ids, got.logprobs))
+    code, details = status_of(lambda: client.generate(prompt, max_tokens=4, drafter="learned"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("speculative.drafter:")
   assert_idle(spec)
 
 

@@ -194,9 +194,6 @@ class Engine:
     ids = self._encode(prompt)
     sampling.validate()
     drafter = self.spec.resolve(sampling.drafter)
-    if sampling.logprobs is not None and drafter:
-      raise ValueError(f"logprobs: not available with speculative drafting (drafter "
-                       f"{drafter!r}); ask for drafter 'off'")
     stop.validate()
     stop_ids = stop_ids_for(stop, self.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
@@ -403,15 +400,11 @@ class Engine:
       remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    # A batch drafts when a request asks for it (and none asks for logprobs, which the
-    # speculative loop does not compute).
-    if (any(r.drafter for r in reqs)
-        and all(r.sampling.logprobs is None for r in reqs)):
+    if any(r.drafter for r in reqs):  # logprobs come from the verify logits
       with self._on_mesh():
-        out, counts, self.cache = self.spec.decode(
+        out, counts, lps, self.cache = self.spec.decode(
             self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
             remaining, min_before, plan.num_steps, self.counters, impl=self.config.kernels)
-      lps = None  # add_request refuses logprobs for requests that draft
     else:
       with self._on_mesh():
         out, counts, _, lps, self.cache = steps.decode_loop(

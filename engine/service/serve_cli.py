@@ -54,8 +54,7 @@ flags.DEFINE_string("compilation_cache_dir",
 flags.DEFINE_enum("speculative", "off", ["off", "ngram", "learned", "mtp", "draft"],
                   "Default speculative drafter of decode-only steps (requests may choose "
                   "another, see --drafters): n-gram prompt lookup, a table learned across "
-                  "requests, the checkpoint's MTP layer, or --draft_checkpoint (lossless; "
-                  "logprobs are refused for requests that draft).")
+                  "requests, the checkpoint's MTP layer, or --draft_checkpoint (lossless).")
 flags.DEFINE_list("drafters", [], "More drafters requests may choose (SpeculativeOptions).")
 flags.DEFINE_integer("num_draft_tokens", 4, "Draft tokens per step with --speculative.",
                      lower_bound=1)

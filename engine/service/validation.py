@@ -188,8 +188,5 @@ def parse_generate(request: "pb.GenerateRequest", tokenizer: Any,
   sampling = sampling_params(request.sampling)
   stop = stop_params(request.sampling, len(ids), limits)
   spec = check_speculative(request.speculative, limits)
-  if sampling.logprobs is not None and spec["drafter"] not in (None, "off"):
-    raise FieldError("sampling.logprobs", "not available with a speculative drafter; ask for "
-                     "speculative.drafter \"off\"")
   sampling = dataclasses.replace(sampling, **spec)
   return ParsedRequest(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop)

@@ -109,6 +109,7 @@ class Verified:
   emitted: jax.Array  # [B, K+1] d_1 .. d_a, extra, then don't-care
   n_emit: jax.Array  # [B] tokens the row emits (a + 1, cut after a stop id; 0 if not live)
   stopped: jax.Array  # [B] bool: a stop id ended the row inside the block
+  logits: jax.Array  # [B, K+1, V] target logits: slot i is the distribution of emitted[:, i]
 
 
 def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
@@ -147,7 +148,7 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
   stopped = jnp.any(is_stop, axis=1) & live
   n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n_emit)
   return Verified(cache=cache, hidden=hidden, n_accepted=n_acc * live_i, extra=extra,
-                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped)
+                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped, logits=logits)
 
 
 @functools.partial(

@@ -177,7 +177,8 @@ class SpecRuntime:
   def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
              min_before, num_steps, counters: dict, *, impl: KernelChoice = REFERENCE,
              force_k: int | None = None):
-    """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts, cache)."""
+    """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
+    logprobs as `steps.decode_loop`'s, cache)."""
     b = tokens.shape[0]
     history, history_len = self.histories(reqs, b)
     row_drafter = np.zeros((b,), np.int32)
@@ -194,13 +195,14 @@ class SpecRuntime:
         params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
         np.int32(num_steps), history, history_len, row_drafter, row_max_draft, self.accept,
         self.costs,
-        np.int32(self.force_k if force_k is None else force_k), self.table, mtp_hidden,
+        np.int32(self.force_k if force_k is None else force_k),
+        np.bool_(any(r.sampling.logprobs is not None for r in reqs)), self.table, mtp_hidden,
         self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
         choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
         impl=impl)
     self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache
-    out, counts, spec, k_steps, mtp_h = jax.device_get(
-        (res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden))
+    out, counts, spec, k_steps, mtp_h, lps = jax.device_get(
+        (res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden, res.logprobs))
     self.k_steps += k_steps
     counters["spec_steps"] += int(spec.steps.sum())
     counters["spec_drafted"] += int(spec.draft_tokens.sum())
@@ -210,7 +212,7 @@ class SpecRuntime:
         req.spec[j] += int(x[i])
       if mtp_h is not None:
         req.mtp_hidden = mtp_h[i]
-    return out, counts, cache
+    return out, counts, lps, cache
 
   def stats(self) -> dict[str, Any]:
     s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.choices, self.k_steps)}

@@ -40,7 +40,7 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
-from engine.runtime.sampling import SamplingArrays
+from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
 from engine.runtime.speculative import drafters as dr, goodput, learned
 from engine.runtime.speculative.acceptance import draft_sample
 from engine.runtime.speculative.loop import SpecStats, _place, verify_block
@@ -65,6 +65,8 @@ class LoopResult:
   table: learned.NgramTable | None
   mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
   draft_cache: Cache | None
+  logprobs: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (zeros unless
+  # `want_logprobs`): chosen [B, max_steps], top ids and logprobs [B, max_steps, 20]
 
 
 def _draft_feed_propose(draft_params, dcache, pending, n_pending, tok, n_cached, live,
@@ -101,7 +103,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
                             min_before_stop: jax.Array, num_steps: jax.Array,
                             history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
-                            row_max_draft: jax.Array, accept: jax.Array, costs: jax.Array, force_k: jax.Array,
+                            row_max_draft: jax.Array, accept: jax.Array, costs: jax.Array,
+                            force_k: jax.Array, want_logprobs: jax.Array,
                             table: learned.NgramTable | None = None,
                             mtp_hidden: jax.Array | None = None,
                             draft_params: Params | None = None,
@@ -124,6 +127,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       cost per drafted token (when a live row uses it), then per verified position the base
       cost and the cost per row: T(B, k) = 1 + k (base + drafters + per_row B) (`goodput`).
     force_k: int32 scalar, index into `choices`, or -1 for the goodput choice.
+    want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
     table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
     draft_params, draft_cache ("draft"; the cache is donated and must hold positions
       < n_cached of every row).
@@ -181,6 +185,17 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     n_acc, n_emit = v.n_accepted, v.n_emit
     s = dict(s, cache=v.cache, **new)
     s["out"] = _place(s["out"], s["count"], v.emitted, n_emit)
+
+    def logprobs(_):
+      t, vocab = v.logits.shape[1], v.logits.shape[2]
+      lp = token_logprobs(v.logits.reshape(b * t, vocab), v.emitted.reshape(-1))
+      return tuple(x.reshape((b, t) + x.shape[1:]) for x in lp)
+
+    kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    lp = jax.lax.cond(want_logprobs, logprobs, lambda _: (
+        jnp.zeros((b, k + 1), jnp.float32), jnp.zeros((b, k + 1, kt), jnp.int32),
+        jnp.zeros((b, k + 1, kt), jnp.float32)), None)
+    s["lps"] = tuple(_place(buf, s["count"], x, n_emit) for buf, x in zip(s["lps"], lp))
     s["history"] = _place(s["history"], s["history_len"], v.emitted, n_emit)
     if "learned" in drafters:  # learn from every emitted token (history already holds them)
       slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
@@ -243,6 +258,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
            history_len=history_len.astype(jnp.int32), stats=SpecStats.zeros(b, k_max),
            accept=accept.astype(jnp.float32),
            k_steps=jnp.zeros((len(choices),), jnp.int32))
+  kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+  s["lps"] = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
+              jnp.zeros((b, max_steps, kt), jnp.float32))
   if "learned" in drafters:
     s["table"] = table
   if "mtp" in drafters:
@@ -257,4 +275,5 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                         cfg=draft_cfg, impl=impl)
   return LoopResult(out=s["out"], counts=s["count"], stopped=s["stopped"], stats=s["stats"],
                     k_steps=s["k_steps"], accept=s["accept"], table=s.get("table"),
-                    mtp_hidden=s.get("mtp_hidden"), draft_cache=dcache), s["cache"]
+                    mtp_hidden=s.get("mtp_hidden"), draft_cache=dcache,
+                    logprobs=s["lps"]), s["cache"]
