@@ -12,6 +12,7 @@ from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import forward, forward_mtp
+from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
@@ -59,7 +60,10 @@ def test_adaptive_k_backs_off_on_fresh_prompts_and_drafts_what_it_learned(model)
   ps = fresh_prompts(4, seed=5)
   want = plain(model, ps, 24)
   # Fresh prompts, empty table: nothing to draft, so plain decoding (k = 0) wins.
-  got = eng.generate(ps, stop=StopParams(max_tokens=24))
+  with CompileCounter() as counter:  # warm-up compiled every program
+    got = eng.generate(ps, stop=StopParams(max_tokens=24))
+    eng.generate(ps[:1], SamplingParams(drafter="off", logprobs=1), StopParams(max_tokens=3))
+  assert counter.count == 0
   assert [r.output_ids for r in got] == want
   k0 = eng.spec.k_steps.copy()
   assert k0[0] > 2 * k0[1:].sum(), k0

@@ -139,7 +139,9 @@ class Engine:
 
     self.cache = place(self.cache)
     self.spec = SpecRuntime(cfg, config, num_pages, dtype, draft,
-                            place=lambda c: place(c, draft[0]))
+                            place=lambda c: place(c, draft[0]),
+                            place_state=lambda x: jax.device_put(x, next(iter(devices)))
+                            if mesh is None and len(devices) == 1 else x)
     self.traffic = TrafficStats()
     self.buckets = derive_buckets(self.sched_config, config.row_widths,
                                   TrafficStats.load(config.traffic_stats_path))

@@ -96,7 +96,8 @@ class SpecRuntime:
   """Speculative decoding state and programs of one `Engine` (see the module docstring)."""
 
   def __init__(self, cfg: ModelConfig, config: Any, num_pages: int, dtype: Any,
-               draft: tuple[ModelConfig, Params] | None = None, place=lambda c: c):
+               draft: tuple[ModelConfig, Params] | None = None, place=lambda c: c,
+               place_state=lambda x: x):
     self.cfg, self.config = cfg, config
     self.default = config.speculative
     wanted = ({config.speculative} if config.speculative else set()) | set(config.drafters)
@@ -122,9 +123,11 @@ class SpecRuntime:
     self.k = k
     self.choices = goodput.k_choices(k) if config.adaptive_k else (k,)
     self.force_k = -1 if config.adaptive_k else 0
-    self.table = (NgramTable.empty(config.learned_table_slots)
+    # Device state is committed where the weights are from the start (like the cache): a
+    # commitment that changed after the first call would compile the loop twice.
+    self.table = (place_state(NgramTable.empty(config.learned_table_slots))
                   if "learned" in self.enabled else None)
-    self.accept = jnp.zeros((len(DRAFTER_IDS), 2), jnp.float32)
+    self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), 2), jnp.float32))
     self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
                             + [DEFAULT_BASE, DEFAULT_PER_ROW], np.float32)
     self.cost_fit: dict[str, Any] = {}
