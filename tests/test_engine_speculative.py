@@ -179,13 +179,6 @@ def test_draft_model_drafting_in_the_engine(model):
   samp = [SamplingParams(), SamplingParams(drafter="ngram"), SamplingParams(drafter="off"),
           SamplingParams(temperature=1.0, top_k=1, seed=3)]  # top_k 1: greedy via sampling
   want = plain(model, ps, 24)
-  eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="draft", drafters=("ngram",),
-                                         num_draft_tokens=3), draft=draft)
-  got = eng.generate(ps, samp, StopParams(max_tokens=24))
-  assert [r.output_ids for r in got] == want
-  use = [r.usage() for r in got]
-  assert 0 < use[0].spec_accepted_tokens < use[0].spec_draft_tokens
-  assert use[3].spec_accepted_tokens > 0 and use[2].spec_draft_tokens == 0
   # The target as its own draft model: its cache is right (fed also on rows of other
   # drafters, caught up after fully accepted blocks), so every greedy draft is accepted.
   same = Engine(cfg, params, EngineConfig(**SMALL, speculative="draft", drafters=("ngram",),
@@ -194,6 +187,8 @@ def test_draft_model_drafting_in_the_engine(model):
   assert [r.output_ids for r in got] == want
   use = [r.usage() for r in got]
   assert use[0].spec_accepted_tokens == use[0].spec_draft_tokens > 10
+  assert use[3].spec_accepted_tokens > 0 and use[2].spec_draft_tokens == 0
+  # A draft model that is often right, not always; preempted and recomputed requests.
   tight = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=64), num_pages=13,
                                            speculative="draft", num_draft_tokens=3),
                  draft=draft)
@@ -201,5 +196,6 @@ def test_draft_model_drafting_in_the_engine(model):
   got = tight.generate(ps, stop=StopParams(max_tokens=24))
   assert tight.scheduler.num_preemptions > 0
   assert [r.output_ids for r in got] == plain(model, ps, 24)
-  assert sum(r.usage().spec_accepted_tokens for r in got) > 0
+  use = [r.usage() for r in got]
+  assert 0 < sum(u.spec_accepted_tokens for u in use) < sum(u.spec_draft_tokens for u in use)
   assert_pool_full(tight)
