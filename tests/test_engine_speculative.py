@@ -88,11 +88,18 @@ def test_drafter_per_request(model):
           SamplingParams(temperature=0.8, top_p=0.9, seed=5, drafter="learned"),
           SamplingParams(drafter="off"), SamplingParams()]  # None: the default (off here)
   want = plain(model, ps, 20, samp)
+  per_drafter = {"ngram": 0, "learned": 0}
   for _ in range(2):
     got = eng.generate(ps, samp, StopParams(max_tokens=20))
     assert [r.output_ids for r in got] == want
+    per_drafter["ngram"] += got[0].usage().spec_accepted_tokens
+    per_drafter["learned"] += got[1].usage().spec_draft_tokens
   use = [r.usage() for r in got]
   assert use[0].spec_accepted_tokens > 0 and use[1].spec_draft_tokens > 0
+  stats = eng.stats()  # per drafter, both rounds
+  assert stats["spec_accepted_ngram"] == per_drafter["ngram"]
+  assert stats["spec_drafted_learned"] == per_drafter["learned"]
+  assert stats["spec_mean_accepted_length_ngram"] > 1
   assert use[2].spec_draft_tokens == 0 and use[3].spec_draft_tokens == 0
   for bad in ("mtp", "draft"):
     with pytest.raises(ValueError, match="drafter"):

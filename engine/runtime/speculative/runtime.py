@@ -134,6 +134,8 @@ class SpecRuntime:
     self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
                         if "draft" in self.enabled else None)
     self.k_steps = np.zeros((len(self.choices),), np.int64)
+    self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
+                        for n in ("steps", "drafted", "accepted")}
 
   @property
   def observes(self) -> bool:
@@ -213,12 +215,21 @@ class SpecRuntime:
     for i, req in enumerate(reqs):
       for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
         req.spec[j] += int(x[i])
+      if req.drafter:  # per drafter: verify steps, drafted and accepted tokens
+        for name, x in (("steps", spec.steps), ("drafted", spec.draft_tokens),
+                        ("accepted", spec.accepted_tokens)):
+          self.per_drafter[f"spec_{name}_{req.drafter}"] += int(x[i])
       if mtp_h is not None:
         req.mtp_hidden = mtp_h[i]
     return out, counts, lps, cache
 
   def stats(self) -> dict[str, Any]:
     s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.choices, self.k_steps)}
+    s.update(self.per_drafter)
+    for d in self.enabled:  # tokens per target forward of rows drafting with d
+      steps_ = self.per_drafter[f"spec_steps_{d}"]
+      if steps_:
+        s[f"spec_mean_accepted_length_{d}"] = 1 + self.per_drafter[f"spec_accepted_{d}"] / steps_
     for name, value in self.cost_fit.items():
       if isinstance(value, (int, float)):
         s[f"spec_cost_{name}"] = value
