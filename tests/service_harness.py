@@ -11,6 +11,7 @@ starts: the server's engine thread must be the only caller of `step()`.
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import os

@@ -91,7 +91,8 @@ BAD_REQUESTS = [  # (build_request kwargs, field the error must name)
     (dict(logprobs=True, top_logprobs=21), "sampling.top_logprobs"),
     (dict(logprobs=True, top_logprobs=-1), "sampling.top_logprobs"),
     (dict(drafter="magic"), "speculative.drafter"),
-    (dict(drafter="mtp"), "speculative.drafter"),
+    (dict(drafter="mtp"), "speculative.drafter"),  # not enabled on this server
+    (dict(drafter="ngram"), "speculative.drafter"),
     (dict(max_draft_tokens=0), "speculative.max_draft_tokens"),
     (dict(max_draft_tokens=100), "speculative.max_draft_tokens"),
     (dict(request_id="r" * 200), "request_id"),
@@ -143,6 +144,33 @@ def test_bad_requests_get_invalid_argument_naming_the_field(serve, eng):
     assert code == grpc.StatusCode.ALREADY_EXISTS and "busy" in details
     stream.cancel()
     assert client.generate(PROMPT, max_tokens=2, request_id="taken").finish_reason == "length"
+
+
+def test_drafter_per_request(eng, demo):
+  """A server whose engine enables drafters: each request picks one (or none); the output is
+  the plain greedy one, with logprobs if asked; a drafter it lacks is INVALID_ARGUMENT."""
+  prompt = "import os\nimport sys\nimport re\nimport json\nimport time\nimport"
+  want = eng.generate([prompt], SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))[0]
+  spec = Engine.from_model(demo, dataclasses.replace(ENGINE_CONFIG, drafters=("ngram", "mtp"),
+                                                     num_draft_tokens=3))
+  with BackgroundServer(spec, BASE) as bg, InferenceClient(target(bg)) as client:
+    for drafter in ("ngram", "mtp", "off", ""):
+      got = client.generate(prompt, max_tokens=24, ignore_eos=True, drafter=drafter)
+      assert got.token_ids == want.output_ids, drafter
+      if drafter in ("ngram", "mtp"):
+        assert got.spec_accepted_tokens > 0, drafter
+      else:
+        assert got.spec_draft_tokens == 0
+    got = client.generate(prompt, max_tokens=8, drafter="mtp", max_draft_tokens=1)
+    assert got.token_ids == want.output_ids[:8]
+    got = client.generate(prompt, max_tokens=8, ignore_eos=True, drafter="ngram",
+                          logprobs=True, top_logprobs=2)
+    assert got.token_ids == want.output_ids[:8] and len(got.logprobs) == 8
+    assert all(top[0][0] == tok for tok, (_, top) in zip(got.token_ids, got.logprobs))
+    code, details = status_of(lambda: client.generate(prompt, max_tokens=4, drafter="learned"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("speculative.drafter:")
+  assert_idle(spec)
 
 
 # ---- cancellation, abort, overload -----------------------------------------------------------

@@ -18,6 +18,7 @@ threads and never wait for a device step (adds and aborts go through an inbox).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -40,8 +41,7 @@ from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Re
                                     RequestOutput, StopParams, TokenLogprob, stop_ids_for)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
-from engine.runtime.speculative.learned import NgramTable
-from engine.runtime.speculative.serving import speculative_decode_loop
+from engine.runtime.speculative.runtime import SpecRuntime
 
 MAX_STOP_IDS = 16  # stop token ids per request (EOS included): a static shape of decode_loop
 
@@ -57,13 +57,18 @@ class EngineConfig:
   enable_prefix_cache: bool = True
   row_widths: tuple[int, ...] = DEFAULT_ROW_WIDTHS
   max_decode_steps: int = 16  # most decode iterations per device loop (1 disables the loop)
-  # Speculative decoding in decode-only loops: None (off), "ngram" (prompt lookup in the
-  # request's last `ngram_window` tokens) or "learned" (an n-gram table learned from every
-  # request's decoded tokens, `learned_table_slots` slots, kept by the engine), drafting
-  # `num_draft_tokens` per iteration. A loop then gets a budget of at least
-  # num_draft_tokens + 1 tokens (max_decode_steps must allow it).
+  # Speculative decoding in decode-only loops (`speculative/runtime.py`): the default drafter
+  # of requests that do not choose one (`SamplingParams.drafter`): None (off), "ngram" (prompt
+  # lookup in the request's last `ngram_window` tokens), "learned" (an n-gram table learned
+  # from every request's decoded tokens, `learned_table_slots` slots, kept by the engine),
+  # "mtp" (the model's MTP layer) or "draft" (`Engine(draft=...)`); `drafters`: more that
+  # requests may choose. Up to `num_draft_tokens` per iteration, or with `adaptive_k` a k
+  # chosen every iteration by the goodput model (costs measured at warmup). A loop then gets
+  # a budget of at least num_draft_tokens + 1 tokens (max_decode_steps must allow it).
   speculative: str | None = None
+  drafters: tuple[str, ...] = ()
   num_draft_tokens: int = 4
+  adaptive_k: bool = False
   ngram_window: int = 512
   learned_table_slots: int = 1 << 16
   cache_dtype: Any = None  # default: the parameters' dtype
@@ -98,9 +103,11 @@ class Engine:
   """Continuous-batching engine over one model replica."""
 
   def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig = EngineConfig(),
-               tokenizer: Any = None, eos_token_ids: Sequence[int] = (), mesh: Any = None):
+               tokenizer: Any = None, eos_token_ids: Sequence[int] = (), mesh: Any = None,
+               draft: tuple[ModelConfig, Params] | None = None):
     """`mesh`: the `jax.sharding.Mesh` the parameters are placed on (`engine.model.sharding`);
-    the cache is placed by the same module's rules and every program runs under it."""
+    the cache is placed by the same module's rules and every program runs under it.
+    `draft`: (config, params) of a draft model with the target's vocabulary (drafter "draft")."""
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
     self.eos_token_ids = tuple(eos_token_ids)
@@ -120,13 +127,21 @@ class Engine:
     self.scheduler = Scheduler(self.sched_config, self.pool)
     self.cache = init_cache(cfg, num_pages, config.page_size, dtype)
     devices = jax.tree.leaves(params)[0].sharding.device_set
-    if mesh is not None:
-      self.cache = jax.device_put(self.cache,
-                                  [cache_sharding(cfg, mesh)] * len(self.cache))
-    elif len(devices) == 1:
-      # Commit the cache where the weights are: jit outputs are committed when an input is,
-      # and a cache whose commitment changes after the first step would compile twice.
-      self.cache = jax.device_put(self.cache, next(iter(devices)))
+
+    def place(cache, c=cfg):
+      if mesh is not None:
+        return jax.device_put(cache, [cache_sharding(c, mesh)] * len(cache))
+      if len(devices) == 1:
+        # Commit the cache where the weights are: jit outputs are committed when an input is,
+        # and a cache whose commitment changes after the first step would compile twice.
+        return jax.device_put(cache, next(iter(devices)))
+      return cache
+
+    self.cache = place(self.cache)
+    self.spec = SpecRuntime(cfg, config, num_pages, dtype, draft,
+                            place=lambda c: place(c, draft[0]),
+                            place_state=lambda x: jax.device_put(x, next(iter(devices)))
+                            if mesh is None and len(devices) == 1 else x)
     self.traffic = TrafficStats()
     self.buckets = derive_buckets(self.sched_config, config.row_widths,
                                   TrafficStats.load(config.traffic_stats_path))
@@ -147,24 +162,19 @@ class Engine:
     self._last_batch: tuple[str, ...] = ()
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
-    if config.speculative not in (None, "ngram", "learned"):
-      raise ValueError(f"EngineConfig.speculative must be None, 'ngram' or 'learned', got "
-                       f"{config.speculative!r}")
-    self.ngram_table = (NgramTable.empty(config.learned_table_slots)
-                        if config.speculative == "learned" else None)
-    if config.speculative and config.max_decode_steps < config.num_draft_tokens + 1:
-      raise ValueError("EngineConfig.max_decode_steps must be >= num_draft_tokens + 1 with "
-                       "speculative decoding")
-    if config.speculative:
+    if self.spec.enabled:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
     self._take_snapshot()
 
   @staticmethod
-  def from_model(model: Any, config: EngineConfig = EngineConfig()) -> "Engine":
-    """From an `engine.load` result."""
+  def from_model(model: Any, config: EngineConfig = EngineConfig(),
+                 draft_model: Any = None) -> "Engine":
+    """From an `engine.load` result (and a loaded draft model for drafter "draft")."""
     return Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
                   if config.kernels == REFERENCE else config, model.tokenizer,
-                  model.eos_token_ids, mesh=getattr(model, "mesh", None))
+                  model.eos_token_ids, mesh=getattr(model, "mesh", None),
+                  draft=None if draft_model is None else (draft_model.config,
+                                                          draft_model.params))
 
   def _on_mesh(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -185,8 +195,7 @@ class Engine:
     """Queues a request; raises ValueError naming the offending field on bad input."""
     ids = self._encode(prompt)
     sampling.validate()
-    if sampling.logprobs is not None and self.config.speculative:
-      raise ValueError("logprobs: not available while the engine decodes speculatively")
+    drafter = self.spec.resolve(sampling.drafter)
     stop.validate()
     stop_ids = stop_ids_for(stop, self.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
@@ -209,7 +218,7 @@ class Engine:
       if rid in self.requests:
         raise ValueError(f"request_id: {rid!r} is already in use")
       req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
-                    stop_ids=stop_ids, arrival_order=next(self._order))
+                    stop_ids=stop_ids, arrival_order=next(self._order), drafter=drafter)
       self.requests[rid] = req
       self._inbox.append(req)
     self._apply_inbox_if_idle()
@@ -317,9 +326,9 @@ class Engine:
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
     self._last_batch = batch
-    if self.config.speculative:  # one speculative iteration may emit num_draft_tokens + 1
-      return max(self._decode_steps, self.config.num_draft_tokens + 1)
-    return self._decode_steps
+    # One speculative iteration may emit num_draft_tokens + 1 tokens.
+    return self.spec.budget(self._decode_steps,
+                            any(r.drafter for r in self.scheduler.running))
 
   def _page_table_row(self, req: Request) -> np.ndarray:
     row = np.full((self.max_pages_per_seq,), NULL_PAGE, np.int32)
@@ -340,24 +349,35 @@ class Engine:
     n_new = np.zeros((b,), np.int32)
     table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
     row_req: list[Request | None] = [None] * b
+    next_tokens = np.zeros((b, w), np.int32)  # token after each position (-1: sampled here)
     sampling_rows = []
     r = 0
     for seg in plan.segments:
-      ids = seg.request.all_ids[seg.start:seg.start + seg.num_tokens]
+      ids = seg.request.all_ids[seg.start:seg.start + seg.num_tokens + 1]
       table_row = self._page_table_row(seg.request)
       for off in range(0, seg.num_tokens, w):
-        chunk = ids[off:off + w]
+        chunk = ids[off:min(off + w, seg.num_tokens)]
         tokens[r, :len(chunk)] = chunk
+        nxt = ids[off + 1:off + 1 + len(chunk)]
+        next_tokens[r, :len(chunk)] = nxt + [-1] * (len(chunk) - len(nxt))
         start[r], n_new[r], table[r] = seg.start + off, len(chunk), table_row
         row_req[r] = seg.request
         r += 1
       sampling_rows.append(r - 1 if seg.samples else None)
+    mtp_hidden = None
     with self._on_mesh():
-      sampled, lps, self.cache = steps.model_step(
-          self.params, self.cache, tokens, start, n_new, table,
-          self._sampling_arrays(row_req), cfg=self.cfg, impl=self.config.kernels)
-    sampled, lps = jax.device_get((sampled, lps))
+      if self.spec.observes:
+        sampled, lps, mtp_hidden, self.cache = self.spec.model_step(
+            self.params, self.cache, tokens, start, n_new, table,
+            self._sampling_arrays(row_req), next_tokens, impl=self.config.kernels)
+      else:
+        sampled, lps, self.cache = steps.model_step(
+            self.params, self.cache, tokens, start, n_new, table,
+            self._sampling_arrays(row_req), cfg=self.cfg, impl=self.config.kernels)
+    sampled, lps, mtp_hidden = jax.device_get((sampled, lps, mtp_hidden))
     for seg, row in zip(plan.segments, sampling_rows):
+      if mtp_hidden is not None and row is not None:
+        seg.request.mtp_hidden = mtp_hidden[row]
       if row is None:
         self._advance(seg.request, seg.start + seg.num_tokens, [])
       else:
@@ -382,22 +402,11 @@ class Engine:
       remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    if self.config.speculative:
-      history, history_len = self._histories(reqs, b)
+    if any(r.drafter for r in reqs):  # logprobs come from the verify logits
       with self._on_mesh():
-        out, counts, _, spec, self.ngram_table, self.cache = speculative_decode_loop(
-            self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
-            min_before, np.int32(plan.num_steps), history, history_len, self.ngram_table,
-            max_steps=self.config.max_decode_steps, num_draft=self.config.num_draft_tokens,
-            drafter=self.config.speculative, cfg=self.cfg, impl=self.config.kernels)
-      out, counts, spec = jax.device_get((out, counts, spec))
-      lps = None  # add_request refuses logprobs when the engine speculates
-      self.counters["spec_steps"] += int(spec.steps.sum())
-      self.counters["spec_drafted"] += int(spec.draft_tokens.sum())
-      self.counters["spec_accepted"] += int(spec.accepted_tokens.sum())
-      for i, req in enumerate(reqs):
-        for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
-          req.spec[j] += int(x[i])
+        out, counts, lps, self.cache = self.spec.decode(
+            self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+            remaining, min_before, plan.num_steps, self.counters, impl=self.config.kernels)
     else:
       with self._on_mesh():
         out, counts, _, lps, self.cache = steps.decode_loop(
@@ -409,17 +418,6 @@ class Engine:
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
                     None if lps is None else [_logprob(req, lps, (i, j)) for j in range(n)])
-
-  def _histories(self, reqs: Sequence[Request], b: int) -> tuple[np.ndarray, np.ndarray]:
-    """[b, window + max_decode_steps] each request's last `ngram_window` tokens, and counts."""
-    window = self.config.ngram_window
-    history = np.zeros((b, window + self.config.max_decode_steps), np.int32)
-    history_len = np.zeros((b,), np.int32)
-    for i, req in enumerate(reqs):
-      recent = req.all_ids[-window:]
-      history[i, :len(recent)] = recent
-      history_len[i] = len(recent)
-    return history, history_len
 
   # ---- host-side token handling --------------------------------------------------------------
 
@@ -524,37 +522,45 @@ class Engine:
     return done
 
   def warmup(self, progress=None) -> int:
-    """Compiles every bucket (mixed shapes, then decode-loop batch sizes); returns the count.
-
-    `progress(done, total, what)` is called after each program.
-    """
+    """Compiles every bucket (mixed shapes, then decode-loop batch sizes, plain and, with
+    drafters, speculative); with `adaptive_k`, measures the cost model (`SpecRuntime`).
+    Returns the number of programs. `progress(done, total, what)` is called after each."""
     shapes = [("step", b, w) for b, w in self.buckets.mixed_shapes()]
     shapes += [("decode", b, 1) for b in self.buckets.decode]
+    if self.spec.enabled:
+      shapes += [("spec", b, 1) for b in self.buckets.decode]
     with self._lock, self._on_mesh():
       for i, (kind, b, w) in enumerate(shapes):
         table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
         zeros = np.zeros((b,), np.int32)
         samp = self._sampling_arrays([None] * b)
-        if kind == "step":
+        stop_ids = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        if kind == "step" and self.spec.observes:
+          *_, self.cache = self.spec.model_step(
+              self.params, self.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
+              np.zeros((b, w), np.int32), impl=self.config.kernels)
+        elif kind == "step":
           _, _, self.cache = steps.model_step(
               self.params, self.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
               cfg=self.cfg, impl=self.config.kernels)
-        elif self.config.speculative:
-          history, history_len = self._histories([], b)
-          *_, self.ngram_table, self.cache = speculative_decode_loop(
-              self.params, self.cache, zeros, zeros, table, samp,
-              np.full((b, MAX_STOP_IDS), -1, np.int32), zeros, zeros, np.int32(1), history,
-              history_len, self.ngram_table, max_steps=self.config.max_decode_steps,
-              num_draft=self.config.num_draft_tokens, drafter=self.config.speculative,
-              cfg=self.cfg, impl=self.config.kernels)
+        elif kind == "spec":
+          counters = collections.Counter()
+          *_, self.cache = self.spec.decode(
+              self.params, self.cache, [], zeros, zeros, table, samp, stop_ids, zeros, zeros,
+              1, counters, impl=self.config.kernels)
         else:
           *_, self.cache = steps.decode_loop(
-              self.params, self.cache, zeros, zeros, table, samp,
-              np.full((b, MAX_STOP_IDS), -1, np.int32), zeros, zeros, np.int32(1),
-              max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=self.config.kernels)
+              self.params, self.cache, zeros, zeros, table, samp, stop_ids, zeros, zeros,
+              np.int32(1), max_steps=self.config.max_decode_steps, cfg=self.cfg,
+              impl=self.config.kernels)
         if progress is not None:
           progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
+      if self.spec.enabled and self.config.adaptive_k:
+        sizes = (min(self.buckets.decode), max(self.buckets.decode))
+        self.cache = self.spec.measure_costs(self.params, self.cache, sizes,
+                                             self.max_pages_per_seq, impl=self.config.kernels)
       jax.block_until_ready(self.cache)
+    self._take_snapshot()
     return len(shapes)
 
   def save_traffic_stats(self) -> None:
@@ -569,7 +575,7 @@ class Engine:
                 num_requests_waiting=len(waiting), kv_cache_usage_perc=pool.usage,
                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
                 num_preemptions=self.scheduler.num_preemptions,
-                waiting_tokens=sum(r.num_uncomputed for r in waiting))
+                waiting_tokens=sum(r.num_uncomputed for r in waiting), **self.spec.stats())
     with self._inbox_lock:
       self._snapshot = snap
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from engine.runtime.sampling import SamplingParams
 
@@ -102,6 +102,8 @@ class Request:
   num_preemptions: int = 0
   # Speculative decoding: [steps with a draft, drafted tokens, accepted drafted tokens].
   spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
+  drafter: str | None = None  # resolved at admission (None: plain decoding)
+  mtp_hidden: Any = None  # [H] MTP output at position num_computed - 1 (drafter "mtp")
   finish_reason: str | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))

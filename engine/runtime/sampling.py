@@ -37,6 +37,10 @@ class SamplingParams:
   # (None: off; 0: the sampled token only). Log-probabilities are of the model's distribution
   # (log_softmax of the logits), before temperature/top-k/top-p/min-p, as in vLLM.
   logprobs: int | None = None
+  # Serving only: the speculative drafter for this request (None: the engine's default;
+  # "off", or one the engine enables: "ngram", "learned", "mtp", "draft").
+  drafter: str | None = None
+  max_draft_tokens: int | None = None  # per-request cap on drafts per step (None: the engine's)
 
   def validate(self) -> None:
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -49,6 +53,11 @@ class SamplingParams:
       raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+    if self.drafter not in (None, "off", "ngram", "learned", "mtp", "draft"):
+      raise ValueError(f"drafter must be one of off, ngram, learned, mtp, draft, got "
+                       f"{self.drafter!r}")
+    if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
+      raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
     if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

@@ -44,10 +44,18 @@ def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array
     request's known tokens), its logprobs (`sampling.token_logprobs`), cache).
   """
   hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
+  tokens, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
+  return tokens, lps, cache
+
+
+def sample_rows(params: Params, hidden: jax.Array, start: jax.Array, n_new: jax.Array,
+                sampling: SamplingArrays, cfg: ModelConfig
+                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+  """The token after each row's last real position, and its logprobs (`model_step`)."""
   last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = compute_logits(params, last, cfg)
   tokens = sample(logits, sampling, start + n_new)
-  return tokens, token_logprobs(logits, tokens), cache
+  return tokens, token_logprobs(logits, tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("max_steps", "cfg", "impl"),

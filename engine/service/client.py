@@ -71,6 +71,8 @@ class Completion:
   prompt_tokens: int = 0
   cached_tokens: int = 0
   completion_tokens: int = 0
+  spec_draft_tokens: int = 0  # speculative decoding: drafted and accepted tokens
+  spec_accepted_tokens: int = 0
   server_timings: dict[str, float] = dataclasses.field(default_factory=dict)
   sent_at: float = 0.0
   chunk_times: list[float] = dataclasses.field(default_factory=list)
@@ -95,6 +97,8 @@ class Completion:
       self.stop = getattr(f, which) if which else None
       self.prompt_tokens, self.cached_tokens, self.completion_tokens = (
           f.usage.prompt_tokens, f.usage.cached_tokens, f.usage.completion_tokens)
+      self.spec_draft_tokens = f.speculative.num_draft_tokens
+      self.spec_accepted_tokens = f.speculative.num_accepted_tokens
       self.server_timings = dict(queue_s=f.timings.queue_s, ttft_s=f.timings.ttft_s,
                                  e2e_s=f.timings.e2e_s)
       if f.timings.HasField("time_to_first_answer_token_s"):

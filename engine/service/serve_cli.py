@@ -51,11 +51,17 @@ flags.DEFINE_integer("max_decode_steps", 16, "Decode iterations per device loop.
 flags.DEFINE_string("compilation_cache_dir",
                     os.path.join(os.path.expanduser("~"), ".cache", "moejax", "jax_cache"),
                     "JAX persistent compilation cache: a restart loads, not recompiles ('' off).")
-flags.DEFINE_enum("speculative", "off", ["off", "ngram", "learned"], "Speculative decoding "
-                  "for decode-only steps: n-gram prompt lookup, or a table learned across "
-                  "requests (lossless; logprobs are refused while on).")
+flags.DEFINE_enum("speculative", "off", ["off", "ngram", "learned", "mtp", "draft"],
+                  "Default speculative drafter of decode-only steps (requests may choose "
+                  "another, see --drafters): n-gram prompt lookup, a table learned across "
+                  "requests, the checkpoint's MTP layer, or --draft_checkpoint (lossless).")
+flags.DEFINE_list("drafters", [], "More drafters requests may choose (SpeculativeOptions).")
 flags.DEFINE_integer("num_draft_tokens", 4, "Draft tokens per step with --speculative.",
                      lower_bound=1)
+flags.DEFINE_bool("adaptive_k", False, "Choose the draft length every step from measured "
+                  "acceptance and costs measured at warm-up (k = 0 where drafting does not pay).")
+flags.DEFINE_string("draft_checkpoint", None, "Draft model directory (same tokenizer) for the "
+                    "'draft' drafter.")
 flags.DEFINE_string("traffic_stats_path", None, "Histogram of step shapes: read at start to "
                     "choose the compiled buckets, written back at shutdown.")
 flags.DEFINE_string("api_keys_file", None, "File with one API key per line: clients must send "
@@ -135,8 +141,11 @@ def main(argv: list[str]) -> int:
     raise SystemExit(f"error: checkpoint directory not found: {FLAGS.checkpoint}")
   try:
     config = server_config()
-    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup())
+    mesh = mesh_flags.setup()
+    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh)
     model.kernels = mesh_flags.kernel_choice()
+    draft = (engine.load(FLAGS.draft_checkpoint, dtype=FLAGS.dtype, mesh=mesh)
+             if FLAGS.draft_checkpoint else None)
     eng = Engine.from_model(model, EngineConfig(
         page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
         kv_cache_memory_fraction=FLAGS.kv_cache_memory_fraction,
@@ -145,7 +154,8 @@ def main(argv: list[str]) -> int:
         compilation_cache_dir=FLAGS.compilation_cache_dir or None,
         traffic_stats_path=FLAGS.traffic_stats_path,
         speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
-        num_draft_tokens=FLAGS.num_draft_tokens))
+        drafters=tuple(FLAGS.drafters), num_draft_tokens=FLAGS.num_draft_tokens,
+        adaptive_k=FLAGS.adaptive_k), draft_model=draft)
   except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
     raise SystemExit(f"error: {e}") from None
   asyncio.run(serve(eng, config, FLAGS.metrics_port))

@@ -225,7 +225,8 @@ class InferenceServer:
     self.engine_loop = EngineLoop(engine)
     self.limits = validation.RequestLimits(
         vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
-        num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings)
+        num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings,
+        drafters=engine.spec.enabled)
     self.state = "created"  # -> starting -> serving -> draining -> stopped
     self.port: int | None = None
     self._server: grpc.aio.Server | None = None

@@ -17,7 +17,9 @@ from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from engine.service.proto import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64
-DRAFTERS = ("", "none", "mtp", "ngram", "draft_model")
+# Proto drafter names -> engine names ("" : the server's default drafter).
+DRAFTERS = {"": None, "none": "off", "off": "off", "ngram": "ngram", "learned": "learned",
+            "mtp": "mtp", "draft": "draft", "draft_model": "draft"}
 MAX_DRAFT_TOKENS = 16
 
 
@@ -38,6 +40,7 @@ class RequestLimits:
   max_stop_strings: int = 8
   max_stop_string_chars: int = 256
   max_request_id_chars: int = 128
+  drafters: tuple[str, ...] = ()  # drafters the engine enables (requests may choose them)
 
   @property
   def max_stop_token_ids(self) -> int:
@@ -160,16 +163,21 @@ def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits) -> StopPa
                     include_stop_str_in_output=s.include_stop_str_in_output)
 
 
-def check_speculative(spec: Any) -> None:
+def check_speculative(spec: Any, limits: RequestLimits) -> dict[str, Any]:
+  """The request's drafter and draft cap as `SamplingParams` fields."""
   if spec.drafter not in DRAFTERS:
     raise FieldError("speculative.drafter", f"unknown drafter {spec.drafter!r}; one of "
                      f"{[d for d in DRAFTERS if d]}")
+  drafter = DRAFTERS[spec.drafter]
+  if drafter not in (None, "off") and drafter not in limits.drafters:
+    raise FieldError("speculative.drafter", f"{spec.drafter!r} is not enabled on this server "
+                     f"(enabled: {', '.join(limits.drafters) or 'none'}; serve --speculative, "
+                     f"--drafters)")
   if spec.HasField("max_draft_tokens") and not 1 <= spec.max_draft_tokens <= MAX_DRAFT_TOKENS:
     raise FieldError("speculative.max_draft_tokens", f"must be in [1, {MAX_DRAFT_TOKENS}], got "
                      f"{spec.max_draft_tokens}")
-  if spec.drafter not in ("", "none"):
-    raise FieldError("speculative.drafter", "choosing a drafter per request is not supported "
-                     "yet (the server-wide --speculative applies to every request)")
+  return dict(drafter=drafter, max_draft_tokens=spec.max_draft_tokens
+              if spec.HasField("max_draft_tokens") else None)
 
 
 def parse_generate(request: "pb.GenerateRequest", tokenizer: Any,
@@ -179,5 +187,6 @@ def parse_generate(request: "pb.GenerateRequest", tokenizer: Any,
   ids = prompt_ids(request, tokenizer, limits)
   sampling = sampling_params(request.sampling)
   stop = stop_params(request.sampling, len(ids), limits)
-  check_speculative(request.speculative)
+  spec = check_speculative(request.speculative, limits)
+  sampling = dataclasses.replace(sampling, **spec)
   return ParsedRequest(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop)

@@ -5,5 +5,6 @@
 * `learned`: an on-device n-gram table learned across requests (`NgramMemory`).
 * `goodput`: adaptive draft length.
 * `loop`: `speculative_decode`, the jitted `lax.while_loop` next to `generate.decode`.
-* `serving`: `speculative_decode_loop`, the serving engine's decode-only loop with n-gram drafts.
+* `serving`: `speculative_decode_loop`, the serving engine's decode-only loop (drafter per row).
+* `runtime`: `SpecRuntime`, the engine's speculative state, drafter feeding and cost model.
 """

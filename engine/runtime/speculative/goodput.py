@@ -40,3 +40,20 @@ def choose(a: jnp.ndarray, live_rows: jnp.ndarray, choices: tuple[int, ...], dra
   ks = jnp.asarray(choices, jnp.float32)
   cost = 1.0 + ks * (draft_cost + verify_cost * live_rows.astype(jnp.float32))
   return jnp.argmax(expected_tokens(a, ks) / cost).astype(jnp.int32)
+
+
+
+def choose_rows(a: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray,
+                choices: tuple[int, ...], draft_cost: jnp.ndarray, verify_cost: jnp.ndarray
+                ) -> jnp.ndarray:
+  """Index into `choices` maximising sum_b E[tau_b](k) / T(B, k) over the live rows.
+
+  a [B] each row's acceptance estimate; drafting [B] bool live rows with a drafter (the others
+  emit one token whatever k is); live [B] bool. T(B, k) = 1 + k (draft_cost + verify_cost B).
+  """
+  ks = jnp.asarray(choices, jnp.float32)
+  per_row = jnp.where(drafting[:, None], expected_tokens(a[:, None], ks[None, :]), 1.0)
+  tokens = jnp.sum(jnp.where(live[:, None], per_row, 0.0), axis=0)
+  rows = jnp.sum(live).astype(jnp.float32)
+  cost = 1.0 + ks * (draft_cost + verify_cost * rows)
+  return jnp.argmax(tokens / cost).astype(jnp.int32)

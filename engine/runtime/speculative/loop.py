@@ -109,13 +109,14 @@ class Verified:
   emitted: jax.Array  # [B, K+1] d_1 .. d_a, extra, then don't-care
   n_emit: jax.Array  # [B] tokens the row emits (a + 1, cut after a stop id; 0 if not live)
   stopped: jax.Array  # [B] bool: a stop id ended the row inside the block
+  logits: jax.Array  # [B, K+1, V] target logits: slot i is the distribution of emitted[:, i]
 
 
 def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                  q: jax.Array | None, n_draft: jax.Array, n_cached: jax.Array, live: jax.Array,
                  n_out: jax.Array, stop_ids: jax.Array, min_before_stop: jax.Array,
                  sampling: SamplingArrays, page_table: jax.Array, *, cfg: ModelConfig,
-                 impl: KernelChoice) -> Verified:
+                 impl: KernelChoice, q_rows: jax.Array | None = None) -> Verified:
   """ONE target forward over `[tok, d_1 .. d_K]`, acceptance and stop ids.
 
   Args:
@@ -123,6 +124,8 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
     n_draft: [B] real drafts (0 for rows that are not live); live: [B] bool.
     n_out: [B] tokens the row emitted so far; a stop id counts only once the row has emitted
       at least `min_before_stop` [B] tokens; stop_ids: [B, S] padded with -1.
+    q_rows: [B] bool, with q: the rows whose drafts come from q; the others are deterministic
+      (verified against the target's own samples, as with q None).
   """
   b, k = draft.shape
   live_i = live.astype(jnp.int32)
@@ -131,6 +134,9 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                           cfg=cfg, impl=impl)
   logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
   n_acc, extra = verify(logits, draft, q, n_draft, sampling, n_cached + 1)
+  if q is not None and q_rows is not None:
+    m_acc, m_extra = verify(logits, draft, None, n_draft, sampling, n_cached + 1)
+    n_acc, extra = jnp.where(q_rows, n_acc, m_acc), jnp.where(q_rows, extra, m_extra)
   slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
   emitted = jnp.where(slots < n_acc[:, None],
                       jnp.concatenate([draft, jnp.zeros((b, 1), jnp.int32)], axis=1),
@@ -142,7 +148,7 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
   stopped = jnp.any(is_stop, axis=1) & live
   n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n_emit)
   return Verified(cache=cache, hidden=hidden, n_accepted=n_acc * live_i, extra=extra,
-                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped)
+                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped, logits=logits)
 
 
 @functools.partial(

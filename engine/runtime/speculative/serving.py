@@ -1,15 +1,36 @@
-"""`speculative_decode_loop`: the serving engine's decode-only device loop with n-gram drafting.
+"""`speculative_decode_loop`: the serving engine's decode-only device loop with drafting.
 
 Same contract as `steps.decode_loop` (B rows that only decode; a token budget `num_steps` per
 call, for which the scheduler took pages up front; EOS/stop ids and per-row limits on the
-device), but every iteration drafts up to K tokens per row, by prompt lookup in the row's recent
-tokens ("ngram") or from the engine's learned n-gram table ("learned", updated from every
-emitted token and handed back), and verifies them with ONE target forward over K + 1 positions. A row never writes past
-`n_cached + limit - 1`, so the pages taken for `num_steps` plain decode steps suffice.
+device), but every iteration drafts up to k tokens per row and verifies them with ONE target
+forward over k + 1 positions. A row never writes past `n_cached + limit - 1`, so the pages
+taken for `num_steps` plain decode steps suffice.
+
+Drafters per row: `row_drafter[b]` indexes `DRAFTER_IDS` (0 = off: the row drafts nothing and
+decodes one token per iteration). Every drafter the engine enables (`drafters`, static) computes
+its proposals for the whole batch and rows take their own with `jnp.where`:
+* "ngram": prompt lookup in the row's recent tokens (`history`);
+* "learned": the engine's n-gram table, updated from every emitted token and handed back;
+* "mtp": the model's MTP layer; it observes every verified block of every row (its cache covers
+  all rows, so shared prefix pages stay valid for any drafter) and keeps each row's last MTP
+  hidden state (`mtp_hidden`, in and out);
+* "draft": a small model with its own paged cache on the same page table. Every row feeds it
+  (also rows of other drafters): tokens it has not seen correctly yet (`pending`, at most k) go
+  in front of its first forward, and the loop flushes them at the end, so between engine steps
+  the draft cache holds exactly the positions the target cache holds.
+Rows of deterministic drafters are verified against the target's own (seed, position) samples
+(sampled output token for token that of plain decoding), rows of model drafters by speculative
+sampling with their q.
+
+The draft length k is chosen per iteration from the compiled `choices` (`lax.switch`, only the
+chosen branch runs): forced (`force_k` >= 0, an index) or by the goodput model
+(`goodput.choose_rows`) from the per-drafter acceptance estimates `accept` [D, 2] (decayed
+accepted / ended counts; carried across calls by the engine) and the measured costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,26 +39,80 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
-from engine.model.transformer import Cache
-from engine.runtime.sampling import SamplingArrays
-from engine.runtime.speculative import drafters, learned
+from engine.model.transformer import Cache, compute_logits, forward
+from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
+from engine.runtime.speculative import drafters as dr, goodput, learned
+from engine.runtime.speculative.acceptance import draft_sample
 from engine.runtime.speculative.loop import SpecStats, _place, verify_block
+
+DRAFTER_IDS = ("off", "ngram", "learned", "mtp", "draft")
+DETERMINISTIC = ("ngram", "learned")
+
+
+def drafter_id(name: str | None) -> int:
+  return DRAFTER_IDS.index(name or "off")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopResult:
+  out: jax.Array  # [B, max_steps] new tokens, -1 past each row's count
+  counts: jax.Array  # [B]
+  stopped: jax.Array  # [B] bool
+  stats: SpecStats
+  k_steps: jax.Array  # [len(choices)] iterations run with each draft length
+  accept: jax.Array  # [D, 2] updated acceptance counts
+  table: learned.NgramTable | None
+  mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
+  draft_cache: Cache | None
+  logprobs: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (zeros unless
+  # `want_logprobs`): chosen [B, max_steps], top ids and logprobs [B, max_steps, 20]
+
+
+def _draft_feed_propose(draft_params, dcache, pending, n_pending, tok, n_cached, live,
+                        page_table, sampling, *, k, draft_cfg, impl):
+  """Feeds each row's pending tokens and its newest token, then drafts k >= 1 tokens.
+
+  pending [B, P] tokens at positions n_cached - n_pending .. n_cached - 1 the draft cache lacks.
+  Returns (draft [B, k], q [B, k, V], draft cache holding positions < n_cached + k).
+  """
+  live_i = live.astype(jnp.int32)
+  block = jnp.concatenate([pending, jnp.zeros_like(pending[:, :1])], axis=1)
+  block = _place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
+  hidden, dcache = forward(draft_params, dcache, block, n_cached - n_pending,
+                           (n_pending + 1) * live_i, page_table, cfg=draft_cfg, impl=impl)
+  h = jnp.take_along_axis(hidden, n_pending[:, None, None], axis=1)[:, 0]
+  drafts, qs = [], []
+  for j in range(1, k + 1):
+    if j > 1:
+      hidden, dcache = forward(draft_params, dcache, drafts[-1][:, None], n_cached + j - 1,
+                               live_i, page_table, cfg=draft_cfg, impl=impl)
+      h = hidden[:, 0]
+    t, q = draft_sample(compute_logits(draft_params, h, draft_cfg), sampling, n_cached + j)
+    drafts.append(t)
+    qs.append(q)
+  return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), dcache
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("max_steps", "num_draft", "drafter", "cfg", "impl"),
-                   donate_argnames=("cache", "ngram_table"))
+                   static_argnames=("max_steps", "choices", "drafters", "cfg", "draft_cfg",
+                                    "impl"),
+                   donate_argnames=("cache", "table", "draft_cache"))
 def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             n_cached: jax.Array, page_table: jax.Array,
                             sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
                             min_before_stop: jax.Array, num_steps: jax.Array,
-                            history: jax.Array, history_len: jax.Array,
-                            ngram_table: learned.NgramTable | None = None, *, max_steps: int,
-                            num_draft: int, drafter: str = "ngram", cfg: ModelConfig,
-                            impl: KernelChoice = REFERENCE
-                            ) -> tuple[jax.Array, jax.Array, jax.Array, SpecStats,
-                                       learned.NgramTable | None, Cache]:
-  """Up to `num_steps` (<= max_steps) new tokens per row, K = num_draft drafted per iteration.
+                            history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
+                            row_max_draft: jax.Array, accept: jax.Array, costs: jax.Array,
+                            force_k: jax.Array, want_logprobs: jax.Array,
+                            table: learned.NgramTable | None = None,
+                            mtp_hidden: jax.Array | None = None,
+                            draft_params: Params | None = None,
+                            draft_cache: Cache | None = None, *, max_steps: int,
+                            choices: tuple[int, ...], drafters: tuple[str, ...],
+                            cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
+                            impl: KernelChoice = REFERENCE) -> tuple[LoopResult, Cache]:
+  """Up to `num_steps` (<= max_steps) new tokens per row.
 
   Args:
     tokens, n_cached, page_table, sampling, stop_ids, remaining, min_before_stop, num_steps:
@@ -45,43 +120,160 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     history: [B, W] int32 the row's most recent tokens, oldest first, ending with `tokens`;
       W >= history_len + max_steps (the loop appends what it emits).
     history_len: [B] int32 tokens in `history` (>= 1 for real rows).
-    ngram_table: drafter "learned" only (donated).
-  Returns:
-    (out [B, max_steps] (-1 past each row's count), counts [B], stopped [B] bool, SpecStats,
-     the updated table (or None), cache).
+    row_drafter: [B] int32 index into DRAFTER_IDS (0: off); only enabled drafters.
+    row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
+    accept: [len(DRAFTER_IDS), 2] float32 decayed (accepted, ended) counts per drafter.
+    costs: [len(DRAFTER_IDS) + 2] float32, relative to a plain decode step: each drafter's
+      cost per drafted token (when a live row uses it), then per verified position the base
+      cost and the cost per row: T(B, k) = 1 + k (base + drafters + per_row B) (`goodput`).
+    force_k: int32 scalar, index into `choices`, or -1 for the goodput choice.
+    want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
+    table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
+    draft_params, draft_cache ("draft"; the cache is donated and must hold positions
+      < n_cached of every row).
   """
-  if drafter not in ("ngram", "learned"):
-    raise ValueError(f"the serving loop drafts with 'ngram' or 'learned', got {drafter!r}")
-  b, k = tokens.shape[0], num_draft
+  b = tokens.shape[0]
+  k_max = max(choices)
   limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
+  ids = row_drafter.astype(jnp.int32)
+  use = {d: ids == drafter_id(d) for d in drafters}
+  model_rows = functools.reduce(jnp.logical_or, [use[d] for d in drafters
+                                                 if d not in DETERMINISTIC],
+                                jnp.zeros((b,), bool))
 
-  def step(state):
-    cache, tok, n_cached, done, count, out, stopped, history, history_len, stats, table = state
-    live = ~done
-    if drafter == "ngram":
-      draft, n_draft = drafters.ngram_propose(history, history_len - 1, k)
-    else:
-      draft, n_draft = learned.propose(table, history, history_len - 1, k)
-    n_draft = jnp.where(live, jnp.minimum(n_draft, limit - count - 1), 0)
-    v = verify_block(params, cache, tok, draft, None, n_draft, n_cached, live, count, stop_ids,
-                     min_before_stop, sampling, page_table, cfg=cfg, impl=impl)
-    out = _place(out, count, v.emitted, v.n_emit)
-    history = _place(history, history_len, v.emitted, v.n_emit)
-    count = count + v.n_emit
-    stopped = stopped | v.stopped
-    done = done | v.stopped | (count >= limit)
-    stats = stats.add(live, n_draft, v.n_accepted)
-    if drafter == "learned":
+  def step(k, s):
+    live = ~s["done"]
+    cache, tok, n_cached = s["cache"], s["tok"], s["n_cached"]
+    # Proposals of kk = max(k, 1) tokens: with k = 0 the first one is only compared with the
+    # emitted token afterwards (evidence for the acceptance estimate at no verify cost).
+    kk = max(k, 1)
+    draft = jnp.zeros((b, kk), jnp.int32)
+    n_draft = jnp.zeros((b,), jnp.int32)
+    q = None
+    new = {}
+    if "ngram" in drafters:
+      d, n = dr.ngram_propose(s["history"], s["history_len"] - 1, kk)
+      draft, n_draft = jnp.where(use["ngram"][:, None], d, draft), \
+          jnp.where(use["ngram"], n, n_draft)
+    if "learned" in drafters:
+      d, n = learned.propose(s["table"], s["history"], s["history_len"] - 1, kk)
+      draft, n_draft = jnp.where(use["learned"][:, None], d, draft), \
+          jnp.where(use["learned"], n, n_draft)
+    if "mtp" in drafters:  # k = 0: one head projection, no MTP forward
+      d, qm, cache = dr.mtp_propose(params, cache, s["mtp_hidden"], n_cached, live,
+                                    page_table, sampling, k=kk, cfg=cfg, impl=impl)
+      draft = jnp.where(use["mtp"][:, None], d, draft)
+      n_draft = jnp.where(use["mtp"], kk, n_draft)
+      q = qm
+    if "draft" in drafters:  # fed every iteration (k = 0 too)
+      d, qd, new["draft_cache"] = _draft_feed_propose(
+          draft_params, s["draft_cache"], s["pending"], s["n_pending"], tok, n_cached, live,
+          page_table, sampling, k=kk, draft_cfg=draft_cfg, impl=impl)
+      draft = jnp.where(use["draft"][:, None], d, draft)
+      n_draft = jnp.where(use["draft"], kk, n_draft)
+      q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
+    shadow, n_shadow = draft[:, 0], n_draft
+    if k == 0:
+      draft, n_draft, q = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), None
+    cap = jnp.minimum(limit - s["count"] - 1, row_max_draft)  # drafts the row allows
+    n_draft = jnp.where(live, jnp.minimum(n_draft, cap), 0)
+    # Rows of model drafters use their q; the others (deterministic drafters, off) match
+    # the target's own samples, so their sampled output is that of plain decoding.
+    v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, s["count"],
+                     stop_ids, min_before_stop, sampling, page_table, cfg=cfg, impl=impl,
+                     q_rows=model_rows)
+    n_acc, n_emit = v.n_accepted, v.n_emit
+    s = dict(s, cache=v.cache, **new)
+    s["out"] = _place(s["out"], s["count"], v.emitted, n_emit)
+
+    def logprobs(_):
+      t, vocab = v.logits.shape[1], v.logits.shape[2]
+      lp = token_logprobs(v.logits.reshape(b * t, vocab), v.emitted.reshape(-1))
+      return tuple(x.reshape((b, t) + x.shape[1:]) for x in lp)
+
+    kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    lp = jax.lax.cond(want_logprobs, logprobs, lambda _: (
+        jnp.zeros((b, k + 1), jnp.float32), jnp.zeros((b, k + 1, kt), jnp.int32),
+        jnp.zeros((b, k + 1, kt), jnp.float32)), None)
+    s["lps"] = tuple(_place(buf, s["count"], x, n_emit) for buf, x in zip(s["lps"], lp))
+    s["history"] = _place(s["history"], s["history_len"], v.emitted, n_emit)
+    if "learned" in drafters:  # learn from every emitted token (history already holds them)
       slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-      table = learned.update(table, history, history_len[:, None] + slots,
-                             slots < v.n_emit[:, None])
-    return (v.cache, jnp.where(live, v.extra, tok), n_cached + v.n_emit, done, count, out,
-            stopped, history, history_len + v.n_emit, stats, table)
+      s["table"] = learned.update(s["table"], s["history"], s["history_len"][:, None] + slots,
+                                  slots < n_emit[:, None])
+    if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
+      h, s["cache"] = dr.mtp_observe(params, s["cache"], v.hidden, v.emitted, n_cached,
+                                     (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
+                                     impl=impl)
+      s["mtp_hidden"] = jnp.where(live[:, None], h, s["mtp_hidden"])
+    if "draft" in drafters:
+      # The draft model was fed tok and its own drafts d_1 .. d_{k'-1}: draft rows that
+      # accepted all of them lack the last accepted one, other rows every accepted token.
+      # (After a stop inside the block only the emitted tokens count.)
+      seen = jnp.where(use["draft"], jnp.minimum(n_acc, max(k, 1) - 1), 0)
+      n_pend = jnp.maximum(n_emit - 1 - seen, 0)
+      pend = jnp.take_along_axis(
+          v.emitted, jnp.minimum(seen[:, None] + jnp.arange(k_max)[None, :], k), axis=1)
+      s["pending"] = jnp.where(live[:, None], pend, s["pending"])
+      s["n_pending"] = jnp.where(live, n_pend, s["n_pending"])
+    s["count"] = s["count"] + n_emit
+    s["history_len"] = s["history_len"] + n_emit
+    s["n_cached"] = n_cached + n_emit
+    s["tok"] = jnp.where(live, v.extra, tok)
+    s["stopped"] = s["stopped"] | v.stopped
+    s["done"] = s["done"] | v.stopped | (s["count"] >= limit)
+    s["stats"] = s["stats"].add(live, n_draft, n_acc)
+    # Evidence for the acceptance estimate, per drafter: accepted drafts, and rows whose chain
+    # ended before k or the budget's cap (a rejection or no proposal); with k = 0, whether the
+    # first proposal equals the emitted token.
+    drafting = live & (ids > 0) & (cap >= 1)
+    if k > 0:
+      ended = drafting & (n_acc < jnp.minimum(k, cap))
+      acc = jnp.where(drafting, n_acc, 0).astype(jnp.float32)
+    else:
+      hit = drafting & (n_shadow > 0) & (shadow == v.emitted[:, 0])
+      ended, acc = drafting & ~hit, hit.astype(jnp.float32)
+    onehot = jax.nn.one_hot(ids, len(DRAFTER_IDS), dtype=jnp.float32)  # [B, D]
+    evidence = jnp.stack([acc @ onehot, ended.astype(jnp.float32) @ onehot], axis=1)  # [D, 2]
+    decay = goodput.DECAY
+    s["accept"] = decay * s["accept"] + evidence
+    return s
+
+  def body(s):
+    live = ~s["done"]
+    a = goodput.acceptance_estimate(s["accept"][ids, 0], s["accept"][ids, 1])
+    present = jnp.any(jax.nn.one_hot(ids, len(DRAFTER_IDS), dtype=bool) & live[:, None], 0)
+    draft_cost = costs[-2] + jnp.sum(jnp.where(present, costs[:-2], 0.0))
+    index = jnp.where(force_k >= 0, force_k,
+                      goodput.choose_rows(a, live & (ids > 0), live, choices, draft_cost,
+                                          costs[-1]))
+    s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
+    s["k_steps"] = s["k_steps"].at[index].add(1)
+    return s
 
   zeros = jnp.zeros((b,), jnp.int32)
-  state = (cache, tokens, n_cached, limit <= 0, zeros, jnp.full((b, max_steps), -1, jnp.int32),
-           jnp.zeros((b,), bool), history, history_len.astype(jnp.int32),
-           SpecStats.zeros(b, k), ngram_table if drafter == "learned" else None)
-  state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), step, state)
-  cache, _, _, _, count, out, stopped, _, _, stats, table = state
-  return out, count, stopped, stats, table, cache
+  s = dict(cache=cache, tok=tokens, n_cached=n_cached.astype(jnp.int32), done=limit <= 0,
+           count=zeros, out=jnp.full((b, max_steps), -1, jnp.int32),
+           stopped=jnp.zeros((b,), bool), history=history,
+           history_len=history_len.astype(jnp.int32), stats=SpecStats.zeros(b, k_max),
+           accept=accept.astype(jnp.float32),
+           k_steps=jnp.zeros((len(choices),), jnp.int32))
+  kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+  s["lps"] = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
+              jnp.zeros((b, max_steps, kt), jnp.float32))
+  if "learned" in drafters:
+    s["table"] = table
+  if "mtp" in drafters:
+    s["mtp_hidden"] = mtp_hidden
+  if "draft" in drafters:
+    s.update(draft_cache=draft_cache, pending=jnp.zeros((b, k_max), jnp.int32), n_pending=zeros)
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, s)
+  dcache = None
+  if "draft" in drafters:  # flush: the draft cache holds every position < n_cached again
+    _, dcache = forward(draft_params, s["draft_cache"], s["pending"],
+                        s["n_cached"] - s["n_pending"], s["n_pending"], page_table,
+                        cfg=draft_cfg, impl=impl)
+  return LoopResult(out=s["out"], counts=s["count"], stopped=s["stopped"], stats=s["stats"],
+                    k_steps=s["k_steps"], accept=s["accept"], table=s.get("table"),
+                    mtp_hidden=s.get("mtp_hidden"), draft_cache=dcache,
+                    logprobs=s["lps"]), s["cache"]

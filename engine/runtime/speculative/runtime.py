@@ -1,0 +1,301 @@
+"""The serving engine's speculative decoding: drafters per request, device state, cost model.
+
+`SpecRuntime` is what `Engine` owns for speculation:
+* the enabled drafters (`EngineConfig.speculative`, the default for requests that do not choose,
+  plus `EngineConfig.drafters`, which requests may pick with `SamplingParams.drafter`);
+* device state carried across engine steps: the learned n-gram table, the per-drafter decayed
+  acceptance counts of the adaptive draft length, the draft model's paged cache (same page
+  table and page ids as the target cache, so page accounting is unchanged);
+* `model_step`: the mixed prefill/decode program plus what the drafters must see of every
+  prefill chunk (the MTP layer observes the chunk, filling its cache entries and giving each
+  sampling row its MTP hidden state; the draft model runs over the same tokens);
+* `decode`: a decode-only engine step through `serving.speculative_decode_loop`;
+* `measure_costs` (at `Engine.warmup`, adaptive mode): times the compiled verify forward for
+  every compiled k at the smallest and largest decode batch, the MTP layer and the draft model,
+  and fits the goodput model's T(B, k) = 1 + k (base + draft + per_row B).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.model.cache import init_cache
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
+from engine.runtime import steps
+from engine.runtime.sampling import SamplingArrays
+from engine.runtime.speculative import drafters as dr, goodput
+from engine.runtime.speculative.learned import NgramTable
+from engine.runtime.speculative.serving import (DRAFTER_IDS, drafter_id,
+                                                speculative_decode_loop)
+
+# Cost per drafted token relative to a plain decode step until measured (adaptive mode).
+DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
+DEFAULT_BASE, DEFAULT_PER_ROW = 0.03, 0.02
+# Floor of the fitted base cost per verified position: timings within noise of each other must
+# not make verification free (a drafter that proposes nothing would then never back off).
+MIN_BASE = 0.03
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "draft_cfg", "impl", "mtp"),
+                   donate_argnames=("cache", "draft_cache"))
+def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                    n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
+                    next_tokens: jax.Array, draft_params: Params | None = None,
+                    draft_cache: Cache | None = None, *, cfg: ModelConfig,
+                    draft_cfg: ModelConfig | None = None, impl: KernelChoice = REFERENCE,
+                    mtp: bool = False):
+  """`steps.model_step` that also feeds the drafters. next_tokens [B, W]: the token after each
+  position (-1 where it is the one sampled here). Returns (sampled, logprobs, MTP hidden at
+  each row's last position [B, H] or None, cache, draft cache)."""
+  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
+  sampled, lps = steps.sample_rows(params, hidden, start, n_new, sampling, cfg)
+  mtp_hidden = None
+  if mtp:
+    nxt = jnp.where(next_tokens < 0, sampled[:, None], next_tokens)
+    mtp_hidden, cache = dr.mtp_observe(params, cache, hidden, nxt, start, n_new, page_table,
+                                       cfg=cfg, impl=impl)
+    mtp_hidden = mtp_hidden.astype(jnp.float32)
+  if draft_params is not None:
+    _, draft_cache = forward(draft_params, draft_cache, tokens, start, n_new, page_table,
+                             cfg=draft_cfg, impl=impl)
+  return sampled, lps, mtp_hidden, cache, draft_cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "what"), donate_argnames=("cache",))
+def _probe(params: Params, cache: Cache, tokens: jax.Array, page_table: jax.Array, *,
+           cfg: ModelConfig, impl: KernelChoice, what: str):
+  """One timed program on rows of the null page: "verify" (target forward over [B, T] and
+  logits), "mtp" (the MTP layer over [B, 1] and logits) or "decode" (a [B, 1] forward)."""
+  b, t = tokens.shape
+  zeros = jnp.zeros((b,), jnp.int32)
+  n_new = jnp.full((b,), t, jnp.int32)
+  if what == "mtp":
+    h = jnp.zeros((b, t, cfg.hidden_size), params["embed"].dtype)
+    hidden, cache = forward_mtp(params, cache, h, tokens, zeros, n_new, page_table, cfg=cfg,
+                                impl=impl)
+  else:
+    hidden, cache = forward(params, cache, tokens, zeros, n_new, page_table, cfg=cfg, impl=impl)
+  return jnp.argmax(compute_logits(params, hidden, cfg), axis=-1), cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _clear_null_page(cache: Cache) -> Cache:
+  return [{k: v.at[0].set(0) for k, v in layer.items()} for layer in cache]
+
+
+class SpecRuntime:
+  """Speculative decoding state and programs of one `Engine` (see the module docstring)."""
+
+  def __init__(self, cfg: ModelConfig, config: Any, num_pages: int, dtype: Any,
+               draft: tuple[ModelConfig, Params] | None = None, place=lambda c: c,
+               place_state=lambda x: x):
+    self.cfg, self.config = cfg, config
+    self.default = config.speculative
+    wanted = ({config.speculative} if config.speculative else set()) | set(config.drafters)
+    bad = wanted - set(DRAFTER_IDS[1:])
+    if bad:
+      raise ValueError(f"EngineConfig.speculative/drafters: unknown drafter {sorted(bad)[0]!r};"
+                       f" one of {DRAFTER_IDS[1:]}")
+    self.enabled = tuple(d for d in DRAFTER_IDS[1:] if d in wanted)
+    if "mtp" in wanted and cfg.num_nextn_predict_layers < 1:
+      raise ValueError("EngineConfig: drafter 'mtp' needs a model with an MTP layer "
+                       "(num_nextn_predict_layers > 0)")
+    self.draft_cfg, self.draft_params = draft if draft is not None else (None, None)
+    if "draft" in wanted:
+      if draft is None:
+        raise ValueError("EngineConfig: drafter 'draft' needs a draft model (Engine(draft=))")
+      if self.draft_cfg.vocab_size != cfg.vocab_size:
+        raise ValueError(f"draft model: vocabulary {self.draft_cfg.vocab_size} differs from "
+                         f"the target's {cfg.vocab_size}")
+    k = config.num_draft_tokens
+    if self.enabled and (k < 1 or config.max_decode_steps < k + 1):
+      raise ValueError("EngineConfig: num_draft_tokens must be >= 1 and max_decode_steps >= "
+                       "num_draft_tokens + 1 with speculative decoding")
+    self.k = k
+    self.choices = goodput.k_choices(k) if config.adaptive_k else (k,)
+    self.force_k = -1 if config.adaptive_k else 0
+    # Device state is committed where the weights are from the start (like the cache): a
+    # commitment that changed after the first call would compile the loop twice.
+    self.table = (place_state(NgramTable.empty(config.learned_table_slots))
+                  if "learned" in self.enabled else None)
+    self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), 2), jnp.float32))
+    self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
+                            + [DEFAULT_BASE, DEFAULT_PER_ROW], np.float32)
+    self.cost_fit: dict[str, Any] = {}
+    self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
+                        if "draft" in self.enabled else None)
+    self.k_steps = np.zeros((len(self.choices),), np.int64)
+    self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
+                        for n in ("steps", "drafted", "accepted")}
+
+  @property
+  def observes(self) -> bool:
+    """Prefill chunks must feed a drafter (MTP layer, draft model)."""
+    return "mtp" in self.enabled or "draft" in self.enabled
+
+  def resolve(self, drafter: str | None) -> str | None:
+    """A request's drafter (None: plain decoding); ValueError if the engine lacks it."""
+    if drafter is None:
+      return self.default
+    if drafter == "off":
+      return None
+    if drafter not in self.enabled:
+      raise ValueError(f"drafter: {drafter!r} is not enabled on this engine (enabled: "
+                       f"{', '.join(self.enabled) or 'none'})")
+    return drafter
+
+  def budget(self, steps_: int, drafting: bool) -> int:
+    """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that."""
+    return max(steps_, self.k + 1) if drafting else steps_
+
+  # ---- programs ------------------------------------------------------------------------------
+
+  def model_step(self, params, cache, tokens, start, n_new, table, sampling, next_tokens, *,
+                 impl: KernelChoice = REFERENCE):
+    """Returns (sampled, logprobs, MTP hidden [B, H] numpy or None, cache)."""
+    sampled, lps, mtp_h, cache, self.draft_cache = spec_model_step(
+        params, cache, tokens, start, n_new, table, sampling, next_tokens, self.draft_params,
+        self.draft_cache, cfg=self.cfg, draft_cfg=self.draft_cfg, impl=impl,
+        mtp="mtp" in self.enabled)
+    return sampled, lps, mtp_h, cache
+
+  def histories(self, reqs: Sequence[Any], b: int) -> tuple[np.ndarray, np.ndarray]:
+    """[b, window + max_decode_steps] each request's last `ngram_window` tokens, and counts."""
+    window = self.config.ngram_window
+    history = np.zeros((b, window + self.config.max_decode_steps), np.int32)
+    history_len = np.zeros((b,), np.int32)
+    for i, req in enumerate(reqs):
+      recent = req.all_ids[-window:]
+      history[i, :len(recent)] = recent
+      history_len[i] = len(recent)
+    return history, history_len
+
+  def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
+             min_before, num_steps, counters: dict, *, impl: KernelChoice = REFERENCE,
+             force_k: int | None = None):
+    """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
+    logprobs as `steps.decode_loop`'s, cache)."""
+    b = tokens.shape[0]
+    history, history_len = self.histories(reqs, b)
+    row_drafter = np.zeros((b,), np.int32)
+    row_max_draft = np.zeros((b,), np.int32)
+    mtp_hidden = None
+    if "mtp" in self.enabled:
+      mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
+    for i, req in enumerate(reqs):
+      row_drafter[i] = drafter_id(req.drafter)
+      row_max_draft[i] = req.sampling.max_draft_tokens or self.k
+      if mtp_hidden is not None and req.mtp_hidden is not None:
+        mtp_hidden[i] = req.mtp_hidden
+    res, cache = speculative_decode_loop(
+        params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
+        np.int32(num_steps), history, history_len, row_drafter, row_max_draft, self.accept,
+        self.costs,
+        np.int32(self.force_k if force_k is None else force_k),
+        np.bool_(any(r.sampling.logprobs is not None for r in reqs)), self.table, mtp_hidden,
+        self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
+        choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
+        impl=impl)
+    self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache
+    out, counts, spec, k_steps, mtp_h, lps = jax.device_get(
+        (res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden, res.logprobs))
+    self.k_steps += k_steps
+    counters["spec_steps"] += int(spec.steps.sum())
+    counters["spec_drafted"] += int(spec.draft_tokens.sum())
+    counters["spec_accepted"] += int(spec.accepted_tokens.sum())
+    for i, req in enumerate(reqs):
+      for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
+        req.spec[j] += int(x[i])
+      if req.drafter:  # per drafter: verify steps, drafted and accepted tokens
+        for name, x in (("steps", spec.steps), ("drafted", spec.draft_tokens),
+                        ("accepted", spec.accepted_tokens)):
+          self.per_drafter[f"spec_{name}_{req.drafter}"] += int(x[i])
+      if mtp_h is not None:
+        req.mtp_hidden = mtp_h[i]
+    return out, counts, lps, cache
+
+  def stats(self) -> dict[str, Any]:
+    s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.choices, self.k_steps)}
+    s.update(self.per_drafter)
+    for d in self.enabled:  # tokens per target forward of rows drafting with d
+      steps_ = self.per_drafter[f"spec_steps_{d}"]
+      if steps_:
+        s[f"spec_mean_accepted_length_{d}"] = 1 + self.per_drafter[f"spec_accepted_{d}"] / steps_
+    for name, value in self.cost_fit.items():
+      if isinstance(value, (int, float)):
+        s[f"spec_cost_{name}"] = value
+    return s
+
+  # ---- the cost model ------------------------------------------------------------------------
+
+  def measure_costs(self, params, cache, batch_sizes: Sequence[int], max_pages: int, *,
+                    impl: KernelChoice = REFERENCE, repeats: int = 5):
+    """Times the verify forward for every compiled k (and each model drafter's step) at the
+    given batch sizes, fits T(B, k) and installs it. Returns the cache (donated through)."""
+
+    caches = {"target": cache, "draft": self.draft_cache}
+
+    def timed(which, fn):
+      out, caches[which] = fn(caches[which])  # compiles
+      jax.block_until_ready(out)
+      best = float("inf")
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        out, caches[which] = fn(caches[which])
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t0)
+      return best
+
+    table: dict[int, dict[int, float]] = {}
+    drafter_s: dict[str, list[float]] = {"mtp": [], "draft": []}
+    for b in sorted(set(batch_sizes)):
+      pt = np.zeros((b, max_pages), np.int32)  # the null page: cleared afterwards
+      table[b] = {}
+      for k in sorted(set(self.choices) | {0}):
+        toks = np.zeros((b, k + 1), np.int32)
+        table[b][k] = timed("target", lambda c: _probe(params, c, toks, pt, cfg=self.cfg,
+                                                       impl=impl, what="verify"))
+      one = np.zeros((b, 1), np.int32)
+      if "mtp" in self.enabled:
+        drafter_s["mtp"].append(timed("target", lambda c: _probe(
+            params, c, one, pt, cfg=self.cfg, impl=impl, what="mtp")) / table[b][0])
+      if "draft" in self.enabled:
+        drafter_s["draft"].append(timed("draft", lambda c: _probe(
+            self.draft_params, c, one, pt, cfg=self.draft_cfg, impl=impl,
+            what="decode")) / table[b][0])
+    caches = {w: c if c is None else _clear_null_page(c) for w, c in caches.items()}
+    cache, self.draft_cache = caches["target"], caches["draft"]
+    # Least squares of r(B, k) / k = base + per_row B over k > 0, r = t(B, k) / t(B, 0) - 1.
+    xs, ys = [], []
+    for b, row in table.items():
+      for k, t in row.items():
+        if k > 0:
+          xs.append(b)
+          ys.append((t / row[0] - 1.0) / k)
+    xs, ys = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    if len(set(xs.tolist())) > 1:
+      per_row, base = np.polyfit(xs, ys, 1)
+    else:
+      per_row, base = 0.0, float(ys.mean()) if len(ys) else 0.0
+    base, per_row = max(float(base), MIN_BASE), max(float(per_row), 0.0)
+    costs = self.costs.copy()
+    for d, rs in drafter_s.items():
+      if rs:
+        costs[drafter_id(d)] = float(np.mean(rs))
+    costs[-2], costs[-1] = base, per_row
+    self.costs = costs.astype(np.float32)
+    self.cost_fit = dict(base=base, per_row=per_row,
+                         **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()
+                            if rs},
+                         table={b: {k: round(t * 1e3, 4) for k, t in row.items()}
+                                for b, row in table.items()})  # ms
+    return cache

@@ -1,0 +1,208 @@
+"""Speculative decoding in the serving engine: adaptive draft length with a measured cost model,
+drafters chosen per request, MTP and draft-model drafting over the paged cache."""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.model.cache import init_cache
+from engine.model.config import config_from_dict
+from engine.model.params import init_params
+from engine.model.transformer import forward, forward_mtp
+from engine.runtime.buckets import CompileCounter
+from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.generate import generate_tokens
+from engine.runtime.request import StopParams
+from engine.runtime.sampling import SamplingParams
+from model_configs import CONFIGS
+
+SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
+             max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
+  return cfg, init_params(cfg, seed=11, scale=2.0)
+
+
+def fresh_prompts(n, seed=0, lo=6, hi=30):
+  rng = random.Random(seed)
+  return [[1] + [rng.randrange(3, 320) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def plain(model, ps, n, sampling=SamplingParams()):
+  cfg, params = model
+  return [c.token_ids for c in generate_tokens(params, cfg, ps, max_new_tokens=n,
+                                               sampling=sampling)]
+
+
+def assert_pool_full(e):
+  e.pool.check_invariants()
+  assert e.pool.num_free == e.pool.num_pages - 1
+  assert not e.scheduler.running and not e.scheduler.waiting
+
+
+def test_adaptive_k_backs_off_on_fresh_prompts_and_drafts_what_it_learned(model):
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="learned", num_draft_tokens=4,
+                                         adaptive_k=True, learned_table_slots=4096))
+  eng.warmup()
+  stats = eng.stats()
+  fit = eng.spec.cost_fit  # measured at warm-up: every compiled k at two batch sizes
+  assert set(fit["table"]) == {min(eng.buckets.decode), max(eng.buckets.decode)}
+  assert all(set(row) == {0, 1, 2, 4} and all(t > 0 for t in row.values())
+             for row in fit["table"].values())
+  assert stats["spec_cost_base"] >= 0 and stats["spec_cost_per_row"] >= 0
+  ps = fresh_prompts(4, seed=5)
+  want = plain(model, ps, 24)
+  # Fresh prompts, empty table: nothing to draft, so plain decoding (k = 0) wins.
+  with CompileCounter() as counter:  # warm-up compiled every program
+    got = eng.generate(ps, stop=StopParams(max_tokens=24))
+    eng.generate(ps[:1], SamplingParams(drafter="off", logprobs=1), StopParams(max_tokens=3))
+  assert counter.count == 0
+  assert [r.output_ids for r in got] == want
+  k0 = eng.spec.k_steps.copy()
+  assert k0[0] > 2 * k0[1:].sum(), k0
+  # The same prompts again: the table knows the continuations, the loop drafts again once
+  # the old evidence has faded, and most tokens come from accepted drafts.
+  got = eng.generate(ps, stop=StopParams(max_tokens=24))
+  assert [r.output_ids for r in got] == want
+  k1 = eng.spec.k_steps - k0
+  assert k1[1:].sum() > 0, k1
+  assert eng.counters["spec_accepted"] > 0.25 * 4 * 24
+  assert eng.stats()["spec_k4_loops"] == eng.spec.k_steps[3]
+  assert_pool_full(eng)
+
+
+def test_drafter_per_request(model):
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**SMALL, drafters=("ngram", "learned"),
+                                         num_draft_tokens=3, learned_table_slots=1024))
+  ps = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 10, 11, 12, 13, 14, 15, 16], [1, 40],
+        [1, 5, 6, 7, 5, 6, 7, 5, 6]]
+  samp = [SamplingParams(drafter="ngram"),
+          SamplingParams(temperature=0.8, top_p=0.9, seed=5, drafter="learned"),
+          SamplingParams(drafter="off"), SamplingParams()]  # None: the default (off here)
+  want = plain(model, ps, 20, samp)
+  per_drafter = {"ngram": 0, "learned": 0}
+  for _ in range(2):
+    got = eng.generate(ps, samp, StopParams(max_tokens=20))
+    assert [r.output_ids for r in got] == want
+    per_drafter["ngram"] += got[0].usage().spec_accepted_tokens
+    per_drafter["learned"] += got[1].usage().spec_draft_tokens
+  use = [r.usage() for r in got]
+  assert use[0].spec_accepted_tokens > 0 and use[1].spec_draft_tokens > 0
+  stats = eng.stats()  # per drafter, both rounds
+  assert stats["spec_accepted_ngram"] == per_drafter["ngram"]
+  assert stats["spec_drafted_learned"] == per_drafter["learned"]
+  assert stats["spec_mean_accepted_length_ngram"] > 1
+  assert use[2].spec_draft_tokens == 0 and use[3].spec_draft_tokens == 0
+  for bad in ("mtp", "draft"):
+    with pytest.raises(ValueError, match="drafter"):
+      eng.add_request([1, 2], SamplingParams(drafter=bad))
+  with pytest.raises(ValueError, match="drafter"):
+    eng.add_request([1, 2], SamplingParams(drafter="eagle"))
+  # Logprobs of drafting rows come from the verify logits: equal to plain decoding's.
+  ref = eng.generate(ps[:1], SamplingParams(logprobs=3), StopParams(max_tokens=20))[0]
+  got = eng.generate(ps[:2], [SamplingParams(logprobs=3, drafter="ngram"),
+                              SamplingParams(logprobs=2, drafter="off")],
+                     StopParams(max_tokens=20))
+  assert got[0].output_ids == ref.output_ids == want[0]
+  assert got[0].usage().spec_accepted_tokens > 0
+  assert len(got[0].output_logprobs) == 20 and len(got[1].output_logprobs) == 20
+  for a, r in zip(got[0].output_logprobs, ref.output_logprobs):
+    assert a.logprob == pytest.approx(r.logprob, abs=1e-4)
+    assert [t for t, _ in a.top] == [t for t, _ in r.top] and len(a.top) == 3
+  assert_pool_full(eng)
+
+
+def check_mtp_state(eng, req, model):
+  """The engine's MTP cache entries (positions < num_computed) and the request's MTP hidden
+  state equal a one-shot target + MTP forward over the request's tokens."""
+  cfg, params = model
+  ids, n = req.all_ids, req.num_computed
+  assert n == len(ids) - 1
+  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
+  cache = init_cache(cfg, eng.pool.num_pages, 8, jnp.float32)
+  start, n_new = jnp.asarray([0]), jnp.asarray([n])
+  hidden, cache = forward(params, cache, jnp.asarray([ids[:n]]), start, n_new, pt, cfg=cfg)
+  out, cache = forward_mtp(params, cache, hidden, jnp.asarray([ids[1:]]), start, n_new, pt,
+                           cfg=cfg)
+  pos = np.arange(n)
+  idx = (np.asarray(pt)[0, pos // 8], pos % 8)
+  mtp = cfg.num_layers
+  np.testing.assert_allclose(np.asarray(eng.cache[mtp]["latent"])[idx],
+                             np.asarray(cache[mtp]["latent"])[idx], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(req.mtp_hidden, np.asarray(out[0, n - 1]), rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_drafting_in_the_engine(model):
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="mtp", num_draft_tokens=2))
+  long = fresh_prompts(1, seed=9, lo=45, hi=46)[0]  # longer than one 32-token step
+  rid = eng.add_request(long, SamplingParams(), StopParams(max_tokens=30))
+  req = eng.requests[rid]
+  while not req.output_ids:  # prefilled in chunks
+    eng.step()
+  check_mtp_state(eng, req, model)
+  while len(req.output_ids) < 20:  # decode loops: verified blocks observed
+    eng.step()
+  check_mtp_state(eng, req, model)
+  assert req.spec[1] > 0  # drafted
+  for _ in eng.run():
+    pass
+  ps = [long] + fresh_prompts(3, seed=10)
+  want = plain(model, ps, 30)
+  assert req.output_ids == want[0]
+  got = eng.generate(ps, stop=StopParams(max_tokens=30))
+  assert [r.output_ids for r in got] == want
+  assert eng.counters["spec_drafted"] > 0  # (a random MTP layer is rarely right)
+  # Preempted and recomputed (a tight pool): the same output.
+  tight = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=64), num_pages=13,
+                                           speculative="mtp", num_draft_tokens=2))
+  ps = fresh_prompts(6, seed=21, lo=20, hi=30)
+  got = tight.generate(ps, stop=StopParams(max_tokens=24))
+  assert tight.scheduler.num_preemptions > 0
+  assert [r.output_ids for r in got] == plain(model, ps, 24)
+  assert_pool_full(tight)
+
+
+def _perturbed(params, scale, seed=0):
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_unflatten(tree, [
+      x + scale * jnp.std(x) * jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+      for x in leaves])
+
+
+def test_draft_model_drafting_in_the_engine(model):
+  cfg, params = model
+  draft = (cfg, _perturbed(params, 0.05))
+  ps = fresh_prompts(3, seed=12, lo=35, hi=45) + [[1, 5, 6, 7, 5, 6, 7, 5, 6]]
+  samp = [SamplingParams(), SamplingParams(drafter="ngram"), SamplingParams(drafter="off"),
+          SamplingParams(temperature=1.0, top_k=1, seed=3)]  # top_k 1: greedy via sampling
+  want = plain(model, ps, 24)
+  # The target as its own draft model: its cache is right (fed also on rows of other
+  # drafters, caught up after fully accepted blocks), so every greedy draft is accepted.
+  same = Engine(cfg, params, EngineConfig(**SMALL, speculative="draft", drafters=("ngram",),
+                                          num_draft_tokens=3), draft=(cfg, params))
+  got = same.generate(ps, samp, StopParams(max_tokens=24))
+  assert [r.output_ids for r in got] == want
+  use = [r.usage() for r in got]
+  assert use[0].spec_accepted_tokens == use[0].spec_draft_tokens > 10
+  assert use[3].spec_accepted_tokens > 0 and use[2].spec_draft_tokens == 0
+  # A draft model that is often right, not always; preempted and recomputed requests.
+  tight = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=64), num_pages=13,
+                                           speculative="draft", num_draft_tokens=3),
+                 draft=draft)
+  ps = fresh_prompts(6, seed=21, lo=20, hi=30)
+  got = tight.generate(ps, stop=StopParams(max_tokens=24))
+  assert tight.scheduler.num_preemptions > 0
+  assert [r.output_ids for r in got] == plain(model, ps, 24)
+  use = [r.usage() for r in got]
+  assert 0 < sum(u.spec_accepted_tokens for u in use) < sum(u.spec_draft_tokens for u in use)
+  assert_pool_full(tight)
