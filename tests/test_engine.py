@@ -91,6 +91,20 @@ def test_no_compilation_after_warmup(eng):
   assert_pool_full(eng)
 
 
+def test_warmup_runs_every_program_without_touching_the_cache(model):
+  cfg, params = model
+  e = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+                                       row_widths=(16,), max_model_len=64, max_decode_steps=4,
+                                       cache_dtype=jnp.float32))
+  rng = np.random.default_rng(0)  # a cache full of values: a stray write would show
+  e.cache = jax.tree_util.tree_map(
+      lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), e.cache)
+  before = jax.tree_util.tree_map(np.asarray, e.cache)
+  assert e.warmup() > 0
+  after = jax.tree_util.tree_map(np.asarray, e.cache)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+
+
 def test_prefix_cache_follow_up_turn_computes_only_new_tokens(eng):
   first = prompts(1, seed=5, lo=50, hi=51)[0]
   turn1 = eng.generate([first], stop=StopParams(max_tokens=8))[0]

@@ -533,6 +533,9 @@ class Engine:
       for i, (kind, b, w) in enumerate(shapes):
         table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
         zeros = np.zeros((b,), np.int32)
+        # Work at positions past the page table (writes dropped): every loop body runs once.
+        past = np.full((b,), self.max_pages_per_seq * self.config.page_size, np.int32)
+        full, ones = np.full((b,), w, np.int32), np.ones((b,), np.int32)
         samp = self._sampling_arrays([None] * b)
         stop_ids = np.full((b, MAX_STOP_IDS), -1, np.int32)
         if kind == "step" and self.spec.observes:
@@ -541,7 +544,7 @@ class Engine:
               np.zeros((b, w), np.int32), impl=self.config.kernels)
         elif kind == "step":
           _, _, self.cache = steps.model_step(
-              self.params, self.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
+              self.params, self.cache, np.zeros((b, w), np.int32), past, full, table, samp,
               cfg=self.cfg, impl=self.config.kernels)
         elif kind == "spec":
           counters = collections.Counter()
@@ -550,7 +553,7 @@ class Engine:
               1, counters, impl=self.config.kernels)
         else:
           *_, self.cache = steps.decode_loop(
-              self.params, self.cache, zeros, zeros, table, samp, stop_ids, zeros, zeros,
+              self.params, self.cache, zeros, past, table, samp, stop_ids, ones, zeros,
               np.int32(1), max_steps=self.config.max_decode_steps, cfg=self.cfg,
               impl=self.config.kernels)
         if progress is not None:
