@@ -40,6 +40,9 @@ flags.DEFINE_list("methods", ["ngram", "mtp", "draft", "learned"], "Drafters to 
 flags.DEFINE_list("num_draft", ["2", "4"], "K values.")
 flags.DEFINE_integer("batch", 4, "Prompts per workload.")
 flags.DEFINE_integer("max_new_tokens", 64, "Generated tokens per prompt.")
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
+                  "checkpoint's). In bfloat16 on CPU, a (k+1)-token verify forward can round "
+                  "differently from 1-token decoding, so greedy outputs may differ slightly.")
 flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
 FRESH = ["def read_config(path):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -68,8 +71,9 @@ def _agent_turns(model, prompts: list[str], max_new: int) -> list[list[int]]:
 
 def main(argv):
   del argv
-  model = moejax.load(FLAGS.checkpoint, progress=False)
-  draft = moejax.load(FLAGS.draft_checkpoint, progress=False) if "draft" in FLAGS.methods else None
+  model = moejax.load(FLAGS.checkpoint, progress=False, dtype=FLAGS.dtype)
+  draft = (moejax.load(FLAGS.draft_checkpoint, progress=False, dtype=FLAGS.dtype)
+           if "draft" in FLAGS.methods else None)
   fresh = FRESH[:FLAGS.batch]
   workloads = {"fresh": [model.encode(p) for p in fresh],
                "agent": _agent_turns(model, fresh, FLAGS.max_new_tokens)}

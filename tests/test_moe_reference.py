@@ -170,3 +170,28 @@ def test_dispatch_picks_by_shape():
   assert ref._dense_pays(32, 32 * k, e, ref._tile_rows(32 * k, e))
   assert not ref._dense_pays(512, 512 * k, e, ref._tile_rows(512 * k, e))
   assert ref._tile_rows(512 * k, e) == 128 and ref._tile_rows(4096 * k, e) == 256
+
+
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_bf16_token_output_does_not_depend_on_the_formulation_or_token_count(k):
+  """Bitwise: speculative verification runs k+1 tokens per row through the formulation its
+  size picks, plain decoding 1 token through another; greedy identity needs the same bits."""
+  from pallas_kernels.moe import reference as ref
+  rng = np.random.default_rng(k)
+  e_local, h, i, tokens = 8, 256, 160, 12
+  x = jnp.asarray(rng.normal(size=(tokens, h)), jnp.bfloat16)
+  ids = jnp.asarray(np.stack([rng.choice(e_local, k, replace=False) for _ in range(tokens)]),
+                    jnp.int32)
+  w = jnp.asarray(rng.random((tokens, k)), jnp.float32)
+  gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.1, jnp.bfloat16)
+                    for s in [(e_local, h, i), (e_local, h, i), (e_local, i, h)])
+  args = (x, w, ids, gate, up, down)
+  # lax.ragged_dot (the fallback for huge expert weights) rounds some rows differently.
+  want = np.asarray(ref.moe_experts_tiled(*args, tile=64), np.float32)
+  outs = {"all": ref.moe_experts_all(*args), "tiled16": ref.moe_experts_tiled(*args, tile=16),
+          "gathered": ref.moe_experts_gathered(*args), "picked": ref.moe_experts(*args)}
+  for name, got in outs.items():
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=name)
+  for n in (1, 3, 5):  # fewer tokens pick other formulations
+    got = ref.moe_experts(x[:n], w[:n], ids[:n], gate, up, down)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want[:n], err_msg=str(n))

@@ -133,10 +133,8 @@ def moe_experts_ragged(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   gate = jax.lax.ragged_dot(xs, w_gate, group_sizes)
   up = jax.lax.ragged_dot(xs, w_up, group_sizes)
   y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, group_sizes)  # [T*k, H]
-  w = jnp.where(in_shard, weights.reshape(-1), 0.0)[order]
-  y = y.astype(jnp.float32) * w[:, None]
-  out = jnp.zeros((t, h), jnp.float32).at[token_of_copy].add(y)
-  return out.astype(x.dtype)
+  y_copies = jnp.zeros_like(y).at[order].set(y)  # back to copy order [T*k, H]
+  return _combine(y_copies.reshape(t, k, h), weights, in_shard.reshape(t, k), x.dtype)
 
 
 def _expert_bytes(w_gate: jax.Array) -> int:
@@ -160,21 +158,28 @@ def _dense_pays(tokens: int, copies: int, e_local: int, tile: int) -> bool:
 def moe_experts_all(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                     w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
                     expert_offset: int = 0) -> jax.Array:
-  """`moe_experts` with every local expert run on every token as one wide SwiGLU MLP
-  ([T, E_local * I] inner activations), each expert's activations scaled by the routing weight
-  the token gave it (0 if it did not choose it) before the down projection."""
+  """`moe_experts` with every local expert run on every token (batched over experts,
+  [E_local, T, H] outputs); each token then takes its k chosen experts' rows (`_combine`)."""
   e_local = w_gate.shape[0]
   local = expert_ids - expert_offset  # [T, k]
-  hit = local[:, :, None] == jnp.arange(e_local, dtype=local.dtype)[None, None, :]
-  w = jnp.sum(jnp.where(hit, weights[:, :, None], 0.0), axis=1)  # [T, E_local] float32
+  in_shard = (local >= 0) & (local < e_local)
   # Batched over experts ([E, T, H] x [E, H, I]): contracting H of [E, H, I] against [T, H]
   # directly makes XLA:CPU transpose every expert's weights on every call.
   xb = jnp.broadcast_to(x[None], (e_local,) + x.shape)
   gate = jnp.einsum("eth,ehi->eti", xb, w_gate)
   up = jnp.einsum("eth,ehi->eti", xb, w_up)
-  act = (jax.nn.silu(gate) * up).astype(jnp.float32) * w.T[:, :, None]
-  y = jnp.einsum("eti,eih->eth", act.astype(x.dtype), w_down)
-  return jnp.sum(y.astype(jnp.float32), axis=0).astype(x.dtype)
+  y = jnp.einsum("eti,eih->eth", jax.nn.silu(gate) * up, w_down)  # [E, T, H]
+  tokens = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+  return _combine(y[jnp.clip(local, 0, e_local - 1), tokens], weights, in_shard, x.dtype)
+
+
+def _combine(y: jax.Array, weights: jax.Array, in_shard: jax.Array, dtype) -> jax.Array:
+  """sum_j weights[t, j] * y[t, j] over a token's k copies [T, k, H], in float32 and slot
+  order. Every formulation combines through here and computes each copy's MLP row by row in
+  the same dtype, so a token's output does not depend on which formulation the number of tokens
+  picked (greedy speculative verification over k+1 tokens must reproduce 1-token decoding)."""
+  w = jnp.where(in_shard, weights, 0.0).astype(jnp.float32)
+  return jnp.sum(y.astype(jnp.float32) * w[:, :, None], axis=1).astype(dtype)
 
 
 def moe_experts_tiled(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
@@ -211,9 +216,7 @@ def moe_experts_tiled(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   inv = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
   e_of = jnp.minimum(key, e_local - 1)
   row = jnp.clip(pad_start[e_of] + inv - sorted_start[e_of], 0, num_tiles * tile - 1)
-  w = jnp.where(in_shard, weights.reshape(-1), 0.0)
-  yc = y[row].astype(jnp.float32) * w[:, None]  # out-of-shard copies: weight 0
-  return jnp.sum(yc.reshape(t, k, h), axis=1).astype(x.dtype)
+  return _combine(y[row].reshape(t, k, h), weights, in_shard.reshape(t, k), x.dtype)
 
 
 GATHER_MAX_BYTES = 1 << 30
@@ -239,8 +242,7 @@ def moe_experts_gathered(x: jax.Array, weights: jax.Array, expert_ids: jax.Array
   gate = jnp.einsum("th,tkhi->tki", x, w_gate[idx])
   up = jnp.einsum("th,tkhi->tki", x, w_up[idx])
   y = jnp.einsum("tki,tkih->tkh", jax.nn.silu(gate) * up, w_down[idx])  # [T, k, H]
-  w = jnp.where(in_shard, weights, 0.0)
-  return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), w).astype(x.dtype)
+  return _combine(y, weights, in_shard, x.dtype)
 
 
 def moe_experts_dense(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
