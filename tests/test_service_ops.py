@@ -134,6 +134,23 @@ def test_metrics_endpoint(serve, eng):
   assert f"moejax:prefix_cache_hits_total {16.0 * eng.pool.prefix_hits}" in text  # tokens
 
 
+def test_speculative_metrics_by_drafter_and_k():
+  from engine.service.metrics import ServingMetrics
+  stats = dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0,
+               prompt_tokens=0, generation_tokens=0, num_preemptions=0,
+               prefix_cache_queries=0, prefix_cache_hits=0,
+               spec_steps=10, spec_drafted=30, spec_accepted=20,
+               spec_steps_ngram=6, spec_drafted_ngram=18, spec_accepted_ngram=15,
+               spec_steps_mtp=4, spec_drafted_mtp=12, spec_accepted_mtp=5,
+               spec_k0_loops=3, spec_k4_loops=7, spec_mean_accepted_length_ngram=3.5)
+  text = ServingMetrics(lambda: stats, page_size=16).text()
+  for line in ('moejax:spec_decode_num_drafts_total 10.0',
+               'moejax:spec_decode_num_accepted_tokens_by_drafter_total{drafter="ngram"} 15.0',
+               'moejax:spec_decode_num_draft_tokens_by_drafter_total{drafter="mtp"} 12.0',
+               'moejax:spec_decode_loop_iterations_total{k="4"} 7.0'):
+    assert line in text, line
+
+
 def test_reasoning_parser_splits_deltas(serve, eng, demo):
   free = eng.generate([PROMPT], stop=StopParams(max_tokens=24, ignore_eos=True))[0].output_ids
   end = next(i for i in range(4, len(free)) if free[i] not in free[:i])

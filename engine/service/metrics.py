@@ -60,6 +60,22 @@ class _EngineCollector:
       yield CounterMetricFamily(PREFIX + name, doc, value=float(s[key] * scale))
     for name, (key, doc) in SPEC_COUNTERS.items():
       yield CounterMetricFamily(PREFIX + name, doc, value=float(s.get(key, 0)))
+      # The same counts split by drafter (engine keys `<key>_<drafter>`).
+      split = CounterMetricFamily(PREFIX + name + "_by_drafter", doc + " By drafter.",
+                                  labels=["drafter"])
+      for k, v in s.items():
+        if k.startswith(key + "_") and k.count("_") == key.count("_") + 1:
+          split.add_metric([k[len(key) + 1:]], float(v))
+      if split.samples:
+        yield split
+    loops = CounterMetricFamily(PREFIX + "spec_decode_loop_iterations",
+                                "Speculative loop iterations by the draft length k the adaptive "
+                                "policy chose (k=0: plain decoding).", labels=["k"])
+    for k, v in s.items():
+      if k.startswith("spec_k") and k.endswith("_loops"):
+        loops.add_metric([k[len("spec_k"):-len("_loops")]], float(v))
+    if loops.samples:
+      yield loops
 
 
 class ServingMetrics:
