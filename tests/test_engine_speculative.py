@@ -206,3 +206,34 @@ def test_draft_model_drafting_in_the_engine(model):
   use = [r.usage() for r in got]
   assert 0 < sum(u.spec_accepted_tokens for u in use) < sum(u.spec_draft_tokens for u in use)
   assert_pool_full(tight)
+
+
+def test_auto_drafter_picks_what_pays_and_keeps_greedy_output(model):
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="auto",
+                                         drafters=("ngram", "learned"), num_draft_tokens=3,
+                                         learned_table_slots=4096))
+  ids = {d: i for i, d in enumerate(("off", "ngram", "learned", "mtp", "draft"))}
+
+  def evidence(ngram, learned):  # (accepted, ended) counts per drafter
+    acc = np.zeros((5, 2), np.float32)
+    acc[ids["ngram"]], acc[ids["learned"]] = ngram, learned
+    eng.spec.accept = jnp.asarray(acc)
+
+  evidence(ngram=(1, 9), learned=(9, 1))
+  assert eng.spec.auto_choice() == "learned"
+  evidence(ngram=(9, 1), learned=(1, 9))
+  assert eng.spec.auto_choice() == "ngram"
+  eng.spec.accept = jnp.zeros((5, 2), jnp.float32)
+  # Repetitive prompts (the n-gram lookup drafts), output identical to plain greedy decoding.
+  ps = [[1] + [5, 9, 13, 17, 21, 25] * 5, [1] + fresh_prompts(1, seed=3)[0][1:]]
+  want = plain(model, ps, 20)
+  got = eng.generate(ps, stop=StopParams(max_tokens=20))
+  assert [r.output_ids for r in got] == want
+  stats = eng.stats()
+  chosen = {k: v for k, v in stats.items() if k.startswith("spec_auto_choice_")}
+  assert sum(chosen.values()) >= 1, stats
+  assert stats["spec_steps"] > 0
+  assert_pool_full(eng)
+  with pytest.raises(ValueError, match="drafters"):
+    Engine(cfg, params, EngineConfig(**SMALL, speculative="auto"))

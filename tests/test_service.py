@@ -93,6 +93,7 @@ BAD_REQUESTS = [  # (build_request kwargs, field the error must name)
     (dict(drafter="magic"), "speculative.drafter"),
     (dict(drafter="mtp"), "speculative.drafter"),  # not enabled on this server
     (dict(drafter="ngram"), "speculative.drafter"),
+    (dict(drafter="auto"), "speculative.drafter"),  # nothing to choose from
     (dict(max_draft_tokens=0), "speculative.max_draft_tokens"),
     (dict(max_draft_tokens=100), "speculative.max_draft_tokens"),
     (dict(request_id="r" * 200), "request_id"),
@@ -154,10 +155,10 @@ def test_drafter_per_request(eng, demo):
   spec = Engine.from_model(demo, dataclasses.replace(ENGINE_CONFIG, drafters=("ngram", "mtp"),
                                                      num_draft_tokens=3))
   with BackgroundServer(spec, BASE) as bg, InferenceClient(target(bg)) as client:
-    for drafter in ("ngram", "mtp", "off", ""):
+    for drafter in ("ngram", "mtp", "auto", "off", ""):
       got = client.generate(prompt, max_tokens=24, ignore_eos=True, drafter=drafter)
       assert got.token_ids == want.output_ids, drafter
-      if drafter in ("ngram", "mtp"):
+      if drafter in ("ngram", "mtp", "auto"):
         assert got.spec_accepted_tokens > 0, drafter
       else:
         assert got.spec_draft_tokens == 0

@@ -53,8 +53,8 @@ class SamplingParams:
       raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-    if self.drafter not in (None, "off", "ngram", "learned", "mtp", "draft"):
-      raise ValueError(f"drafter must be one of off, ngram, learned, mtp, draft, got "
+    if self.drafter not in (None, "off", "auto", "ngram", "learned", "mtp", "draft"):
+      raise ValueError(f"drafter must be one of off, auto, ngram, learned, mtp, draft, got "
                        f"{self.drafter!r}")
     if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
       raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")

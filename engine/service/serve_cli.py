@@ -51,10 +51,11 @@ flags.DEFINE_integer("max_decode_steps", 16, "Decode iterations per device loop.
 flags.DEFINE_string("compilation_cache_dir",
                     os.path.join(os.path.expanduser("~"), ".cache", "moejax", "jax_cache"),
                     "JAX persistent compilation cache: a restart loads, not recompiles ('' off).")
-flags.DEFINE_enum("speculative", "off", ["off", "ngram", "learned", "mtp", "draft"],
+flags.DEFINE_enum("speculative", "off", ["off", "auto", "ngram", "learned", "mtp", "draft"],
                   "Default speculative drafter of decode-only steps (requests may choose "
                   "another, see --drafters): n-gram prompt lookup, a table learned across "
-                  "requests, the checkpoint's MTP layer, or --draft_checkpoint (lossless).")
+                  "requests, the checkpoint's MTP layer, or --draft_checkpoint (lossless); "
+                  "auto: per request, whichever of --drafters measures the best goodput.")
 flags.DEFINE_list("drafters", [], "More drafters requests may choose (SpeculativeOptions).")
 flags.DEFINE_integer("num_draft_tokens", 4, "Draft tokens per step with --speculative.",
                      lower_bound=1)

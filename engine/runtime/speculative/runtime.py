@@ -37,6 +37,8 @@ from engine.runtime.speculative.learned import NgramTable
 from engine.runtime.speculative.serving import (DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
+AUTO = "auto"  # a request's drafter chosen per loop call from measured acceptance and costs
+
 # Cost per drafted token relative to a plain decode step until measured (adaptive mode).
 DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
 DEFAULT_BASE, DEFAULT_PER_ROW = 0.03, 0.02
@@ -100,7 +102,11 @@ class SpecRuntime:
                place_state=lambda x: x):
     self.cfg, self.config = cfg, config
     self.default = config.speculative
-    wanted = ({config.speculative} if config.speculative else set()) | set(config.drafters)
+    wanted = ({config.speculative} if config.speculative not in (None, AUTO) else set()
+              ) | set(config.drafters)
+    if config.speculative == AUTO and not wanted:
+      raise ValueError("EngineConfig.speculative='auto' chooses among EngineConfig.drafters, "
+                       "which is empty")
     bad = wanted - set(DRAFTER_IDS[1:])
     if bad:
       raise ValueError(f"EngineConfig.speculative/drafters: unknown drafter {sorted(bad)[0]!r};"
@@ -148,10 +154,29 @@ class SpecRuntime:
       return self.default
     if drafter == "off":
       return None
+    if drafter == AUTO and self.enabled:
+      return AUTO
     if drafter not in self.enabled:
       raise ValueError(f"drafter: {drafter!r} is not enabled on this engine (enabled: "
                        f"{', '.join(self.enabled) or 'none'})")
     return drafter
+
+  def auto_choice(self) -> str:
+    """The drafter for "auto" rows in the next loop: the enabled one with the best expected
+    tokens per unit of step time at k = K, E[tau](K; a_d) / (1 + K (base + cost_d)), a_d from
+    its decayed acceptance counts. Unused drafters' counts decay towards the prior, so a drafter
+    that stops paying loses to one not tried lately (exploration)."""
+    counts = np.asarray(jax.device_get(self.accept), np.float64)
+    k, best, best_score = self.k, self.enabled[0], -1.0
+    for d in self.enabled:
+      i = drafter_id(d)
+      a = ((counts[i, 0] + goodput.PRIOR_ACCEPT * goodput.PRIOR_WEIGHT)
+           / (counts[i, 0] + counts[i, 1] + goodput.PRIOR_WEIGHT))
+      a = min(max(a, 0.0), 1.0 - 1e-6)
+      score = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + k * (self.costs[-2] + self.costs[i]))
+      if score > best_score:
+        best, best_score = d, score
+    return best
 
   def budget(self, steps_: int, drafting: bool) -> int:
     """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that."""
@@ -191,8 +216,10 @@ class SpecRuntime:
     mtp_hidden = None
     if "mtp" in self.enabled:
       mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
+    auto = self.auto_choice() if any(r.drafter == AUTO for r in reqs) else None
+    used = [auto if r.drafter == AUTO else r.drafter for r in reqs]
     for i, req in enumerate(reqs):
-      row_drafter[i] = drafter_id(req.drafter)
+      row_drafter[i] = drafter_id(used[i])
       row_max_draft[i] = req.sampling.max_draft_tokens or self.k
       if mtp_hidden is not None and req.mtp_hidden is not None:
         mtp_hidden[i] = req.mtp_hidden
@@ -215,10 +242,13 @@ class SpecRuntime:
     for i, req in enumerate(reqs):
       for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
         req.spec[j] += int(x[i])
-      if req.drafter:  # per drafter: verify steps, drafted and accepted tokens
+      if used[i]:  # per drafter: verify steps, drafted and accepted tokens
         for name, x in (("steps", spec.steps), ("drafted", spec.draft_tokens),
                         ("accepted", spec.accepted_tokens)):
-          self.per_drafter[f"spec_{name}_{req.drafter}"] += int(x[i])
+          self.per_drafter[f"spec_{name}_{used[i]}"] += int(x[i])
+    if auto is not None:
+      self.per_drafter[f"spec_auto_choice_{auto}"] = (
+          self.per_drafter.get(f"spec_auto_choice_{auto}", 0) + 1)
       if mtp_h is not None:
         req.mtp_hidden = mtp_h[i]
     return out, counts, lps, cache
