@@ -246,11 +246,11 @@ class SpecRuntime:
         for name, x in (("steps", spec.steps), ("drafted", spec.draft_tokens),
                         ("accepted", spec.accepted_tokens)):
           self.per_drafter[f"spec_{name}_{used[i]}"] += int(x[i])
+      if mtp_h is not None:
+        req.mtp_hidden = mtp_h[i]
     if auto is not None:
       self.per_drafter[f"spec_auto_choice_{auto}"] = (
           self.per_drafter.get(f"spec_auto_choice_{auto}", 0) + 1)
-      if mtp_h is not None:
-        req.mtp_hidden = mtp_h[i]
     return out, counts, lps, cache
 
   def stats(self) -> dict[str, Any]:
