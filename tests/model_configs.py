@@ -1,4 +1,5 @@
-"""Small model configurations (Hugging Face config.json dicts) shared by the tests."""
+"""Small model configurations (Hugging Face config.json dicts) shared by the tests, and
+`perturbed`, a draft model made from a target's parameters."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ CONFIGS = {
                   head_dim=24, max_position_embeddings=256, tie_word_embeddings=True,
                   bos_token_id=1, eos_token_id=2),
 }
+
+
+def perturbed(params, scale, seed=0):
+  """The target with noise added: a draft model that agrees with it often, not always."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_unflatten(tree, [
+      x + scale * jnp.std(x) * jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+      for x in leaves])

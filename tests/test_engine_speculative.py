@@ -3,7 +3,6 @@ drafters chosen per request, MTP and draft-model drafting over the paged cache."
 
 import random
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from model_configs import CONFIGS
+from model_configs import CONFIGS, perturbed
 
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
              max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32)
@@ -171,17 +170,9 @@ def test_mtp_drafting_in_the_engine(model):
   assert_pool_full(tight)
 
 
-def _perturbed(params, scale, seed=0):
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  rng = np.random.default_rng(seed)
-  return jax.tree_util.tree_unflatten(tree, [
-      x + scale * jnp.std(x) * jnp.asarray(rng.standard_normal(x.shape), x.dtype)
-      for x in leaves])
-
-
 def test_draft_model_drafting_in_the_engine(model):
   cfg, params = model
-  draft = (cfg, _perturbed(params, 0.05))
+  draft = (cfg, perturbed(params, 0.05))
   ps = fresh_prompts(3, seed=12, lo=35, hi=45) + [[1, 5, 6, 7, 5, 6, 7, 5, 6]]
   samp = [SamplingParams(), SamplingParams(drafter="ngram"), SamplingParams(drafter="off"),
           SamplingParams(temperature=1.0, top_k=1, seed=3)]  # top_k 1: greedy via sampling

@@ -17,7 +17,7 @@ from engine.runtime.generate import SpeculativeConfig, generate_tokens
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.speculative import acceptance, drafters
 from engine.runtime.speculative.loop import speculative_decode
-from model_configs import CONFIGS
+from model_configs import CONFIGS, perturbed
 
 # ---- the acceptance rule on synthetic distributions --------------------------------------------
 
@@ -149,22 +149,13 @@ def model():
   return cfg, init_params(cfg, seed=11, scale=2.0)
 
 
-def _perturbed(params, scale, seed=0):
-  """The target with noise added: a draft model that agrees with it often, not always."""
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  rng = np.random.default_rng(seed)
-  return jax.tree_util.tree_unflatten(tree, [
-      x + scale * jnp.std(x) * jnp.asarray(rng.standard_normal(x.shape), x.dtype)
-      for x in leaves])
-
-
 def _spec(model, method, k=3):
   cfg, params = model
   if method == "draft_random":  # a different architecture (GQA Llama), rarely right
     dcfg = config_from_dict(CONFIGS["llama"])
     return SpeculativeConfig("draft", k, dcfg, init_params(dcfg, seed=3))
   if method == "draft_close":
-    return SpeculativeConfig("draft", k, cfg, _perturbed(params, 0.05))
+    return SpeculativeConfig("draft", k, cfg, perturbed(params, 0.05))
   return SpeculativeConfig(method, k)
 
 

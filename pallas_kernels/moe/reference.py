@@ -45,9 +45,6 @@ def route(router_logits: jax.Array, correction_bias: jax.Array | None, *, scorin
       choice = _keep_top_groups(grouped, group_scores, topk_group, -jnp.inf).reshape(t, e)
     _, ids = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if norm_topk_prob:
-      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    weights = weights * routed_scaling_factor
   else:
     choice = scores
     if topk_method == "group_limited_greedy" and n_group > 1:
@@ -55,11 +52,20 @@ def route(router_logits: jax.Array, correction_bias: jax.Array | None, *, scorin
       group_scores = jnp.max(grouped, axis=-1)
       choice = _keep_top_groups(grouped, group_scores, topk_group, 0.0).reshape(t, e)
     weights, ids = jax.lax.top_k(choice, top_k)
-    if norm_topk_prob and top_k > 1:
-      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    else:
-      weights = weights * routed_scaling_factor
-  return weights, ids.astype(jnp.int32)
+  return finish_weights(weights, topk_method, norm_topk_prob, routed_scaling_factor), \
+      ids.astype(jnp.int32)
+
+
+def finish_weights(weights: jax.Array, topk_method: str, norm_topk_prob: bool,
+                   routed_scaling_factor: float) -> jax.Array:
+  """The chosen experts' weights [T, k] as DeepSeek combines them: noaux_tc renormalises (if
+  norm_topk_prob) and always scales; the greedy methods renormalise (k > 1) or else scale."""
+  normalise = norm_topk_prob and (topk_method == "noaux_tc" or weights.shape[-1] > 1)
+  if normalise:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  if topk_method == "noaux_tc" or not normalise:
+    weights = weights * routed_scaling_factor
+  return weights
 
 
 def _keep_top_groups(grouped: jax.Array, group_scores: jax.Array, topk_group: int,

@@ -93,19 +93,14 @@ def route(router_logits: jax.Array, correction_bias: jax.Array | None, *, scorin
       choice = _keep_top_groups(grouped, jnp.sum(top2, -1), topk_group, -jnp.inf).reshape(t, e)
     # The weights are the uncorrected scores of the chosen experts, picked in the same pass.
     _, ids, weights = _top_k_by_rank(choice, top_k, scores)
-    if norm_topk_prob:
-      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    weights = weights * routed_scaling_factor
   else:
     choice = scores
     if topk_method == "group_limited_greedy" and n_group > 1:
       grouped = scores.reshape(t, n_group, e // n_group)
       choice = _keep_top_groups(grouped, jnp.max(grouped, -1), topk_group, 0.0).reshape(t, e)
     weights, ids = _top_k_by_rank(choice, top_k)
-    if norm_topk_prob and top_k > 1:
-      weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    else:
-      weights = weights * routed_scaling_factor
+  weights = reference.finish_weights(weights, topk_method, norm_topk_prob,
+                                     routed_scaling_factor)
   return weights, ids.astype(jnp.int32)
 
 
