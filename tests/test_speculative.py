@@ -337,6 +337,45 @@ def test_goodput_choice():
   np.testing.assert_allclose(goodput.expected_tokens(jnp.float32(0.5), 2.0), 1.75, rtol=1e-6)
 
 
+def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
+  """`goodput.plan` (block width K and per-row draft counts) reaches the best tokens per unit of
+  step time that trying every K and every k_b <= min(K, room_b) finds."""
+  import itertools
+  from engine.runtime.speculative import goodput
+  choices = (0, 1, 2, 4)
+  rng = np.random.default_rng(4)
+
+  def rate(a, live, drafting, k, ks, block, token):
+    tokens = live.sum() + sum(sum(a[i] ** j for j in range(1, kb + 1)) for i, kb in
+                              enumerate(ks) if drafting[i])
+    return tokens / (1 + k * block + token * sum(ks))
+
+  for case in range(40):
+    b = 3
+    a = rng.uniform(0.0, 0.98, b)
+    live = np.asarray([True, True, case % 3 > 0])
+    drafting = live & np.asarray([True, case % 2 == 0, True])
+    room = rng.integers(0, 5, b)
+    block, token = rng.uniform(0.0, 0.3), [0.0, 0.05, 0.4][case % 3]
+    index, k_rows = goodput.plan(jnp.asarray(a, jnp.float32), jnp.asarray(drafting),
+                                 jnp.asarray(live), jnp.asarray(room, jnp.int32), choices,
+                                 jnp.float32(block), jnp.float32(token))
+    k, k_rows = choices[int(index)], np.asarray(k_rows)
+    cap = [min(room[i], max(choices)) if drafting[i] else 0 for i in range(b)]
+    assert all(k_rows <= np.minimum(cap, k)), (k, k_rows, cap)
+    best = max(rate(a, live, drafting, kc, ks, block, token) for kc in choices
+               for ks in itertools.product(*[range(min(c, kc) + 1) for c in cap]))
+    got = rate(a, live, drafting, k, k_rows, block, token)
+    assert got == pytest.approx(best, rel=1e-4), (case, a, room, k, k_rows)
+    if token == 0.0:  # nothing to save per token: every drafting row fills the block
+      assert list(k_rows) == [min(c, k) for c in cap]
+  # A row that rarely accepts drafts less than one that usually does, in the same block.
+  index, k_rows = goodput.plan(jnp.asarray([0.95, 0.2], jnp.float32), jnp.ones(2, bool),
+                               jnp.ones(2, bool), jnp.asarray([4, 4], jnp.int32), choices,
+                               jnp.float32(0.05), jnp.float32(0.3))
+  assert choices[int(index)] == 4 and int(k_rows[0]) == 4 and int(k_rows[1]) < 2
+
+
 def test_rejected_drafts_roll_back_by_length(model):
   """After partially accepted steps, the cache and lengths equal those of plain decoding."""
   cfg, params = model

@@ -11,8 +11,12 @@
   sampling row its MTP hidden state; the draft model runs over the same tokens);
 * `decode`: a decode-only engine step through `serving.speculative_decode_loop`;
 * `measure_costs` (at `Engine.warmup`, adaptive mode): times the compiled verify forward for
-  every compiled k at the smallest and largest decode batch, the MTP layer and the draft model,
-  and fits the goodput model's T(B, k) = 1 + k (base + draft + per_row B).
+  every compiled k at the smallest and largest decode batch, with every position real and with
+  only the first, the MTP layer and the draft model, and fits the goodput model's step time
+  T = 1 + K (base + pad_row B + drafters) + per_token sum_b k_b (`goodput.plan`).
+
+Each request keeps its own acceptance counts per drafter (`Request.spec_accept`), so the loop
+sizes every row's drafts, and picks an "auto" row's drafter, from what that request accepts.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ AUTO = "auto"  # a request's drafter chosen per loop call from measured acceptan
 
 # Cost per drafted token relative to a plain decode step until measured (adaptive mode).
 DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
-DEFAULT_BASE, DEFAULT_PER_ROW = 0.03, 0.02
+DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN = 0.03, 0.02, 0.0
 # Floor of the fitted base cost per verified position: timings within noise of each other must
 # not make verification free (a drafter that proposes nothing would then never back off).
 MIN_BASE = 0.03
@@ -73,13 +77,13 @@ def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "what"), donate_argnames=("cache",))
-def _probe(params: Params, cache: Cache, tokens: jax.Array, page_table: jax.Array, *,
-           cfg: ModelConfig, impl: KernelChoice, what: str):
-  """One timed program on rows of the null page: "verify" (target forward over [B, T] and
-  logits), "mtp" (the MTP layer over [B, 1] and logits) or "decode" (a [B, 1] forward)."""
+def _probe(params: Params, cache: Cache, tokens: jax.Array, n_new: jax.Array,
+           page_table: jax.Array, *, cfg: ModelConfig, impl: KernelChoice, what: str):
+  """One timed program on rows of the null page: "verify" (target forward over [B, T], of
+  which the first n_new [B] real, and logits), "mtp" (the MTP layer over [B, 1] and logits) or
+  "decode" (a [B, 1] forward)."""
   b, t = tokens.shape
   zeros = jnp.zeros((b,), jnp.int32)
-  n_new = jnp.full((b,), t, jnp.int32)
   if what == "mtp":
     h = jnp.zeros((b, t, cfg.hidden_size), params["embed"].dtype)
     hidden, cache = forward_mtp(params, cache, h, tokens, zeros, n_new, page_table, cfg=cfg,
@@ -135,7 +139,7 @@ class SpecRuntime:
                   if "learned" in self.enabled else None)
     self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), 2), jnp.float32))
     self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
-                            + [DEFAULT_BASE, DEFAULT_PER_ROW], np.float32)
+                            + [DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN], np.float32)
     self.cost_fit: dict[str, Any] = {}
     self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
                         if "draft" in self.enabled else None)
@@ -160,23 +164,6 @@ class SpecRuntime:
       raise ValueError(f"drafter: {drafter!r} is not enabled on this engine (enabled: "
                        f"{', '.join(self.enabled) or 'none'})")
     return drafter
-
-  def auto_choice(self) -> str:
-    """The drafter for "auto" rows in the next loop: the enabled one with the best expected
-    tokens per unit of step time at k = K, E[tau](K; a_d) / (1 + K (base + cost_d)), a_d from
-    its decayed acceptance counts. Unused drafters' counts decay towards the prior, so a drafter
-    that stops paying loses to one not tried lately (exploration)."""
-    counts = np.asarray(jax.device_get(self.accept), np.float64)
-    k, best, best_score = self.k, self.enabled[0], -1.0
-    for d in self.enabled:
-      i = drafter_id(d)
-      a = ((counts[i, 0] + goodput.PRIOR_ACCEPT * goodput.PRIOR_WEIGHT)
-           / (counts[i, 0] + counts[i, 1] + goodput.PRIOR_WEIGHT))
-      a = min(max(a, 0.0), 1.0 - 1e-6)
-      score = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + k * (self.costs[-2] + self.costs[i]))
-      if score > best_score:
-        best, best_score = d, score
-    return best
 
   def budget(self, steps_: int, drafting: bool) -> int:
     """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that."""
@@ -209,32 +196,36 @@ class SpecRuntime:
              force_k: int | None = None):
     """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
     logprobs as `steps.decode_loop`'s, cache)."""
-    b = tokens.shape[0]
+    b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
     row_drafter = np.zeros((b,), np.int32)
+    row_auto = np.zeros((b,), bool)
     row_max_draft = np.zeros((b,), np.int32)
+    row_accept = np.zeros((b, n_ids, 2), np.float32)
     mtp_hidden = None
     if "mtp" in self.enabled:
       mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
-    auto = self.auto_choice() if any(r.drafter == AUTO for r in reqs) else None
-    used = [auto if r.drafter == AUTO else r.drafter for r in reqs]
     for i, req in enumerate(reqs):
-      row_drafter[i] = drafter_id(used[i])
+      row_auto[i] = req.drafter == AUTO
+      row_drafter[i] = 0 if row_auto[i] else drafter_id(req.drafter)
       row_max_draft[i] = req.sampling.max_draft_tokens or self.k
+      if req.spec_accept is not None:
+        row_accept[i] = req.spec_accept
       if mtp_hidden is not None and req.mtp_hidden is not None:
         mtp_hidden[i] = req.mtp_hidden
     res, cache = speculative_decode_loop(
         params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
-        np.int32(num_steps), history, history_len, row_drafter, row_max_draft, self.accept,
-        self.costs,
+        np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
+        row_accept, self.accept, self.costs,
         np.int32(self.force_k if force_k is None else force_k),
         np.bool_(any(r.sampling.logprobs is not None for r in reqs)), self.table, mtp_hidden,
         self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
         choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
         impl=impl)
     self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache
-    out, counts, spec, k_steps, mtp_h, lps = jax.device_get(
-        (res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden, res.logprobs))
+    out, counts, spec, k_steps, mtp_h, lps, row_accept, by_drafter = jax.device_get(
+        (res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden, res.logprobs,
+         res.row_accept, res.by_drafter))
     self.k_steps += k_steps
     counters["spec_steps"] += int(spec.steps.sum())
     counters["spec_drafted"] += int(spec.draft_tokens.sum())
@@ -242,15 +233,20 @@ class SpecRuntime:
     for i, req in enumerate(reqs):
       for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
         req.spec[j] += int(x[i])
-      if used[i]:  # per drafter: verify steps, drafted and accepted tokens
-        for name, x in (("steps", spec.steps), ("drafted", spec.draft_tokens),
-                        ("accepted", spec.accepted_tokens)):
-          self.per_drafter[f"spec_{name}_{used[i]}"] += int(x[i])
+      req.spec_accept = row_accept[i]
+      for d in self.enabled:  # per drafter: verify steps, drafted and accepted tokens
+        steps_, drafted, accepted = (int(x) for x in by_drafter[i, drafter_id(d)])
+        if not steps_:
+          continue
+        req.drafter_steps[d] = req.drafter_steps.get(d, 0) + steps_
+        self.per_drafter[f"spec_steps_{d}"] += steps_
+        self.per_drafter[f"spec_drafted_{d}"] += drafted
+        self.per_drafter[f"spec_accepted_{d}"] += accepted
+        if row_auto[i]:  # row iterations in which "auto" chose d
+          key = f"spec_auto_choice_{d}"
+          self.per_drafter[key] = self.per_drafter.get(key, 0) + steps_
       if mtp_h is not None:
         req.mtp_hidden = mtp_h[i]
-    if auto is not None:
-      self.per_drafter[f"spec_auto_choice_{auto}"] = (
-          self.per_drafter.get(f"spec_auto_choice_{auto}", 0) + 1)
     return out, counts, lps, cache
 
   def stats(self) -> dict[str, Any]:
@@ -285,47 +281,59 @@ class SpecRuntime:
         best = min(best, time.perf_counter() - t0)
       return best
 
-    table: dict[int, dict[int, float]] = {}
+    rng = np.random.default_rng(0)
+    table: dict[int, dict[int, float]] = {}  # every position real
+    padded: dict[int, dict[int, float]] = {}  # only the first position real
     drafter_s: dict[str, list[float]] = {"mtp": [], "draft": []}
     for b in sorted(set(batch_sizes)):
       pt = np.zeros((b, max_pages), np.int32)  # the null page: cleared afterwards
-      table[b] = {}
+      table[b], padded[b] = {}, {}
       for k in sorted(set(self.choices) | {0}):
-        toks = np.zeros((b, k + 1), np.int32)
-        table[b][k] = timed("target", lambda c: _probe(params, c, toks, pt, cfg=self.cfg,
+        # Distinct random tokens: their routing spreads over the experts as real text does.
+        toks = rng.integers(0, self.cfg.vocab_size, (b, k + 1), dtype=np.int32)
+        for row, n_real in ((table, k + 1), (padded, 1)):
+          n_new = np.full((b,), n_real, np.int32)
+          row[b][k] = timed("target", lambda c: _probe(params, c, toks, n_new, pt, cfg=self.cfg,
                                                        impl=impl, what="verify"))
-      one = np.zeros((b, 1), np.int32)
+      one = rng.integers(0, self.cfg.vocab_size, (b, 1), dtype=np.int32)
+      ones = np.ones((b,), np.int32)
       if "mtp" in self.enabled:
         drafter_s["mtp"].append(timed("target", lambda c: _probe(
-            params, c, one, pt, cfg=self.cfg, impl=impl, what="mtp")) / table[b][0])
+            params, c, one, ones, pt, cfg=self.cfg, impl=impl, what="mtp")) / table[b][0])
       if "draft" in self.enabled:
         drafter_s["draft"].append(timed("draft", lambda c: _probe(
-            self.draft_params, c, one, pt, cfg=self.draft_cfg, impl=impl,
+            self.draft_params, c, one, ones, pt, cfg=self.draft_cfg, impl=impl,
             what="decode")) / table[b][0])
     caches = {w: c if c is None else _clear_null_page(c) for w, c in caches.items()}
     cache, self.draft_cache = caches["target"], caches["draft"]
-    # Least squares of r(B, k) / k = base + per_row B over k > 0, r = t(B, k) / t(B, 0) - 1.
-    xs, ys = [], []
-    for b, row in table.items():
+    # Per block column: least squares of r_pad(B, k) / k = base + pad_row B over k > 0, with
+    # r = t / t(B, 0) - 1 and only the first position real. Per real drafted token: the mean of
+    # (r_full - r_pad) / (B k).
+    xs, ys, tok = [], [], []
+    for b, row in padded.items():
       for k, t in row.items():
         if k > 0:
           xs.append(b)
           ys.append((t / row[0] - 1.0) / k)
+          tok.append((table[b][k] - t) / row[0] / (b * k))
     xs, ys = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
     if len(set(xs.tolist())) > 1:
-      per_row, base = np.polyfit(xs, ys, 1)
+      pad_row, base = np.polyfit(xs, ys, 1)
     else:
-      per_row, base = 0.0, float(ys.mean()) if len(ys) else 0.0
-    base, per_row = max(float(base), MIN_BASE), max(float(per_row), 0.0)
+      pad_row, base = 0.0, float(ys.mean()) if len(ys) else 0.0
+    base, pad_row = max(float(base), MIN_BASE), max(float(pad_row), 0.0)
+    per_token = max(float(np.mean(tok)) if tok else 0.0, 0.0)
     costs = self.costs.copy()
     for d, rs in drafter_s.items():
       if rs:
         costs[drafter_id(d)] = float(np.mean(rs))
-    costs[-2], costs[-1] = base, per_row
+    costs[-3:] = base, pad_row, per_token
     self.costs = costs.astype(np.float32)
-    self.cost_fit = dict(base=base, per_row=per_row,
+    self.cost_fit = dict(base=base, pad_row=pad_row, per_token=per_token,
                          **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()
                             if rs},
                          table={b: {k: round(t * 1e3, 4) for k, t in row.items()}
-                                for b, row in table.items()})  # ms
+                                for b, row in table.items()},  # ms
+                         table_padded={b: {k: round(t * 1e3, 4) for k, t in row.items()}
+                                       for b, row in padded.items()})
     return cache

@@ -7,8 +7,11 @@ forward over k + 1 positions. A row never writes past `n_cached + limit - 1`, so
 taken for `num_steps` plain decode steps suffice.
 
 Drafters per row: `row_drafter[b]` indexes `DRAFTER_IDS` (0 = off: the row drafts nothing and
-decodes one token per iteration). Every drafter the engine enables (`drafters`, static) computes
-its proposals for the whole batch and rows take their own with `jnp.where`:
+decodes one token per iteration); `row_auto[b]` rows take, every iteration, the enabled drafter
+with the best expected tokens per unit of step time from their own acceptance estimates. Every
+drafter the engine enables (`drafters`, static) proposes for the whole batch and rows take
+their own with `jnp.where`; the model drafters' chained forwards run only when a live row uses
+them (`lax.cond`):
 * "ngram": prompt lookup in the row's recent tokens (`history`);
 * "learned": the engine's n-gram table, updated from every emitted token and handed back;
 * "mtp": the model's MTP layer; it observes every verified block of every row (its cache covers
@@ -22,10 +25,15 @@ Rows of deterministic drafters are verified against the target's own (seed, posi
 (sampled output token for token that of plain decoding), rows of model drafters by speculative
 sampling with their q.
 
-The draft length k is chosen per iteration from the compiled `choices` (`lax.switch`, only the
-chosen branch runs): forced (`force_k` >= 0, an index) or by the goodput model
-(`goodput.choose_rows`) from the per-drafter acceptance estimates `accept` [D, 2] (decayed
-accepted / ended counts; carried across calls by the engine) and the measured costs.
+Acceptance evidence: after each verify, every drafter that proposed is checked against the
+tokens each row emitted (`_matched`), into decayed (accepted, ended) counts per row and drafter
+(`row_accept`, the request's, carried across calls by the engine) and over all drafting rows
+(`accept`, the prior of new rows).
+
+The block width K is chosen per iteration from the compiled `choices` (`lax.switch`, only the
+chosen branch runs), and each row's draft count k_b <= K with it: forced (`force_k` >= 0, an
+index; rows then draft up to their room) or by the goodput model (`goodput.plan`) from the rows'
+estimates and the measured costs.
 """
 
 from __future__ import annotations
@@ -64,34 +72,55 @@ class LoopResult:
   accept: jax.Array  # [D, 2] updated acceptance counts
   table: learned.NgramTable | None
   mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
+  row_accept: jax.Array  # [B, D, 2] updated per-row acceptance counts
+  by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
   draft_cache: Cache | None
   logprobs: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (zeros unless
   # `want_logprobs`): chosen [B, max_steps], top ids and logprobs [B, max_steps, 20]
 
 
-def _draft_feed_propose(draft_params, dcache, pending, n_pending, tok, n_cached, live,
-                        page_table, sampling, *, k, draft_cfg, impl):
-  """Feeds each row's pending tokens and its newest token, then drafts k >= 1 tokens.
+def _draft_feed(draft_params, dcache, pending, n_pending, tok, n_cached, live, page_table, *,
+                draft_cfg, impl):
+  """Feeds each row's pending tokens and its newest token to the draft model.
 
   pending [B, P] tokens at positions n_cached - n_pending .. n_cached - 1 the draft cache lacks.
-  Returns (draft [B, k], q [B, k, V], draft cache holding positions < n_cached + k).
+  Returns (the draft model's hidden state at the newest token [B, H], draft cache holding
+  positions <= n_cached).
   """
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([pending, jnp.zeros_like(pending[:, :1])], axis=1)
   block = _place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
   hidden, dcache = forward(draft_params, dcache, block, n_cached - n_pending,
                            (n_pending + 1) * live_i, page_table, cfg=draft_cfg, impl=impl)
-  h = jnp.take_along_axis(hidden, n_pending[:, None, None], axis=1)[:, 0]
+  return jnp.take_along_axis(hidden, n_pending[:, None, None], axis=1)[:, 0], dcache
+
+
+def _draft_chain(draft_params, dcache, h, n_cached, live, page_table, sampling, *, k, draft_cfg,
+                 impl):
+  """k >= 1 drafts from the draft model's state h [B, H] at the newest token. Returns (draft
+  [B, k], q [B, k, V], draft cache holding positions < n_cached + k)."""
   drafts, qs = [], []
   for j in range(1, k + 1):
     if j > 1:
       hidden, dcache = forward(draft_params, dcache, drafts[-1][:, None], n_cached + j - 1,
-                               live_i, page_table, cfg=draft_cfg, impl=impl)
+                               live.astype(jnp.int32), page_table, cfg=draft_cfg, impl=impl)
       h = hidden[:, 0]
     t, q = draft_sample(compute_logits(draft_params, h, draft_cfg), sampling, n_cached + j)
     drafts.append(t)
     qs.append(q)
   return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), dcache
+
+
+def _matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_emit: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+  """What a drafter's proposal [B, P] (first n_proposed real) would have achieved against the
+  tokens the row emitted [B, >= P] (first n_emit real): (leading matches [B], ended [B] bool:
+  a mismatch or no proposal before the horizon min(P, n_emit); else censored)."""
+  p = proposal.shape[1]
+  slots = jnp.arange(p, dtype=jnp.int32)[None, :]
+  same = (proposal == emitted[:, :p]) & (slots < jnp.minimum(n_proposed, n_emit)[:, None])
+  m = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1)
+  return m, m < jnp.minimum(p, n_emit)
 
 
 @functools.partial(jax.jit,
@@ -103,9 +132,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
                             min_before_stop: jax.Array, num_steps: jax.Array,
                             history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
-                            row_max_draft: jax.Array, accept: jax.Array, costs: jax.Array,
-                            force_k: jax.Array, want_logprobs: jax.Array,
-                            table: learned.NgramTable | None = None,
+                            row_auto: jax.Array, row_max_draft: jax.Array, row_accept: jax.Array,
+                            accept: jax.Array, costs: jax.Array, force_k: jax.Array,
+                            want_logprobs: jax.Array, table: learned.NgramTable | None = None,
                             mtp_hidden: jax.Array | None = None,
                             draft_params: Params | None = None,
                             draft_cache: Cache | None = None, *, max_steps: int,
@@ -121,11 +150,15 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       W >= history_len + max_steps (the loop appends what it emits).
     history_len: [B] int32 tokens in `history` (>= 1 for real rows).
     row_drafter: [B] int32 index into DRAFTER_IDS (0: off); only enabled drafters.
+    row_auto: [B] bool rows whose drafter the loop chooses every iteration (row_drafter unused).
     row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
-    accept: [len(DRAFTER_IDS), 2] float32 decayed (accepted, ended) counts per drafter.
-    costs: [len(DRAFTER_IDS) + 2] float32, relative to a plain decode step: each drafter's
-      cost per drafted token (when a live row uses it), then per verified position the base
-      cost and the cost per row: T(B, k) = 1 + k (base + drafters + per_row B) (`goodput`).
+    row_accept: [B, D] x 2 float32 each row's decayed (accepted, ended) counts per drafter (its
+      request's, carried across calls; zeros for a new request).
+    accept: [D, 2] float32 the same counts over all rows (the prior of new rows).
+    costs: [D + 3] float32, relative to a plain decode step: each drafter's cost per block
+      column (when a live row uses it), then the base cost per block column, the cost per
+      block column and live row, and the cost per real drafted token:
+      T = 1 + K (base + pad_row B + drafters) + per_token sum_b k_b (`goodput.plan`).
     force_k: int32 scalar, index into `choices`, or -1 for the goodput choice.
     want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
     table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
@@ -133,50 +166,57 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       < n_cached of every row).
   """
   b = tokens.shape[0]
+  n_ids = len(DRAFTER_IDS)
   k_max = max(choices)
   limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
-  ids = row_drafter.astype(jnp.int32)
-  use = {d: ids == drafter_id(d) for d in drafters}
-  model_rows = functools.reduce(jnp.logical_or, [use[d] for d in drafters
-                                                 if d not in DETERMINISTIC],
-                                jnp.zeros((b,), bool))
+  enabled = jnp.asarray([d in drafters for d in DRAFTER_IDS])
 
   def step(k, s):
     live = ~s["done"]
-    cache, tok, n_cached = s["cache"], s["tok"], s["n_cached"]
-    # Proposals of kk = max(k, 1) tokens: with k = 0 the first one is only compared with the
-    # emitted token afterwards (evidence for the acceptance estimate at no verify cost).
+    cache, tok, n_cached, ids = s["cache"], s["tok"], s["n_cached"], s["ids"]
+    use = {d: ids == drafter_id(d) for d in drafters}
+    model_rows = functools.reduce(jnp.logical_or, [use[d] for d in drafters
+                                                   if d not in DETERMINISTIC],
+                                  jnp.zeros((b,), bool))
+    # Every drafter's proposal of kk = max(k, 1) tokens (with k = 0 they are only compared
+    # with the emitted token afterwards: evidence at no verify cost). Model drafters run only
+    # when a live row uses them (their state is fed either way, so any row may switch to them).
     kk = max(k, 1)
-    draft = jnp.zeros((b, kk), jnp.int32)
-    n_draft = jnp.zeros((b,), jnp.int32)
+    props = {}  # drafter -> (tokens [B, kk], proposed [B], computed: bool scalar)
     q = None
     new = {}
+    full = jnp.full((b,), kk, jnp.int32)
+    nothing = (jnp.zeros((b, kk), jnp.int32), jnp.zeros((b, kk, cfg.vocab_size), jnp.float32))
     if "ngram" in drafters:
-      d, n = dr.ngram_propose(s["history"], s["history_len"] - 1, kk)
-      draft, n_draft = jnp.where(use["ngram"][:, None], d, draft), \
-          jnp.where(use["ngram"], n, n_draft)
+      props["ngram"] = (*dr.ngram_propose(s["history"], s["history_len"] - 1, kk), True)
     if "learned" in drafters:
-      d, n = learned.propose(s["table"], s["history"], s["history_len"] - 1, kk)
-      draft, n_draft = jnp.where(use["learned"][:, None], d, draft), \
-          jnp.where(use["learned"], n, n_draft)
-    if "mtp" in drafters:  # k = 0: one head projection, no MTP forward
-      d, qm, cache = dr.mtp_propose(params, cache, s["mtp_hidden"], n_cached, live,
-                                    page_table, sampling, k=kk, cfg=cfg, impl=impl)
-      draft = jnp.where(use["mtp"][:, None], d, draft)
-      n_draft = jnp.where(use["mtp"], kk, n_draft)
-      q = qm
+      props["learned"] = (*learned.propose(s["table"], s["history"], s["history_len"] - 1, kk),
+                          True)
+    if "mtp" in drafters:
+      wanted = jnp.any(use["mtp"] & live)
+      dm, q, cache = jax.lax.cond(
+          wanted, lambda c: dr.mtp_propose(params, c, s["mtp_hidden"], n_cached, live,
+                                           page_table, sampling, k=kk, cfg=cfg, impl=impl),
+          lambda c: (*nothing, c), cache)
+      props["mtp"] = (dm, full, wanted)
     if "draft" in drafters:  # fed every iteration (k = 0 too)
-      d, qd, new["draft_cache"] = _draft_feed_propose(
-          draft_params, s["draft_cache"], s["pending"], s["n_pending"], tok, n_cached, live,
-          page_table, sampling, k=kk, draft_cfg=draft_cfg, impl=impl)
-      draft = jnp.where(use["draft"][:, None], d, draft)
-      n_draft = jnp.where(use["draft"], kk, n_draft)
+      h, dcache = _draft_feed(draft_params, s["draft_cache"], s["pending"], s["n_pending"], tok,
+                              n_cached, live, page_table, draft_cfg=draft_cfg, impl=impl)
+      wanted = jnp.any(use["draft"] & live)
+      dd, qd, new["draft_cache"] = jax.lax.cond(
+          wanted, lambda c: _draft_chain(draft_params, c, h, n_cached, live, page_table,
+                                         sampling, k=kk, draft_cfg=draft_cfg, impl=impl),
+          lambda c: (*nothing, c), dcache)
+      props["draft"] = (dd, full, wanted)
       q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
-    shadow, n_shadow = draft[:, 0], n_draft
+    draft = jnp.zeros((b, kk), jnp.int32)
+    n_draft = jnp.zeros((b,), jnp.int32)
+    for d, (t, n, _) in props.items():
+      draft = jnp.where(use[d][:, None], t, draft)
+      n_draft = jnp.where(use[d], n, n_draft)
     if k == 0:
       draft, n_draft, q = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), None
-    cap = jnp.minimum(limit - s["count"] - 1, row_max_draft)  # drafts the row allows
-    n_draft = jnp.where(live, jnp.minimum(n_draft, cap), 0)
+    n_draft = jnp.where(live, jnp.minimum(n_draft, s["k_rows"]), 0)
     # Rows of model drafters use their q; the others (deterministic drafters, off) match
     # the target's own samples, so their sampled output is that of plain decoding.
     v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, s["count"],
@@ -207,9 +247,10 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                                      impl=impl)
       s["mtp_hidden"] = jnp.where(live[:, None], h, s["mtp_hidden"])
     if "draft" in drafters:
-      # The draft model was fed tok and its own drafts d_1 .. d_{k'-1}: draft rows that
-      # accepted all of them lack the last accepted one, other rows every accepted token.
-      # (After a stop inside the block only the emitted tokens count.)
+      # The draft model was fed tok and, in rows drafting with it, its own drafts
+      # d_1 .. d_{k'-1}: those rows that accepted all of them lack the last accepted one,
+      # other rows every accepted token. (After a stop inside the block only the emitted
+      # tokens count.)
       seen = jnp.where(use["draft"], jnp.minimum(n_acc, max(k, 1) - 1), 0)
       n_pend = jnp.maximum(n_emit - 1 - seen, 0)
       pend = jnp.take_along_axis(
@@ -223,30 +264,45 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     s["stopped"] = s["stopped"] | v.stopped
     s["done"] = s["done"] | v.stopped | (s["count"] >= limit)
     s["stats"] = s["stats"].add(live, n_draft, n_acc)
-    # Evidence for the acceptance estimate, per drafter: accepted drafts, and rows whose chain
-    # ended before k or the budget's cap (a rejection or no proposal); with k = 0, whether the
-    # first proposal equals the emitted token.
-    drafting = live & (ids > 0) & (cap >= 1)
-    if k > 0:
-      ended = drafting & (n_acc < jnp.minimum(k, cap))
-      acc = jnp.where(drafting, n_acc, 0).astype(jnp.float32)
-    else:
-      hit = drafting & (n_shadow > 0) & (shadow == v.emitted[:, 0])
-      ended, acc = drafting & ~hit, hit.astype(jnp.float32)
-    onehot = jax.nn.one_hot(ids, len(DRAFTER_IDS), dtype=jnp.float32)  # [B, D]
-    evidence = jnp.stack([acc @ onehot, ended.astype(jnp.float32) @ onehot], axis=1)  # [D, 2]
+    onehot = jax.nn.one_hot(ids, n_ids, dtype=jnp.int32) * live.astype(jnp.int32)[:, None]
+    s["by_drafter"] = s["by_drafter"] + onehot[:, :, None] * jnp.stack(
+        [jnp.ones_like(n_draft), n_draft, n_acc], axis=1)[:, None, :]
+    # Evidence for the acceptance estimates, for every drafter that proposed: how many of its
+    # tokens the row's emitted tokens confirm, and whether its chain ended before the horizon
+    # (the row's own drafter: exactly its accepted drafts and a rejection or missing proposal;
+    # the others: what they would have achieved, so "auto" rows compare drafters at no cost).
+    evidence = jnp.zeros((b, n_ids, 2), jnp.float32)
+    for d, (t, n, computed) in props.items():
+      m, ended = _matched(t, n, v.emitted, n_emit)
+      ok = (live & computed).astype(jnp.float32)
+      evidence = evidence.at[:, drafter_id(d)].set(
+          jnp.stack([m.astype(jnp.float32), ended.astype(jnp.float32)], axis=1) * ok[:, None])
     decay = goodput.DECAY
-    s["accept"] = decay * s["accept"] + evidence
+    s["row_accept"] = jnp.where(live[:, None, None], decay * s["row_accept"] + evidence,
+                                s["row_accept"])
+    drafting = (live & (ids > 0)).astype(jnp.float32)
+    s["accept"] = decay * s["accept"] + jnp.einsum("b,bdc->dc", drafting, evidence)
     return s
 
   def body(s):
     live = ~s["done"]
-    a = goodput.acceptance_estimate(s["accept"][ids, 0], s["accept"][ids, 1])
-    present = jnp.any(jax.nn.one_hot(ids, len(DRAFTER_IDS), dtype=bool) & live[:, None], 0)
-    draft_cost = costs[-2] + jnp.sum(jnp.where(present, costs[:-2], 0.0))
-    index = jnp.where(force_k >= 0, force_k,
-                      goodput.choose_rows(a, live & (ids > 0), live, choices, draft_cost,
-                                          costs[-1]))
+    a_rows = goodput.row_estimates(s["row_accept"], s["accept"])  # [B, D]
+    # "auto" rows: the enabled drafter with the most expected tokens per unit of step time at
+    # the widest block (a model drafter's cost as if the row alone paid for it).
+    score = (goodput.expected_tokens(a_rows, jnp.float32(k_max))
+             / (1.0 + k_max * (costs[-3] + costs[:n_ids]))[None, :])
+    best = jnp.argmax(jnp.where(enabled[None, :], score, -jnp.inf), axis=1).astype(jnp.int32)
+    ids = jnp.where(row_auto, best, row_drafter.astype(jnp.int32))
+    a = jnp.take_along_axis(a_rows, ids[:, None], axis=1)[:, 0]
+    present = jnp.any(jax.nn.one_hot(ids, n_ids, dtype=bool) & live[:, None], 0)
+    rows = jnp.sum(live).astype(jnp.float32)
+    block_cost = costs[-3] + costs[-2] * rows + jnp.sum(jnp.where(present, costs[:n_ids], 0.0))
+    room = jnp.maximum(jnp.minimum(limit - s["count"] - 1, row_max_draft), 0)
+    index, k_rows = goodput.plan(a, live & (ids > 0), live, room, choices, block_cost,
+                                 costs[-1])
+    forced = force_k >= 0
+    s = dict(s, ids=ids, k_rows=jnp.where(forced, room, k_rows))
+    index = jnp.where(forced, force_k, index)
     s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
     s["k_steps"] = s["k_steps"].at[index].add(1)
     return s
@@ -256,7 +312,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
            count=zeros, out=jnp.full((b, max_steps), -1, jnp.int32),
            stopped=jnp.zeros((b,), bool), history=history,
            history_len=history_len.astype(jnp.int32), stats=SpecStats.zeros(b, k_max),
-           accept=accept.astype(jnp.float32),
+           accept=accept.astype(jnp.float32), row_accept=row_accept.astype(jnp.float32),
+           ids=row_drafter.astype(jnp.int32), k_rows=zeros,
+           by_drafter=jnp.zeros((b, n_ids, 3), jnp.int32),
            k_steps=jnp.zeros((len(choices),), jnp.int32))
   kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
   s["lps"] = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
@@ -275,5 +333,6 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                         cfg=draft_cfg, impl=impl)
   return LoopResult(out=s["out"], counts=s["count"], stopped=s["stopped"], stats=s["stats"],
                     k_steps=s["k_steps"], accept=s["accept"], table=s.get("table"),
-                    mtp_hidden=s.get("mtp_hidden"), draft_cache=dcache,
+                    mtp_hidden=s.get("mtp_hidden"), row_accept=s["row_accept"],
+                    by_drafter=s["by_drafter"], draft_cache=dcache,
                     logprobs=s["lps"]), s["cache"]
