@@ -67,6 +67,17 @@ def test_adaptive_k_backs_off_on_fresh_prompts_and_drafts_what_it_learned(model)
   assert [r.output_ids for r in got] == want
   k0 = eng.spec.k_steps.copy()
   assert k0[0] > 2 * k0[1:].sum(), k0
+  # Nothing paid, so most calls ran the plain loop; the table still learned their tokens.
+  assert eng.stats()["spec_rest_calls"] > 0
+  from engine.runtime.speculative import learned
+  ctx, nxt = [], []
+  for p, r in zip(ps, got):
+    seq = p + r.output_ids
+    for j in range(len(p) + 1, len(seq)):
+      ctx.append(seq[j - 3:j])
+      nxt.append(seq[j])
+  tok, found = learned.lookup(eng.spec.table, jnp.asarray(ctx, jnp.int32), 0.5)
+  assert np.mean(np.asarray(found) & (np.asarray(tok) == np.asarray(nxt))) > 0.9
   # The same prompts again: the table knows the continuations, the loop drafts again once
   # the old evidence has faded, and most tokens come from accepted drafts.
   got = eng.generate(ps, stop=StopParams(max_tokens=24))
@@ -223,6 +234,11 @@ def test_auto_drafter_picks_what_pays_per_request_and_keeps_greedy_output(model)
   stats = eng.stats()
   assert (stats.get("spec_auto_choice_draft", 0) + stats.get("spec_auto_choice_learned", 0)
           == sum(sum(x.values()) for x in steps))
+  # The draft model is kept current only in calls where a row may use it.
+  fed = stats["spec_fed_calls_draft"]
+  assert fed >= 1
+  eng.generate([a], SamplingParams(drafter="learned"), StopParams(max_tokens=20))
+  assert eng.stats()["spec_fed_calls_draft"] == fed
   assert_pool_full(eng)
   with pytest.raises(ValueError, match="drafters"):
     Engine(cfg, params, EngineConfig(**SMALL, speculative="auto"))

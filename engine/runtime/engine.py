@@ -57,13 +57,10 @@ class EngineConfig:
   enable_prefix_cache: bool = True
   row_widths: tuple[int, ...] = DEFAULT_ROW_WIDTHS
   max_decode_steps: int = 16  # most decode iterations per device loop (1 disables the loop)
-  # Speculative decoding in decode-only loops (`speculative/runtime.py`): the default drafter
-  # of requests that do not choose one (`SamplingParams.drafter`): None (off), "ngram" (prompt
-  # lookup in the request's last `ngram_window` tokens), "learned" (an n-gram table learned
-  # from every request's decoded tokens, `learned_table_slots` slots, kept by the engine),
-  # "mtp" (the model's MTP layer) or "draft" (`Engine(draft=...)`); `drafters`: more that
-  # requests may choose. Up to `num_draft_tokens` per iteration, or with `adaptive_k` a k
-  # chosen every iteration by the goodput model (costs measured at warmup). A loop then gets
+  # Speculative decoding (`speculative/runtime.py`): the drafter of requests that choose none
+  # (None: off, "ngram", "learned", "mtp", "draft" (`Engine(draft=...)`), "auto"), `drafters`
+  # more that they may choose; up to `num_draft_tokens` per iteration, or with `adaptive_k`
+  # sized every iteration by the goodput model (costs measured at warmup). A loop then gets
   # a budget of at least num_draft_tokens + 1 tokens (max_decode_steps must allow it).
   speculative: str | None = None
   drafters: tuple[str, ...] = ()
@@ -402,7 +399,7 @@ class Engine:
       remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    if any(r.drafter for r in reqs):  # logprobs come from the verify logits
+    if self.spec.speculates(reqs):  # logprobs come from the verify logits
       with self._on_mesh():
         out, counts, lps, self.cache = self.spec.decode(
             self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
@@ -414,6 +411,7 @@ class Engine:
             min_before, np.int32(plan.num_steps), max_steps=self.config.max_decode_steps,
             cfg=self.cfg, impl=self.config.kernels)
       out, counts, lps = jax.device_get((out, counts, lps))
+      self.spec.learn(reqs, out, counts)
     for i, req in enumerate(reqs):
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
@@ -556,6 +554,7 @@ class Engine:
               self.params, self.cache, zeros, past, table, samp, stop_ids, ones, zeros,
               np.int32(1), max_steps=self.config.max_decode_steps, cfg=self.cfg,
               impl=self.config.kernels)
+          self.spec.learn([], np.zeros((b, self.config.max_decode_steps), np.int32), zeros)
         if progress is not None:
           progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
       if self.spec.enabled and self.config.adaptive_k:

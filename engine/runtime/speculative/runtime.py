@@ -36,9 +36,9 @@ from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
 from engine.runtime import steps
 from engine.runtime.sampling import SamplingArrays
-from engine.runtime.speculative import drafters as dr, goodput
+from engine.runtime.speculative import drafters as dr, goodput, learned
 from engine.runtime.speculative.learned import NgramTable
-from engine.runtime.speculative.serving import (DRAFTER_IDS, drafter_id,
+from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
 AUTO = "auto"  # a request's drafter chosen per loop call from measured acceptance and costs
@@ -46,6 +46,11 @@ AUTO = "auto"  # a request's drafter chosen per loop call from measured acceptan
 # Cost per drafted token relative to a plain decode step until measured (adaptive mode).
 DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
 DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN = 0.03, 0.02, 0.0
+# "auto" rows get a model drafter that does not look worth its upkeep once per this many calls.
+EXPLORE_EVERY = 32
+# After a loop call in which the adaptive policy chose k = 0 throughout, this many calls run the
+# plain loop (cheaper per token than the speculative loop at k = 0) before it probes again.
+REST_CALLS = 3
 # Floor of the fitted base cost per verified position: timings within noise of each other must
 # not make verification free (a drafter that proposes nothing would then never back off).
 MIN_BASE = 0.03
@@ -91,6 +96,9 @@ def _probe(params: Params, cache: Cache, tokens: jax.Array, n_new: jax.Array,
   else:
     hidden, cache = forward(params, cache, tokens, zeros, n_new, page_table, cfg=cfg, impl=impl)
   return jnp.argmax(compute_logits(params, hidden, cfg), axis=-1), cache
+
+
+_learn = jax.jit(learned.update, donate_argnames=("table",))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
@@ -144,6 +152,9 @@ class SpecRuntime:
     self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
                         if "draft" in self.enabled else None)
     self.k_steps = np.zeros((len(self.choices),), np.int64)
+    self._rest = 0  # plain-loop calls left before the speculative loop probes again
+    self._auto_calls = 0  # loop calls with "auto" rows, and when each model drafter was
+    self._offered: dict[str, int] = {}  # last offered to them (`model_drafters_for_auto`)
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
                         for n in ("steps", "drafted", "accepted")}
 
@@ -164,6 +175,78 @@ class SpecRuntime:
       raise ValueError(f"drafter: {drafter!r} is not enabled on this engine (enabled: "
                        f"{', '.join(self.enabled) or 'none'})")
     return drafter
+
+  def model_drafters_for_auto(self, reqs: Sequence[Any]) -> set[str]:
+    """The model drafters (mtp, draft) "auto" rows may take in the next loop call.
+
+    Keeping one usable costs every iteration a forward (the MTP layer observes the verified
+    block, the draft model is fed), so it is offered only while an estimate says it can beat
+    the best free choice: E[tau](K; a_d) / (1 + K (base + c_d) + c_d) > the best deterministic
+    drafter's E[tau](K; a) / (1 + K base), or plain decoding's 1 (adaptive k), with a from the
+    engine-wide counts or from any auto row's own estimates. Every EXPLORE_EVERY calls with
+    auto rows, a drafter not offered meanwhile is offered once (and at the first such call),
+    so fresh evidence can bring it back.
+    """
+    self._auto_calls += 1
+    counts = np.asarray(jax.device_get(self.accept), np.float64)
+    estimates = [goodput.acceptance_estimate(counts[:, 0], counts[:, 1])]
+    for r in reqs:
+      if r.drafter == AUTO and r.spec_accept is not None:
+        estimates.append(np.asarray(goodput.row_estimates(r.spec_accept[None], counts))[0])
+    k, base = self.k, float(self.costs[-3])
+
+    def tokens(x):
+      x = min(max(float(x), 0.0), 1.0 - 1e-6)
+      return (1.0 - x ** (k + 1)) / (1.0 - x)
+
+    out = set()
+    for a in estimates:
+      free = max([1.0 if self.config.adaptive_k else 1.0 / (1.0 + k * base)]
+                 + [tokens(a[drafter_id(d)]) / (1.0 + k * base) for d in self.enabled
+                    if d in DETERMINISTIC])
+      for d in self.enabled:
+        c = float(self.costs[drafter_id(d)])
+        if d not in DETERMINISTIC and tokens(a[drafter_id(d)]) / (1 + k * (base + c) + c) > free:
+          out.add(d)
+    for d in self.enabled:
+      if d not in DETERMINISTIC and (d in out or self._auto_calls - self._offered.get(d, -10**9)
+                                     >= EXPLORE_EVERY):
+        out.add(d)
+        self._offered[d] = self._auto_calls
+    return out
+
+  def speculates(self, reqs: Sequence[Any]) -> bool:
+    """Whether a decode-only step of `reqs` runs the speculative loop (else the plain one).
+
+    With `adaptive_k`, after a call that chose k = 0 in every iteration (nothing paid), the
+    next REST_CALLS calls of batches without a model-drafter row decode plainly (their tokens
+    still teach the learned table, `learn`); then the speculative loop probes again. Rows of
+    model drafters always take it: their drafter's state must see every token.
+    """
+    if not any(r.drafter for r in reqs):
+      return False
+    if self._rest > 0 and not any(r.drafter in ("mtp", "draft") for r in reqs):
+      self._rest -= 1
+      self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
+      return False
+    return True
+
+  def learn(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
+    """Teaches the learned table a plain loop's tokens: out [B, S] (the first counts[b] new in
+    row b), before they are appended to the requests. `reqs` empty: compiles (warm-up)."""
+    if self.table is None:
+      return
+    b, n_steps = out.shape
+    n = max(learned.ORDERS)
+    history = np.zeros((b, n + n_steps), np.int32)
+    valid = np.zeros((b, n_steps), bool)
+    for i, req in enumerate(reqs):
+      context = req.all_ids[-n:]
+      history[i, n - len(context):n] = context
+      history[i, n:n + counts[i]] = out[i, :counts[i]]
+      valid[i, :counts[i]] = True
+    positions = np.broadcast_to(np.arange(n, n + n_steps, dtype=np.int32), (b, n_steps))
+    self.table = _learn(self.table, history, positions, valid)
 
   def budget(self, steps_: int, drafting: bool) -> int:
     """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that."""
@@ -205,6 +288,15 @@ class SpecRuntime:
     mtp_hidden = None
     if "mtp" in self.enabled:
       mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
+    models = (self.model_drafters_for_auto(reqs) if any(r.drafter == AUTO for r in reqs)
+              else set())
+    auto_allowed = np.asarray([d in DETERMINISTIC or d in models for d in DRAFTER_IDS])
+    # Model drafters kept current in this call: those a row uses or "auto" may take.
+    feed = np.asarray([d in models or any(r.drafter == d for r in reqs) for d in DRAFTER_IDS])
+    for d in self.enabled:  # loop calls that kept a model drafter current (its upkeep)
+      if feed[drafter_id(d)]:
+        self.per_drafter[f"spec_fed_calls_{d}"] = self.per_drafter.get(
+            f"spec_fed_calls_{d}", 0) + 1
     for i, req in enumerate(reqs):
       row_auto[i] = req.drafter == AUTO
       row_drafter[i] = 0 if row_auto[i] else drafter_id(req.drafter)
@@ -216,7 +308,7 @@ class SpecRuntime:
     res, cache = speculative_decode_loop(
         params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
         np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
-        row_accept, self.accept, self.costs,
+        row_accept, auto_allowed, feed, self.accept, self.costs,
         np.int32(self.force_k if force_k is None else force_k),
         np.bool_(any(r.sampling.logprobs is not None for r in reqs)), self.table, mtp_hidden,
         self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
@@ -227,6 +319,8 @@ class SpecRuntime:
         (res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden, res.logprobs,
          res.row_accept, res.by_drafter))
     self.k_steps += k_steps
+    if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
+      self._rest = REST_CALLS
     counters["spec_steps"] += int(spec.steps.sum())
     counters["spec_drafted"] += int(spec.draft_tokens.sum())
     counters["spec_accepted"] += int(spec.accepted_tokens.sum())

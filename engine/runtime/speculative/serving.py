@@ -133,6 +133,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             min_before_stop: jax.Array, num_steps: jax.Array,
                             history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
                             row_auto: jax.Array, row_max_draft: jax.Array, row_accept: jax.Array,
+                            auto_allowed: jax.Array, feed: jax.Array,
                             accept: jax.Array, costs: jax.Array, force_k: jax.Array,
                             want_logprobs: jax.Array, table: learned.NgramTable | None = None,
                             mtp_hidden: jax.Array | None = None,
@@ -154,6 +155,10 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
     row_accept: [B, D] x 2 float32 each row's decayed (accepted, ended) counts per drafter (its
       request's, carried across calls; zeros for a new request).
+    auto_allowed: [D] bool drafters "auto" rows may take in this call.
+    feed: [D] bool model drafters ("mtp", "draft") whose state this call keeps current: the
+      MTP layer observes every verified block, the draft model is fed every token. A drafter
+      a row uses (its own or "auto"'s choice) must be fed; the others lag (drafts only).
     accept: [D, 2] float32 the same counts over all rows (the prior of new rows).
     costs: [D + 3] float32, relative to a plain decode step: each drafter's cost per block
       column (when a live row uses it), then the base cost per block column, the cost per
@@ -179,8 +184,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                                                    if d not in DETERMINISTIC],
                                   jnp.zeros((b,), bool))
     # Every drafter's proposal of kk = max(k, 1) tokens (with k = 0 they are only compared
-    # with the emitted token afterwards: evidence at no verify cost). Model drafters run only
-    # when a live row uses them (their state is fed either way, so any row may switch to them).
+    # with the emitted token afterwards: evidence at no verify cost). Model drafters draft
+    # only when a live row uses them, and are fed (`feed`) whenever a row may switch to them.
     kk = max(k, 1)
     props = {}  # drafter -> (tokens [B, kk], proposed [B], computed: bool scalar)
     q = None
@@ -199,14 +204,21 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                                            page_table, sampling, k=kk, cfg=cfg, impl=impl),
           lambda c: (*nothing, c), cache)
       props["mtp"] = (dm, full, wanted)
-    if "draft" in drafters:  # fed every iteration (k = 0 too)
-      h, dcache = _draft_feed(draft_params, s["draft_cache"], s["pending"], s["n_pending"], tok,
-                              n_cached, live, page_table, draft_cfg=draft_cfg, impl=impl)
+    if "draft" in drafters:  # fed every iteration (k = 0 too) while `feed`
+
+      def fed(c, chain):
+        h, c = _draft_feed(draft_params, c, s["pending"], s["n_pending"], tok, n_cached, live,
+                           page_table, draft_cfg=draft_cfg, impl=impl)
+        if not chain:
+          return (*nothing, c)
+        return _draft_chain(draft_params, c, h, n_cached, live, page_table, sampling, k=kk,
+                            draft_cfg=draft_cfg, impl=impl)
+
       wanted = jnp.any(use["draft"] & live)
-      dd, qd, new["draft_cache"] = jax.lax.cond(
-          wanted, lambda c: _draft_chain(draft_params, c, h, n_cached, live, page_table,
-                                         sampling, k=kk, draft_cfg=draft_cfg, impl=impl),
-          lambda c: (*nothing, c), dcache)
+      branch = jnp.where(wanted, 2, jnp.where(feed[drafter_id("draft")], 1, 0))
+      dd, qd, new["draft_cache"] = jax.lax.switch(
+          branch, [lambda c: (*nothing, c), functools.partial(fed, chain=False),
+                   functools.partial(fed, chain=True)], s["draft_cache"])
       props["draft"] = (dd, full, wanted)
       q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
     draft = jnp.zeros((b, kk), jnp.int32)
@@ -242,10 +254,14 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       s["table"] = learned.update(s["table"], s["history"], s["history_len"][:, None] + slots,
                                   slots < n_emit[:, None])
     if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
-      h, s["cache"] = dr.mtp_observe(params, s["cache"], v.hidden, v.emitted, n_cached,
-                                     (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
-                                     impl=impl)
-      s["mtp_hidden"] = jnp.where(live[:, None], h, s["mtp_hidden"])
+      h, s["cache"] = jax.lax.cond(
+          feed[drafter_id("mtp")],
+          lambda c: dr.mtp_observe(params, c, v.hidden, v.emitted, n_cached,
+                                   (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
+                                   impl=impl),
+          lambda c: (s["mtp_hidden"].astype(v.hidden.dtype), c), s["cache"])
+      s["mtp_hidden"] = jnp.where(live[:, None], h.astype(s["mtp_hidden"].dtype),
+                                  s["mtp_hidden"])
     if "draft" in drafters:
       # The draft model was fed tok and, in rows drafting with it, its own drafts
       # d_1 .. d_{k'-1}: those rows that accepted all of them lack the last accepted one,
@@ -291,7 +307,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     # the widest block (a model drafter's cost as if the row alone paid for it).
     score = (goodput.expected_tokens(a_rows, jnp.float32(k_max))
              / (1.0 + k_max * (costs[-3] + costs[:n_ids]))[None, :])
-    best = jnp.argmax(jnp.where(enabled[None, :], score, -jnp.inf), axis=1).astype(jnp.int32)
+    best = jnp.argmax(jnp.where((enabled & auto_allowed)[None, :], score, -jnp.inf),
+                      axis=1).astype(jnp.int32)
     ids = jnp.where(row_auto, best, row_drafter.astype(jnp.int32))
     a = jnp.take_along_axis(a_rows, ids[:, None], axis=1)[:, 0]
     present = jnp.any(jax.nn.one_hot(ids, n_ids, dtype=bool) & live[:, None], 0)
@@ -328,9 +345,11 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
   s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, s)
   dcache = None
   if "draft" in drafters:  # flush: the draft cache holds every position < n_cached again
-    _, dcache = forward(draft_params, s["draft_cache"], s["pending"],
-                        s["n_cached"] - s["n_pending"], s["n_pending"], page_table,
-                        cfg=draft_cfg, impl=impl)
+    dcache = jax.lax.cond(
+        feed[drafter_id("draft")],
+        lambda c: forward(draft_params, c, s["pending"], s["n_cached"] - s["n_pending"],
+                          s["n_pending"], page_table, cfg=draft_cfg, impl=impl)[1],
+        lambda c: c, s["draft_cache"])
   return LoopResult(out=s["out"], counts=s["count"], stopped=s["stopped"], stats=s["stats"],
                     k_steps=s["k_steps"], accept=s["accept"], table=s.get("table"),
                     mtp_hidden=s.get("mtp_hidden"), row_accept=s["row_accept"],

@@ -1,0 +1,144 @@
+"""Speculative decoding in the serving engine (in process): each drafter and "auto" per request.
+
+    python -m bench.spec_serving                          # demo target + demo draft model
+    python -m bench.spec_serving --batch=4 --max_new_tokens=64 --adaptive_k --out=r.json
+
+One `Engine` with every drafter enabled (ngram, learned, mtp, draft; `--num_draft_tokens` K)
+serves the same batches with each request's drafter set by `SamplingParams(drafter=...)`:
+"off", each drafter, and "auto" (the loop picks per row and iteration from the request's own
+acceptance). Workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EOS ignored):
+* fresh: short code openings (little to copy);
+* agent: a later turn that resends the conversation (prompt, the model's answer, the prompt
+  again), so the answer repeats earlier context;
+* mixed: half fresh, half agent in one batch (rows that should draft differently).
+For each: output tok/s (best of `--repeats` after a warm-up pass), tokens per target forward
+of drafting rows, speedup over "off" on the same engine, and whether every output equals
+"off"'s. The learned table keeps what earlier passes taught it (it learns across requests).
+Prints a table and writes JSON (`--out`). On CPU the times describe the reference path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+
+import engine as moejax
+from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.request import StopParams
+from engine.runtime.sampling import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "target"),
+                    "Target checkpoint (default: the demo model).")
+flags.DEFINE_string("draft_checkpoint", os.path.join(ROOT, "checkpoints", "demo", "draft"),
+                    "Draft model (drafter 'draft'); empty: no draft model.")
+flags.DEFINE_list("modes", ["off", "ngram", "learned", "mtp", "draft", "auto"],
+                  "Per-request drafters to compare ('off' first: the baseline).")
+flags.DEFINE_integer("batch", 4, "Prompts per workload.")
+flags.DEFINE_integer("max_new_tokens", 64, "Generated tokens per prompt.")
+flags.DEFINE_integer("num_draft_tokens", 4, "K: the most drafts per iteration.")
+flags.DEFINE_bool("adaptive_k", True, "Choose the block width and per-row drafts every "
+                  "iteration from the goodput model (costs measured at warm-up).")
+flags.DEFINE_integer("repeats", 2, "Timed passes per mode (best kept).")
+flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "Parameter dtype (float32: "
+                  "greedy outputs comparable token for token on CPU).")
+flags.DEFINE_string("out", "", "Write the results as JSON here.")
+
+FRESH = ["def read_config(path):\n", "class Point:\n    def __init__(self, x, y):\n",
+         "import os\nimport sys\n\n\ndef main(argv):\n", "    for i, item in enumerate(items):\n",
+         "def parse_args():\n    parser = argparse.ArgumentParser(", "    @property\n    def name",
+         "def merge(a, b):\n", "with open(path) as fh:\n"]
+
+
+def _workloads(eng: Engine, model, n: int, max_new: int) -> dict[str, list[list[int]]]:
+  fresh = [model.encode(p) for p in (FRESH * 4)[:n]]
+  answers = eng.generate(fresh, SamplingParams(drafter="off"),
+                         StopParams(max_tokens=max_new, ignore_eos=True))
+  agent = [ids + r.output_ids + model.encode("\n\n" + p)
+           for ids, r, p in zip(fresh, answers, (FRESH * 4)[:n])]
+  half = n // 2
+  return {"fresh": fresh, "agent": agent, "mixed": fresh[:half] + agent[half:n]}
+
+
+def _pass(eng: Engine, ids, drafter: str, max_new: int):
+  stats0 = eng.stats()
+  t0 = time.perf_counter()
+  got = eng.generate(ids, SamplingParams(drafter=drafter),
+                     StopParams(max_tokens=max_new, ignore_eos=True))
+  dt = time.perf_counter() - t0
+  stats1 = eng.stats()
+  delta = {k: stats1[k] - stats0.get(k, 0) for k in stats1
+           if k.startswith("spec_") and isinstance(stats1[k], (int, float))}
+  return [r.output_ids for r in got], dt, delta
+
+
+def main(argv):
+  del argv
+  model = moejax.load(FLAGS.checkpoint, progress=False, dtype=FLAGS.dtype)
+  drafters = ["ngram", "learned"]
+  if model.config.num_nextn_predict_layers > 0:
+    drafters.append("mtp")
+  draft = None
+  if FLAGS.draft_checkpoint:
+    draft = moejax.load(FLAGS.draft_checkpoint, progress=False, dtype=FLAGS.dtype)
+    drafters.append("draft")
+  modes = [m for m in FLAGS.modes if m in ("off", "auto") or m in drafters]
+  max_len = 4 * FLAGS.max_new_tokens + 256
+  config = EngineConfig(max_num_seqs=max(FLAGS.batch, 1), max_num_batched_tokens=512,
+                        max_model_len=max_len, max_decode_steps=16, drafters=tuple(drafters),
+                        num_draft_tokens=FLAGS.num_draft_tokens, adaptive_k=FLAGS.adaptive_k)
+  eng = Engine.from_model(model, config, draft_model=draft)
+  t0 = time.perf_counter()
+  eng.warmup()
+  print(f"warm-up {time.perf_counter() - t0:.0f}s; costs: "
+        f"{ {k: v for k, v in eng.stats().items() if k.startswith('spec_cost')} }",
+        file=sys.stderr)
+  loads = _workloads(eng, model, FLAGS.batch, FLAGS.max_new_tokens)
+  rows = []
+  for name, ids in loads.items():
+    ref = None
+    base_t = None
+    for mode in modes:
+      _pass(eng, ids, mode, FLAGS.max_new_tokens)  # warm (first execution of each branch)
+      best, out, spec = float("inf"), None, {}
+      for _ in range(FLAGS.repeats):
+        out, dt, delta = _pass(eng, ids, mode, FLAGS.max_new_tokens)
+        if dt < best:
+          best, spec = dt, delta
+      n_tokens = sum(map(len, out))
+      if mode == "off":
+        ref, base_t = out, best
+      steps = spec.get("spec_steps", 0)
+      rows.append(dict(
+          workload=name, mode=mode, tok_s=n_tokens / best,
+          speedup=(base_t / best) if base_t else None,
+          tokens_per_forward=(1 + spec.get("spec_accepted", 0) / steps) if steps else 1.0,
+          identical=out == ref if ref is not None else None,
+          k_loops={k: v for k, v in spec.items() if k.startswith("spec_k")},
+          auto_choice={k[len("spec_auto_choice_"):]: v for k, v in spec.items()
+                       if k.startswith("spec_auto_choice_")}))
+      print(f"  {name} {mode} done", file=sys.stderr)
+
+  header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'tok/fwd':>7} identical"
+            "  auto chose (row iterations)")
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    sp = f"{r['speedup']:7.2f}" if r["speedup"] is not None else f"{'-':>7}"
+    print(f"{r['workload']:8} {r['mode']:8} {r['tok_s']:8.1f} {sp} "
+          f"{r['tokens_per_forward']:7.2f} {str(r['identical']):9}  {r['auto_choice'] or ''}")
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as fh:
+      json.dump(dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, drafters=drafters,
+                     num_draft_tokens=FLAGS.num_draft_tokens, adaptive_k=FLAGS.adaptive_k,
+                     rows=rows), fh, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)
