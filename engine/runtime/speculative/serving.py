@@ -254,14 +254,14 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       s["table"] = learned.update(s["table"], s["history"], s["history_len"][:, None] + slots,
                                   slots < n_emit[:, None])
     if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
-      h, s["cache"] = jax.lax.cond(
-          feed[drafter_id("mtp")],
-          lambda c: dr.mtp_observe(params, c, v.hidden, v.emitted, n_cached,
-                                   (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
-                                   impl=impl),
-          lambda c: (s["mtp_hidden"].astype(v.hidden.dtype), c), s["cache"])
-      s["mtp_hidden"] = jnp.where(live[:, None], h.astype(s["mtp_hidden"].dtype),
-                                  s["mtp_hidden"])
+      def observe(c):
+        h, c = dr.mtp_observe(params, c, v.hidden, v.emitted, n_cached,
+                              (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
+                              impl=impl)
+        return jnp.where(live[:, None], h.astype(s["mtp_hidden"].dtype), s["mtp_hidden"]), c
+
+      s["mtp_hidden"], s["cache"] = jax.lax.cond(
+          feed[drafter_id("mtp")], observe, lambda c: (s["mtp_hidden"], c), s["cache"])
     if "draft" in drafters:
       # The draft model was fed tok and, in rows drafting with it, its own drafts
       # d_1 .. d_{k'-1}: those rows that accepted all of them lack the last accepted one,
