@@ -72,7 +72,11 @@ def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: j
   """Learns that history[b, p] followed its context, for every valid position p.
 
   history [B, L] int32; positions [B, T] int32; valid [B, T] bool (positions with fewer than
-  `order` tokens before them are skipped for that order). Updates apply in order (row-major).
+  `order` tokens before them are skipped for that order). All observations apply at once, one
+  per slot: when several in one call land in the same slot (the same context, or a hash
+  collision), the last in row-major order wins and the others are dropped. A sequential loop
+  over every observation cost more per decode iteration than the drafts saved (B (K + 1)
+  dependent scatters per order); a drafter's table may lose a few observations.
   """
   hashes, toks, oks = [], [], []
   tok = jnp.take_along_axis(history, jnp.clip(positions, 0, history.shape[1] - 1), axis=1)
@@ -81,24 +85,25 @@ def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: j
     toks.append(tok.reshape(-1))
     oks.append((valid & (positions >= order)).reshape(-1))
   hashes, toks, oks = jnp.concatenate(hashes), jnp.concatenate(toks), jnp.concatenate(oks)
-  num_slots = table.tags.shape[0]
-
-  def one(i, t: NgramTable) -> NgramTable:
-    h, x, ok = hashes[i], toks[i], oks[i]
-    slot = (h % np.uint32(num_slots)).astype(jnp.int32)
-    mine = t.used[slot] & (t.tags[slot] == h)
-    row_tok = jnp.where(mine, t.tokens[slot], -1)
-    row_cnt = jnp.where(mine, t.counts[slot] * decay, 0.0)
-    hit = row_tok == x
-    col = jnp.where(jnp.any(hit), jnp.argmax(hit), jnp.argmin(row_cnt))
-    row_cnt = row_cnt.at[col].set(jnp.where(jnp.any(hit), row_cnt[col], 0.0) + 1.0)
-    row_tok = row_tok.at[col].set(x)
-    return NgramTable(tags=t.tags.at[slot].set(jnp.where(ok, h, t.tags[slot])),
-                      used=t.used.at[slot].set(t.used[slot] | ok),
-                      tokens=t.tokens.at[slot].set(jnp.where(ok, row_tok, t.tokens[slot])),
-                      counts=t.counts.at[slot].set(jnp.where(ok, row_cnt, t.counts[slot])))
-
-  return jax.lax.fori_loop(0, hashes.shape[0], one, table)
+  num_slots, num_cand = table.tokens.shape
+  slots = (hashes % np.uint32(num_slots)).astype(jnp.int32)
+  index = jnp.arange(hashes.shape[0], dtype=jnp.int32)
+  last = jnp.full((num_slots,), -1, jnp.int32).at[jnp.where(oks, slots, num_slots)].max(
+      index, mode="drop")
+  target = jnp.where(oks & (last[slots] == index), slots, num_slots)  # out of range: dropped
+  mine = table.used[slots] & (table.tags[slots] == hashes)
+  row_tok = jnp.where(mine[:, None], table.tokens[slots], -1)  # [N, C]
+  row_cnt = jnp.where(mine[:, None], table.counts[slots] * decay, 0.0)
+  hit = row_tok == toks[:, None]
+  known = jnp.any(hit, axis=1)
+  col = jnp.where(known, jnp.argmax(hit, axis=1), jnp.argmin(row_cnt, axis=1))
+  at_col = jnp.arange(num_cand)[None, :] == col[:, None]
+  row_cnt = jnp.where(at_col, jnp.where(known[:, None], row_cnt, 0.0) + 1.0, row_cnt)
+  row_tok = jnp.where(at_col, toks[:, None], row_tok)
+  return NgramTable(tags=table.tags.at[target].set(hashes, mode="drop"),
+                    used=table.used.at[target].set(True, mode="drop"),
+                    tokens=table.tokens.at[target].set(row_tok, mode="drop"),
+                    counts=table.counts.at[target].set(row_cnt, mode="drop"))
 
 
 def lookup(table: NgramTable, ctx: jax.Array, min_count: float) -> tuple[jax.Array, jax.Array]:
