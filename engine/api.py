@@ -201,7 +201,8 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
                        sampling: Sequence[SamplingParams] | None = None,
                        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                        min_new_tokens: int = 0, speculative: SpeculativeConfig | None = None,
-                       warmup: bool = False) -> list[GenerationResult]:
+                       measure_costs: bool = True, warmup: bool = False
+                       ) -> list[GenerationResult]:
   """Runs token-id prompts to completion through a fresh serving `Engine` sized for the batch.
 
   With `speculative` (method "auto") the engine enables every drafter the model supports
@@ -210,8 +211,11 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
   `speculative.memory` (an `NgramMemory`), when given, is the learned drafter's table: it is
   installed in the engine and replaced by the updated table afterwards, as the fixed path does.
   None: plain decoding on the same path (the baseline the auto mode is timed against).
-  `warmup`: compile every engine bucket and measure the goodput model's costs first (otherwise
-  the cost model keeps its defaults and programs compile on first use).
+  `measure_costs`: the adaptive draft length needs the verify forward's and drafters' real
+  costs (their defaults suit a memory-bound GPU step; on CPU verifying k tokens costs far more),
+  so the first call per (model, engine config) measures them as `Engine.warmup` does (timed
+  verify forwards per compiled k, MTP layer, draft model) and later calls reuse them
+  (`_MEASURED_COSTS`). `warmup`: run the whole `Engine.warmup` (every bucket compiled) first.
   """
   from engine.runtime.engine import Engine, EngineConfig  # the serving engine: only for this
   from engine.runtime.request import StopParams
@@ -251,9 +255,23 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
                mesh=model.mesh, draft=draft)
   memory = speculative.memory if speculative is not None else None
   if memory is not None:
-    eng.spec.table = memory.table
+    eng.spec.table = _committed_like(memory.table, model.params)
+  costs_key = (cfg, config, draft[0] if draft else None, str(model.params["embed"].dtype))
   if warmup:
-    eng.warmup()
+    eng.warmup()  # compiles every bucket; with drafters, measures the goodput model's costs
+  elif drafters and measure_costs and costs_key not in _MEASURED_COSTS:
+    # What `Engine.warmup` ends with, without compiling every other bucket first (a one-shot
+    # command line would spend minutes on CPU compiling shapes it never uses).
+    sizes = (min(eng.buckets.decode), max(eng.buckets.decode))
+    on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
+    with on_mesh:
+      eng.cache = eng.spec.measure_costs(model.params, eng.cache, sizes, eng.max_pages_per_seq,
+                                         impl=config.kernels)
+  if drafters and measure_costs:
+    if costs_key in _MEASURED_COSTS:
+      eng.spec.costs, eng.spec.cost_fit = _MEASURED_COSTS[costs_key]
+    else:
+      _MEASURED_COSTS[costs_key] = (eng.spec.costs, eng.spec.cost_fit)
   stops = [StopParams(max_tokens=m, min_tokens=min(min_new_tokens, m),
                       stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
            for m in max_new]
@@ -268,6 +286,18 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
                            spec=_engine_spec_summary(r, stats, drafters, k) if drafters
                            else None)
           for r in done]
+
+
+# (model config, engine config, draft config, dtype) -> (SpecRuntime.costs, .cost_fit) measured
+# by `Engine.warmup`, so that repeated `generate` calls measure once per process.
+_MEASURED_COSTS: dict[Any, tuple[Any, dict]] = {}
+
+
+def _committed_like(tree: Any, params: Params) -> Any:
+  """`tree` committed to the parameters' device when they live on one (as the engine commits
+  its own state): an uncommitted table would compile the engine's loop a second time."""
+  devices = jax.tree.leaves(params)[0].sharding.device_set
+  return jax.device_put(tree, next(iter(devices))) if len(devices) == 1 else tree
 
 
 def _engine_spec_summary(req: Any, stats: dict[str, Any], drafters: tuple[str, ...],
