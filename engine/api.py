@@ -268,7 +268,7 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
       eng.cache = eng.spec.measure_costs(model.params, eng.cache, sizes, eng.max_pages_per_seq,
                                          impl=config.kernels)
   if drafters and measure_costs:
-    if costs_key in _MEASURED_COSTS:
+    if costs_key in _MEASURED_COSTS and not warmup:
       eng.spec.costs, eng.spec.cost_fit = _MEASURED_COSTS[costs_key]
     else:
       _MEASURED_COSTS[costs_key] = (eng.spec.costs, eng.spec.cost_fit)
