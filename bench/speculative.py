@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Any, Callable
 
+import jax
 from absl import app, flags
 
 import engine as moejax
@@ -98,7 +99,11 @@ def timed(call: Callable[[], Any], repeats: int) -> tuple[Any, float]:
 
 def measure(call: Callable[[], Any], repeats: int = 2) -> tuple[Any, float]:
   call()  # warm-up: compiles
-  return timed(call, repeats)
+  result = timed(call, repeats)
+  # Every (method, K, path) compiles its own programs; one process holding all of them ran a
+  # shared 23 GB machine out of memory (LLVM "Cannot allocate memory", then a segfault).
+  jax.clear_caches()
+  return result
 
 
 def row(workload: str, path: str, method: str, k: int, adaptive: bool, got, seconds: float,
@@ -256,11 +261,19 @@ def main(argv):
   fresh = FRESH[:FLAGS.batch]
   workloads = {"fresh": [model.encode(p) for p in fresh],
                "agent": agent_turns(model, fresh, FLAGS.max_new_tokens)}
-  rows = []
+  rows, curve = [], []
+
+  def write(**extra):  # after every stage: a crash late in a long run keeps what it measured
+    if FLAGS.out:
+      with open(FLAGS.out, "w") as fh:
+        json.dump(dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, dtype=FLAGS.dtype,
+                       max_new_tokens=FLAGS.max_new_tokens, num_draft=ks, rows=rows,
+                       learning_curve=curve, **extra), fh, indent=1)
+
   for name, ids in workloads.items():
     rows += workload_rows(model, draft, name, ids, FLAGS.max_new_tokens, FLAGS.methods, ks,
                           FLAGS.adaptive, FLAGS.auto)
-  curve = []
+    write()
   if FLAGS.learning_curve:
     curve = learning_curve(model, draft, workloads["agent"], FLAGS.max_new_tokens, max(ks),
                            FLAGS.learning_curve, FLAGS.auto)
@@ -278,12 +291,7 @@ def main(argv):
   goals = targets(rows)
   print("\ntargets: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                   for k, v in goals.items()))
-  result = dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, dtype=FLAGS.dtype,
-                max_new_tokens=FLAGS.max_new_tokens, num_draft=ks, rows=rows,
-                learning_curve=curve, targets=goals)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as fh:
-      json.dump(result, fh, indent=1)
+  write(targets=goals)
   return 0
 
 
