@@ -1,7 +1,8 @@
 """Speculative decoding benchmark on the demo model: accepted length, tok/s, speedup, identity.
 
     python -m bench.speculative                                   # demo target + demo draft
-    python -m bench.speculative --methods=ngram,mtp --num_draft=2,4 --out=spec.json
+    python -m bench.speculative --methods=ngram,mtp --num_draft=2,4,8 --out=spec.json
+    python -m bench.speculative --dtype=float32 --num_draft=4,8 --learning_curve=5
 
 Two workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EOS ignored):
 * fresh: short code openings the model continues freely (little to copy);
@@ -9,12 +10,25 @@ Two workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EOS ignored
   the model's own greedy continuation of it, a blank line, and the same prompt again, so the
   answer repeats earlier context (as re-sent tool calls and code edits do).
 
-For each method and K: one warm-up call (compiles), then the best of two timed calls; mean
-accepted length
-(tokens per target forward), acceptance rate, tok/s, speedup over `off`, and whether the output
-is identical to plain greedy. The learned table starts empty in the timed call (no credit for
-having seen the same prompts in the warm-up). Prints a table and writes JSON (`--out`). On CPU
-the times describe the reference path and depend on the machine's load.
+Rows, for each K of `--num_draft`:
+* path "loop" (`generate_tokens`, one fixed batch in one jitted while loop): every method with a
+  fixed draft length and, with `--adaptive`, with adaptive draft length (goodput model, default
+  costs); their speedup is over plain decoding on the same path (`off`, loop);
+* path "engine" (`--auto`): method "auto" through `engine.generate` (the serving `Engine`: every
+  drafter the model supports, chosen per decode loop, adaptive k); its speedup is over plain
+  decoding through the same engine path (`off`, engine), which has its own scheduling and
+  per-call set-up costs, so the two paths' speedups are each against their own baseline.
+Each: one warm-up call (compiles), then the best of two timed calls. Mean accepted length =
+tokens per target forward; identical = same tokens as plain greedy on the loop path. The learned
+table starts empty in every timed call (no credit for the warm-up having seen the prompts).
+
+`--learning_curve=N`: N repetitions of the agent workload with one learned table kept across
+them (drafter "learned" at the largest K, and "auto" with `--auto`): accepted length and speedup
+per repetition, each one timed call (its table is what the earlier repetitions left).
+
+Prints a table (and the issue's targets: agent accepted length >= 3 and speedup >= 2.5x, fresh
+adaptive/auto never below 0.95x) and writes JSON (`--out`). On CPU the times describe the
+reference path and depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -23,10 +37,13 @@ import json
 import os
 import sys
 import time
+from typing import Any, Callable
 
+import jax
 from absl import app, flags
 
 import engine as moejax
+from engine.api import generate_on_engine
 from engine.runtime.generate import SpeculativeConfig, generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
 
@@ -35,9 +52,13 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "target"),
                     "Target checkpoint (default: the demo model).")
 flags.DEFINE_string("draft_checkpoint", os.path.join(ROOT, "checkpoints", "demo", "draft"),
-                    "Draft model for method 'draft'.")
+                    "Draft model for method 'draft' (and one of auto's drafters).")
 flags.DEFINE_list("methods", ["ngram", "mtp", "draft", "learned"], "Drafters to compare.")
-flags.DEFINE_list("num_draft", ["2", "4"], "K values.")
+flags.DEFINE_list("num_draft", ["2", "4"], "K values (draft tokens per step), e.g. 2,4,8.")
+flags.DEFINE_bool("adaptive", True, "Also run each method with adaptive draft length.")
+flags.DEFINE_bool("auto", True, "Also run method 'auto' on the serving engine path.")
+flags.DEFINE_integer("learning_curve", 0, "Repetitions of the agent workload with one learned "
+                     "table kept across them (0: skip).", lower_bound=0)
 flags.DEFINE_integer("batch", 4, "Prompts per workload.")
 flags.DEFINE_integer("max_new_tokens", 64, "Generated tokens per prompt.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
@@ -50,18 +71,62 @@ FRESH = ["def read_config(path):\n", "class Point:\n    def __init__(self, x, y)
          "def parse_args():\n    parser = argparse.ArgumentParser(", "    @property\n    def name"]
 
 
-def _run(model, ids, spec, max_new, repeats=1):
-  """(completions, best wall time of `repeats` calls); `spec` is a factory (fresh state)."""
-  best = float("inf")
+# ---- one call, timed -------------------------------------------------------------------------
+
+def loop_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple[list, dict]]:
+  """The fixed-batch path: [(token ids, spec counters or None)] per prompt."""
+  out = generate_tokens(model.params, model.config, ids, max_new_tokens=max_new,
+                        ignore_eos=True, speculative=spec)
+  return [(c.token_ids, c.spec) for c in out]
+
+
+def engine_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple[list, dict]]:
+  """The serving engine path (`engine.generate`'s route for method "auto")."""
+  out = generate_on_engine(model, ids, max_new_tokens=max_new, ignore_eos=True,
+                           speculative=spec)
+  return [(r.token_ids, r.spec) for r in out]
+
+
+def timed(call: Callable[[], Any], repeats: int) -> tuple[Any, float]:
+  """(result of the last call, best wall time of `repeats` calls)."""
+  best, out = float("inf"), None
   for _ in range(repeats):
     t0 = time.perf_counter()
-    out = generate_tokens(model.params, model.config, ids, max_new_tokens=max_new,
-                          ignore_eos=True, speculative=spec())
+    out = call()
     best = min(best, time.perf_counter() - t0)
   return out, best
 
 
-def _agent_turns(model, prompts: list[str], max_new: int) -> list[list[int]]:
+def measure(call: Callable[[], Any], repeats: int = 2) -> tuple[Any, float]:
+  call()  # warm-up: compiles
+  result = timed(call, repeats)
+  # Every (method, K, path) compiles its own programs; one process holding all of them ran a
+  # shared 23 GB machine out of memory (LLVM "Cannot allocate memory", then a segfault).
+  jax.clear_caches()
+  return result
+
+
+def row(workload: str, path: str, method: str, k: int, adaptive: bool, got, seconds: float,
+        plain_ids: list[list[int]], base_seconds: float, prompt_tokens: int) -> dict:
+  """A table row from one measured call; speedup is over `base_seconds` (the path's `off`)."""
+  n_tokens = sum(len(t) for t, _ in got)
+  specs = [s for _, s in got if s is not None]
+  steps = sum(s["steps"] for s in specs)
+  drafted = sum(s["drafted"] for s in specs)
+  r = dict(workload=workload, path=path, method=method, k=k, adaptive=adaptive,
+           mean_accepted_length=(sum(len(t) - 1 for t, _ in got) / steps if steps else 1.0),
+           acceptance_rate=sum(s["accepted"] for s in specs) / drafted if drafted else 0.0,
+           tok_s=n_tokens / seconds, seconds=seconds, speedup=base_seconds / seconds,
+           identical=[t for t, _ in got] == plain_ids, prompt_tokens=prompt_tokens)
+  if specs and "auto_choices" in specs[0]:  # the batch's drafter choices (loops per drafter)
+    r["auto_choices"] = specs[0]["auto_choices"]
+    r["drafters"] = specs[0]["drafters"]
+  return r
+
+
+# ---- the workloads ---------------------------------------------------------------------------
+
+def agent_turns(model, prompts: list[str], max_new: int) -> list[list[int]]:
   first = [model.encode(p) for p in prompts]
   answers = generate_tokens(model.params, model.config, first, max_new_tokens=max_new,
                             ignore_eos=True)
@@ -69,53 +134,164 @@ def _agent_turns(model, prompts: list[str], max_new: int) -> list[list[int]]:
           zip(first, answers, prompts)]
 
 
-def main(argv):
-  del argv
-  model = moejax.load(FLAGS.checkpoint, progress=False, dtype=FLAGS.dtype)
-  draft = (moejax.load(FLAGS.draft_checkpoint, progress=False, dtype=FLAGS.dtype)
-           if "draft" in FLAGS.methods else None)
-  fresh = FRESH[:FLAGS.batch]
-  workloads = {"fresh": [model.encode(p) for p in fresh],
-               "agent": _agent_turns(model, fresh, FLAGS.max_new_tokens)}
-  rows = []
-  for name, ids in workloads.items():
-    _run(model, ids, lambda: None, FLAGS.max_new_tokens)
-    plain, t_plain = _run(model, ids, lambda: None, FLAGS.max_new_tokens, repeats=2)
-    n_tokens = sum(len(c.token_ids) for c in plain)
-    rows.append(dict(workload=name, method="off", k=0, mean_accepted_length=1.0,
-                     acceptance_rate=0.0, tok_s=n_tokens / t_plain, speedup=1.0,
-                     identical=True, prompt_tokens=sum(map(len, ids))))
-    for method in FLAGS.methods:
-      for k in map(int, FLAGS.num_draft):
-        def spec():
-          return SpeculativeConfig(method, k, draft.config if draft else None,
-                                   draft.params if draft else None,
-                                   memory=NgramMemory() if method == "learned" else None)
-        _run(model, ids, spec, FLAGS.max_new_tokens)
-        got, t = _run(model, ids, spec, FLAGS.max_new_tokens, repeats=2)
-        steps = sum(c.spec["steps"] for c in got)
-        drafted = sum(c.spec["drafted"] for c in got)
-        rows.append(dict(
-            workload=name, method=method, k=k,
-            mean_accepted_length=sum(len(c.token_ids) - 1 for c in got) / max(steps, 1),
-            acceptance_rate=sum(c.spec["accepted"] for c in got) / max(drafted, 1),
-            tok_s=n_tokens / t, speedup=t_plain / t,
-            identical=[c.token_ids for c in got] == [c.token_ids for c in plain],
-            prompt_tokens=sum(map(len, ids))))
-        print(f"  {name} {method} k={k} done", file=sys.stderr)
+def spec_factory(method: str, k: int, adaptive: bool, draft) -> Callable[[], SpeculativeConfig]:
+  """A fresh config per call: the learned table (and auto's) starts empty every time."""
+  def make():
+    with_draft = draft is not None and method in ("draft", "auto")
+    return SpeculativeConfig(method, k, draft.config if with_draft else None,
+                             draft.params if with_draft else None,
+                             memory=NgramMemory() if method == "learned" else None,
+                             adaptive=adaptive or method == "auto")
+  return make
 
-  header = (f"{'workload':8} {'method':8} {'K':>2} {'acc.len':>7} {'acc.rate':>8} "
-            f"{'tok/s':>8} {'speedup':>7} identical")
+
+def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
+                  methods: list[str], ks: list[int], adaptive: bool, auto: bool) -> list[dict]:
+  prompt_tokens = sum(map(len, ids))
+  plain, t_plain = measure(lambda: loop_call(model, ids, max_new, None))
+  plain_ids = [t for t, _ in plain]
+  rows = [row(name, "loop", "off", 0, False, plain, t_plain, plain_ids, t_plain, prompt_tokens)]
+  for method in methods:
+    for k in ks:
+      for adapt in ((False, True) if adaptive else (False,)):
+        make = spec_factory(method, k, adapt, draft)
+        got, t = measure(lambda: loop_call(model, ids, max_new, make()))
+        rows.append(row(name, "loop", method, k, adapt, got, t, plain_ids, t_plain,
+                        prompt_tokens))
+        print(f"  {name} loop {method} k={k}{' adaptive' if adapt else ''} done",
+              file=sys.stderr)
+  if auto:
+    off, t_off = measure(lambda: engine_call(model, ids, max_new, None))
+    rows.append(row(name, "engine", "off", 0, False, off, t_off, plain_ids, t_off,
+                    prompt_tokens))
+    rows[-1]["speedup_vs_loop_off"] = t_plain / t_off
+    for k in ks:
+      make = spec_factory("auto", k, True, draft)
+      got, t = measure(lambda: engine_call(model, ids, max_new, make()))
+      rows.append(row(name, "engine", "auto", k, True, got, t, plain_ids, t_off, prompt_tokens))
+      rows[-1]["speedup_vs_loop_off"] = t_plain / t
+      print(f"  {name} engine auto k={k} done", file=sys.stderr)
+  return rows
+
+
+def learning_curve(model, draft, ids: list[list[int]], max_new: int, k: int, reps: int,
+                   auto: bool) -> list[dict]:
+  """`reps` timed repetitions of one workload with one `NgramMemory` kept across them: drafter
+  "learned" on the loop path (and "auto" on the engine path), each against its path's `off`."""
+  plain, t_plain = measure(lambda: loop_call(model, ids, max_new, None))
+  plain_ids = [t for t, _ in plain]
+  paths = [("loop", "learned", loop_call, t_plain)]
+  if auto:
+    _, t_off = measure(lambda: engine_call(model, ids, max_new, None))
+    paths.append(("engine", "auto", engine_call, t_off))
+  curve = []
+  for path, method, call, t_base in paths:
+    with_draft = method == "auto" and draft is not None
+
+    def make(memory):
+      return SpeculativeConfig(method, k, draft.config if with_draft else None,
+                               draft.params if with_draft else None, memory=memory,
+                               adaptive=method == "auto")
+    # Compiles (twice: the table the first call returns is committed to the device, a fresh
+    # one is not, and each compiles its own program); the warm-up table is thrown away.
+    warm = NgramMemory()
+    for _ in range(2):
+      call(model, ids, max_new, make(warm))
+    memory = NgramMemory()
+    for rep in range(1, reps + 1):
+      got, t = timed(lambda: call(model, ids, max_new, make(memory)), 1)
+      r = row("agent", path, method, k, method == "auto", got, t, plain_ids, t_base,
+              sum(map(len, ids)))
+      r["repetition"] = rep
+      curve.append(r)
+      print(f"  learning curve {path} {method} repetition {rep}: accepted length "
+            f"{r['mean_accepted_length']:.2f}, speedup {r['speedup']:.2f}", file=sys.stderr)
+  return curve
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+def print_table(rows: list[dict], repetition: bool = False) -> None:
+  first = f"{'rep':>3} " if repetition else ""
+  header = (f"{first}{'workload':8} {'path':6} {'method':8} {'K':>2} {'adapt':5} {'acc.len':>7} "
+            f"{'acc.rate':>8} {'tok/s':>8} {'speedup':>7} identical")
   print(header)
   print("-" * len(header))
   for r in rows:
-    print(f"{r['workload']:8} {r['method']:8} {r['k']:>2} {r['mean_accepted_length']:7.2f} "
+    lead = f"{r['repetition']:>3} " if repetition else ""
+    print(f"{lead}{r['workload']:8} {r['path']:6} {r['method']:8} {r['k']:>2} "
+          f"{'yes' if r['adaptive'] else 'no':5} {r['mean_accepted_length']:7.2f} "
           f"{r['acceptance_rate']:8.2f} {r['tok_s']:8.1f} {r['speedup']:7.2f} {r['identical']}")
-  result = dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch,
-                max_new_tokens=FLAGS.max_new_tokens, rows=rows)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as fh:
-      json.dump(result, fh, indent=1)
+
+
+def targets(rows: list[dict]) -> dict:
+  """The issue's targets, judged on the rows (each speedup against its own path's `off`)."""
+  spec = [r for r in rows if r["method"] != "off"]
+  agent = [r for r in spec if r["workload"] == "agent"]
+  fresh_adaptive = [r for r in spec if r["workload"] == "fresh" and r["adaptive"]]
+  best_len = max(agent, key=lambda r: r["mean_accepted_length"], default=None)
+  best_speed = max(agent, key=lambda r: r["speedup"], default=None)
+  worst = min(fresh_adaptive, key=lambda r: r["speedup"], default=None)
+
+  def name(r):
+    if r is None:
+      return None
+    adaptive = " adaptive" if r["adaptive"] and r["method"] != "auto" else ""
+    return f"{r['path']} {r['method']} K={r['k']}{adaptive}"
+  return dict(
+      agent_best_accepted_length=best_len and best_len["mean_accepted_length"],
+      agent_best_accepted_length_row=name(best_len),
+      agent_best_speedup=best_speed and best_speed["speedup"],
+      agent_best_speedup_row=name(best_speed),
+      fresh_worst_adaptive_speedup=worst and worst["speedup"],
+      fresh_worst_adaptive_row=name(worst),
+      met_agent_accepted_length=bool(best_len and best_len["mean_accepted_length"] >= 3),
+      met_agent_speedup=bool(best_speed and best_speed["speedup"] >= 2.5),
+      met_fresh_adaptive=bool(worst is None or worst["speedup"] >= 0.95),
+      all_identical=all(r["identical"] for r in rows))
+
+
+def main(argv):
+  del argv
+  model = moejax.load(FLAGS.checkpoint, progress=False, dtype=FLAGS.dtype)
+  wants_draft = "draft" in FLAGS.methods or FLAGS.auto
+  draft = (moejax.load(FLAGS.draft_checkpoint, progress=False, dtype=FLAGS.dtype)
+           if wants_draft and FLAGS.draft_checkpoint else None)
+  ks = sorted({int(k) for k in FLAGS.num_draft})
+  fresh = FRESH[:FLAGS.batch]
+  workloads = {"fresh": [model.encode(p) for p in fresh],
+               "agent": agent_turns(model, fresh, FLAGS.max_new_tokens)}
+  rows, curve = [], []
+
+  def write(**extra):  # after every stage: a crash late in a long run keeps what it measured
+    if FLAGS.out:
+      with open(FLAGS.out, "w") as fh:
+        json.dump(dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, dtype=FLAGS.dtype,
+                       max_new_tokens=FLAGS.max_new_tokens, num_draft=ks, rows=rows,
+                       learning_curve=curve, **extra), fh, indent=1)
+
+  for name, ids in workloads.items():
+    rows += workload_rows(model, draft, name, ids, FLAGS.max_new_tokens, FLAGS.methods, ks,
+                          FLAGS.adaptive, FLAGS.auto)
+    write()
+  if FLAGS.learning_curve:
+    curve = learning_curve(model, draft, workloads["agent"], FLAGS.max_new_tokens, max(ks),
+                           FLAGS.learning_curve, FLAGS.auto)
+
+  print_table(rows)
+  print("speedup: over plain decoding on the same path (loop: generate_tokens; engine: the "
+        "serving Engine, whose own plain speed is in its `off` row's speedup_vs_loop_off)")
+  for r in rows:
+    if r["path"] == "engine" and r["method"] == "off":
+      print(f"engine off vs loop off ({r['workload']}): {r['speedup_vs_loop_off']:.2f}x")
+  if curve:
+    print(f"\nlearning curve: agent workload, one learned table across {FLAGS.learning_curve} "
+          "repetitions")
+    print_table(curve, repetition=True)
+  goals = targets(rows)
+  print("\ntargets: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in goals.items()))
+  write(targets=goals)
   return 0
 
 

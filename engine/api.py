@@ -24,9 +24,10 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
-from engine.runtime.generate import SpeculativeConfig, generate_tokens
+from engine.runtime.generate import SpeculativeConfig, bucket, generate_tokens
 from engine.runtime.sampling import SamplingParams
 
+AUTO = "auto"  # SpeculativeConfig.method that routes through the serving engine
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -148,7 +149,9 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
   """Generates from one prompt or a batch (text or token ids, mixed lengths allowed).
 
   `speculative` (e.g. `SpeculativeConfig("mtp", num_draft_tokens=2)`) drafts and verifies
-  several tokens per target forward without changing the output distribution.
+  several tokens per target forward without changing the output distribution. Method "auto"
+  runs the batch through the serving `Engine` instead (`generate_on_engine`): every drafter
+  the model supports, the drafter and draft length chosen as it goes.
 
   A single prompt returns one `GenerationResult`, a list returns a list. With an int `seed`,
   row i uses `seed + i`; pass a list to set each row's seed.
@@ -163,6 +166,12 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
   seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
   sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              seed=s) for s in seeds]
+  if speculative is not None and speculative.method == AUTO:
+    results = generate_on_engine(
+        model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
+        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_new_tokens=min_new_tokens,
+        speculative=speculative)
+    return results[0] if single else results
   on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
   with on_mesh:
     completions = generate_tokens(
@@ -175,3 +184,141 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
                               spec=c.spec)
              for c in completions]
   return results[0] if single else results
+
+
+def auto_drafters(cfg: ModelConfig, speculative: SpeculativeConfig) -> tuple[str, ...]:
+  """Every drafter `cfg` (and the config's draft model, if any) supports, for method "auto"."""
+  drafters = ["ngram", "learned"]
+  if cfg.num_nextn_predict_layers > 0:
+    drafters.append("mtp")
+  if speculative.draft_cfg is not None and speculative.draft_params is not None:
+    drafters.append("draft")
+  return tuple(drafters)
+
+
+def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
+                       max_new_tokens: int | Sequence[int] = 64,
+                       sampling: Sequence[SamplingParams] | None = None,
+                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                       min_new_tokens: int = 0, speculative: SpeculativeConfig | None = None,
+                       measure_costs: bool = True, warmup: bool = False
+                       ) -> list[GenerationResult]:
+  """Runs token-id prompts to completion through a fresh serving `Engine` sized for the batch.
+
+  With `speculative` (method "auto") the engine enables every drafter the model supports
+  (`auto_drafters`) with adaptive draft length up to `num_draft_tokens`; each request's drafter
+  is "auto" (the engine re-chooses it every decode loop from measured acceptance and costs).
+  `speculative.memory` (an `NgramMemory`), when given, is the learned drafter's table: it is
+  installed in the engine and replaced by the updated table afterwards, as the fixed path does.
+  None: plain decoding on the same path (the baseline the auto mode is timed against).
+  `measure_costs`: the adaptive draft length needs the verify forward's and drafters' real
+  costs (their defaults suit a memory-bound GPU step; on CPU verifying k tokens costs far more),
+  so the first call per (model, engine config) measures them as `Engine.warmup` does (timed
+  verify forwards per compiled k, MTP layer, draft model) and later calls reuse them
+  (`_MEASURED_COSTS`). `warmup`: run the whole `Engine.warmup` (every bucket compiled) first.
+  """
+  from engine.runtime.engine import Engine, EngineConfig  # the serving engine: only for this
+  from engine.runtime.request import StopParams
+
+  cfg, b = model.config, len(ids)
+  if b == 0:
+    return []
+  max_new = ([int(max_new_tokens)] * b if isinstance(max_new_tokens, int)
+             else [int(m) for m in max_new_tokens])
+  if len(max_new) != b or min(max_new) < 1:
+    raise ValueError("max_new_tokens must be >= 1 for every prompt")
+  if sampling is None:
+    sampling = [SamplingParams()] * b
+  total = max(len(p) + m for p, m in zip(ids, max_new))
+  if total > cfg.max_position_embeddings:
+    raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's "
+                     f"max_position_embeddings ({cfg.max_position_embeddings})")
+  drafters: tuple[str, ...] = ()
+  k, slots = 4, 1 << 16
+  if speculative is not None:
+    if speculative.method != AUTO:
+      raise ValueError(f"generate_on_engine runs method 'auto' (or None), got "
+                       f"{speculative.method!r}")
+    if speculative.num_draft_tokens < 1:
+      raise ValueError(f"num_draft_tokens must be >= 1, got {speculative.num_draft_tokens}")
+    drafters, k = auto_drafters(cfg, speculative), speculative.num_draft_tokens
+    if speculative.memory is not None:
+      slots = int(speculative.memory.table.tags.shape[0])
+  # Bucketed limits: calls of similar sizes reuse the compiled programs (static shapes).
+  config = EngineConfig(
+      max_num_seqs=b, max_model_len=min(bucket(total + k + 1), cfg.max_position_embeddings),
+      max_decode_steps=max(16, k + 1), speculative=AUTO if drafters else None,
+      drafters=drafters, num_draft_tokens=k, adaptive_k=bool(drafters),
+      learned_table_slots=slots, kernels=model.kernels)
+  draft = ((speculative.draft_cfg, speculative.draft_params) if "draft" in drafters else None)
+  eng = Engine(cfg, model.params, config, model.tokenizer, model.eos_token_ids,
+               mesh=model.mesh, draft=draft)
+  memory = speculative.memory if speculative is not None else None
+  if memory is not None:
+    eng.spec.table = _committed_like(memory.table, model.params)
+  costs_key = (cfg, config, draft[0] if draft else None, str(model.params["embed"].dtype))
+  if warmup:
+    eng.warmup()  # compiles every bucket; with drafters, measures the goodput model's costs
+  elif drafters and measure_costs and costs_key not in _MEASURED_COSTS:
+    # What `Engine.warmup` ends with, without compiling every other bucket first (a one-shot
+    # command line would spend minutes on CPU compiling shapes it never uses).
+    sizes = (min(eng.buckets.decode), max(eng.buckets.decode))
+    on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
+    with on_mesh:
+      eng.cache = eng.spec.measure_costs(model.params, eng.cache, sizes, eng.max_pages_per_seq,
+                                         impl=config.kernels)
+  if drafters and measure_costs:
+    if costs_key in _MEASURED_COSTS and not warmup:
+      eng.spec.costs, eng.spec.cost_fit = _MEASURED_COSTS[costs_key]
+    else:
+      _MEASURED_COSTS[costs_key] = (eng.spec.costs, eng.spec.cost_fit)
+  stops = [StopParams(max_tokens=m, min_tokens=min(min_new_tokens, m),
+                      stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+           for m in max_new]
+  samp = [dataclasses.replace(s, drafter=AUTO if drafters else "off") for s in sampling]
+  done = eng.generate([list(p) for p in ids], samp, stops)  # the engine enters its mesh
+  if memory is not None:
+    memory.table = eng.spec.table
+  stats = eng.stats() if drafters else {}
+  return [GenerationResult(token_ids=list(r.output_ids), text=model.decode(r.output_ids),
+                           finish_reason=r.finish_reason or "length",
+                           prompt_tokens=len(r.prompt_ids),
+                           spec=_engine_spec_summary(r, stats, drafters, k) if drafters
+                           else None)
+          for r in done]
+
+
+# (model config, engine config, draft config, dtype) -> (SpecRuntime.costs, .cost_fit) measured
+# by `Engine.warmup`, so that repeated `generate` calls measure once per process.
+_MEASURED_COSTS: dict[Any, tuple[Any, dict]] = {}
+
+
+def _committed_like(tree: Any, params: Params) -> Any:
+  """`tree` committed to the parameters' device when they live on one (as the engine commits
+  its own state): an uncommitted table would compile the engine's loop a second time."""
+  devices = jax.tree.leaves(params)[0].sharding.device_set
+  return jax.device_put(tree, next(iter(devices))) if len(devices) == 1 else tree
+
+
+def _engine_spec_summary(req: Any, stats: dict[str, Any], drafters: tuple[str, ...],
+                         k: int) -> dict[str, Any]:
+  """A request's counters in the keys of `generate.spec_summary`, plus the engine's choices.
+
+  The engine counts drafts, drafted and accepted tokens per request but not target forwards;
+  every forward after the first token emits one token plus the drafts it accepted, so
+  steps = (tokens - 1) - accepted. `auto_choices` (decode loops run with each drafter) and
+  `k_steps` (loop iterations per draft length) are the whole batch's: rows share a loop.
+  """
+  drafts, drafted, accepted = req.spec
+  emitted = max(len(req.output_ids) - 1, 0)
+  steps = max(emitted - accepted, 0)
+  prefix = "spec_auto_choice_"
+  return {"steps": steps, "drafts": drafts, "drafted": drafted, "accepted": accepted,
+          "acceptance_rate": accepted / drafted if drafted else 0.0,
+          "mean_accepted_length": emitted / steps if steps else 0.0,
+          "method": AUTO, "drafters": list(drafters),
+          "auto_choices": {n[len(prefix):]: v for n, v in stats.items()
+                           if n.startswith(prefix)},
+          "k_steps": {int(n[len("spec_k"):-len("_loops")]): v for n, v in stats.items()
+                      if n.startswith("spec_k") and n.endswith("_loops")},
+          "num_draft_tokens": k}

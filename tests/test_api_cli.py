@@ -132,3 +132,24 @@ def test_cli_speculative_json_has_spec_and_same_tokens():
   assert spec["mean_accepted_length"] == pytest.approx(31 / spec["steps"])
   r = _cli(f"--checkpoint={FIXTURE}", "--prompt_ids=1,2", "--speculative=draft")
   assert r.returncode != 0 and "--draft_checkpoint" in r.stderr
+
+
+def test_cli_speculative_auto_runs_on_the_engine_with_the_same_tokens():
+  g = np.load(os.path.join(FIXTURE, "golden.npz"))
+  ids = [",".join(map(str, g[f"prompt_{i}"].tolist())) for i in (0, 1)]
+  r = _cli(f"--checkpoint={FIXTURE}", f"--prompt_ids={ids[0]}", f"--prompt_ids={ids[1]}",
+           "--max_new_tokens=32", "--ignore_eos", "--dtype=float32", "--json",
+           "--speculative=auto", "--num_draft_tokens=3")
+  assert r.returncode == 0, r.stderr
+  objs = [json.loads(line) for line in r.stdout.strip().splitlines()[-2:]]
+  for i, obj in enumerate(objs):
+    assert obj["token_ids"] == g[f"greedy_{i}"].tolist()
+    assert obj["finish_reason"] == "length" and obj["prompt_tokens"] == len(g[f"prompt_{i}"])
+    spec = obj["spec"]
+    # No MTP layer and no draft model in this checkpoint: the two lookup drafters.
+    assert spec["method"] == "auto" and spec["drafters"] == ["ngram", "learned"]
+    assert spec["steps"] >= 1 and spec["accepted"] <= spec["drafted"]
+    assert spec["mean_accepted_length"] == pytest.approx(31 / spec["steps"])
+    assert sum(spec["auto_choices"].values()) >= 1
+    assert set(spec["k_steps"]) == {"0", "1", "2", "3"}  # JSON keys: the compiled k values
+  assert "speculative=auto" in r.stderr and "tokens per target forward" in r.stderr

@@ -147,9 +147,11 @@ class SpeculativeConfig:
   method: "ngram" (prompt lookup), "mtp" (the checkpoint's MTP layer), "draft" (a small
   model with the same tokenizer: `draft_cfg`, `draft_params`) or "learned" (an n-gram table
   learned across requests: `memory`, a `learned.NgramMemory` updated in place; a fresh one per
-  call if None). num_draft_tokens: K >= 1. adaptive: pick the draft length (<= K) every loop
-  step by the goodput model of `speculative.goodput` with `draft_cost` (default per method:
-  DEFAULT_DRAFT_COST) and `verify_cost`.
+  call if None). "auto" (every drafter the model supports, chosen as it goes, adaptive k) is
+  not this module's: `engine.generate` runs it through the serving engine
+  (`engine.api.generate_on_engine`). num_draft_tokens: K >= 1. adaptive: pick the draft
+  length (<= K) every loop step by the goodput model of `speculative.goodput` with
+  `draft_cost` (default per method: DEFAULT_DRAFT_COST) and `verify_cost`.
   """
   method: str
   num_draft_tokens: int = 4
@@ -162,6 +164,9 @@ class SpeculativeConfig:
 
   def validate(self, cfg: ModelConfig) -> None:
     methods = ("ngram", "mtp", "draft", "learned")  # speculative.loop.DRAFTERS
+    if self.method == "auto":
+      raise ValueError("speculative method 'auto' runs on the serving engine: use "
+                       "engine.generate (engine.api.generate_on_engine), not generate_tokens")
     if self.method not in methods:
       raise ValueError(f"unknown speculative method {self.method!r}; expected one of {methods}")
     if self.num_draft_tokens < 1:

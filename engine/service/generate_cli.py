@@ -12,6 +12,13 @@ length = tokens per target forward).
 
     python -m engine.generate --prompt="import os" --speculative=mtp --num_draft_tokens=2
     python -m engine.generate --prompt="import os" --speculative=draft   # demo draft model
+    python -m engine.generate --prompt="import os" --speculative=auto    # every drafter
+
+`--speculative=auto` runs the batch through the serving engine with every drafter the model
+supports (n-gram lookup, learned table, MTP when the checkpoint has the layer, the draft model
+when there is one) and adaptive draft length; the engine picks the drafter per decode loop from
+measured acceptance and costs. Its `spec` object adds `drafters`, `auto_choices` (loops per
+drafter) and `k_steps` (iterations per draft length), both for the whole batch.
 """
 
 from __future__ import annotations
@@ -49,17 +56,18 @@ flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
                   "checkpoint's for Orbax, bfloat16 for Hugging Face).")
 flags.DEFINE_bool("json", False, "Print JSON lines instead of text.")
-flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft", "learned"],
+flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft", "learned", "auto"],
                   "Speculative decoding drafter: n-gram prompt lookup, the checkpoint's MTP "
-                  "layer, a draft model (--draft_checkpoint), or an n-gram table learned "
-                  "across requests (--learned_table).")
+                  "layer, a draft model (--draft_checkpoint), an n-gram table learned "
+                  "across requests (--learned_table), or auto: all of those the model has, "
+                  "chosen as it goes by the serving engine, with adaptive draft length.")
 flags.DEFINE_integer("num_draft_tokens", 4, "Tokens drafted per step.", lower_bound=1)
 flags.DEFINE_bool("adaptive_k", False, "Choose the draft length (<= --num_draft_tokens) every "
                   "step from a goodput model.")
-flags.DEFINE_string("learned_table", None, "With --speculative=learned: .npz table loaded "
-                    "when it exists and saved after generating.")
+flags.DEFINE_string("learned_table", None, "With --speculative=learned or auto: .npz table "
+                    "loaded when it exists and saved after generating.")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory for --speculative=draft "
-                    "(default: the demo draft model when running the demo target).")
+                    "or auto (default: the demo draft model when running the demo target).")
 
 
 def _parse_ids(s: str) -> list[int]:
@@ -69,23 +77,34 @@ def _parse_ids(s: str) -> list[int]:
     raise SystemExit(f"--prompt_ids must be comma-separated integers, got {s!r}")
 
 
+def _learned_memory():
+  from engine.runtime.speculative.learned import NgramMemory
+  path = FLAGS.learned_table
+  return NgramMemory.load(path) if path and os.path.exists(path) else NgramMemory()
+
+
 def _speculative_config(model: "engine.LoadedModel") -> "engine.SpeculativeConfig | None":
   if FLAGS.speculative == "off":
     return None
   if FLAGS.speculative == "learned":
-    from engine.runtime.speculative.learned import NgramMemory
-    path = FLAGS.learned_table
-    memory = NgramMemory.load(path) if path and os.path.exists(path) else NgramMemory()
-    return engine.SpeculativeConfig("learned", FLAGS.num_draft_tokens, memory=memory,
+    return engine.SpeculativeConfig("learned", FLAGS.num_draft_tokens, memory=_learned_memory(),
                                     adaptive=FLAGS.adaptive_k)
-  if FLAGS.speculative != "draft":
+  if FLAGS.speculative not in ("draft", "auto"):
     return engine.SpeculativeConfig(FLAGS.speculative, FLAGS.num_draft_tokens,
                                     adaptive=FLAGS.adaptive_k)
   path = FLAGS.draft_checkpoint
-  if path is None:
-    if os.path.abspath(FLAGS.checkpoint) != os.path.abspath(DEMO_CHECKPOINT):
-      raise ValueError("--speculative=draft needs --draft_checkpoint")
+  if path is None and os.path.abspath(FLAGS.checkpoint) == os.path.abspath(DEMO_CHECKPOINT):
     path = DEMO_DRAFT
+  if FLAGS.speculative == "auto":  # the draft model is one drafter among others, if there is one
+    draft = engine.load(path, dtype=model.params["embed"].dtype) if path else None
+    # Always adaptive (the engine's goodput model); --learned_table is only read and written
+    # when given (without it the learned table starts empty and is dropped).
+    return engine.SpeculativeConfig(
+        "auto", FLAGS.num_draft_tokens, draft.config if draft else None,
+        draft.params if draft else None,
+        memory=_learned_memory() if FLAGS.learned_table else None, adaptive=True)
+  if path is None:
+    raise ValueError("--speculative=draft needs --draft_checkpoint")
   draft = engine.load(path, dtype=model.params["embed"].dtype)
   return engine.SpeculativeConfig("draft", FLAGS.num_draft_tokens, draft.config, draft.params,
                                   adaptive=FLAGS.adaptive_k)
@@ -133,9 +152,15 @@ def main(argv: list[str]) -> int:
     accepted = sum(r.spec["accepted"] for r in results)
     drafted = sum(r.spec["drafted"] for r in results)
     per_step = sum(len(r.token_ids) - 1 for r in results) / max(steps, 1)  # prefill gave 1
-    print(f"[moejax] speculative={speculative.method} k={speculative.num_draft_tokens}: "
-          f"{accepted}/{drafted} drafted tokens accepted, {per_step:.2f} tokens per target "
-          "forward", file=sys.stderr)
+    k = speculative.num_draft_tokens
+    what = f"speculative={speculative.method} k={k}"
+    if speculative.method == "auto":  # the batch's choices (rows share the engine's loops)
+      spec = results[0].spec
+      choices = ", ".join(f"{d} x{n}" for d, n in spec["auto_choices"].items()) or "none"
+      what = (f"speculative=auto k<={k} (drafters {','.join(spec['drafters'])}; "
+              f"decode loops per drafter: {choices})")
+    print(f"[moejax] {what}: {accepted}/{drafted} drafted tokens accepted, {per_step:.2f} "
+          "tokens per target forward", file=sys.stderr)
   print(f"[moejax] {model.config.display_name}: load {t1 - t0:.1f}s, generate {n} tokens in "
         f"{t2 - t1:.1f}s (includes compilation)", file=sys.stderr)
   return 0

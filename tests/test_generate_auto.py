@@ -1,0 +1,71 @@
+"""`engine.generate(..., speculative=SpeculativeConfig("auto"))`: the batch runs through the
+serving engine with every drafter the model supports; greedy output equals plain decoding."""
+
+import jax.numpy as jnp
+import pytest
+
+import engine
+from engine.api import LoadedModel, auto_drafters, generate_on_engine
+from engine.model.config import config_from_dict
+from engine.model.params import init_params
+from engine.runtime.generate import SpeculativeConfig, generate_tokens
+from engine.runtime.speculative.learned import NgramMemory
+from model_configs import CONFIGS, perturbed
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
+  params = init_params(cfg, seed=11, scale=2.0)
+  return LoadedModel(config=cfg, params=params, tokenizer=None, eos_token_ids=(2,))
+
+
+PROMPTS = [[1] + [5, 9, 13, 17, 21, 25] * 4, [1, 9, 10, 11, 12, 13, 14, 15, 16], [1, 40]]
+NEW = [20, 12, 16]
+
+
+@pytest.fixture(scope="module")
+def want(model):
+  return [c.token_ids for c in generate_tokens(model.params, model.config, PROMPTS,
+                                               max_new_tokens=NEW, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def draft(model):
+  return perturbed(model.params, 0.05, seed=3)
+
+
+def test_auto_uses_every_drafter_and_keeps_greedy_output(model, want, draft):
+  spec = SpeculativeConfig("auto", 3, model.config, draft)
+  assert auto_drafters(model.config, spec) == ("ngram", "learned", "mtp", "draft")
+  # Default costs (no measurement): the goodput model drafts, whatever this CPU's timings.
+  got = generate_on_engine(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+                           speculative=spec, measure_costs=False)
+  assert [r.token_ids for r in got] == want
+  for r, p, n in zip(got, PROMPTS, NEW):
+    assert r.finish_reason == "length" and r.prompt_tokens == len(p)
+    assert r.spec["drafters"] == ["ngram", "learned", "mtp", "draft"]
+    assert r.spec["steps"] + r.spec["accepted"] == n - 1  # every forward: 1 + accepted tokens
+  assert sum(r.spec["accepted"] for r in got) > 0
+  assert sum(got[0].spec["auto_choices"].values()) >= 1
+  # Plain decoding on the same path (the benchmark's baseline): same tokens, no counters.
+  off = generate_on_engine(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+  assert [r.token_ids for r in off] == want
+  assert all(r.spec is None for r in off)
+
+
+def test_auto_keeps_the_learned_table_in_the_callers_memory(model, want, draft):
+  memory = NgramMemory()  # the engine's default size: the first test's programs are reused
+  before = memory.table
+  spec = SpeculativeConfig("auto", 3, model.config, draft, memory=memory)
+  # engine.generate measures the costs on its first call (then k may well be 0 on CPU).
+  for _ in range(2):  # the second call starts from the table the first one left
+    got = engine.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+                          speculative=spec)
+    assert [r.token_ids for r in got] == want
+    assert memory.table is not before and int(jnp.sum(memory.table.used)) > 0
+    before = memory.table
+  with pytest.raises(ValueError, match="serving engine"):
+    generate_tokens(model.params, model.config, PROMPTS, speculative=spec)
+  # Without a draft model "auto" leaves the draft drafter out.
+  assert auto_drafters(model.config, SpeculativeConfig("auto")) == ("ngram", "learned", "mtp")
