@@ -299,6 +299,9 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
   if spec.method == "learned":
     from engine.runtime.speculative.learned import NgramMemory
     memory = spec.memory if spec.memory is not None else NgramMemory()
+    devices = params["embed"].sharding.device_set
+    if len(devices) == 1:  # committed like the returned table: a reused one compiles nothing
+      memory.table = jax.device_put(memory.table, next(iter(devices)))
   out, cache = speculative_decode(
       params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
       prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
