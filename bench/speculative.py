@@ -118,8 +118,11 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, got, seco
            acceptance_rate=sum(s["accepted"] for s in specs) / drafted if drafted else 0.0,
            tok_s=n_tokens / seconds, seconds=seconds, speedup=base_seconds / seconds,
            identical=[t for t, _ in got] == plain_ids, prompt_tokens=prompt_tokens)
-  if specs and "auto_choices" in specs[0]:  # the batch's drafter choices (loops per drafter)
-    r["auto_choices"] = specs[0]["auto_choices"]
+  if specs and "auto_choices" in specs[0]:  # row iterations per drafter, all requests
+    r["auto_choices"] = {}
+    for s in specs:
+      for d, n in s["auto_choices"].items():
+        r["auto_choices"][d] = r["auto_choices"].get(d, 0) + n
     r["drafters"] = specs[0]["drafters"]
   return r
 

@@ -306,19 +306,18 @@ def _engine_spec_summary(req: Any, stats: dict[str, Any], drafters: tuple[str, .
 
   The engine counts drafts, drafted and accepted tokens per request but not target forwards;
   every forward after the first token emits one token plus the drafts it accepted, so
-  steps = (tokens - 1) - accepted. `auto_choices` (decode loops run with each drafter) and
-  `k_steps` (loop iterations per draft length) are the whole batch's: rows share a loop.
+  steps = (tokens - 1) - accepted. `auto_choices`: this request's speculative iterations per
+  drafter the engine chose for it; `k_steps` (loop iterations per block width) is the whole
+  batch's: rows share a loop.
   """
   drafts, drafted, accepted = req.spec
   emitted = max(len(req.output_ids) - 1, 0)
   steps = max(emitted - accepted, 0)
-  prefix = "spec_auto_choice_"
   return {"steps": steps, "drafts": drafts, "drafted": drafted, "accepted": accepted,
           "acceptance_rate": accepted / drafted if drafted else 0.0,
           "mean_accepted_length": emitted / steps if steps else 0.0,
           "method": AUTO, "drafters": list(drafters),
-          "auto_choices": {n[len(prefix):]: v for n, v in stats.items()
-                           if n.startswith(prefix)},
+          "auto_choices": dict(req.drafter_steps),
           "k_steps": {int(n[len("spec_k"):-len("_loops")]): v for n, v in stats.items()
                       if n.startswith("spec_k") and n.endswith("_loops")},
           "num_draft_tokens": k}

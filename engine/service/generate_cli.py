@@ -16,9 +16,10 @@ length = tokens per target forward).
 
 `--speculative=auto` runs the batch through the serving engine with every drafter the model
 supports (n-gram lookup, learned table, MTP when the checkpoint has the layer, the draft model
-when there is one) and adaptive draft length; the engine picks the drafter per decode loop from
-measured acceptance and costs. Its `spec` object adds `drafters`, `auto_choices` (loops per
-drafter) and `k_steps` (iterations per draft length), both for the whole batch.
+when there is one) and adaptive draft length; the engine picks each row's drafter every
+iteration from that request's measured acceptance and the measured costs. Its `spec` object
+adds `drafters`, `auto_choices` (the request's iterations per drafter) and `k_steps` (the
+batch's iterations per block width).
 """
 
 from __future__ import annotations
@@ -154,11 +155,14 @@ def main(argv: list[str]) -> int:
     per_step = sum(len(r.token_ids) - 1 for r in results) / max(steps, 1)  # prefill gave 1
     k = speculative.num_draft_tokens
     what = f"speculative={speculative.method} k={k}"
-    if speculative.method == "auto":  # the batch's choices (rows share the engine's loops)
-      spec = results[0].spec
-      choices = ", ".join(f"{d} x{n}" for d, n in spec["auto_choices"].items()) or "none"
-      what = (f"speculative=auto k<={k} (drafters {','.join(spec['drafters'])}; "
-              f"decode loops per drafter: {choices})")
+    if speculative.method == "auto":  # every request's choices, summed
+      totals: dict[str, int] = {}
+      for r in results:
+        for d, n_it in r.spec["auto_choices"].items():
+          totals[d] = totals.get(d, 0) + n_it
+      choices = ", ".join(f"{d} x{n_it}" for d, n_it in totals.items()) or "none"
+      what = (f"speculative=auto k<={k} (drafters {','.join(results[0].spec['drafters'])}; "
+              f"row iterations per drafter: {choices})")
     print(f"[moejax] {what}: {accepted}/{drafted} drafted tokens accepted, {per_step:.2f} "
           "tokens per target forward", file=sys.stderr)
   print(f"[moejax] {model.config.display_name}: load {t1 - t0:.1f}s, generate {n} tokens in "
