@@ -194,9 +194,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     nothing = (jnp.zeros((b, kk), jnp.int32), jnp.zeros((b, kk, cfg.vocab_size), jnp.float32))
     if "ngram" in drafters:
       props["ngram"] = (*dr.ngram_propose(s["history"], s["history_len"] - 1, kk), True)
-    if "learned" in drafters:
-      props["learned"] = (*learned.propose(s["table"], s["history"], s["history_len"] - 1, kk),
-                          True)
+    if "learned" in drafters:  # looked up before the switch (`body`): take the first kk
+      d, n = s["learned_proposal"]
+      props["learned"] = (d[:, :kk], jnp.minimum(n, kk), True)
     if "mtp" in drafters:
       wanted = jnp.any(use["mtp"] & live)
       dm, q, cache = jax.lax.cond(
@@ -249,10 +249,6 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
         jnp.zeros((b, k + 1, kt), jnp.float32)), None)
     s["lps"] = tuple(_place(buf, s["count"], x, n_emit) for buf, x in zip(s["lps"], lp))
     s["history"] = _place(s["history"], s["history_len"], v.emitted, n_emit)
-    if "learned" in drafters:  # learn from every emitted token (history already holds them)
-      slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-      s["table"] = learned.update(s["table"], s["history"], s["history_len"][:, None] + slots,
-                                  slots < n_emit[:, None])
     if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
       def observe(c):
         h, c = dr.mtp_observe(params, c, v.hidden, v.emitted, n_cached,
@@ -320,7 +316,19 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     forced = force_k >= 0
     s = dict(s, ids=ids, k_rows=jnp.where(forced, room, k_rows))
     index = jnp.where(forced, force_k, index)
+    # The learned table stays out of the switch: a buffer carried through a conditional whose
+    # branches update it is copied there (XLA), a few MB every iteration. Drafts are looked up
+    # before (k_max of them; a branch takes the first k) and emitted tokens learned after.
+    table = s.pop("table", None)
+    before = s["history_len"]
+    if table is not None:
+      s["learned_proposal"] = learned.propose(table, s["history"], before - 1, k_max)
     s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
+    if table is not None:
+      del s["learned_proposal"]
+      slots = jnp.arange(k_max + 1, dtype=jnp.int32)[None, :]
+      s["table"] = learned.update(table, s["history"], before[:, None] + slots,
+                                  slots < (s["history_len"] - before)[:, None])
     s["k_steps"] = s["k_steps"].at[index].add(1)
     return s
 
