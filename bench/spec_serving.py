@@ -121,7 +121,8 @@ def main(argv):
           identical=out == ref if ref is not None else None,
           k_loops={k: v for k, v in spec.items() if k.startswith("spec_k")},
           auto_choice={k[len("spec_auto_choice_"):]: v for k, v in spec.items()
-                       if k.startswith("spec_auto_choice_")}))
+                       if k.startswith("spec_auto_choice_") and v},
+          rest_calls=spec.get("spec_rest_calls", 0)))
       print(f"  {name} {mode} done", file=sys.stderr)
 
   header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'tok/fwd':>7} identical"
