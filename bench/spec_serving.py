@@ -31,6 +31,8 @@ from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 
+from bench.spec_workloads import FRESH, agent_turn
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "target"),
@@ -49,17 +51,12 @@ flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "Parameter dtype 
                   "greedy outputs comparable token for token on CPU).")
 flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
-FRESH = ["def read_config(path):\n", "class Point:\n    def __init__(self, x, y):\n",
-         "import os\nimport sys\n\n\ndef main(argv):\n", "    for i, item in enumerate(items):\n",
-         "def parse_args():\n    parser = argparse.ArgumentParser(", "    @property\n    def name",
-         "def merge(a, b):\n", "with open(path) as fh:\n"]
-
 
 def _workloads(eng: Engine, model, n: int, max_new: int) -> dict[str, list[list[int]]]:
   fresh = [model.encode(p) for p in (FRESH * 4)[:n]]
   answers = eng.generate(fresh, SamplingParams(drafter="off"),
                          StopParams(max_tokens=max_new, ignore_eos=True))
-  agent = [ids + r.output_ids + model.encode("\n\n" + p)
+  agent = [agent_turn(model, p, ids, r.output_ids)
            for ids, r, p in zip(fresh, answers, (FRESH * 4)[:n])]
   half = n // 2
   return {"fresh": fresh, "agent": agent, "mixed": fresh[:half] + agent[half:n]}

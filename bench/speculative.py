@@ -47,6 +47,8 @@ from engine.api import generate_on_engine
 from engine.runtime.generate import SpeculativeConfig, generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
 
+from bench.spec_workloads import FRESH, agent_turn
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "target"),
@@ -65,10 +67,6 @@ flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (defa
                   "checkpoint's). In bfloat16 on CPU, a (k+1)-token verify forward can round "
                   "differently from 1-token decoding, so greedy outputs may differ slightly.")
 flags.DEFINE_string("out", "", "Write the results as JSON here.")
-
-FRESH = ["def read_config(path):\n", "class Point:\n    def __init__(self, x, y):\n",
-         "import os\nimport sys\n\n\ndef main(argv):\n", "    for i, item in enumerate(items):\n",
-         "def parse_args():\n    parser = argparse.ArgumentParser(", "    @property\n    def name"]
 
 
 # ---- one call, timed -------------------------------------------------------------------------
@@ -133,7 +131,7 @@ def agent_turns(model, prompts: list[str], max_new: int) -> list[list[int]]:
   first = [model.encode(p) for p in prompts]
   answers = generate_tokens(model.params, model.config, first, max_new_tokens=max_new,
                             ignore_eos=True)
-  return [ids + a.token_ids + model.encode("\n\n" + p) for ids, a, p in
+  return [agent_turn(model, p, ids, a.token_ids) for ids, a, p in
           zip(first, answers, prompts)]
 
 

@@ -26,8 +26,9 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
 from engine.runtime.generate import SpeculativeConfig, bucket, generate_tokens
 from engine.runtime.sampling import SamplingParams
+# SpeculativeConfig.method "auto" routes through the serving engine, whose drafter it is too.
+from engine.runtime.speculative.runtime import AUTO
 
-AUTO = "auto"  # SpeculativeConfig.method that routes through the serving engine
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 

@@ -194,19 +194,15 @@ class SpecRuntime:
       if r.drafter == AUTO and r.spec_accept is not None:
         estimates.append(np.asarray(goodput.row_estimates(r.spec_accept[None], counts))[0])
     k, base = self.k, float(self.costs[-3])
-
-    def tokens(x):
-      x = min(max(float(x), 0.0), 1.0 - 1e-6)
-      return (1.0 - x ** (k + 1)) / (1.0 - x)
-
     out = set()
     for a in estimates:
+      tokens = np.asarray(goodput.expected_tokens(np.asarray(a, np.float32), float(k)))
       free = max([1.0 if self.config.adaptive_k else 1.0 / (1.0 + k * base)]
-                 + [tokens(a[drafter_id(d)]) / (1.0 + k * base) for d in self.enabled
+                 + [tokens[drafter_id(d)] / (1.0 + k * base) for d in self.enabled
                     if d in DETERMINISTIC])
       for d in self.enabled:
         c = float(self.costs[drafter_id(d)])
-        if d not in DETERMINISTIC and tokens(a[drafter_id(d)]) / (1 + k * (base + c) + c) > free:
+        if d not in DETERMINISTIC and tokens[drafter_id(d)] / (1 + k * (base + c) + c) > free:
           out.add(d)
     for d in self.enabled:
       if d not in DETERMINISTIC and (d in out or self._auto_calls - self._offered.get(d, -10**9)
@@ -225,7 +221,7 @@ class SpecRuntime:
     """
     if not any(r.drafter for r in reqs):
       return False
-    if self._rest > 0 and not any(r.drafter in ("mtp", "draft") for r in reqs):
+    if self._rest > 0 and all(r.drafter in (None, AUTO) + DETERMINISTIC for r in reqs):
       self._rest -= 1
       self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
       return False
