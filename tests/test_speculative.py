@@ -325,6 +325,28 @@ def test_adaptive_draft_length_keeps_output_and_backs_off(model, method):
   assert sum(k_steps.values()) == max(c.spec["steps"] for c in got)  # one choice per iteration
 
 
+def test_adaptive_loop_measures_its_costs_once_per_shape(model):
+  """Adaptive mode without given costs times the verify forward (and the drafter) on this
+  machine the first time a batch shape is seen; later calls reuse the figures (no compiles)."""
+  from engine.runtime.buckets import CompileCounter
+  from engine.runtime.speculative import probes
+  cfg, params = model
+  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9])
+  for method in ("ngram", "mtp"):
+    spec = SpeculativeConfig(method, 2, adaptive=True)
+    before = set(probes._LOOP_COSTS)
+    got = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    (key,) = set(probes._LOOP_COSTS) - before
+    draft_cost, verify_cost = probes._LOOP_COSTS[key]
+    assert verify_cost >= probes.MIN_VERIFY_COST
+    assert (draft_cost > 0) == (method == "mtp")  # lookups are free, the MTP layer is not
+    with CompileCounter() as counter:
+      again = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+    assert counter.count == 0 and set(probes._LOOP_COSTS) - before == {key}
+    assert [c.token_ids for c in again] == [c.token_ids for c in plain]
+
+
 def test_bad_speculative_settings_are_named(model):
   cfg, params = model
   plain_cfg = config_from_dict(CONFIGS["deepseek_v3"])  # no MTP layer

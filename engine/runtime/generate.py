@@ -151,7 +151,8 @@ class SpeculativeConfig:
   not this module's: `engine.generate` runs it through the serving engine
   (`engine.api.generate_on_engine`). num_draft_tokens: K >= 1. adaptive: pick the draft
   length (<= K) every loop step by the goodput model of `speculative.goodput` with
-  `draft_cost` (default per method: DEFAULT_DRAFT_COST) and `verify_cost`.
+  `draft_cost` and `verify_cost` (relative to a plain decode step; None: measured on this
+  machine the first time a batch shape is seen, `speculative.probes.loop_costs`).
   """
   method: str
   num_draft_tokens: int = 4
@@ -160,7 +161,7 @@ class SpeculativeConfig:
   memory: object | None = None  # engine.runtime.speculative.learned.NgramMemory
   adaptive: bool = False
   draft_cost: float | None = None
-  verify_cost: float = 0.02
+  verify_cost: float | None = None
 
   def validate(self, cfg: ModelConfig) -> None:
     methods = ("ngram", "mtp", "draft", "learned")  # speculative.loop.DRAFTERS
@@ -180,11 +181,6 @@ class SpeculativeConfig:
       if self.draft_cfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({self.draft_cfg.vocab_size}) differs "
                          f"from the target's ({cfg.vocab_size})")
-
-
-# One drafted token's cost relative to a target decode step (the demo models' proportions):
-# lookups are free, the MTP layer is ~1/5 of the model, the demo draft model ~1/8.
-DEFAULT_DRAFT_COST = {"ngram": 0.0, "learned": 0.0, "mtp": 0.2, "draft": 0.12}
 
 
 def spec_summary(drafted_steps: int, draft_tokens: int, accepted: int, steps: int,
@@ -302,15 +298,21 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
     devices = params["embed"].sharding.device_set
     if len(devices) == 1:  # committed like the returned table: a reused one compiles nothing
       memory.table = jax.device_put(memory.table, next(iter(devices)))
+  draft_cost, verify_cost = spec.draft_cost, spec.verify_cost
+  if spec.adaptive and (draft_cost is None or verify_cost is None):
+    from engine.runtime.speculative.probes import loop_costs
+    measured = loop_costs(params, cfg, len(lengths), spec.num_draft_tokens, spec.method,
+                          page_table.shape[1], page_size, dtype, impl, spec.draft_cfg,
+                          spec.draft_params)
+    draft_cost = measured[0] if draft_cost is None else draft_cost
+    verify_cost = measured[1] if verify_cost is None else verify_cost
   out, cache = speculative_decode(
       params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
       prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
       memory.table if memory is not None else None, max_steps=max_steps,
       num_draft=spec.num_draft_tokens, drafter=spec.method, cfg=cfg,
       draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl,
-      adaptive=spec.adaptive, verify_cost=spec.verify_cost,
-      draft_cost=(spec.draft_cost if spec.draft_cost is not None
-                  else DEFAULT_DRAFT_COST[spec.method]))
+      adaptive=spec.adaptive, verify_cost=verify_cost or 0.0, draft_cost=draft_cost or 0.0)
   del cache
   if memory is not None:
     memory.table = out.ngram_table

@@ -100,6 +100,10 @@ def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: j
   at_col = jnp.arange(num_cand)[None, :] == col[:, None]
   row_cnt = jnp.where(at_col, jnp.where(known[:, None], row_cnt, 0.0) + 1.0, row_cnt)
   row_tok = jnp.where(at_col, toks[:, None], row_tok)
+  # The scatters into tags and used do not depend on the reads above, so XLA could order
+  # them first and keeps the old arrays alive with a copy of each (every decode iteration);
+  # the barrier makes the updated rows an input of every write.
+  (row_tok, row_cnt), table = jax.lax.optimization_barrier(((row_tok, row_cnt), table))
   return NgramTable(tags=table.tags.at[target].set(hashes, mode="drop"),
                     used=table.used.at[target].set(True, mode="drop"),
                     tokens=table.tokens.at[target].set(row_tok, mode="drop"),

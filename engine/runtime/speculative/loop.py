@@ -179,7 +179,8 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     num_draft: K, drafted tokens per step (>= 1); with `adaptive`, the most per step.
     drafter: one of DRAFTERS.
     adaptive: choose the draft length every step from `goodput` (k in `spec_k_choices`);
-      draft_cost, verify_cost: its cost model.
+      draft_cost, verify_cost: its cost model. At k = 0 deterministic drafters still look up
+      one token, compared with the emitted one, so the estimate keeps tracking them.
   Returns:
     (SpecOutput, cache).
   """
@@ -224,8 +225,13 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
 
     # 1. Draft.
     q = None
+    lookahead = None  # k = 0: a deterministic drafter's next token, checked for the estimate
     if k == 0:  # plain decoding through the same program
       draft, n_draft = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+      if drafter == "ngram":
+        lookahead = drafters.ngram_propose(history, n_cached, 1)
+      elif drafter == "learned":
+        lookahead = learned.propose(aux["table"], history, n_cached, 1)
     elif drafter == "ngram":
       draft, n_draft = drafters.ngram_propose(history, n_cached, k)
     elif drafter == "learned":
@@ -273,9 +279,15 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
              "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
 
     stats = stats.add(live, n_draft, n_acc)
+    accepted = jnp.sum(n_acc).astype(jnp.float32)
     rejections = jnp.sum((live & (n_acc < n_draft)).astype(jnp.float32))
+    if lookahead is not None:  # evidence at no verify cost: would the drafter have been right?
+      proposed = live & (lookahead[1] > 0)
+      right = proposed & (lookahead[0][:, 0] == v.emitted[:, 0])
+      accepted = jnp.sum(right.astype(jnp.float32))
+      rejections = jnp.sum((proposed & ~right).astype(jnp.float32))
     return ((cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats),
-            jnp.sum(n_acc).astype(jnp.float32), rejections)
+            accepted, rejections)
 
   choices = spec_k_choices(k, drafter) if adaptive else (k,)
 

@@ -22,7 +22,6 @@ sizes every row's drafts, and picks an "auto" row's drafter, from what that requ
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, Sequence
 
 import jax
@@ -33,11 +32,12 @@ from engine.model.cache import init_cache
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
-from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
+from engine.model.transformer import Cache, forward
 from engine.runtime import steps
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative import drafters as dr, goodput, learned
 from engine.runtime.speculative.learned import NgramTable
+from engine.runtime.speculative.probes import clear_null_page, probe, time_interleaved
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
@@ -81,29 +81,7 @@ def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.
   return sampled, lps, mtp_hidden, cache, draft_cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl", "what"), donate_argnames=("cache",))
-def _probe(params: Params, cache: Cache, tokens: jax.Array, n_new: jax.Array,
-           page_table: jax.Array, *, cfg: ModelConfig, impl: KernelChoice, what: str):
-  """One timed program on rows of the null page: "verify" (target forward over [B, T], of
-  which the first n_new [B] real, and logits), "mtp" (the MTP layer over [B, 1] and logits) or
-  "decode" (a [B, 1] forward)."""
-  b, t = tokens.shape
-  zeros = jnp.zeros((b,), jnp.int32)
-  if what == "mtp":
-    h = jnp.zeros((b, t, cfg.hidden_size), params["embed"].dtype)
-    hidden, cache = forward_mtp(params, cache, h, tokens, zeros, n_new, page_table, cfg=cfg,
-                                impl=impl)
-  else:
-    hidden, cache = forward(params, cache, tokens, zeros, n_new, page_table, cfg=cfg, impl=impl)
-  return jnp.argmax(compute_logits(params, hidden, cfg), axis=-1), cache
-
-
 _learn = jax.jit(learned.update, donate_argnames=("table",))
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def _clear_null_page(cache: Cache) -> Cache:
-  return [{k: v.at[0].set(0) for k, v in layer.items()} for layer in cache]
 
 
 class SpecRuntime:
@@ -372,32 +350,25 @@ class SpecRuntime:
         for real in ((k + 1, 1) if k else (1,)):
           n_new = np.full((b,), real, np.int32)
           probes.append((("verify", b, k, real), "target", functools.partial(
-              _probe, params, tokens=toks, n_new=n_new, page_table=pt, cfg=self.cfg, impl=impl,
+              probe, params, tokens=toks, n_new=n_new, page_table=pt, cfg=self.cfg, impl=impl,
               what="verify")))
       one = rng.integers(0, self.cfg.vocab_size, (b, 1), dtype=np.int32)
       ones = np.ones((b,), np.int32)
       if "mtp" in self.enabled:
         probes.append((("mtp", b), "target", functools.partial(
-            _probe, params, tokens=one, n_new=ones, page_table=pt, cfg=self.cfg, impl=impl,
+            probe, params, tokens=one, n_new=ones, page_table=pt, cfg=self.cfg, impl=impl,
             what="mtp")))
       if "draft" in self.enabled:
         probes.append((("draft", b), "draft", functools.partial(
-            _probe, self.draft_params, tokens=one, n_new=ones, page_table=pt,
+            probe, self.draft_params, tokens=one, n_new=ones, page_table=pt,
             cfg=self.draft_cfg, impl=impl, what="decode")))
-    best = {key: float("inf") for key, _, _ in probes}
-    for r in range(rounds + 1):  # round 0 compiles
-      for key, which, fn in probes:
-        t0 = time.perf_counter()
-        out, caches[which] = fn(caches[which])
-        jax.block_until_ready(out)
-        if r:
-          best[key] = min(best[key], time.perf_counter() - t0)
+    best = time_interleaved(probes, caches, rounds)
     table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(self.choices) | {0})}
              for b in sorted(set(batch_sizes))}  # every position real
     padded = {b: {k: best[("verify", b, k, 1)] for k in row} for b, row in table.items()}
     drafter_s = {d: [best[(d, b)] / table[b][0] for b in table] if d in self.enabled else []
                  for d in ("mtp", "draft")}
-    caches = {w: c if c is None else _clear_null_page(c) for w, c in caches.items()}
+    caches = {w: c if c is None else clear_null_page(c) for w, c in caches.items()}
     cache, self.draft_cache = caches["target"], caches["draft"]
     # Per block column: least squares of r_pad(B, k) / k = base + pad_row B over k > 0, with
     # r = t / t(B, 0) - 1 and only the first position real. Per real drafted token: the mean of

@@ -51,6 +51,7 @@ from engine.model.transformer import Cache, compute_logits, forward
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
 from engine.runtime.speculative import drafters as dr, goodput, learned
 from engine.runtime.speculative.acceptance import draft_sample
+from engine.runtime.speculative.inplace import run_if
 from engine.runtime.speculative.loop import SpecStats, _place, verify_block
 
 DRAFTER_IDS = ("off", "ngram", "learned", "mtp", "draft")
@@ -199,26 +200,25 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       props["learned"] = (d[:, :kk], jnp.minimum(n, kk), True)
     if "mtp" in drafters:
       wanted = jnp.any(use["mtp"] & live)
-      dm, q, cache = jax.lax.cond(
-          wanted, lambda c: dr.mtp_propose(params, c, s["mtp_hidden"], n_cached, live,
-                                           page_table, sampling, k=kk, cfg=cfg, impl=impl),
-          lambda c: (*nothing, c), cache)
+      dm, q, cache = run_if(
+          wanted, lambda st: dr.mtp_propose(params, st[2], s["mtp_hidden"], n_cached, live,
+                                            page_table, sampling, k=kk, cfg=cfg, impl=impl),
+          (*nothing, cache))
       props["mtp"] = (dm, full, wanted)
     if "draft" in drafters:  # fed every iteration (k = 0 too) while `feed`
 
-      def fed(c, chain):
-        h, c = _draft_feed(draft_params, c, s["pending"], s["n_pending"], tok, n_cached, live,
-                           page_table, draft_cfg=draft_cfg, impl=impl)
-        if not chain:
-          return (*nothing, c)
-        return _draft_chain(draft_params, c, h, n_cached, live, page_table, sampling, k=kk,
-                            draft_cfg=draft_cfg, impl=impl)
+      def fed(st):
+        return _draft_feed(draft_params, st[1], s["pending"], s["n_pending"], tok, n_cached,
+                           live, page_table, draft_cfg=draft_cfg, impl=impl)
 
       wanted = jnp.any(use["draft"] & live)
-      branch = jnp.where(wanted, 2, jnp.where(feed[drafter_id("draft")], 1, 0))
-      dd, qd, new["draft_cache"] = jax.lax.switch(
-          branch, [lambda c: (*nothing, c), functools.partial(fed, chain=False),
-                   functools.partial(fed, chain=True)], s["draft_cache"])
+      h0 = jax.eval_shape(fed, (None, s["draft_cache"]))[0]
+      h, dcache = run_if(wanted | feed[drafter_id("draft")], fed,
+                         (jnp.zeros(h0.shape, h0.dtype), s["draft_cache"]))
+      dd, qd, new["draft_cache"] = run_if(
+          wanted, lambda st: _draft_chain(draft_params, st[2], h, n_cached, live, page_table,
+                                          sampling, k=kk, draft_cfg=draft_cfg, impl=impl),
+          (*nothing, dcache))
       props["draft"] = (dd, full, wanted)
       q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
     draft = jnp.zeros((b, kk), jnp.int32)
@@ -250,14 +250,14 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     s["lps"] = tuple(_place(buf, s["count"], x, n_emit) for buf, x in zip(s["lps"], lp))
     s["history"] = _place(s["history"], s["history_len"], v.emitted, n_emit)
     if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
-      def observe(c):
-        h, c = dr.mtp_observe(params, c, v.hidden, v.emitted, n_cached,
+      def observe(st):
+        h, c = dr.mtp_observe(params, st[1], v.hidden, v.emitted, n_cached,
                               (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
                               impl=impl)
-        return jnp.where(live[:, None], h.astype(s["mtp_hidden"].dtype), s["mtp_hidden"]), c
+        return jnp.where(live[:, None], h.astype(st[0].dtype), st[0]), c
 
-      s["mtp_hidden"], s["cache"] = jax.lax.cond(
-          feed[drafter_id("mtp")], observe, lambda c: (s["mtp_hidden"], c), s["cache"])
+      s["mtp_hidden"], s["cache"] = run_if(feed[drafter_id("mtp")], observe,
+                                           (s["mtp_hidden"], s["cache"]))
     if "draft" in drafters:
       # The draft model was fed tok and, in rows drafting with it, its own drafts
       # d_1 .. d_{k'-1}: those rows that accepted all of them lack the last accepted one,
@@ -321,8 +321,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     # before (k_max of them; a branch takes the first k) and emitted tokens learned after.
     table = s.pop("table", None)
     before = s["history_len"]
-    if table is not None:
-      s["learned_proposal"] = learned.propose(table, s["history"], before - 1, k_max)
+    if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)
+      s["learned_proposal"], table = jax.lax.optimization_barrier(
+          (learned.propose(table, s["history"], before - 1, k_max), table))
     s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
     if table is not None:
       del s["learned_proposal"]
@@ -353,11 +354,11 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
   s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, s)
   dcache = None
   if "draft" in drafters:  # flush: the draft cache holds every position < n_cached again
-    dcache = jax.lax.cond(
+    dcache = run_if(
         feed[drafter_id("draft")],
         lambda c: forward(draft_params, c, s["pending"], s["n_cached"] - s["n_pending"],
                           s["n_pending"], page_table, cfg=draft_cfg, impl=impl)[1],
-        lambda c: c, s["draft_cache"])
+        s["draft_cache"])
   return LoopResult(out=s["out"], counts=s["count"], stopped=s["stopped"], stats=s["stats"],
                     k_steps=s["k_steps"], accept=s["accept"], table=s.get("table"),
                     mtp_hidden=s.get("mtp_hidden"), row_accept=s["row_accept"],

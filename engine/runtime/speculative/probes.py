@@ -1,0 +1,109 @@
+"""Timing probes for the adaptive draft length's cost model (measured, not assumed).
+
+* `probe`: one compiled program on rows of the null page (page 0): the verify forward over
+  [B, T] (the first n_new real) and its logits, the MTP layer over [B, 1], or a [B, 1] decode;
+* `time_interleaved`: runs every probe once per round, rounds interleaved, and keeps each one's
+  fastest time, so load from elsewhere on the machine slows all probes alike;
+* `loop_costs`: the fixed-batch loop's costs (`loop.speculative_decode`, model
+  T(B, k) = 1 + k (draft_cost + verify_cost B)), measured once per process and shape.
+
+The serving engine fits its own model from the same probes (`SpecRuntime.measure_costs`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.model.cache import init_cache
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice
+from engine.model.params import Params
+from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "what"), donate_argnames=("cache",))
+def probe(params: Params, cache: Cache, tokens: jax.Array, n_new: jax.Array,
+          page_table: jax.Array, *, cfg: ModelConfig, impl: KernelChoice, what: str):
+  """One timed program on rows of the null page: "verify" (target forward over [B, T], of
+  which the first n_new [B] real, and logits), "mtp" (the MTP layer over [B, 1] and logits) or
+  "decode" (a [B, 1] forward)."""
+  b, t = tokens.shape
+  zeros = jnp.zeros((b,), jnp.int32)
+  if what == "mtp":
+    h = jnp.zeros((b, t, cfg.hidden_size), params["embed"].dtype)
+    hidden, cache = forward_mtp(params, cache, h, tokens, zeros, n_new, page_table, cfg=cfg,
+                                impl=impl)
+  else:
+    hidden, cache = forward(params, cache, tokens, zeros, n_new, page_table, cfg=cfg, impl=impl)
+  return jnp.argmax(compute_logits(params, hidden, cfg), axis=-1), cache
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def clear_null_page(cache: Cache) -> Cache:
+  return [{k: v.at[0].set(0) for k, v in layer.items()} for layer in cache]
+
+
+def time_interleaved(probes: list[tuple[Hashable, str, Callable]], caches: dict[str, Any],
+                     rounds: int) -> dict[Hashable, float]:
+  """probes: (key, which cache, fn(cache) -> (out, cache)); caches are donated through (and
+  updated in `caches`). Returns each key's fastest time in seconds over `rounds` (after one
+  round that compiles)."""
+  best = {key: float("inf") for key, _, _ in probes}
+  for r in range(rounds + 1):
+    for key, which, fn in probes:
+      t0 = time.perf_counter()
+      out, caches[which] = fn(caches[which])
+      jax.block_until_ready(out)
+      if r:
+        best[key] = min(best[key], time.perf_counter() - t0)
+  return best
+
+
+# (cfg, B, K, method, max_pages, page_size, dtype, draft cfg, impl) -> (draft_cost, verify_cost)
+_LOOP_COSTS: dict[tuple, tuple[float, float]] = {}
+# Floor of the measured verify cost per row and drafted column: timings within noise of each
+# other must not make verification free (a drafter would then never back off).
+MIN_VERIFY_COST = 0.005
+
+
+def loop_costs(params: Params, cfg: ModelConfig, b: int, k: int, method: str, max_pages: int,
+               page_size: int, dtype: Any, impl: KernelChoice, draft_cfg: ModelConfig | None = None,
+               draft_params: Params | None = None, rounds: int = 5) -> tuple[float, float]:
+  """(draft_cost, verify_cost) of the fixed-batch loop's goodput model, relative to a plain
+  decode step of B rows: verify_cost = (t_verify(B, k + 1 tokens) / t(B, 1) - 1) / (k B), and
+  draft_cost per drafted token = one MTP layer step (mtp) or one draft-model decode step
+  (draft) over t(B, 1); n-gram lookups count as free. Measured on a scratch cache whose rows
+  all read the null page (max_pages pages each, as the real rows' attention does)."""
+  key = (cfg, b, k, method, max_pages, page_size, jnp.dtype(dtype).name, draft_cfg, impl)
+  if key in _LOOP_COSTS:
+    return _LOOP_COSTS[key]
+  rng = np.random.default_rng(0)
+  pt = np.zeros((b, max_pages), np.int32)
+  caches = {"target": init_cache(cfg, 1, page_size, dtype)}
+  probes = []
+  for t in (1, k + 1):  # distinct random tokens: routing spreads over the experts as text does
+    toks = rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32)
+    probes.append((t, "target", functools.partial(
+        probe, params, tokens=toks, n_new=np.full((b,), t, np.int32), page_table=pt, cfg=cfg,
+        impl=impl, what="verify")))
+  one = rng.integers(0, cfg.vocab_size, (b, 1), dtype=np.int32)
+  ones = np.ones((b,), np.int32)
+  if method == "mtp":
+    probes.append(("draft", "target", functools.partial(
+        probe, params, tokens=one, n_new=ones, page_table=pt, cfg=cfg, impl=impl, what="mtp")))
+  elif method == "draft":
+    caches["draft"] = init_cache(draft_cfg, 1, page_size, dtype)
+    probes.append(("draft", "draft", functools.partial(
+        probe, draft_params, tokens=one, n_new=ones, page_table=pt, cfg=draft_cfg, impl=impl,
+        what="decode")))
+  best = time_interleaved(probes, caches, rounds)
+  verify = max((best[k + 1] / best[1] - 1.0) / (k * b), MIN_VERIFY_COST)
+  draft = best["draft"] / best[1] if "draft" in best else 0.0
+  _LOOP_COSTS[key] = (float(draft), float(verify))
+  return _LOOP_COSTS[key]
