@@ -218,7 +218,8 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
   verify forwards per compiled k, MTP layer, draft model) and later calls reuse them
   (`_MEASURED_COSTS`). `warmup`: run the whole `Engine.warmup` (every bucket compiled) first.
   """
-  from engine.runtime.engine import Engine, EngineConfig  # the serving engine: only for this
+  # The serving engine: only for this path.
+  from engine.runtime.engine import MAX_STOP_IDS, Engine, EngineConfig
   from engine.runtime.request import StopParams
 
   cfg, b = model.config, len(ids)
@@ -267,7 +268,7 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
     on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
     with on_mesh:
       eng.cache = eng.spec.measure_costs(model.params, eng.cache, sizes, eng.max_pages_per_seq,
-                                         impl=config.kernels)
+                                         stop_width=MAX_STOP_IDS, impl=config.kernels)
   if drafters and measure_costs:
     if costs_key in _MEASURED_COSTS and not warmup:
       eng.spec.costs, eng.spec.cost_fit = _MEASURED_COSTS[costs_key]

@@ -380,10 +380,10 @@ def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
   choices = (0, 1, 2, 4)
   rng = np.random.default_rng(4)
 
-  def rate(a, live, drafting, k, ks, block, token):
+  def rate(a, live, drafting, k, ks, block, token, overhead):
     tokens = live.sum() + sum(sum(a[i] ** j for j in range(1, kb + 1)) for i, kb in
                               enumerate(ks) if drafting[i])
-    return tokens / (1 + k * block + token * sum(ks))
+    return tokens / (1 + (overhead if k else 0.0) + k * block + token * sum(ks))
 
   for case in range(40):
     b = 3
@@ -392,15 +392,16 @@ def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
     drafting = live & np.asarray([True, case % 2 == 0, True])
     room = rng.integers(0, 5, b)
     block, token = rng.uniform(0.0, 0.3), [0.0, 0.05, 0.4][case % 3]
+    overhead = [0.0, 0.3][case % 2]
     index, k_rows = goodput.plan(jnp.asarray(a, jnp.float32), jnp.asarray(drafting),
                                  jnp.asarray(live), jnp.asarray(room, jnp.int32), choices,
-                                 jnp.float32(block), jnp.float32(token))
+                                 jnp.float32(block), jnp.float32(token), jnp.float32(overhead))
     k, k_rows = choices[int(index)], np.asarray(k_rows)
     cap = [min(room[i], max(choices)) if drafting[i] else 0 for i in range(b)]
     assert all(k_rows <= np.minimum(cap, k)), (k, k_rows, cap)
-    best = max(rate(a, live, drafting, kc, ks, block, token) for kc in choices
+    best = max(rate(a, live, drafting, kc, ks, block, token, overhead) for kc in choices
                for ks in itertools.product(*[range(min(c, kc) + 1) for c in cap]))
-    got = rate(a, live, drafting, k, k_rows, block, token)
+    got = rate(a, live, drafting, k, k_rows, block, token, overhead)
     assert got == pytest.approx(best, rel=1e-4), (case, a, room, k, k_rows)
     if token == 0.0:  # nothing to save per token: every drafting row fills the block
       assert list(k_rows) == [min(c, k) for c in cap]

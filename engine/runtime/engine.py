@@ -560,7 +560,8 @@ class Engine:
       if self.spec.enabled and self.config.adaptive_k:
         sizes = (min(self.buckets.decode), max(self.buckets.decode))
         self.cache = self.spec.measure_costs(self.params, self.cache, sizes,
-                                             self.max_pages_per_seq, impl=self.config.kernels)
+                                             self.max_pages_per_seq, stop_width=MAX_STOP_IDS,
+                                             impl=self.config.kernels)
       jax.block_until_ready(self.cache)
     self._take_snapshot()
     return len(shapes)

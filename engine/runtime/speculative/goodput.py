@@ -57,13 +57,17 @@ def row_estimates(row_counts: jnp.ndarray, counts: jnp.ndarray) -> jnp.ndarray:
 
 def plan(a: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
          choices: tuple[int, ...], block_cost: jnp.ndarray, token_cost: jnp.ndarray,
-         refinements: int = 2) -> tuple[jnp.ndarray, jnp.ndarray]:
+         overhead: jnp.ndarray | float = 0.0, refinements: int = 2
+         ) -> tuple[jnp.ndarray, jnp.ndarray]:
   """The iteration's block width K (index into `choices`) and each row's draft count k_b <= K.
 
   a [B]: each row's acceptance estimate for its drafter; drafting [B] bool: live rows with a
   drafter (the others emit one token whatever K is); live [B] bool; room [B] int32: the most
   drafts a row may verify (its budget, its request's cap). Step time, relative to a plain
-  decode step:  T = 1 + K block_cost + token_cost sum_b k_b.  `block_cost` is paid per column
+  decode step:  T = 1 + [K > 0] overhead + K block_cost + token_cost sum_b k_b.  `overhead`
+  is what a speculative iteration costs beyond a plain one before it verifies anything (its
+  bookkeeping; K = 0 is priced as plain decoding, which the engine falls back to after a call
+  that drafted nothing). `block_cost` is paid per column
   of the [B, K + 1] verify block whatever rows put in it (drafter forwards, dense layers over
   padding); `token_cost` per real drafted token (a padded position routes to no expert, so a
   real one streams more expert weights). Row b's j-th draft adds a_b^j expected tokens at
@@ -82,7 +86,8 @@ def plan(a: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.nda
   def rate(take):  # [C, B, J] -> [C]
     tokens = emitted + jnp.sum(jnp.where(take, gain[None], 0.0), axis=(1, 2))
     drafted = jnp.sum(take, axis=(1, 2)).astype(jnp.float32)
-    return tokens / (1.0 + ks.astype(jnp.float32) * block_cost + token_cost * drafted)
+    return tokens / (1.0 + jnp.where(ks > 0, overhead, 0.0)
+                     + ks.astype(jnp.float32) * block_cost + token_cost * drafted)
 
   take = allowed
   for _ in range(refinements):

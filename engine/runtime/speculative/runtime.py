@@ -21,6 +21,7 @@ sizes every row's drafts, and picks an "auto" row's drafter, from what that requ
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Sequence
 
@@ -34,10 +35,11 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, forward
 from engine.runtime import steps
-from engine.runtime.sampling import SamplingArrays
+from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.speculative import drafters as dr, goodput, learned
 from engine.runtime.speculative.learned import NgramTable
-from engine.runtime.speculative.probes import clear_null_page, probe, time_interleaved
+from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page, probe,
+                                               time_interleaved)
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
@@ -125,7 +127,8 @@ class SpecRuntime:
                   if "learned" in self.enabled else None)
     self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), 2), jnp.float32))
     self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
-                            + [DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN], np.float32)
+                            + [0.0, DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN],
+                            np.float32)
     self.cost_fit: dict[str, Any] = {}
     self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
                         if "draft" in self.enabled else None)
@@ -332,12 +335,16 @@ class SpecRuntime:
   # ---- the cost model ------------------------------------------------------------------------
 
   def measure_costs(self, params, cache, batch_sizes: Sequence[int], max_pages: int, *,
-                    impl: KernelChoice = REFERENCE, rounds: int = 7):
-    """Times the verify forward for every compiled k (and each model drafter's step) at the
-    given batch sizes, fits T(B, k) and installs it. Returns the cache (donated through).
+                    stop_width: int, impl: KernelChoice = REFERENCE, rounds: int = 7):
+    """Times the serving loop itself at every compiled k (forced, rows not drafting: a padded
+    block), the verify forward with every position real and with only the first, and each
+    model drafter's step, at the given batch sizes; fits T(B, k) and installs it. Returns the
+    cache (donated through). `stop_width`: the engine's stop-id columns (its compiled shape).
 
-    Every probe runs once per round, rounds interleaved, and keeps its fastest time: load from
-    elsewhere on the machine then slows all probes alike instead of skewing the few it hits."""
+    The loop probes price everything an iteration does besides the forward (drafter lookups,
+    acceptance, bookkeeping): on 2 CPU cores a K = 4 iteration costs ~1.4x what its verify
+    forward alone predicts. Every probe runs once per round, rounds interleaved, and keeps its
+    fastest time: load from elsewhere on the machine then slows all probes alike."""
 
     caches = {"target": cache, "draft": self.draft_cache}
     probes: list[tuple[tuple, str, Any]] = []  # (key, which cache, program)
@@ -362,24 +369,44 @@ class SpecRuntime:
         probes.append((("draft", b), "draft", functools.partial(
             probe, self.draft_params, tokens=one, n_new=ones, page_table=pt,
             cfg=self.draft_cfg, impl=impl, what="decode")))
+      probes.append((("plain", b), "target", functools.partial(
+          self._plain_probe, params, b=b, max_pages=max_pages, stop_width=stop_width, impl=impl,
+          tokens=rng.integers(0, self.cfg.vocab_size, (b,), dtype=np.int32))))
+      for i, k in enumerate(self.choices):
+        probes.append((("loop", b, k), "target", functools.partial(
+            self._loop_probe, params, caches=caches, b=b, force_k=i, max_pages=max_pages,
+            stop_width=stop_width, impl=impl, tokens=rng.integers(
+                0, self.cfg.vocab_size, (b,), dtype=np.int32))))
+    # The loop probes teach the table junk and move the counters: kept aside, restored after.
+    saved = (None if self.table is None else jax.tree.map(jnp.copy, self.table), self.accept,
+             self.k_steps.copy(), self._rest)
     best = time_interleaved(probes, caches, rounds)
+    self.table, self.accept, self.k_steps, self._rest = saved
+    best = {key: t / (PROBE_REPEATS if key[0] != "loop" and key[0] != "plain" else 1)
+            for key, t in best.items()}  # seconds per forward
     table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(self.choices) | {0})}
              for b in sorted(set(batch_sizes))}  # every position real
     padded = {b: {k: best[("verify", b, k, 1)] for k in row} for b, row in table.items()}
-    drafter_s = {d: [best[(d, b)] / table[b][0] for b in table] if d in self.enabled else []
+    n = self.config.max_decode_steps  # iterations per loop probe
+    loop = {b: {k: best[("loop", b, k)] / n for k in self.choices} for b in table}  # s / iter
+    plain = {b: best[("plain", b)] / n for b in table}  # the unit of T
+    drafter_s = {d: [best[(d, b)] / plain[b] for b in table] if d in self.enabled else []
                  for d in ("mtp", "draft")}
+    overhead = max(float(np.mean([loop[b][0] / plain[b] - 1.0 for b in table])), 0.0)
     caches = {w: c if c is None else clear_null_page(c) for w, c in caches.items()}
     cache, self.draft_cache = caches["target"], caches["draft"]
-    # Per block column: least squares of r_pad(B, k) / k = base + pad_row B over k > 0, with
-    # r = t / t(B, 0) - 1 and only the first position real. Per real drafted token: the mean of
-    # (r_full - r_pad) / (B k).
+    # All relative to a plain decode-loop iteration t_plain(B). Overhead: the speculative
+    # loop's k = 0 iteration beyond it. Per block column: least squares of r(B, k) / k =
+    # base + pad_row B over k > 0, r = (t_loop(B, k) - t_loop(B, 0)) / t_plain(B) (a padded
+    # block). Per real drafted token: the mean of (t_verify,full - t_verify,padded) / t_plain
+    # / (B k).
     xs, ys, tok = [], [], []
-    for b, row in padded.items():
+    for b, row in loop.items():
       for k, t in row.items():
         if k > 0:
           xs.append(b)
-          ys.append((t / row[0] - 1.0) / k)
-          tok.append((table[b][k] - t) / row[0] / (b * k))
+          ys.append((t - row[0]) / plain[b] / k)
+          tok.append((table[b][k] - padded[b][k]) / plain[b] / (b * k))
     xs, ys = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
     if len(set(xs.tolist())) > 1:
       pad_row, base = np.polyfit(xs, ys, 1)
@@ -391,13 +418,48 @@ class SpecRuntime:
     for d, rs in drafter_s.items():
       if rs:
         costs[drafter_id(d)] = float(np.mean(rs))
-    costs[-3:] = base, pad_row, per_token
+    costs[-4:] = overhead, base, pad_row, per_token
     self.costs = costs.astype(np.float32)
-    self.cost_fit = dict(base=base, pad_row=pad_row, per_token=per_token,
+    self.cost_fit = dict(overhead=overhead, base=base, pad_row=pad_row, per_token=per_token,
                          **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()
                             if rs},
                          table={b: {k: round(t * 1e3, 4) for k, t in row.items()}
                                 for b, row in table.items()},  # ms
                          table_padded={b: {k: round(t * 1e3, 4) for k, t in row.items()}
-                                       for b, row in padded.items()})
+                                       for b, row in padded.items()},
+                         table_loop={b: {k: round(t * 1e3, 4) for k, t in row.items()}
+                                     for b, row in loop.items()},
+                         plain_loop={b: round(t * 1e3, 4) for b, t in plain.items()})
     return cache
+
+  def _probe_context(self, b: int, max_pages: int) -> np.ndarray:
+    """Cached tokens per row in the loop probes: a quarter of the page table (attention over a
+    typical context; every page is the null page, so nothing real is read or written)."""
+    room = self.config.max_decode_steps * (max(self.choices) + 1)
+    return np.full((b,), max(max_pages * self.config.page_size // 4 - room, 0), np.int32)
+
+  def _plain_probe(self, params, cache, *, b, max_pages, stop_width, impl, tokens):
+    """A call of the plain decode loop (max_decode_steps iterations, outputs fetched as the
+    engine does) for b rows on the null page."""
+    n = self.config.max_decode_steps
+    out, *_, cache = steps.decode_loop(
+        params, cache, tokens, self._probe_context(b, max_pages),
+        np.zeros((b, max_pages), np.int32), SamplingArrays.from_params([SamplingParams()] * b),
+        np.full((b, stop_width), -1, np.int32), np.full((b,), n, np.int32),
+        np.zeros((b,), np.int32), np.int32(n), max_steps=n, cfg=self.cfg, impl=impl)
+    return jax.device_get(out), cache
+
+  def _loop_probe(self, params, cache, *, caches, b, force_k, max_pages, stop_width, impl,
+                  tokens):
+    """A call of the serving loop (max_decode_steps iterations, its host work included) at
+    choice `force_k` for b rows that do not draft, on the null page (the draft cache is
+    threaded through `caches`)."""
+    n = self.config.max_decode_steps
+    self.draft_cache = caches["draft"]
+    out, *_, cache = self.decode(
+        params, cache, [], tokens, self._probe_context(b, max_pages),
+        np.zeros((b, max_pages), np.int32), SamplingArrays.from_params([SamplingParams()] * b),
+        np.full((b, stop_width), -1, np.int32), np.full((b,), n, np.int32),
+        np.zeros((b,), np.int32), n, collections.Counter(), impl=impl, force_k=force_k)
+    caches["draft"] = self.draft_cache
+    return out, cache

@@ -11,7 +11,7 @@ decodes one token per iteration); `row_auto[b]` rows take, every iteration, the 
 with the best expected tokens per unit of step time from their own acceptance estimates. Every
 drafter the engine enables (`drafters`, static) proposes for the whole batch and rows take
 their own with `jnp.where`; the model drafters' chained forwards run only when a live row uses
-them (`lax.cond`):
+them (`inplace.run_if`, which keeps their caches in place):
 * "ngram": prompt lookup in the row's recent tokens (`history`);
 * "learned": the engine's n-gram table, updated from every emitted token and handed back;
 * "mtp": the model's MTP layer; it observes every verified block of every row (its cache covers
@@ -161,10 +161,11 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       MTP layer observes every verified block, the draft model is fed every token. A drafter
       a row uses (its own or "auto"'s choice) must be fed; the others lag (drafts only).
     accept: [D, 2] float32 the same counts over all rows (the prior of new rows).
-    costs: [D + 3] float32, relative to a plain decode step: each drafter's cost per block
-      column (when a live row uses it), then the base cost per block column, the cost per
-      block column and live row, and the cost per real drafted token:
-      T = 1 + K (base + pad_row B + drafters) + per_token sum_b k_b (`goodput.plan`).
+    costs: [D + 4] float32, relative to a plain decode-loop iteration: each drafter's cost
+      per block column (when a live row uses it), then a speculative iteration's overhead,
+      the base cost per block column, the cost per block column and live row, and the cost
+      per real drafted token: T = 1 + [K > 0] overhead + K (base + pad_row B + drafters)
+      + per_token sum_b k_b (`goodput.plan`).
     force_k: int32 scalar, index into `choices`, or -1 for the goodput choice.
     want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
     table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
@@ -312,7 +313,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     block_cost = costs[-3] + costs[-2] * rows + jnp.sum(jnp.where(present, costs[:n_ids], 0.0))
     room = jnp.maximum(jnp.minimum(limit - s["count"] - 1, row_max_draft), 0)
     index, k_rows = goodput.plan(a, live & (ids > 0), live, room, choices, block_cost,
-                                 costs[-1])
+                                 costs[-1], costs[-4])
     forced = force_k >= 0
     s = dict(s, ids=ids, k_rows=jnp.where(forced, room, k_rows))
     index = jnp.where(forced, force_k, index)
