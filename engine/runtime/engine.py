@@ -38,7 +38,8 @@ from engine.runtime import steps
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
 from engine.runtime.page_pool import NULL_PAGE, PagePool
 from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request,
-                                    RequestOutput, StopParams, TokenLogprob, stop_ids_for)
+                                    RequestOutput, StopParams, TokenLogprob, stop_ids_for,
+                                    wants_logprobs)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
 from engine.runtime.speculative.runtime import SpecRuntime
@@ -408,8 +409,8 @@ class Engine:
       with self._on_mesh():
         out, counts, _, lps, self.cache = steps.decode_loop(
             self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
-            min_before, np.int32(plan.num_steps), max_steps=self.config.max_decode_steps,
-            cfg=self.cfg, impl=self.config.kernels)
+            min_before, np.int32(plan.num_steps), wants_logprobs(reqs),
+            max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=self.config.kernels)
       out, counts, lps = jax.device_get((out, counts, lps))
       self.spec.learn(reqs, out, counts)
     for i, req in enumerate(reqs):
@@ -552,8 +553,8 @@ class Engine:
         else:
           *_, self.cache = steps.decode_loop(
               self.params, self.cache, zeros, past, table, samp, stop_ids, ones, zeros,
-              np.int32(1), max_steps=self.config.max_decode_steps, cfg=self.cfg,
-              impl=self.config.kernels)
+              np.int32(1), np.bool_(False), max_steps=self.config.max_decode_steps,
+              cfg=self.cfg, impl=self.config.kernels)
           self.spec.learn([], np.zeros((b, self.config.max_decode_steps), np.int32), zeros)
         if progress is not None:
           progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")

@@ -13,6 +13,8 @@ import enum
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from engine.runtime.sampling import SamplingParams
 
 
@@ -159,3 +161,8 @@ class RequestOutput:
 
 def stop_ids_for(stop: StopParams, eos_ids: Sequence[int]) -> tuple[int, ...]:
   return tuple(stop.stop_token_ids) + (() if stop.ignore_eos else tuple(eos_ids))
+
+
+def wants_logprobs(reqs: Sequence[Request]) -> np.bool_:
+  """Whether a decode program over `reqs` must compute logprobs (a device scalar argument)."""
+  return np.bool_(any(r.sampling.logprobs is not None for r in reqs))

@@ -62,8 +62,9 @@ def sample_rows(params: Params, hidden: jax.Array, start: jax.Array, n_new: jax.
                    donate_argnames=("cache",))
 def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.Array,
                 page_table: jax.Array, sampling: SamplingArrays, stop_ids: jax.Array,
-                remaining: jax.Array, min_before_stop: jax.Array, num_steps: jax.Array, *,
-                max_steps: int, cfg: ModelConfig, impl: KernelChoice = REFERENCE
+                remaining: jax.Array, min_before_stop: jax.Array, num_steps: jax.Array,
+                want_logprobs: jax.Array | bool = True, *, max_steps: int, cfg: ModelConfig,
+                impl: KernelChoice = REFERENCE
                 ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...], Cache]:
   """Runs up to `num_steps` (<= max_steps) decode iterations on the device.
 
@@ -74,6 +75,8 @@ def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.A
     remaining: [B] tokens the row may still generate (0 for padding rows).
     min_before_stop: [B] stop ids are ignored until the row has generated this many more tokens.
     num_steps: int32 scalar.
+    want_logprobs: bool scalar: compute the logprobs (a log-softmax and a top-k over the
+      vocabulary per row and step; zeros otherwise).
   Returns:
     (out [B, max_steps] new tokens (-1 past each row's count), counts [B],
      stopped [B] bool (the last token is a stop id), logprobs (chosen [B, max_steps], top ids
@@ -93,10 +96,14 @@ def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.A
     new = sample(logits, sampling, n_cached)
     here = (cols == count[:, None]) & ~done[:, None]  # [B, max_steps]: this step's column
     out = jnp.where(here, new[:, None], out)
-    chosen, top_ids, top_lp = token_logprobs(logits, new)
-    lps = (jnp.where(here, chosen[:, None], lps[0]),
-           jnp.where(here[..., None], top_ids[:, None], lps[1]),
-           jnp.where(here[..., None], top_lp[:, None], lps[2]))
+
+    def record(lps):
+      chosen, top_ids, top_lp = token_logprobs(logits, new)
+      return (jnp.where(here, chosen[:, None], lps[0]),
+              jnp.where(here[..., None], top_ids[:, None], lps[1]),
+              jnp.where(here[..., None], top_lp[:, None], lps[2]))
+
+    lps = jax.lax.cond(want_logprobs, record, lambda lps: lps, lps)
     count = count + live
     hit = (jnp.any(new[:, None] == stop_ids, axis=-1) & (count >= min_before_stop) & ~done)
     stopped = stopped | hit

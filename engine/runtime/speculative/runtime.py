@@ -35,6 +35,7 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, forward
 from engine.runtime import steps
+from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.speculative import drafters as dr, goodput, learned
 from engine.runtime.speculative.learned import NgramTable
@@ -287,7 +288,7 @@ class SpecRuntime:
         np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
         row_accept, auto_allowed, feed, self.accept, self.costs,
         np.int32(self.force_k if force_k is None else force_k),
-        np.bool_(any(r.sampling.logprobs is not None for r in reqs)), self.table, mtp_hidden,
+        wants_logprobs(reqs), self.table, mtp_hidden,
         self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
         choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
         impl=impl)
@@ -446,7 +447,8 @@ class SpecRuntime:
         params, cache, tokens, self._probe_context(b, max_pages),
         np.zeros((b, max_pages), np.int32), SamplingArrays.from_params([SamplingParams()] * b),
         np.full((b, stop_width), -1, np.int32), np.full((b,), n, np.int32),
-        np.zeros((b,), np.int32), np.int32(n), max_steps=n, cfg=self.cfg, impl=impl)
+        np.zeros((b,), np.int32), np.int32(n), np.bool_(False), max_steps=n, cfg=self.cfg,
+        impl=impl)
     return jax.device_get(out), cache
 
   def _loop_probe(self, params, cache, *, caches, b, force_k, max_pages, stop_width, impl,
