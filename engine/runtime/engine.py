@@ -546,10 +546,9 @@ class Engine:
               self.params, self.cache, np.zeros((b, w), np.int32), past, full, table, samp,
               cfg=self.cfg, impl=self.config.kernels)
         elif kind == "spec":
-          counters = collections.Counter()
           *_, self.cache = self.spec.decode(
               self.params, self.cache, [], zeros, zeros, table, samp, stop_ids, zeros, zeros,
-              1, counters, impl=self.config.kernels)
+              1, collections.Counter(), impl=self.config.kernels)
         else:
           *_, self.cache = steps.decode_loop(
               self.params, self.cache, zeros, past, table, samp, stop_ids, ones, zeros,

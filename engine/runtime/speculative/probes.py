@@ -3,6 +3,7 @@
 * `probe`: one compiled program on rows of the null page (page 0), run PROBE_REPEATS times:
   the verify forward over [B, T] (the first n_new real) and its logits, the MTP layer over
   [B, 1], or a [B, 1] decode;
+* `forward_probes`: those probes for the verify forward at given k and the model drafters;
 * `time_interleaved`: runs every probe once per round, rounds interleaved, and keeps each one's
   fastest time, so load from elsewhere on the machine slows all probes alike;
 * `loop_costs`: the fixed-batch loop's costs (`loop.speculative_decode`, model
@@ -80,6 +81,35 @@ def time_interleaved(probes: list[tuple[Hashable, str, Callable]], caches: dict[
   return best
 
 
+def forward_probes(params: Params, cfg: ModelConfig, b: int, ks, page_table: np.ndarray,
+                   impl: KernelChoice, rng: np.random.Generator, *, padded: bool = True,
+                   mtp: bool = False, draft: tuple[ModelConfig, Params] | None = None
+                   ) -> list[tuple[Hashable, str, Callable]]:
+  """`time_interleaved` probes for b rows: the verify forward over k + 1 tokens for every k in
+  `ks`, every position real (key ("verify", b, k, k + 1)) and, with `padded`, only the first
+  (("verify", b, k, 1)); one MTP-layer step (("mtp", b), target cache) and one draft-model
+  step (("draft", b), cache "draft"). Distinct random tokens: routing spreads over the experts
+  as text does."""
+  out = []
+  for k in ks:
+    toks = rng.integers(0, cfg.vocab_size, (b, k + 1), dtype=np.int32)
+    for real in ((k + 1, 1) if k and padded else (k + 1,)):
+      out.append((("verify", b, k, real), "target", functools.partial(
+          probe, params, tokens=toks, n_new=np.full((b,), real, np.int32),
+          page_table=page_table, cfg=cfg, impl=impl, what="verify")))
+  one = rng.integers(0, cfg.vocab_size, (b, 1), dtype=np.int32)
+  ones = np.ones((b,), np.int32)
+  if mtp:
+    out.append((("mtp", b), "target", functools.partial(
+        probe, params, tokens=one, n_new=ones, page_table=page_table, cfg=cfg, impl=impl,
+        what="mtp")))
+  if draft is not None:
+    out.append((("draft", b), "draft", functools.partial(
+        probe, draft[1], tokens=one, n_new=ones, page_table=page_table, cfg=draft[0],
+        impl=impl, what="decode")))
+  return out
+
+
 # (cfg, B, K, method, max_pages, page_size, dtype, draft cfg, impl) -> (draft_cost, verify_cost)
 _LOOP_COSTS: dict[tuple, tuple[float, float]] = {}
 # Floor of the measured verify cost per row and drafted column: timings within noise of each
@@ -98,27 +128,15 @@ def loop_costs(params: Params, cfg: ModelConfig, b: int, k: int, method: str, ma
   key = (cfg, b, k, method, max_pages, page_size, jnp.dtype(dtype).name, draft_cfg, impl)
   if key in _LOOP_COSTS:
     return _LOOP_COSTS[key]
-  rng = np.random.default_rng(0)
-  pt = np.zeros((b, max_pages), np.int32)
   caches = {"target": init_cache(cfg, 1, page_size, dtype)}
-  probes = []
-  for t in (1, k + 1):  # distinct random tokens: routing spreads over the experts as text does
-    toks = rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32)
-    probes.append((t, "target", functools.partial(
-        probe, params, tokens=toks, n_new=np.full((b,), t, np.int32), page_table=pt, cfg=cfg,
-        impl=impl, what="verify")))
-  one = rng.integers(0, cfg.vocab_size, (b, 1), dtype=np.int32)
-  ones = np.ones((b,), np.int32)
-  if method == "mtp":
-    probes.append(("draft", "target", functools.partial(
-        probe, params, tokens=one, n_new=ones, page_table=pt, cfg=cfg, impl=impl, what="mtp")))
-  elif method == "draft":
+  if method == "draft":
     caches["draft"] = init_cache(draft_cfg, 1, page_size, dtype)
-    probes.append(("draft", "draft", functools.partial(
-        probe, draft_params, tokens=one, n_new=ones, page_table=pt, cfg=draft_cfg, impl=impl,
-        what="decode")))
+  probes = forward_probes(params, cfg, b, (0, k), np.zeros((b, max_pages), np.int32), impl,
+                          np.random.default_rng(0), padded=False, mtp=method == "mtp",
+                          draft=(draft_cfg, draft_params) if method == "draft" else None)
   best = time_interleaved(probes, caches, rounds)  # (PROBE_REPEATS forwards each: ratios)
-  verify = max((best[k + 1] / best[1] - 1.0) / (k * b), MIN_VERIFY_COST)
-  draft = best["draft"] / best[1] if "draft" in best else 0.0
+  step = best[("verify", b, 0, 1)]
+  verify = max((best[("verify", b, k, k + 1)] / step - 1.0) / (k * b), MIN_VERIFY_COST)
+  draft = best[(method, b)] / step if method in ("mtp", "draft") else 0.0
   _LOOP_COSTS[key] = (float(draft), float(verify))
   return _LOOP_COSTS[key]

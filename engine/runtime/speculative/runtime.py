@@ -39,8 +39,8 @@ from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.speculative import drafters as dr, goodput, learned
 from engine.runtime.speculative.learned import NgramTable
-from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page, probe,
-                                               time_interleaved)
+from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page,
+                                               forward_probes, time_interleaved)
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
@@ -352,24 +352,10 @@ class SpecRuntime:
     rng = np.random.default_rng(0)
     for b in sorted(set(batch_sizes)):
       pt = np.zeros((b, max_pages), np.int32)  # the null page: cleared afterwards
-      for k in sorted(set(self.choices) | {0}):
-        # Distinct random tokens: their routing spreads over the experts as real text does.
-        toks = rng.integers(0, self.cfg.vocab_size, (b, k + 1), dtype=np.int32)
-        for real in ((k + 1, 1) if k else (1,)):
-          n_new = np.full((b,), real, np.int32)
-          probes.append((("verify", b, k, real), "target", functools.partial(
-              probe, params, tokens=toks, n_new=n_new, page_table=pt, cfg=self.cfg, impl=impl,
-              what="verify")))
-      one = rng.integers(0, self.cfg.vocab_size, (b, 1), dtype=np.int32)
-      ones = np.ones((b,), np.int32)
-      if "mtp" in self.enabled:
-        probes.append((("mtp", b), "target", functools.partial(
-            probe, params, tokens=one, n_new=ones, page_table=pt, cfg=self.cfg, impl=impl,
-            what="mtp")))
-      if "draft" in self.enabled:
-        probes.append((("draft", b), "draft", functools.partial(
-            probe, self.draft_params, tokens=one, n_new=ones, page_table=pt,
-            cfg=self.draft_cfg, impl=impl, what="decode")))
+      probes += forward_probes(
+          params, self.cfg, b, sorted(set(self.choices) | {0}), pt, impl, rng,
+          mtp="mtp" in self.enabled,
+          draft=(self.draft_cfg, self.draft_params) if "draft" in self.enabled else None)
       probes.append((("plain", b), "target", functools.partial(
           self._plain_probe, params, b=b, max_pages=max_pages, stop_width=stop_width, impl=impl,
           tokens=rng.integers(0, self.cfg.vocab_size, (b,), dtype=np.int32))))
@@ -383,8 +369,8 @@ class SpecRuntime:
              self.k_steps.copy(), self._rest)
     best = time_interleaved(probes, caches, rounds)
     self.table, self.accept, self.k_steps, self._rest = saved
-    best = {key: t / (PROBE_REPEATS if key[0] != "loop" and key[0] != "plain" else 1)
-            for key, t in best.items()}  # seconds per forward
+    best = {key: t if key[0] in ("loop", "plain") else t / PROBE_REPEATS
+            for key, t in best.items()}  # seconds per loop call, per forward
     table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(self.choices) | {0})}
              for b in sorted(set(batch_sizes))}  # every position real
     padded = {b: {k: best[("verify", b, k, 1)] for k in row} for b, row in table.items()}
@@ -433,22 +419,25 @@ class SpecRuntime:
                          plain_loop={b: round(t * 1e3, 4) for b, t in plain.items()})
     return cache
 
-  def _probe_context(self, b: int, max_pages: int) -> np.ndarray:
-    """Cached tokens per row in the loop probes: a quarter of the page table (attention over a
-    typical context; every page is the null page, so nothing real is read or written)."""
-    room = self.config.max_decode_steps * (max(self.choices) + 1)
-    return np.full((b,), max(max_pages * self.config.page_size // 4 - room, 0), np.int32)
+  def _probe_rows(self, b: int, max_pages: int, stop_width: int) -> tuple:
+    """The loop probes' rows after `tokens`: (n_cached, page table, sampling, stop ids,
+    remaining, min_before). b greedy rows with max_decode_steps tokens to go, a quarter of the
+    page table cached (attention over a typical context; every page is the null page, so
+    nothing real is read or written)."""
+    n = self.config.max_decode_steps
+    context = max(max_pages * self.config.page_size // 4 - n * (max(self.choices) + 1), 0)
+    return (np.full((b,), context, np.int32), np.zeros((b, max_pages), np.int32),
+            SamplingArrays.from_params([SamplingParams()] * b),
+            np.full((b, stop_width), -1, np.int32), np.full((b,), n, np.int32),
+            np.zeros((b,), np.int32))
 
   def _plain_probe(self, params, cache, *, b, max_pages, stop_width, impl, tokens):
     """A call of the plain decode loop (max_decode_steps iterations, outputs fetched as the
     engine does) for b rows on the null page."""
     n = self.config.max_decode_steps
     out, *_, cache = steps.decode_loop(
-        params, cache, tokens, self._probe_context(b, max_pages),
-        np.zeros((b, max_pages), np.int32), SamplingArrays.from_params([SamplingParams()] * b),
-        np.full((b, stop_width), -1, np.int32), np.full((b,), n, np.int32),
-        np.zeros((b,), np.int32), np.int32(n), np.bool_(False), max_steps=n, cfg=self.cfg,
-        impl=impl)
+        params, cache, tokens, *self._probe_rows(b, max_pages, stop_width), np.int32(n),
+        np.bool_(False), max_steps=n, cfg=self.cfg, impl=impl)
     return jax.device_get(out), cache
 
   def _loop_probe(self, params, cache, *, caches, b, force_k, max_pages, stop_width, impl,
@@ -456,12 +445,9 @@ class SpecRuntime:
     """A call of the serving loop (max_decode_steps iterations, its host work included) at
     choice `force_k` for b rows that do not draft, on the null page (the draft cache is
     threaded through `caches`)."""
-    n = self.config.max_decode_steps
     self.draft_cache = caches["draft"]
     out, *_, cache = self.decode(
-        params, cache, [], tokens, self._probe_context(b, max_pages),
-        np.zeros((b, max_pages), np.int32), SamplingArrays.from_params([SamplingParams()] * b),
-        np.full((b, stop_width), -1, np.int32), np.full((b,), n, np.int32),
-        np.zeros((b,), np.int32), n, collections.Counter(), impl=impl, force_k=force_k)
+        params, cache, [], tokens, *self._probe_rows(b, max_pages, stop_width),
+        self.config.max_decode_steps, collections.Counter(), impl=impl, force_k=force_k)
     caches["draft"] = self.draft_cache
     return out, cache
