@@ -119,6 +119,12 @@ def test_drafter_per_request(model):
   assert stats["spec_accepted_ngram"] == per_drafter["ngram"]
   assert stats["spec_drafted_learned"] == per_drafter["learned"]
   assert stats["spec_mean_accepted_length_ngram"] > 1
+  # Per draft slot: drafted and accepted tokens add up to the totals; slot 0 is drafted most.
+  slots = range(3)
+  assert sum(stats[f"spec_pos{j}_drafted"] for j in slots) == eng.counters["spec_drafted"]
+  assert sum(stats[f"spec_pos{j}_accepted"] for j in slots) == eng.counters["spec_accepted"]
+  assert stats["spec_pos0_drafted"] >= stats["spec_pos2_drafted"] > 0
+  assert all(0 < stats[f"spec_pos{j}_estimate_{d}"] < 1 for j in slots for d in per_drafter)
   assert use[2].spec_draft_tokens == 0 and use[3].spec_draft_tokens == 0
   for bad in ("mtp", "draft"):
     with pytest.raises(ValueError, match="drafter"):

@@ -142,13 +142,21 @@ def test_speculative_metrics_by_drafter_and_k():
                spec_steps=10, spec_drafted=30, spec_accepted=20,
                spec_steps_ngram=6, spec_drafted_ngram=18, spec_accepted_ngram=15,
                spec_steps_mtp=4, spec_drafted_mtp=12, spec_accepted_mtp=5,
-               spec_k0_loops=3, spec_k4_loops=7, spec_mean_accepted_length_ngram=3.5)
+               spec_k0_loops=3, spec_k4_loops=7, spec_mean_accepted_length_ngram=3.5,
+               spec_pos0_drafted=10, spec_pos0_accepted=8, spec_pos1_drafted=9,
+               spec_pos1_accepted=5, spec_pos0_estimate_ngram=0.8,
+               spec_pos1_estimate_ngram=0.55)
   text = ServingMetrics(lambda: stats, page_size=16).text()
   for line in ('moejax:spec_decode_num_drafts_total 10.0',
                'moejax:spec_decode_num_accepted_tokens_by_drafter_total{drafter="ngram"} 15.0',
                'moejax:spec_decode_num_draft_tokens_by_drafter_total{drafter="mtp"} 12.0',
-               'moejax:spec_decode_loop_iterations_total{k="4"} 7.0'):
+               'moejax:spec_decode_loop_iterations_total{k="4"} 7.0',
+               'moejax:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 5.0',
+               'moejax:spec_decode_num_draft_tokens_per_pos_total{position="0"} 10.0',
+               'moejax:spec_decode_acceptance_estimate{drafter="ngram",position="1"} 0.55'):
     assert line in text, line
+  # Per-position keys are not mistaken for drafters.
+  assert 'drafter="pos' not in text
 
 
 def test_reasoning_parser_splits_deltas(serve, eng, demo):

@@ -364,12 +364,61 @@ def test_goodput_choice():
   from engine.runtime.speculative import goodput
   choices = goodput.k_choices(4)
   assert choices == (0, 1, 2, 4) and goodput.k_choices(3, allow_zero=False) == (1, 2, 3)
-  pick = lambda a, rows, dc: choices[int(goodput.choose(jnp.float32(a), jnp.int32(rows),
-                                                        choices, dc, 0.02))]
-  assert pick(0.9, 1, 0.0) == 4  # cheap, accurate drafts: draft the most
-  assert pick(0.05, 1, 0.2) == 0  # costly, useless drafts: plain decoding
-  assert pick(0.7, 64, 0.0) < pick(0.7, 1, 0.0)  # a big batch makes verification dear
-  np.testing.assert_allclose(goodput.expected_tokens(jnp.float32(0.5), 2.0), 1.75, rtol=1e-6)
+  geometric = lambda a: goodput.gains(jnp.full((4,), a, jnp.float32))
+  pick = lambda gain, rows, dc: choices[int(goodput.choose(gain, jnp.int32(rows), choices, dc,
+                                                           0.02))]
+  assert pick(geometric(0.9), 1, 0.0) == 4  # cheap, accurate drafts: draft the most
+  assert pick(geometric(0.05), 1, 0.2) == 0  # costly, useless drafts: plain decoding
+  assert pick(geometric(0.7), 64, 0.0) < pick(geometric(0.7), 1, 0.0)  # big batch: dear
+  # The same first-position rate, but chains that end at the second draft: one draft is best.
+  assert pick(goodput.gains(jnp.asarray([0.9, 0.05, 0.05, 0.05])), 1, 0.05) == 1
+  np.testing.assert_allclose(goodput.expected_tokens(geometric(0.5), 2), 1.75, rtol=1e-6)
+
+
+def test_acceptance_is_estimated_per_draft_position():
+  """Decayed (accepted, ended) counts per position give c_j = P(draft j accepted | drafts < j
+  were); positions without evidence follow the one above (the geometric model); counts decay
+  only where evidence arrives; a row's estimate starts at its drafter's and follows its own."""
+  from engine.runtime.speculative import goodput
+  j = 4
+  ev = goodput.position_evidence(jnp.asarray([0, 2, 4, 1]), jnp.asarray([True, True, False, False]),
+                                 j, jnp.asarray([1.0, 1.0, 1.0, 0.0]))
+  np.testing.assert_array_equal(ev[..., 0], [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1],
+                                             [0, 0, 0, 0]])
+  np.testing.assert_array_equal(ev[..., 1], [[1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0],
+                                             [0, 0, 0, 0]])  # censored: no "ended"
+  # Chains that always accept the first draft and reject the second.
+  counts = jnp.zeros((j, 2))
+  for _ in range(30):
+    counts = goodput.decay_add(counts, goodput.position_evidence(
+        jnp.asarray([1]), jnp.asarray([True]), j)[0])
+  c = np.asarray(goodput.conditional_acceptance(counts, goodput.PRIOR_ACCEPT,
+                                                goodput.PRIOR_WEIGHT))
+  # Decayed counts saturate at 1 / (1 - DECAY) = 5 observations; each prior is worth one, and
+  # is the shallower position's estimate (so positions 3 and 4, never reached, follow 2).
+  c1 = 5.5 / 6
+  np.testing.assert_allclose(c, [c1, c1 / 6, c1 / 6, c1 / 6], rtol=1e-3)
+  g = np.asarray(goodput.drafter_gains(counts))
+  np.testing.assert_allclose(g, np.cumprod(c), rtol=1e-5)
+  # Evidence at the first position only (k = 0 lookahead, horizon 1): deep positions keep what
+  # they learned (their counts do not decay), and with no deep evidence at all they follow c_1.
+  later = counts
+  for _ in range(30):
+    later = goodput.decay_add(later, goodput.position_evidence(
+        jnp.asarray([1]), jnp.asarray([False]), j)[0])
+  np.testing.assert_array_equal(later[1:], counts[1:])
+  fresh = jnp.zeros((j, 2)).at[0].set([8.0, 2.0])
+  c = np.asarray(goodput.conditional_acceptance(fresh, goodput.PRIOR_ACCEPT,
+                                                goodput.PRIOR_WEIGHT))
+  np.testing.assert_allclose(c, (8 + 0.5) / 11, rtol=1e-6)
+  # Rows: without evidence of its own a row has its drafter's gains; a row accepting more at
+  # position 1 than the drafter does keeps the drafter's drop at depth 2.
+  d_counts = jnp.stack([jnp.zeros((j, 2)), counts])  # drafter 0: nothing known, 1: as above
+  rows = jnp.zeros((2, 2, j, 2)).at[1, 1, 0].set([20.0, 0.0])
+  g_rows = np.asarray(goodput.row_gains(rows, d_counts))
+  np.testing.assert_allclose(g_rows[0], goodput.drafter_gains(d_counts), rtol=1e-5)
+  row_c1 = (20 + goodput.ROW_PRIOR_WEIGHT * c1) / (20 + goodput.ROW_PRIOR_WEIGHT)
+  np.testing.assert_allclose(g_rows[1, 1, :2], [row_c1, row_c1 * row_c1 / 6], rtol=3e-3)
 
 
 def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
@@ -380,36 +429,44 @@ def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
   choices = (0, 1, 2, 4)
   rng = np.random.default_rng(4)
 
-  def rate(a, live, drafting, k, ks, block, token, overhead):
-    tokens = live.sum() + sum(sum(a[i] ** j for j in range(1, kb + 1)) for i, kb in
-                              enumerate(ks) if drafting[i])
+  def rate(gain, live, drafting, k, ks, block, token, overhead):
+    tokens = live.sum() + sum(sum(gain[i, :kb]) for i, kb in enumerate(ks) if drafting[i])
     return tokens / (1 + (overhead if k else 0.0) + k * block + token * sum(ks))
 
   for case in range(40):
     b = 3
-    a = rng.uniform(0.0, 0.98, b)
+    # Per-position acceptance (geometric in half the cases), gains = its running product.
+    c = rng.uniform(0.0, 0.98, (b, 4)) if case % 2 else np.repeat(rng.uniform(0, 0.98, (b, 1)),
+                                                                    4, axis=1)
+    gain = np.cumprod(c, axis=1)
     live = np.asarray([True, True, case % 3 > 0])
     drafting = live & np.asarray([True, case % 2 == 0, True])
     room = rng.integers(0, 5, b)
     block, token = rng.uniform(0.0, 0.3), [0.0, 0.05, 0.4][case % 3]
     overhead = [0.0, 0.3][case % 2]
-    index, k_rows = goodput.plan(jnp.asarray(a, jnp.float32), jnp.asarray(drafting),
+    index, k_rows = goodput.plan(jnp.asarray(gain, jnp.float32), jnp.asarray(drafting),
                                  jnp.asarray(live), jnp.asarray(room, jnp.int32), choices,
                                  jnp.float32(block), jnp.float32(token), jnp.float32(overhead))
     k, k_rows = choices[int(index)], np.asarray(k_rows)
     cap = [min(room[i], max(choices)) if drafting[i] else 0 for i in range(b)]
     assert all(k_rows <= np.minimum(cap, k)), (k, k_rows, cap)
-    best = max(rate(a, live, drafting, kc, ks, block, token, overhead) for kc in choices
+    best = max(rate(gain, live, drafting, kc, ks, block, token, overhead) for kc in choices
                for ks in itertools.product(*[range(min(c, kc) + 1) for c in cap]))
-    got = rate(a, live, drafting, k, k_rows, block, token, overhead)
-    assert got == pytest.approx(best, rel=1e-4), (case, a, room, k, k_rows)
+    got = rate(gain, live, drafting, k, k_rows, block, token, overhead)
+    assert got == pytest.approx(best, rel=1e-4), (case, gain, room, k, k_rows)
     if token == 0.0:  # nothing to save per token: every drafting row fills the block
       assert list(k_rows) == [min(c, k) for c in cap]
   # A row that rarely accepts drafts less than one that usually does, in the same block.
-  index, k_rows = goodput.plan(jnp.asarray([0.95, 0.2], jnp.float32), jnp.ones(2, bool),
+  geometric = lambda a: goodput.gains(jnp.full((4,), a, jnp.float32))
+  index, k_rows = goodput.plan(jnp.stack([geometric(0.95), geometric(0.2)]), jnp.ones(2, bool),
                                jnp.ones(2, bool), jnp.asarray([4, 4], jnp.int32), choices,
                                jnp.float32(0.05), jnp.float32(0.3))
   assert choices[int(index)] == 4 and int(k_rows[0]) == 4 and int(k_rows[1]) < 2
+  # A row that accepts its first draft as often but then stops drafts one token.
+  index, k_rows = goodput.plan(jnp.stack([geometric(0.95), goodput.gains(jnp.asarray(
+      [0.95, 0.1, 0.1, 0.1]))]), jnp.ones(2, bool), jnp.ones(2, bool),
+      jnp.asarray([4, 4], jnp.int32), choices, jnp.float32(0.05), jnp.float32(0.3))
+  assert int(k_rows[0]) == choices[int(index)] >= 2 and int(k_rows[1]) == 1
 
 
 def test_rejected_drafts_roll_back_by_length(model):

@@ -106,8 +106,9 @@ class Request:
   spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
   drafter: str | None = None  # resolved at admission (None: plain decoding)
   mtp_hidden: Any = None  # [H] MTP output at position num_computed - 1 (drafter "mtp")
-  # Decayed (accepted, ended) draft counts per drafter [len(DRAFTER_IDS), 2] of this request
-  # (None until its first speculative step), and its verify steps per drafter.
+  # Decayed (accepted, ended) draft counts per drafter and draft position
+  # [len(DRAFTER_IDS), num_draft_tokens, 2] of this request (None until its first speculative
+  # step), and its verify steps per drafter.
   spec_accept: Any = None
   drafter_steps: dict[str, int] = dataclasses.field(default_factory=dict)
   finish_reason: str | None = None

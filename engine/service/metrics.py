@@ -68,6 +68,29 @@ class _EngineCollector:
           split.add_metric([k[len(key) + 1:]], float(v))
       if split.samples:
         yield split
+    per_pos = {name: CounterMetricFamily(PREFIX + name, doc, labels=["position"])
+               for name, doc in (
+                   ("spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed at each "
+                    "draft position (0-based)."),
+                   ("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                    "draft position (0-based)."))}
+    estimate = GaugeMetricFamily(
+        PREFIX + "spec_decode_acceptance_estimate", "The adaptive draft length's current "
+        "estimate of P(draft at this position accepted | earlier ones were), by drafter.",
+        labels=["drafter", "position"])
+    for k, v in s.items():
+      parts = k.split("_")  # spec_pos{j}_{drafted|accepted} and spec_pos{j}_estimate_{drafter}
+      if len(parts) < 3 or parts[0] != "spec" or not parts[1].startswith("pos"):
+        continue
+      pos = parts[1][3:]
+      if parts[2] == "estimate":
+        estimate.add_metric(["_".join(parts[3:]), pos], float(v))
+      else:
+        per_pos["spec_decode_num_%s_tokens_per_pos" % (
+            "draft" if parts[2] == "drafted" else "accepted")].add_metric([pos], float(v))
+    for family in (*per_pos.values(), estimate):
+      if family.samples:
+        yield family
     loops = CounterMetricFamily(PREFIX + "spec_decode_loop_iterations",
                                 "Speculative loop iterations by the draft length k the adaptive "
                                 "policy chose (k=0: plain decoding).", labels=["k"])

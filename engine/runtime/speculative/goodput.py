@@ -1,13 +1,24 @@
 """Adaptive draft length: choose K per loop step from a goodput model (all on the device).
 
-With per-position acceptance probability a (i.i.d.), a step drafting k tokens emits
-E[tau](k) = (1 - a^(k+1)) / (1 - a) tokens per row. The fixed-batch loop (`loop.py`) models a
-step's cost relative to a plain decode step as T(B, k) = 1 + k (draft_cost + verify_cost B) and
-picks k* = argmax_k B E[tau](k) / T(B, k) over the compiled choices (k = 0 is plain decoding)
-(`choose`). The serving loop sizes the block and every row's drafts together (`plan`), with
-each row's own estimate (`row_estimates`). Estimates come from the loop's own recent steps:
-accepted / (accepted + ended) with exponentially decayed counts and a weak prior, so a drafter
-that stopped paying is retried once the evidence has decayed.
+Acceptance is measured per draft position: c_j = P(draft j accepted | drafts 1 .. j-1 were),
+so a step drafting k tokens emits E[tau](k) = 1 + sum_{j <= k} g_j tokens per row, with
+g_j = c_1 ... c_j the chance that the first j drafts are all accepted (`gains`). (A single
+acceptance rate a for every position, g_j = a^j, overrates deep positions when acceptance falls
+with depth, e.g. a prompt-lookup match that runs out, and underrates them in a long copy.)
+
+The estimates come from the loop's own recent steps as decayed (accepted, ended) counts per
+position (`position_evidence`, `decay_add`): a chain that matched m drafts and then ended
+(a rejection, or no proposal) counts as accepted at positions 1 .. m and ended at m + 1;
+positions past a chain's horizon learn nothing (censored). Counts decay only where new
+evidence arrives, so what was learned about deep positions survives iterations that draft
+nothing. Each position's estimate has a weak prior: the estimate one position shallower
+(`conditional_acceptance`), so where deep evidence is missing the model is the geometric
+one, and a drafter that stopped paying is retried once its evidence has decayed.
+
+The fixed-batch loop (`loop.py`) models a step's cost relative to a plain decode step as
+T(B, k) = 1 + k (draft_cost + verify_cost B) and picks k* = argmax_k B E[tau](k) / T(B, k)
+over the compiled choices (k = 0 is plain decoding) (`choose`). The serving loop sizes the
+block and every row's drafts together (`plan`), with each row's own gains (`row_gains`).
 """
 
 from __future__ import annotations
@@ -15,6 +26,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 PRIOR_ACCEPT, PRIOR_WEIGHT, DECAY = 0.5, 1.0, 0.8
+# Weight of a drafter's engine-wide estimate in a row's own estimate (in decayed observations).
+ROW_PRIOR_WEIGHT = 2.0
+_MAX_ACCEPT = 1.0 - 1e-6
 
 
 def k_choices(k_max: int, allow_zero: bool = True) -> tuple[int, ...]:
@@ -23,62 +37,104 @@ def k_choices(k_max: int, allow_zero: bool = True) -> tuple[int, ...]:
   return tuple(sorted(ks | ({0} if allow_zero else set())))
 
 
-def expected_tokens(a: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
-  """E[tau](k) = 1 + a + ... + a^k (tokens per row per step)."""
-  a = jnp.clip(a, 0.0, 1.0 - 1e-6)
-  return (1.0 - a ** (k + 1)) / (1.0 - a)
+def position_evidence(matched: jnp.ndarray, ended: jnp.ndarray, depth: int,
+                      weight: jnp.ndarray | None = None) -> jnp.ndarray:
+  """[..., depth, 2] float32 (accepted, ended) at draft positions 1 .. depth of chains whose
+  first `matched` [...] drafts were accepted and which `ended` [...] bool at matched + 1 (else
+  censored there); scaled by `weight` [...] (e.g. 0 for rows that did not take part)."""
+  j = jnp.arange(1, depth + 1, dtype=jnp.int32)
+  m = matched.astype(jnp.int32)[..., None]
+  acc = j <= m
+  end = (j == m + 1) & ended[..., None]
+  ev = jnp.stack([acc, end], axis=-1).astype(jnp.float32)
+  return ev if weight is None else ev * weight[..., None, None].astype(jnp.float32)
 
 
-def acceptance_estimate(accepted: jnp.ndarray, rejected: jnp.ndarray) -> jnp.ndarray:
-  return (accepted + PRIOR_ACCEPT * PRIOR_WEIGHT) / (accepted + rejected + PRIOR_WEIGHT)
+def decay_add(counts: jnp.ndarray, evidence: jnp.ndarray) -> jnp.ndarray:
+  """Decayed counts [..., J, 2] plus new evidence of the same shape: a position's counts decay
+  by DECAY when it gets evidence (one observation's worth of forgetting per update)."""
+  seen = jnp.sum(evidence, axis=-1, keepdims=True) > 0
+  return jnp.where(seen, DECAY * counts, counts) + evidence
 
 
-def choose(a: jnp.ndarray, live_rows: jnp.ndarray, choices: tuple[int, ...], draft_cost: float,
-           verify_cost: float) -> jnp.ndarray:
-  """Index into `choices` of the k maximising tokens per unit of step time."""
+def conditional_acceptance(counts: jnp.ndarray, first_prior: jnp.ndarray | float,
+                           weight: float, depth_ratio: jnp.ndarray | None = None) -> jnp.ndarray:
+  """[..., J] c_j from decayed (accepted, ended) counts [..., J, 2], each with a prior worth
+  `weight` observations: `first_prior` at j = 1, then c_{j-1} (times depth_ratio[..., j] when
+  given: how acceptance changes with depth elsewhere, e.g. for the drafter engine-wide)."""
+  acc, end = counts[..., 0], counts[..., 1]
+  prior = jnp.broadcast_to(jnp.asarray(first_prior, jnp.float32), acc.shape[:-1])
+  out = []
+  for j in range(acc.shape[-1]):
+    if j:
+      prior = out[-1] if depth_ratio is None else jnp.clip(out[-1] * depth_ratio[..., j], 0.0,
+                                                           _MAX_ACCEPT)
+    out.append((acc[..., j] + weight * prior) / (acc[..., j] + end[..., j] + weight))
+  return jnp.stack(out, axis=-1)
+
+
+def gains(c: jnp.ndarray) -> jnp.ndarray:
+  """[..., J] g_j = c_1 ... c_j: the chance that drafts 1 .. j are all accepted."""
+  return jnp.cumprod(jnp.clip(c, 0.0, _MAX_ACCEPT), axis=-1)
+
+
+def drafter_gains(counts: jnp.ndarray) -> jnp.ndarray:
+  """[..., J] gains from engine-wide counts [..., J, 2] (prior PRIOR_ACCEPT)."""
+  return gains(conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT))
+
+
+def row_gains(row_counts: jnp.ndarray, counts: jnp.ndarray) -> jnp.ndarray:
+  """[B, D, J] each row's gains per drafter from its own decayed counts `row_counts`
+  [B, D, J, 2], with the drafter's engine-wide estimate (`counts` [D, J, 2]) as a prior worth
+  ROW_PRIOR_WEIGHT observations: a new request starts from what the drafter does for
+  everyone and moves to what it does for this request. Where the row has no evidence at a
+  depth, its estimate follows the row's own shallower one scaled by the drafter's engine-wide
+  change with depth (a request that accepts more than most at position 1 is expected to keep
+  doing so)."""
+  g = conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT)  # [D, J]
+  ratio = g / jnp.concatenate([g[:, :1], g[:, :-1]], axis=1)  # c_j / c_{j-1} (1 at j = 1)
+  c = conditional_acceptance(row_counts, g[None, :, 0], ROW_PRIOR_WEIGHT, ratio[None])
+  return gains(c)
+
+
+def expected_tokens(gain: jnp.ndarray, k: int) -> jnp.ndarray:
+  """E[tau](k) = 1 + g_1 + ... + g_k (tokens per row per step) from gains [..., J]."""
+  return 1.0 + jnp.sum(gain[..., :k], axis=-1)
+
+
+def choose(gain: jnp.ndarray, live_rows: jnp.ndarray, choices: tuple[int, ...],
+           draft_cost: float, verify_cost: float) -> jnp.ndarray:
+  """Index into `choices` of the k maximising tokens per unit of step time; gain [J]."""
   ks = jnp.asarray(choices, jnp.float32)
+  tokens = jnp.stack([expected_tokens(gain, k) for k in choices])
   cost = 1.0 + ks * (draft_cost + verify_cost * live_rows.astype(jnp.float32))
-  return jnp.argmax(expected_tokens(a, ks) / cost).astype(jnp.int32)
+  return jnp.argmax(tokens / cost).astype(jnp.int32)
 
 
-# Weight of a drafter's engine-wide estimate in a row's own estimate (in decayed observations).
-ROW_PRIOR_WEIGHT = 2.0
-
-
-def row_estimates(row_counts: jnp.ndarray, counts: jnp.ndarray) -> jnp.ndarray:
-  """[B, D] each row's acceptance estimate per drafter: its own decayed (accepted, ended)
-  counts `row_counts` [B, D, 2], with the drafter's engine-wide estimate (`counts` [D, 2]) as a
-  prior worth ROW_PRIOR_WEIGHT observations: a new request starts from what the drafter does
-  for everyone and moves to what it does for this request."""
-  g = acceptance_estimate(counts[:, 0], counts[:, 1])[None, :]
-  acc, ended = row_counts[..., 0], row_counts[..., 1]
-  return (acc + ROW_PRIOR_WEIGHT * g) / (acc + ended + ROW_PRIOR_WEIGHT)
-
-
-def plan(a: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
+def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
          choices: tuple[int, ...], block_cost: jnp.ndarray, token_cost: jnp.ndarray,
          overhead: jnp.ndarray | float = 0.0, refinements: int = 2
          ) -> tuple[jnp.ndarray, jnp.ndarray]:
   """The iteration's block width K (index into `choices`) and each row's draft count k_b <= K.
 
-  a [B]: each row's acceptance estimate for its drafter; drafting [B] bool: live rows with a
-  drafter (the others emit one token whatever K is); live [B] bool; room [B] int32: the most
-  drafts a row may verify (its budget, its request's cap). Step time, relative to a plain
-  decode step:  T = 1 + [K > 0] overhead + K block_cost + token_cost sum_b k_b.  `overhead`
-  is what a speculative iteration costs beyond a plain one before it verifies anything (its
-  bookkeeping; K = 0 is priced as plain decoding, which the engine falls back to after a call
-  that drafted nothing). `block_cost` is paid per column
-  of the [B, K + 1] verify block whatever rows put in it (drafter forwards, dense layers over
-  padding); `token_cost` per real drafted token (a padded position routes to no expert, so a
-  real one streams more expert weights). Row b's j-th draft adds a_b^j expected tokens at
-  cost token_cost, so at rate R it pays iff a_b^j >= token_cost R: rows that rarely accept
-  draft fewer tokens, and with token_cost = 0 every drafting row fills the block. R is found
-  by a few fixed-point steps (Dinkelbach) per K; K maximises R.
+  gain [B, J >= max(choices)]: each row's gains for its drafter (`gains`); drafting [B] bool:
+  live rows with a drafter (the others emit one token whatever K is); live [B] bool; room [B]
+  int32: the most drafts a row may verify (its budget, its request's cap). Step time, relative
+  to a plain decode step:  T = 1 + [K > 0] overhead + K block_cost + token_cost sum_b k_b.
+  `overhead` is what a speculative iteration costs beyond a plain one before it verifies
+  anything (its bookkeeping; K = 0 is priced as plain decoding, which the engine falls back to
+  after a call that drafted nothing). `block_cost` is paid per column of the [B, K + 1] verify
+  block whatever rows put in it (drafter forwards, dense layers over padding); `token_cost`
+  per real drafted token (a padded position routes to no expert, so a real one streams more
+  expert weights). Row b's j-th draft adds g_bj expected tokens at cost token_cost, so at rate
+  R it pays iff g_bj >= token_cost R: rows that rarely accept draft fewer tokens, and with
+  token_cost = 0 every drafting row fills the block. R is found by a few fixed-point steps
+  (Dinkelbach) per K; K maximises R. (Gains fall with j, so the drafts taken are a prefix.)
   """
   ks = jnp.asarray(choices, jnp.int32)  # [C]
-  j = jnp.arange(1, max(choices) + 1, dtype=jnp.int32)  # [J]
-  a = jnp.clip(a, 0.0, 1.0 - 1e-6)
-  gain = a[:, None] ** j[None, :].astype(jnp.float32)  # [B, J] P(first j drafts accepted)
+  k_max = max(choices)
+  j = jnp.arange(1, k_max + 1, dtype=jnp.int32)  # [J]
+  gain = jnp.clip(gain[:, :k_max].astype(jnp.float32), 0.0, _MAX_ACCEPT)  # [B, J]
   room = jnp.where(drafting, room, 0)
   allowed = (j[None, None, :] <= ks[:, None, None]) & (j[None, None, :] <= room[None, :, None])
   emitted = jnp.sum(live).astype(jnp.float32)  # one token per live row at least

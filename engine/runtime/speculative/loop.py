@@ -44,11 +44,12 @@ class SpecStats:
   draft_tokens: jax.Array  # [B] drafted tokens
   accepted_tokens: jax.Array  # [B] accepted drafted tokens
   accepted_at: jax.Array  # [B, K] steps whose draft at slot i (0-based) was accepted
+  drafted_at: jax.Array  # [B, K] steps that drafted a token at slot i
 
   @staticmethod
   def zeros(b: int, k: int) -> "SpecStats":
     z = jnp.zeros((b,), jnp.int32)
-    return SpecStats(z, z, z, z, jnp.zeros((b, k), jnp.int32))
+    return SpecStats(z, z, z, z, jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.int32))
 
   def add(self, live: jax.Array, n_draft: jax.Array, n_accepted: jax.Array) -> "SpecStats":
     """Counts one verification step of the `live` rows."""
@@ -59,7 +60,8 @@ class SpecStats:
         drafted_steps=self.drafted_steps + (n_draft > 0).astype(jnp.int32),
         draft_tokens=self.draft_tokens + n_draft,
         accepted_tokens=self.accepted_tokens + n_accepted,
-        accepted_at=self.accepted_at + (slot < n_accepted[:, None]).astype(jnp.int32))
+        accepted_at=self.accepted_at + (slot < n_accepted[:, None]).astype(jnp.int32),
+        drafted_at=self.drafted_at + (slot < n_draft[:, None]).astype(jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -218,7 +220,8 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
   stats = SpecStats.zeros(b, k)
 
   def step(k, state):
-    """One draft-verify step with k (static) drafts; returns (state, accepted, rejections)."""
+    """One draft-verify step with k (static) drafts; returns (state, acceptance evidence per
+    draft position [num_draft, 2] (`goodput.position_evidence`), summed over rows)."""
     cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
     live = reasons == FINISH_NONE
     live_i = live.astype(jnp.int32)
@@ -279,36 +282,34 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
              "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
 
     stats = stats.add(live, n_draft, n_acc)
-    accepted = jnp.sum(n_acc).astype(jnp.float32)
-    rejections = jnp.sum((live & (n_acc < n_draft)).astype(jnp.float32))
+    # Rows that drafted: accepted at positions 1 .. n_acc, ended at n_acc + 1 on a rejection.
+    evidence = goodput.position_evidence(n_acc, n_acc < n_draft, num_draft, live & (n_draft > 0))
     if lookahead is not None:  # evidence at no verify cost: would the drafter have been right?
       proposed = live & (lookahead[1] > 0)
-      right = proposed & (lookahead[0][:, 0] == v.emitted[:, 0])
-      accepted = jnp.sum(right.astype(jnp.float32))
-      rejections = jnp.sum((proposed & ~right).astype(jnp.float32))
+      right = lookahead[0][:, 0] == v.emitted[:, 0]
+      evidence = goodput.position_evidence(right, ~right, num_draft, proposed)
     return ((cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats),
-            accepted, rejections)
+            jnp.sum(evidence, axis=0))
 
   choices = spec_k_choices(k, drafter) if adaptive else (k,)
 
   def body(loop_state):
-    state, accepted, rejected, k_steps = loop_state
+    state, counts, k_steps = loop_state
     if adaptive:
-      a = goodput.acceptance_estimate(accepted, rejected)
       live_rows = jnp.sum(state[7] == FINISH_NONE)
-      index = goodput.choose(a, live_rows, choices, draft_cost, verify_cost)
-      state, acc, rej = jax.lax.switch(
+      index = goodput.choose(goodput.drafter_gains(counts), live_rows, choices, draft_cost,
+                             verify_cost)
+      state, evidence = jax.lax.switch(
           index, [functools.partial(step, kc) for kc in choices], state)
     else:
       index = jnp.int32(0)
-      state, acc, rej = step(k, state)
-    return (state, goodput.DECAY * accepted + acc, goodput.DECAY * rejected + rej,
-            k_steps.at[index].add(1))
+      state, evidence = step(k, state)
+    return state, goodput.decay_add(counts, evidence), k_steps.at[index].add(1)
 
   state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
-  loop_state = (state, jnp.float32(0), jnp.float32(0), jnp.zeros((len(choices),), jnp.int32))
+  loop_state = (state, jnp.zeros((k, 2), jnp.float32), jnp.zeros((len(choices),), jnp.int32))
   loop_state = jax.lax.while_loop(lambda s: jnp.any(s[0][7] == FINISH_NONE), body, loop_state)
-  (cache, aux, _, _, n_cached, n_out, out, reasons, stats), _, _, k_steps = loop_state
+  (cache, aux, _, _, n_cached, n_out, out, reasons, stats), _, k_steps = loop_state
   return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
                     cache_lengths=n_cached, stats=stats,
                     ngram_table=aux["table"] if drafter == "learned" else None,

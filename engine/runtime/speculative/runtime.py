@@ -10,13 +10,16 @@
   prefill chunk (the MTP layer observes the chunk, filling its cache entries and giving each
   sampling row its MTP hidden state; the draft model runs over the same tokens);
 * `decode`: a decode-only engine step through `serving.speculative_decode_loop`;
-* `measure_costs` (at `Engine.warmup`, adaptive mode): times the compiled verify forward for
-  every compiled k at the smallest and largest decode batch, with every position real and with
-  only the first, the MTP layer and the draft model, and fits the goodput model's step time
-  T = 1 + K (base + pad_row B + drafters) + per_token sum_b k_b (`goodput.plan`).
+* `measure_costs` (at `Engine.warmup`, adaptive mode): times the plain decode loop and the
+  speculative loop at every compiled k, and the compiled verify forward (every position real,
+  only the first), the MTP layer and the draft model, at the smallest and largest decode batch,
+  and fits the goodput model's step time in plain-loop iterations
+  T = 1 + [K > 0] overhead + K (base + pad_row B + drafters) + per_token sum_b k_b
+  (`goodput.plan`).
 
-Each request keeps its own acceptance counts per drafter (`Request.spec_accept`), so the loop
-sizes every row's drafts, and picks an "auto" row's drafter, from what that request accepts.
+Each request keeps its own acceptance counts per drafter and draft position
+(`Request.spec_accept`), so the loop sizes every row's drafts, and picks an "auto" row's
+drafter, from what that request accepts at each depth.
 """
 
 from __future__ import annotations
@@ -126,7 +129,9 @@ class SpecRuntime:
     # commitment that changed after the first call would compile the loop twice.
     self.table = (place_state(NgramTable.empty(config.learned_table_slots))
                   if "learned" in self.enabled else None)
-    self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), 2), jnp.float32))
+    # Engine-wide decayed (accepted, ended) counts per drafter and draft position.
+    self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), k, 2), jnp.float32))
+    self.accept_seen = np.zeros((len(DRAFTER_IDS), k, 2), np.float32)  # host copy (stats)
     self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
                             + [0.0, DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN],
                             np.float32)
@@ -139,6 +144,7 @@ class SpecRuntime:
     self._offered: dict[str, int] = {}  # last offered to them (`model_drafters_for_auto`)
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
                         for n in ("steps", "drafted", "accepted")}
+    self.per_position = np.zeros((2, k), np.int64)  # drafted, accepted tokens at each slot
 
   @property
   def observes(self) -> bool:
@@ -163,22 +169,22 @@ class SpecRuntime:
 
     Keeping one usable costs every iteration a forward (the MTP layer observes the verified
     block, the draft model is fed), so it is offered only while an estimate says it can beat
-    the best free choice: E[tau](K; a_d) / (1 + K (base + c_d) + c_d) > the best deterministic
-    drafter's E[tau](K; a) / (1 + K base), or plain decoding's 1 (adaptive k), with a from the
-    engine-wide counts or from any auto row's own estimates. Every EXPLORE_EVERY calls with
+    the best free choice: E[tau](K; g_d) / (1 + K (base + c_d) + c_d) > the best deterministic
+    drafter's E[tau](K; g) / (1 + K base), or plain decoding's 1 (adaptive k), with the gains g
+    from the engine-wide counts or from any auto row's own (`goodput.row_gains`). Every EXPLORE_EVERY calls with
     auto rows, a drafter not offered meanwhile is offered once (and at the first such call),
     so fresh evidence can bring it back.
     """
     self._auto_calls += 1
-    counts = np.asarray(jax.device_get(self.accept), np.float64)
-    estimates = [goodput.acceptance_estimate(counts[:, 0], counts[:, 1])]
+    counts = self.accept_seen
+    estimates = [goodput.drafter_gains(counts)]
     for r in reqs:
       if r.drafter == AUTO and r.spec_accept is not None:
-        estimates.append(np.asarray(goodput.row_estimates(r.spec_accept[None], counts))[0])
+        estimates.append(goodput.row_gains(r.spec_accept[None], counts)[0])
     k, base = self.k, float(self.costs[-3])
     out = set()
-    for a in estimates:
-      tokens = np.asarray(goodput.expected_tokens(np.asarray(a, np.float32), float(k)))
+    for gain in estimates:
+      tokens = np.asarray(goodput.expected_tokens(gain, k))
       free = max([1.0 if self.config.adaptive_k else 1.0 / (1.0 + k * base)]
                  + [tokens[drafter_id(d)] / (1.0 + k * base) for d in self.enabled
                     if d in DETERMINISTIC])
@@ -262,7 +268,7 @@ class SpecRuntime:
     row_drafter = np.zeros((b,), np.int32)
     row_auto = np.zeros((b,), bool)
     row_max_draft = np.zeros((b,), np.int32)
-    row_accept = np.zeros((b, n_ids, 2), np.float32)
+    row_accept = np.zeros((b, n_ids, self.k, 2), np.float32)
     mtp_hidden = None
     if "mtp" in self.enabled:
       mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
@@ -293,15 +299,16 @@ class SpecRuntime:
         choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
         impl=impl)
     self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache
-    out, counts, spec, k_steps, mtp_h, lps, row_accept, by_drafter = jax.device_get(
-        (res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden, res.logprobs,
-         res.row_accept, res.by_drafter))
+    out, counts, spec, k_steps, mtp_h, lps, row_accept, by_drafter, self.accept_seen = (
+        jax.device_get((res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden,
+                        res.logprobs, res.row_accept, res.by_drafter, res.accept)))
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
       self._rest = REST_CALLS
     counters["spec_steps"] += int(spec.steps.sum())
     counters["spec_drafted"] += int(spec.draft_tokens.sum())
     counters["spec_accepted"] += int(spec.accepted_tokens.sum())
+    self.per_position += np.stack([spec.drafted_at.sum(0), spec.accepted_at.sum(0)])
     for i, req in enumerate(reqs):
       for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
         req.spec[j] += int(x[i])
@@ -324,6 +331,15 @@ class SpecRuntime:
   def stats(self) -> dict[str, Any]:
     s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.choices, self.k_steps)}
     s.update(self.per_drafter)
+    for j, (drafted, accepted) in enumerate(self.per_position.T):  # slot j (0-based)
+      s[f"spec_pos{j}_drafted"], s[f"spec_pos{j}_accepted"] = int(drafted), int(accepted)
+    # The adaptive model's current engine-wide estimate of P(draft j accepted | drafts < j
+    # were), per drafter and slot (the decayed counts of the last loop call).
+    c = np.asarray(goodput.conditional_acceptance(self.accept_seen, goodput.PRIOR_ACCEPT,
+                                                  goodput.PRIOR_WEIGHT))
+    for d in self.enabled:
+      for j, x in enumerate(c[drafter_id(d)]):
+        s[f"spec_pos{j}_estimate_{d}"] = round(float(x), 4)
     for d in self.enabled:  # tokens per target forward of rows drafting with d
       steps_ = self.per_drafter[f"spec_steps_{d}"]
       if steps_:
@@ -366,9 +382,10 @@ class SpecRuntime:
                 0, self.cfg.vocab_size, (b,), dtype=np.int32))))
     # The loop probes teach the table junk and move the counters: kept aside, restored after.
     saved = (None if self.table is None else jax.tree.map(jnp.copy, self.table), self.accept,
-             self.k_steps.copy(), self._rest)
+             self.accept_seen, self.k_steps.copy(), self._rest, self.per_position.copy())
     best = time_interleaved(probes, caches, rounds)
-    self.table, self.accept, self.k_steps, self._rest = saved
+    (self.table, self.accept, self.accept_seen, self.k_steps, self._rest,
+     self.per_position) = saved
     best = {key: t if key[0] in ("loop", "plain") else t / PROBE_REPEATS
             for key, t in best.items()}  # seconds per loop call, per forward
     table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(self.choices) | {0})}

@@ -26,9 +26,10 @@ Rows of deterministic drafters are verified against the target's own (seed, posi
 sampling with their q.
 
 Acceptance evidence: after each verify, every drafter that proposed is checked against the
-tokens each row emitted (`_matched`), into decayed (accepted, ended) counts per row and drafter
-(`row_accept`, the request's, carried across calls by the engine) and over all drafting rows
-(`accept`, the prior of new rows).
+tokens each row emitted (`_matched`), into decayed (accepted, ended) counts per draft position,
+per row and drafter (`row_accept`, the request's, carried across calls by the engine) and over
+all drafting rows (`accept`, the prior of new rows); `goodput.row_gains` turns them into each
+row's chance of accepting its first j drafts.
 
 The block width K is chosen per iteration from the compiled `choices` (`lax.switch`, only the
 chosen branch runs), and each row's draft count k_b <= K with it: forced (`force_k` >= 0, an
@@ -70,10 +71,10 @@ class LoopResult:
   stopped: jax.Array  # [B] bool
   stats: SpecStats
   k_steps: jax.Array  # [len(choices)] iterations run with each draft length
-  accept: jax.Array  # [D, 2] updated acceptance counts
+  accept: jax.Array  # [D, J, 2] updated acceptance counts per draft position
   table: learned.NgramTable | None
   mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
-  row_accept: jax.Array  # [B, D, 2] updated per-row acceptance counts
+  row_accept: jax.Array  # [B, D, J, 2] updated per-row acceptance counts
   by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
   draft_cache: Cache | None
   logprobs: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (zeros unless
@@ -154,13 +155,14 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     row_drafter: [B] int32 index into DRAFTER_IDS (0: off); only enabled drafters.
     row_auto: [B] bool rows whose drafter the loop chooses every iteration (row_drafter unused).
     row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
-    row_accept: [B, D] x 2 float32 each row's decayed (accepted, ended) counts per drafter (its
-      request's, carried across calls; zeros for a new request).
+    row_accept: [B, D, J, 2] float32 each row's decayed (accepted, ended) counts per drafter
+      and draft position, J = max(choices) (its request's, carried across calls; zeros for a
+      new request; `goodput.position_evidence`).
     auto_allowed: [D] bool drafters "auto" rows may take in this call.
     feed: [D] bool model drafters ("mtp", "draft") whose state this call keeps current: the
       MTP layer observes every verified block, the draft model is fed every token. A drafter
       a row uses (its own or "auto"'s choice) must be fed; the others lag (drafts only).
-    accept: [D, 2] float32 the same counts over all rows (the prior of new rows).
+    accept: [D, J, 2] float32 the same counts over all drafting rows (the prior of new rows).
     costs: [D + 4] float32, relative to a plain decode-loop iteration: each drafter's cost
       per block column (when a live row uses it), then a speculative iteration's overhead,
       the base cost per block column, the cost per block column and live row, and the cost
@@ -284,35 +286,33 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     # tokens the row's emitted tokens confirm, and whether its chain ended before the horizon
     # (the row's own drafter: exactly its accepted drafts and a rejection or missing proposal;
     # the others: what they would have achieved, so "auto" rows compare drafters at no cost).
-    evidence = jnp.zeros((b, n_ids, 2), jnp.float32)
+    # Per draft position (`goodput.position_evidence`): accepted at 1 .. m, ended at m + 1.
+    evidence = jnp.zeros((b, n_ids, k_max, 2), jnp.float32)
     for d, (t, n, computed) in props.items():
       m, ended = _matched(t, n, v.emitted, n_emit)
-      ok = (live & computed).astype(jnp.float32)
       evidence = evidence.at[:, drafter_id(d)].set(
-          jnp.stack([m.astype(jnp.float32), ended.astype(jnp.float32)], axis=1) * ok[:, None])
-    decay = goodput.DECAY
-    s["row_accept"] = jnp.where(live[:, None, None], decay * s["row_accept"] + evidence,
-                                s["row_accept"])
+          goodput.position_evidence(m, ended, k_max, live & computed))
+    s["row_accept"] = goodput.decay_add(s["row_accept"], evidence)
     drafting = (live & (ids > 0)).astype(jnp.float32)
-    s["accept"] = decay * s["accept"] + jnp.einsum("b,bdc->dc", drafting, evidence)
+    s["accept"] = goodput.decay_add(s["accept"], jnp.einsum("b,bdjc->djc", drafting, evidence))
     return s
 
   def body(s):
     live = ~s["done"]
-    a_rows = goodput.row_estimates(s["row_accept"], s["accept"])  # [B, D]
+    gain_rows = goodput.row_gains(s["row_accept"], s["accept"])  # [B, D, J]
     # "auto" rows: the enabled drafter with the most expected tokens per unit of step time at
     # the widest block (a model drafter's cost as if the row alone paid for it).
-    score = (goodput.expected_tokens(a_rows, jnp.float32(k_max))
+    score = (goodput.expected_tokens(gain_rows, k_max)
              / (1.0 + k_max * (costs[-3] + costs[:n_ids]))[None, :])
     best = jnp.argmax(jnp.where((enabled & auto_allowed)[None, :], score, -jnp.inf),
                       axis=1).astype(jnp.int32)
     ids = jnp.where(row_auto, best, row_drafter.astype(jnp.int32))
-    a = jnp.take_along_axis(a_rows, ids[:, None], axis=1)[:, 0]
+    gain = jnp.take_along_axis(gain_rows, ids[:, None, None], axis=1)[:, 0]  # [B, J]
     present = jnp.any(jax.nn.one_hot(ids, n_ids, dtype=bool) & live[:, None], 0)
     rows = jnp.sum(live).astype(jnp.float32)
     block_cost = costs[-3] + costs[-2] * rows + jnp.sum(jnp.where(present, costs[:n_ids], 0.0))
     room = jnp.maximum(jnp.minimum(limit - s["count"] - 1, row_max_draft), 0)
-    index, k_rows = goodput.plan(a, live & (ids > 0), live, room, choices, block_cost,
+    index, k_rows = goodput.plan(gain, live & (ids > 0), live, room, choices, block_cost,
                                  costs[-1], costs[-4])
     forced = force_k >= 0
     s = dict(s, ids=ids, k_rows=jnp.where(forced, room, k_rows))
