@@ -171,9 +171,9 @@ class SpecRuntime:
     block, the draft model is fed), so it is offered only while an estimate says it can beat
     the best free choice: E[tau](K; g_d) / (1 + K (base + c_d) + c_d) > the best deterministic
     drafter's E[tau](K; g) / (1 + K base), or plain decoding's 1 (adaptive k), with the gains g
-    from the engine-wide counts or from any auto row's own (`goodput.row_gains`). Every EXPLORE_EVERY calls with
-    auto rows, a drafter not offered meanwhile is offered once (and at the first such call),
-    so fresh evidence can bring it back.
+    from the engine-wide counts or from any auto row's own (`goodput.row_gains`). Every
+    EXPLORE_EVERY calls with auto rows, a drafter not offered meanwhile is offered once (and at
+    the first such call), so fresh evidence can bring it back.
     """
     self._auto_calls += 1
     counts = self.accept_seen
