@@ -12,8 +12,9 @@ acceptance). Workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EO
   again), so the answer repeats earlier context;
 * mixed: half fresh, half agent in one batch (rows that should draft differently).
 For each: output tok/s (best of `--repeats` after a warm-up pass), tokens per target forward
-of drafting rows, speedup over "off" on the same engine, and whether every output equals
-"off"'s. The learned table keeps what earlier passes taught it (it learns across requests).
+of drafting rows, speedup over "off" on the same engine, the goodput model's calibration
+(tokens it expected over tokens emitted in iterations that drafted: above 1, its acceptance
+estimates run ahead of what is accepted), and whether every output equals "off"'s. The learned table keeps what earlier passes taught it (it learns across requests).
 Prints a table and writes JSON (`--out`). On CPU the times describe the reference path.
 """
 
@@ -119,17 +120,24 @@ def main(argv):
           k_loops={k: v for k, v in spec.items() if k.startswith("spec_k")},
           auto_choice={k[len("spec_auto_choice_"):]: v for k, v in spec.items()
                        if k.startswith("spec_auto_choice_") and v},
-          rest_calls=spec.get("spec_rest_calls", 0)))
+          rest_calls=spec.get("spec_rest_calls", 0),
+          # the goodput model's tokens expected / emitted in iterations that drafted
+          expected_over_emitted=(spec["spec_model_expected_tokens"]
+                                 / spec["spec_model_emitted_tokens"])
+          if spec.get("spec_model_emitted_tokens") else None))
       print(f"  {name} {mode} done", file=sys.stderr)
 
-  header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'tok/fwd':>7} identical"
-            "  auto chose (row iterations)")
+  header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'tok/fwd':>7} "
+            f"{'exp/emit':>8} identical  auto chose (row iterations)")
   print(header)
   print("-" * len(header))
   for r in rows:
     sp = f"{r['speedup']:7.2f}" if r["speedup"] is not None else f"{'-':>7}"
+    cal = r["expected_over_emitted"]
+    cal = f"{cal:8.2f}" if cal is not None else f"{'-':>8}"
     print(f"{r['workload']:8} {r['mode']:8} {r['tok_s']:8.1f} {sp} "
-          f"{r['tokens_per_forward']:7.2f} {str(r['identical']):9}  {r['auto_choice'] or ''}")
+          f"{r['tokens_per_forward']:7.2f} {cal} {str(r['identical']):9}  "
+          f"{r['auto_choice'] or ''}")
   if FLAGS.out:
     with open(FLAGS.out, "w") as fh:
       json.dump(dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, drafters=drafters,

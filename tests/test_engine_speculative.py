@@ -125,6 +125,10 @@ def test_drafter_per_request(model):
   assert sum(stats[f"spec_pos{j}_accepted"] for j in slots) == eng.counters["spec_accepted"]
   assert stats["spec_pos0_drafted"] >= stats["spec_pos2_drafted"] > 0
   assert all(0 < stats[f"spec_pos{j}_estimate_{d}"] < 1 for j in slots for d in per_drafter)
+  # The goodput model's calibration: iterations that drafted emitted at least one token per
+  # live row, and the model expected at least that many.
+  assert stats["spec_model_emitted_tokens"] >= eng.counters["spec_accepted"] > 0
+  assert stats["spec_model_expected_tokens"] > 0
   assert use[2].spec_draft_tokens == 0 and use[3].spec_draft_tokens == 0
   for bad in ("mtp", "draft"):
     with pytest.raises(ValueError, match="drafter"):

@@ -150,9 +150,10 @@ class SpeculativeConfig:
   call if None). "auto" (every drafter the model supports, chosen as it goes, adaptive k) is
   not this module's: `engine.generate` runs it through the serving engine
   (`engine.api.generate_on_engine`). num_draft_tokens: K >= 1. adaptive: pick the draft
-  length (<= K) every loop step by the goodput model of `speculative.goodput` with
-  `draft_cost` and `verify_cost` (relative to a plain decode step; None: measured on this
-  machine the first time a batch shape is seen, `speculative.probes.loop_costs`).
+  length (<= K) every loop step by the goodput model of `speculative.goodput`, with each
+  draft length's step time measured on this machine the first time a batch shape is seen
+  (`speculative.probes.loop_costs`), or, when `draft_cost` or `verify_cost` is given, modelled
+  as 1 + k (draft_cost + verify_cost B) relative to a plain decode step.
   """
   method: str
   num_draft_tokens: int = 4
@@ -298,21 +299,43 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
     devices = params["embed"].sharding.device_set
     if len(devices) == 1:  # committed like the returned table: a reused one compiles nothing
       memory.table = jax.device_put(memory.table, next(iter(devices)))
-  draft_cost, verify_cost = spec.draft_cost, spec.verify_cost
-  if spec.adaptive and (draft_cost is None or verify_cost is None):
-    from engine.runtime.speculative.probes import loop_costs
-    measured = loop_costs(params, cfg, len(lengths), spec.num_draft_tokens, spec.method,
-                          page_table.shape[1], page_size, dtype, impl, spec.draft_cfg,
-                          spec.draft_params)
-    draft_cost = measured[0] if draft_cost is None else draft_cost
-    verify_cost = measured[1] if verify_cost is None else verify_cost
-  out, cache = speculative_decode(
-      params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
-      prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
-      memory.table if memory is not None else None, max_steps=max_steps,
-      num_draft=spec.num_draft_tokens, drafter=spec.method, cfg=cfg,
-      draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl,
-      adaptive=spec.adaptive, verify_cost=verify_cost or 0.0, draft_cost=draft_cost or 0.0)
+  from engine.runtime.speculative import goodput, probes
+  from engine.runtime.speculative.loop import spec_k_choices
+  choices = spec_k_choices(spec.num_draft_tokens, spec.method) if spec.adaptive else ()
+
+  def run(cache, table, stops, costs, force_k):
+    return speculative_decode(
+        params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
+        prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
+        table, max_steps=max_steps, num_draft=spec.num_draft_tokens, drafter=spec.method,
+        cfg=cfg, draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl,
+        adaptive=spec.adaptive, step_costs=costs, force_k=np.int32(force_k))
+
+  costs = None
+  if spec.adaptive and spec.draft_cost is None and spec.verify_cost is None:
+    # Timed on this very program (forced to each choice, on a scratch cache and table, its
+    # own budgets and no stop ids), so the probes compile nothing the real call will not use.
+    scratch = {"cache": jax.tree.map(jnp.zeros_like, cache),
+               "table": None if memory is None else jax.tree.map(jnp.copy, memory.table)}
+    def probe(i, n):
+      budget = StopCriteria(max_new_tokens=jnp.full_like(stops.max_new_tokens, n),
+                            stop_ids=jnp.full_like(stops.stop_ids, -1),
+                            min_new_tokens=jnp.zeros_like(stops.min_new_tokens))
+      res, scratch["cache"] = run(scratch["cache"], scratch["table"], budget,
+                                  goodput.step_costs(choices, len(lengths)), i)
+      scratch["table"] = res.ngram_table
+      return res.k_steps
+
+    key = (cfg, len(lengths), spec.num_draft_tokens, spec.method, page_table.shape, max_steps,
+           page_size, jnp.dtype(dtype).name, spec.draft_cfg, impl)
+    costs = jnp.asarray(probes.loop_costs(key, probe, choices,
+                                          min(max_steps, probes.LOOP_PROBE_TOKENS)),
+                        jnp.float32)
+    del scratch
+  elif spec.adaptive:
+    costs = goodput.step_costs(choices, len(lengths), spec.draft_cost or 0.0,
+                               spec.verify_cost or 0.0)
+  out, cache = run(cache, memory.table if memory is not None else None, stops, costs, -1)
   del cache
   if memory is not None:
     memory.table = out.ngram_table
@@ -325,9 +348,7 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
                            int(st.accepted_tokens[i]), int(st.steps[i]), int(counts[i]) - 1,
                            [int(x) for x in st.accepted_at[i]])
     if spec.adaptive:  # loop steps per draft length (the whole batch shares the choice)
-      from engine.runtime.speculative.loop import spec_k_choices
-      summary["k_steps"] = dict(zip(spec_k_choices(spec.num_draft_tokens, spec.method),
-                                    map(int, k_steps)))
+      summary["k_steps"] = dict(zip(choices, map(int, k_steps)))
     result.append(Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
                              finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
                              prompt_tokens=lengths[i], spec=summary))

@@ -15,9 +15,10 @@ nothing. Each position's estimate has a weak prior: the estimate one position sh
 (`conditional_acceptance`), so where deep evidence is missing the model is the geometric
 one, and a drafter that stopped paying is retried once its evidence has decayed.
 
-The fixed-batch loop (`loop.py`) models a step's cost relative to a plain decode step as
-T(B, k) = 1 + k (draft_cost + verify_cost B) and picks k* = argmax_k B E[tau](k) / T(B, k)
-over the compiled choices (k = 0 is plain decoding) (`choose`). The serving loop sizes the
+The fixed-batch loop (`loop.py`) picks k* = argmax_k E[tau](k) / T(k) over the compiled
+choices (k = 0 is plain decoding) (`choose`), with T(k) an iteration's time at each choice:
+measured on the loop itself (`probes.loop_costs`) or T = 1 + k (draft_cost + verify_cost B)
+(`step_costs`). The serving loop sizes the
 block and every row's drafts together (`plan`), with each row's own gains (`row_gains`).
 """
 
@@ -102,13 +103,21 @@ def expected_tokens(gain: jnp.ndarray, k: int) -> jnp.ndarray:
   return 1.0 + jnp.sum(gain[..., :k], axis=-1)
 
 
-def choose(gain: jnp.ndarray, live_rows: jnp.ndarray, choices: tuple[int, ...],
-           draft_cost: float, verify_cost: float) -> jnp.ndarray:
-  """Index into `choices` of the k maximising tokens per unit of step time; gain [J]."""
+def step_costs(choices: tuple[int, ...], batch: int, draft_cost: float = 0.0,
+               verify_cost: float = 0.02) -> jnp.ndarray:
+  """[C] T(B, k) = 1 + k (draft_cost + verify_cost B) per choice: a step's time relative to a
+  plain decode step, from a drafted token's cost and a verified position's per row."""
   ks = jnp.asarray(choices, jnp.float32)
+  return 1.0 + ks * (draft_cost + verify_cost * batch)
+
+
+def choose(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...]) -> jnp.ndarray:
+  """Index into `choices` of the k maximising expected tokens per unit of step time; gain [J]
+  (`gains`), costs [C] each choice's step time (any common unit). Every live row gains
+  E[tau](k) and the batch's step costs the same whichever rows are live (its shape is fixed),
+  so the choice does not depend on how many rows are live."""
   tokens = jnp.stack([expected_tokens(gain, k) for k in choices])
-  cost = 1.0 + ks * (draft_cost + verify_cost * live_rows.astype(jnp.float32))
-  return jnp.argmax(tokens / cost).astype(jnp.int32)
+  return jnp.argmax(tokens / costs).astype(jnp.int32)
 
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,

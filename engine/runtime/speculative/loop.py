@@ -155,7 +155,7 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
 
 @functools.partial(
     jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl",
-                              "adaptive", "draft_cost", "verify_cost"),
+                              "adaptive"),
     donate_argnames=("cache", "ngram_table"))
 def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                        prompt_tokens: jax.Array, lengths: jax.Array, page_table: jax.Array,
@@ -166,7 +166,7 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                        num_draft: int,
                        drafter: str, cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
                        impl: KernelChoice = REFERENCE, adaptive: bool = False,
-                       draft_cost: float = 0.0, verify_cost: float = 0.02
+                       step_costs: jax.Array | None = None, force_k: jax.Array | int = -1
                        ) -> tuple[SpecOutput, Cache]:
   """Speculative generation of up to `max_steps` tokens per row.
 
@@ -181,7 +181,10 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     num_draft: K, drafted tokens per step (>= 1); with `adaptive`, the most per step.
     drafter: one of DRAFTERS.
     adaptive: choose the draft length every step from `goodput` (k in `spec_k_choices`);
-      draft_cost, verify_cost: its cost model. At k = 0 deterministic drafters still look up
+      step_costs [len(choices)]: an iteration's time at each choice, relative to the first
+      (`probes.loop_costs` measures them; None: `goodput.step_costs` with draft cost 0 and
+      verify cost 0.02 per row and token); force_k: an index into the choices (the loop
+      probes), or -1 for the goodput choice. At k = 0 deterministic drafters still look up
       one token, compared with the emitted one, so the estimate keeps tracking them.
   Returns:
     (SpecOutput, cache).
@@ -249,7 +252,9 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
           page_table, sampling, k=k, draft_cfg=draft_cfg, impl=impl)
       n_draft = jnp.full((b,), k, jnp.int32)
     # The step emits n_draft + 1 tokens at most: never pass the row's limit (nor the cache).
-    n_draft = jnp.where(live, jnp.minimum(n_draft, limit - n_out - 1), 0)
+    space = jnp.where(live, limit - n_out - 1, 0)  # drafts the row could still take
+    room = jnp.minimum(k, space)
+    n_draft = jnp.minimum(n_draft, room)
 
     # 2-3. Verify with one target forward, emit d_1 .. d_a and the extra token.
     v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, n_out,
@@ -282,23 +287,26 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
              "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
 
     stats = stats.add(live, n_draft, n_acc)
-    # Rows that drafted: accepted at positions 1 .. n_acc, ended at n_acc + 1 on a rejection.
-    evidence = goodput.position_evidence(n_acc, n_acc < n_draft, num_draft, live & (n_draft > 0))
+    # Every row with room: accepted at positions 1 .. n_acc, ended at n_acc + 1 on a rejection
+    # or where the drafter proposed nothing (a row without a proposal gains nothing from the
+    # block it pays for: P(proposed and accepted) is what E[tau] needs); censored past its room.
+    ended = (n_acc < n_draft) | (n_draft < room)
+    evidence = goodput.position_evidence(n_acc, ended, num_draft, room > 0)
     if lookahead is not None:  # evidence at no verify cost: would the drafter have been right?
-      proposed = live & (lookahead[1] > 0)
-      right = lookahead[0][:, 0] == v.emitted[:, 0]
-      evidence = goodput.position_evidence(right, ~right, num_draft, proposed)
+      right = (lookahead[1] > 0) & (lookahead[0][:, 0] == v.emitted[:, 0])
+      evidence = goodput.position_evidence(right, ~right, num_draft, space > 0)
     return ((cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats),
             jnp.sum(evidence, axis=0))
 
   choices = spec_k_choices(k, drafter) if adaptive else (k,)
+  costs = (goodput.step_costs(choices, b) if step_costs is None
+           else jnp.asarray(step_costs, jnp.float32))
 
   def body(loop_state):
     state, counts, k_steps = loop_state
     if adaptive:
-      live_rows = jnp.sum(state[7] == FINISH_NONE)
-      index = goodput.choose(goodput.drafter_gains(counts), live_rows, choices, draft_cost,
-                             verify_cost)
+      index = goodput.choose(goodput.drafter_gains(counts), costs, choices)
+      index = jnp.where(force_k >= 0, force_k, index)
       state, evidence = jax.lax.switch(
           index, [functools.partial(step, kc) for kc in choices], state)
     else:

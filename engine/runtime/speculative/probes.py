@@ -6,8 +6,9 @@
 * `forward_probes`: those probes for the verify forward at given k and the model drafters;
 * `time_interleaved`: runs every probe once per round, rounds interleaved, and keeps each one's
   fastest time, so load from elsewhere on the machine slows all probes alike;
-* `loop_costs`: the fixed-batch loop's costs (`loop.speculative_decode`, model
-  T(B, k) = 1 + k (draft_cost + verify_cost B)), measured once per process and shape.
+* `loop_costs`: the fixed-batch loop's time per iteration at each compiled k
+  (`loop.speculative_decode`'s step_costs), timed on the loop itself once per process and
+  shape.
 
 The serving engine fits its own model from the same probes (`SpecRuntime.measure_costs`).
 """
@@ -22,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.model.cache import init_cache
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice
 from engine.model.params import Params
@@ -110,33 +110,47 @@ def forward_probes(params: Params, cfg: ModelConfig, b: int, ks, page_table: np.
   return out
 
 
-# (cfg, B, K, method, max_pages, page_size, dtype, draft cfg, impl) -> (draft_cost, verify_cost)
-_LOOP_COSTS: dict[tuple, tuple[float, float]] = {}
-# Floor of the measured verify cost per row and drafted column: timings within noise of each
-# other must not make verification free (a drafter would then never back off).
-MIN_VERIFY_COST = 0.005
+# Tokens per row in one loop-probe call: enough iterations that a call's dispatch is small.
+LOOP_PROBE_TOKENS = 32
+# Least cost of a verified column relative to the narrowest choice's iteration (as the
+# engine's MIN_BASE).
+MIN_COLUMN_COST = 0.03
+# (cfg, B, K, method, page table shape, max_steps, page_size, dtype, draft cfg, impl) ->
+# [len(choices)] the fixed-batch loop's time per iteration at each choice, relative to the first.
+_LOOP_COSTS: dict[tuple, np.ndarray] = {}
 
 
-def loop_costs(params: Params, cfg: ModelConfig, b: int, k: int, method: str, max_pages: int,
-               page_size: int, dtype: Any, impl: KernelChoice, draft_cfg: ModelConfig | None = None,
-               draft_params: Params | None = None, rounds: int = 5) -> tuple[float, float]:
-  """(draft_cost, verify_cost) of the fixed-batch loop's goodput model, relative to a plain
-  decode step of B rows: verify_cost = (t_verify(B, k + 1 tokens) / t(B, 1) - 1) / (k B), and
-  draft_cost per drafted token = one MTP layer step (mtp) or one draft-model decode step
-  (draft) over t(B, 1); n-gram lookups count as free. Measured on a scratch cache whose rows
-  all read the null page (max_pages pages each, as the real rows' attention does)."""
-  key = (cfg, b, k, method, max_pages, page_size, jnp.dtype(dtype).name, draft_cfg, impl)
+def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int, ...],
+               tokens: int, rounds: int = 3) -> np.ndarray:
+  """The step costs of the fixed-batch loop's goodput model (`loop.speculative_decode`'s
+  `step_costs`), measured on the loop itself once per process and `key`: run(i, n) is one call
+  of the compiled loop forced to choice i on scratch state with a budget of n tokens per row,
+  returning its iterations per choice (`k_steps`). A choice's time per iteration is the
+  difference between calls with budgets `tokens` and tokens // 2 over the difference in
+  iterations (what a call costs once, dispatch and transfers, cancels), fastest of `rounds`
+  interleaved rounds (after one that compiles); over the first choice's, made non-decreasing
+  in k (a wider block does all a narrower one does, so a lower figure is noise) and at least
+  MIN_COLUMN_COST more per verified column (timings within noise of each other must not make
+  drafting free: a drafter that is never right would then never back off). Timing the loop, not just its verify forward, prices what an iteration does besides
+  the forward (lookups, acceptance, bookkeeping): on the CPU demo a K = 4 iteration costs
+  ~1.4x what its forward alone predicts."""
   if key in _LOOP_COSTS:
     return _LOOP_COSTS[key]
-  caches = {"target": init_cache(cfg, 1, page_size, dtype)}
-  if method == "draft":
-    caches["draft"] = init_cache(draft_cfg, 1, page_size, dtype)
-  probes = forward_probes(params, cfg, b, (0, k), np.zeros((b, max_pages), np.int32), impl,
-                          np.random.default_rng(0), padded=False, mtp=method == "mtp",
-                          draft=(draft_cfg, draft_params) if method == "draft" else None)
-  best = time_interleaved(probes, caches, rounds)  # (PROBE_REPEATS forwards each: ratios)
-  step = best[("verify", b, 0, 1)]
-  verify = max((best[("verify", b, k, k + 1)] / step - 1.0) / (k * b), MIN_VERIFY_COST)
-  draft = best[(method, b)] / step if method in ("mtp", "draft") else 0.0
-  _LOOP_COSTS[key] = (float(draft), float(verify))
+  budgets = (tokens, max(tokens // 2, 1))
+  n_choices = len(choices)
+  best = np.full((n_choices, 2), np.inf)
+  iters = np.zeros((n_choices, 2))
+  for r in range(rounds + 1):
+    for i in range(n_choices):
+      for j, n in enumerate(budgets):
+        t0 = time.perf_counter()
+        iters[i, j] = int(np.sum(jax.device_get(run(i, n))))
+        if r:
+          best[i, j] = min(best[i, j], time.perf_counter() - t0)
+  per_iter = np.where(iters[:, 0] > iters[:, 1],
+                      (best[:, 0] - best[:, 1]) / np.maximum(iters[:, 0] - iters[:, 1], 1),
+                      best[:, 0] / np.maximum(iters[:, 0], 1))
+  cost = np.maximum.accumulate(np.maximum(per_iter, 1e-9)) / max(per_iter[0], 1e-9)
+  ks = np.asarray(choices, np.float64)
+  _LOOP_COSTS[key] = np.maximum(cost, 1.0 + MIN_COLUMN_COST * (ks - ks[0]))
   return _LOOP_COSTS[key]

@@ -145,6 +145,7 @@ class SpecRuntime:
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
                         for n in ("steps", "drafted", "accepted")}
     self.per_position = np.zeros((2, k), np.int64)  # drafted, accepted tokens at each slot
+    self.calibration = np.zeros((2,), np.float64)  # tokens expected / emitted when drafting
 
   @property
   def observes(self) -> bool:
@@ -299,9 +300,11 @@ class SpecRuntime:
         choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
         impl=impl)
     self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache
-    out, counts, spec, k_steps, mtp_h, lps, row_accept, by_drafter, self.accept_seen = (
+    out, counts, spec, k_steps, mtp_h, lps, row_accept, by_drafter, self.accept_seen, calib = (
         jax.device_get((res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden,
-                        res.logprobs, res.row_accept, res.by_drafter, res.accept)))
+                        res.logprobs, res.row_accept, res.by_drafter, res.accept,
+                        res.calibration)))
+    self.calibration += calib
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
       self._rest = REST_CALLS
@@ -340,6 +343,11 @@ class SpecRuntime:
     for d in self.enabled:
       for j, x in enumerate(c[drafter_id(d)]):
         s[f"spec_pos{j}_estimate_{d}"] = round(float(x), 4)
+    # Calibration of the goodput model over iterations that drafted: the tokens it expected
+    # (rows' gains at their draft counts) and the tokens emitted; a ratio above 1 means the
+    # acceptance estimates run ahead of what is accepted (so it drafts where it loses).
+    s["spec_model_expected_tokens"], s["spec_model_emitted_tokens"] = (
+        float(x) for x in self.calibration)
     for d in self.enabled:  # tokens per target forward of rows drafting with d
       steps_ = self.per_drafter[f"spec_steps_{d}"]
       if steps_:
@@ -382,10 +390,11 @@ class SpecRuntime:
                 0, self.cfg.vocab_size, (b,), dtype=np.int32))))
     # The loop probes teach the table junk and move the counters: kept aside, restored after.
     saved = (None if self.table is None else jax.tree.map(jnp.copy, self.table), self.accept,
-             self.accept_seen, self.k_steps.copy(), self._rest, self.per_position.copy())
+             self.accept_seen, self.k_steps.copy(), self._rest, self.per_position.copy(),
+             self.calibration.copy())
     best = time_interleaved(probes, caches, rounds)
-    (self.table, self.accept, self.accept_seen, self.k_steps, self._rest,
-     self.per_position) = saved
+    (self.table, self.accept, self.accept_seen, self.k_steps, self._rest, self.per_position,
+     self.calibration) = saved
     best = {key: t if key[0] in ("loop", "plain") else t / PROBE_REPEATS
             for key, t in best.items()}  # seconds per loop call, per forward
     table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(self.choices) | {0})}

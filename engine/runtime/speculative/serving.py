@@ -71,6 +71,8 @@ class LoopResult:
   stopped: jax.Array  # [B] bool
   stats: SpecStats
   k_steps: jax.Array  # [len(choices)] iterations run with each draft length
+  calibration: jax.Array  # [2] float32 over iterations that drafted: tokens the goodput model
+  # expected them to emit (from the rows' gains and draft counts), tokens they emitted
   accept: jax.Array  # [D, J, 2] updated acceptance counts per draft position
   table: learned.NgramTable | None
   mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
@@ -315,8 +317,13 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     index, k_rows = goodput.plan(gain, live & (ids > 0), live, room, choices, block_cost,
                                  costs[-1], costs[-4])
     forced = force_k >= 0
-    s = dict(s, ids=ids, k_rows=jnp.where(forced, room, k_rows))
+    k_rows = jnp.where(forced, room, k_rows)
+    s = dict(s, ids=ids, k_rows=k_rows)
     index = jnp.where(forced, force_k, index)
+    width = jnp.asarray(choices, jnp.int32)[index]
+    taken = jnp.arange(1, k_max + 1)[None, :] <= jnp.minimum(k_rows, width)[:, None]
+    expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))
+    before_count = jnp.sum(s["count"])
     # The learned table stays out of the switch: a buffer carried through a conditional whose
     # branches update it is copied there (XLA), a few MB every iteration. Drafts are looked up
     # before (k_max of them; a branch takes the first k) and emitted tokens learned after.
@@ -332,6 +339,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       s["table"] = learned.update(table, s["history"], before[:, None] + slots,
                                   slots < (s["history_len"] - before)[:, None])
     s["k_steps"] = s["k_steps"].at[index].add(1)
+    drafted = (width > 0).astype(jnp.float32)  # the model's calibration (`LoopResult`)
+    s["calibration"] = s["calibration"] + drafted * jnp.stack(
+        [expected, (jnp.sum(s["count"]) - before_count).astype(jnp.float32)])
     return s
 
   zeros = jnp.zeros((b,), jnp.int32)
@@ -342,7 +352,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
            accept=accept.astype(jnp.float32), row_accept=row_accept.astype(jnp.float32),
            ids=row_drafter.astype(jnp.int32), k_rows=zeros,
            by_drafter=jnp.zeros((b, n_ids, 3), jnp.int32),
-           k_steps=jnp.zeros((len(choices),), jnp.int32))
+           k_steps=jnp.zeros((len(choices),), jnp.int32),
+           calibration=jnp.zeros((2,), jnp.float32))
   kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
   s["lps"] = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
               jnp.zeros((b, max_steps, kt), jnp.float32))
@@ -361,7 +372,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                           s["n_pending"], page_table, cfg=draft_cfg, impl=impl)[1],
         s["draft_cache"])
   return LoopResult(out=s["out"], counts=s["count"], stopped=s["stopped"], stats=s["stats"],
-                    k_steps=s["k_steps"], accept=s["accept"], table=s.get("table"),
+                    k_steps=s["k_steps"], calibration=s["calibration"], accept=s["accept"],
+                    table=s.get("table"),
                     mtp_hidden=s.get("mtp_hidden"), row_accept=s["row_accept"],
                     by_drafter=s["by_drafter"], draft_cache=dcache,
                     logprobs=s["lps"]), s["cache"]
