@@ -11,11 +11,12 @@ acceptance). Workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EO
 * agent: a later turn that resends the conversation (prompt, the model's answer, the prompt
   again), so the answer repeats earlier context;
 * mixed: half fresh, half agent in one batch (rows that should draft differently).
-For each: output tok/s (best of `--repeats` after a warm-up pass), tokens per target forward
-of drafting rows, speedup over "off" on the same engine, the goodput model's calibration
-(tokens it expected over tokens emitted in iterations that drafted: above 1, its acceptance
-estimates run ahead of what is accepted), and whether every output equals "off"'s. The learned table keeps what earlier passes taught it (it learns across requests).
-Prints a table and writes JSON (`--out`). On CPU the times describe the reference path.
+For each: output tok/s (best of `--repeats` after a warm-up pass), tokens per target forward of
+drafting rows, speedup over "off" on the same engine, the goodput model's calibration (tokens it
+expected over tokens emitted in iterations that drafted: above 1, its acceptance estimates run
+ahead of what is accepted), and whether every output equals "off"'s. The learned table keeps
+what earlier passes taught it (it learns across requests). Prints a table and writes JSON
+(`--out`). On CPU the times describe the reference path.
 """
 
 from __future__ import annotations

@@ -123,17 +123,17 @@ _LOOP_COSTS: dict[tuple, np.ndarray] = {}
 def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int, ...],
                tokens: int, rounds: int = 3) -> np.ndarray:
   """The step costs of the fixed-batch loop's goodput model (`loop.speculative_decode`'s
-  `step_costs`), measured on the loop itself once per process and `key`: run(i, n) is one call
-  of the compiled loop forced to choice i on scratch state with a budget of n tokens per row,
-  returning its iterations per choice (`k_steps`). A choice's time per iteration is the
-  difference between calls with budgets `tokens` and tokens // 2 over the difference in
-  iterations (what a call costs once, dispatch and transfers, cancels), fastest of `rounds`
-  interleaved rounds (after one that compiles); over the first choice's, made non-decreasing
-  in k (a wider block does all a narrower one does, so a lower figure is noise) and at least
-  MIN_COLUMN_COST more per verified column (timings within noise of each other must not make
-  drafting free: a drafter that is never right would then never back off). Timing the loop, not just its verify forward, prices what an iteration does besides
-  the forward (lookups, acceptance, bookkeeping): on the CPU demo a K = 4 iteration costs
-  ~1.4x what its forward alone predicts."""
+  `step_costs`), measured on the loop itself once per process and `key`: run(i, n) is one call of
+  the compiled loop forced to choice i on scratch state with a budget of n tokens per row,
+  returning its iterations per choice (`k_steps`). A choice's time per iteration is the difference
+  between calls with budgets `tokens` and tokens // 2 over the difference in iterations (what a
+  call costs once, dispatch and transfers, cancels), fastest of `rounds` interleaved rounds (after
+  one that compiles); over the first choice's, made non-decreasing in k (a wider block does all a
+  narrower one does, so a lower figure is noise) and at least MIN_COLUMN_COST more per verified
+  column (timings within noise of each other must not make drafting free: a drafter that is never
+  right would then never back off). Timing the loop, not just its verify forward, prices what an
+  iteration does besides the forward (lookups, acceptance, bookkeeping): on the CPU demo a K = 4
+  iteration costs ~1.4x what its forward alone predicts."""
   if key in _LOOP_COSTS:
     return _LOOP_COSTS[key]
   budgets = (tokens, max(tokens // 2, 1))
