@@ -327,6 +327,12 @@ def test_adaptive_draft_length_keeps_output_and_backs_off(model, method):
   least = min(k_steps)
   assert k_steps[least] > k_steps[3]
   assert sum(k_steps.values()) == max(c.spec["steps"] for c in got)  # one choice per iteration
+  # Calibration counters: iterations that drafted had a live row each, which the model
+  # expected at least one token of and which emitted at least one.
+  drafting = sum(n for kk, n in k_steps.items() if kk > 0)
+  s = got[0].spec
+  assert drafting > 0 and s["model_expected_tokens"] >= drafting
+  assert drafting <= s["model_emitted_tokens"] <= len(PROMPTS) * 4 * drafting
 
 
 def test_adaptive_loop_measures_its_costs_once_per_shape(model):
@@ -381,13 +387,21 @@ def test_goodput_choice():
   assert choices == (0, 1, 2, 4) and goodput.k_choices(3, allow_zero=False) == (1, 2, 3)
   geometric = lambda a: goodput.gains(jnp.full((4,), a, jnp.float32))
   pick = lambda gain, rows, dc: choices[int(goodput.choose(
-      gain, goodput.step_costs(choices, rows, dc, 0.02), choices))]
+      gain[None], goodput.step_costs(choices, rows, dc, 0.02), choices, jnp.asarray([64])))]
   assert pick(geometric(0.9), 1, 0.0) == 4  # cheap, accurate drafts: draft the most
   assert pick(geometric(0.05), 1, 0.2) == 0  # costly, useless drafts: plain decoding
   assert pick(geometric(0.7), 64, 0.0) < pick(geometric(0.7), 1, 0.0)  # big batch: dear
   # The same first-position rate, but chains that end at the second draft: one draft is best.
   assert pick(goodput.gains(jnp.asarray([0.9, 0.05, 0.05, 0.05])), 1, 0.05) == 1
   np.testing.assert_allclose(goodput.expected_tokens(geometric(0.5), 2), 1.75, rtol=1e-6)
+  # A fixed batch takes as long as its slowest row: drafts that only help a row that finishes
+  # early do not pay; drafts for the row with the most left to emit do.
+  rows = jnp.stack([geometric(0.9), geometric(0.02)])
+  costs = goodput.step_costs(choices, 2, 0.0, 0.05)
+  slow_rejects = goodput.choose(rows, costs, choices, jnp.asarray([10, 60]))
+  slow_accepts = goodput.choose(rows, costs, choices, jnp.asarray([60, 10]))
+  assert choices[int(slow_rejects)] == 0 and choices[int(slow_accepts)] == 4
+  assert choices[int(goodput.choose(rows, costs, choices, jnp.asarray([60, 0])))] == 4
 
 
 def test_acceptance_is_estimated_per_draft_position():

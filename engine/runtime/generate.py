@@ -339,8 +339,8 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
   del cache
   if memory is not None:
     memory.table = out.ngram_table
-  toks, counts, reasons, st, k_steps = jax.device_get(
-      (out.tokens, out.num_tokens, out.finish_reason, out.stats, out.k_steps))
+  toks, counts, reasons, st, k_steps, calibration = jax.device_get(
+      (out.tokens, out.num_tokens, out.finish_reason, out.stats, out.k_steps, out.calibration))
   result = []
   for i in range(len(lengths)):
     # Tokens from verification steps: all but the first (which prefill produced).
@@ -349,6 +349,9 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
                            [int(x) for x in st.accepted_at[i]])
     if spec.adaptive:  # loop steps per draft length (the whole batch shares the choice)
       summary["k_steps"] = dict(zip(choices, map(int, k_steps)))
+      # the goodput model's tokens expected / emitted over the batch's steps that drafted
+      summary["model_expected_tokens"], summary["model_emitted_tokens"] = map(float,
+                                                                              calibration)
     result.append(Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
                              finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
                              prompt_tokens=lengths[i], spec=summary))

@@ -15,8 +15,9 @@ nothing. Each position's estimate has a weak prior: the estimate one position sh
 (`conditional_acceptance`), so where deep evidence is missing the model is the geometric
 one, and a drafter that stopped paying is retried once its evidence has decayed.
 
-The fixed-batch loop (`loop.py`) picks k* = argmax_k E[tau](k) / T(k) over the compiled
-choices (k = 0 is plain decoding) (`choose`), with T(k) an iteration's time at each choice:
+The fixed-batch loop (`loop.py`) picks the k that finishes its batch soonest,
+argmin_k T(k) max_b remaining_b / E_b[tau](k), over the compiled choices (k = 0 is plain
+decoding) (`choose`), with each row's own gains and T(k) an iteration's time at each choice:
 measured on the loop itself (`probes.loop_costs`) or T = 1 + k (draft_cost + verify_cost B)
 (`step_costs`). The serving loop sizes the
 block and every row's drafts together (`plan`), with each row's own gains (`row_gains`).
@@ -111,13 +112,19 @@ def step_costs(choices: tuple[int, ...], batch: int, draft_cost: float = 0.0,
   return 1.0 + ks * (draft_cost + verify_cost * batch)
 
 
-def choose(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...]) -> jnp.ndarray:
-  """Index into `choices` of the k maximising expected tokens per unit of step time; gain [J]
-  (`gains`), costs [C] each choice's step time (any common unit). Every live row gains
-  E[tau](k) and the batch's step costs the same whichever rows are live (its shape is fixed),
-  so the choice does not depend on how many rows are live."""
-  tokens = jnp.stack([expected_tokens(gain, k) for k in choices])
-  return jnp.argmax(tokens / costs).astype(jnp.int32)
+def choose(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
+           remaining: jnp.ndarray) -> jnp.ndarray:
+  """Index into `choices` of the k that finishes a fixed batch soonest: gain [B, J] each row's
+  gains (`gains`), costs [C] each choice's step time (any common unit; the batch's shape is
+  fixed, so a step costs the same whichever rows are live), remaining [B] tokens each row
+  still has to emit (0: done). The batch takes as many steps as its slowest row needs,
+  remaining_b / E_b[tau](k), so k minimises T(k) max_b remaining_b / E_b[tau](k): drafts
+  that only speed up rows which finish early anyway do not pay, and a batch whose slowest
+  row accepts nothing decodes plainly. (With equal rows this is the most tokens per unit of
+  step time.)"""
+  tokens = jnp.stack([expected_tokens(gain, k) for k in choices])  # [C, B]
+  steps = jnp.max(remaining.astype(jnp.float32)[None, :] / tokens, axis=1)
+  return jnp.argmin(costs * steps).astype(jnp.int32)
 
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,

@@ -74,6 +74,8 @@ class SpecOutput:
   stats: SpecStats
   ngram_table: learned.NgramTable | None  # the updated table (drafter "learned")
   k_steps: jax.Array  # [len(choices)] loop steps run with each draft length (see k_choices)
+  calibration: jax.Array  # [2] float32 over steps that drafted: tokens the goodput model
+  # expected (live rows' E[tau] at their room), tokens emitted
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -217,14 +219,14 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
         page_table, cfg=cfg, impl=impl)
   elif drafter == "draft":
     aux = {"cache": draft_cache, "lag": jnp.zeros((b,), bool), "lag_tok": tok}
-  elif drafter == "learned":
-    aux = {"table": ngram_table}
+  elif drafter == "learned":  # the table stays out of the steps (see `body`)
+    aux = {"proposal": (jnp.zeros((b, k), jnp.int32), jnp.zeros((b,), jnp.int32))}
 
   stats = SpecStats.zeros(b, k)
 
   def step(k, state):
-    """One draft-verify step with k (static) drafts; returns (state, acceptance evidence per
-    draft position [num_draft, 2] (`goodput.position_evidence`), summed over rows)."""
+    """One draft-verify step with k (static) drafts; returns (state, each row's acceptance
+    evidence per draft position [B, num_draft, 2], `goodput.position_evidence`)."""
     cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
     live = reasons == FINISH_NONE
     live_i = live.astype(jnp.int32)
@@ -237,11 +239,11 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
       if drafter == "ngram":
         lookahead = drafters.ngram_propose(history, n_cached, 1)
       elif drafter == "learned":
-        lookahead = learned.propose(aux["table"], history, n_cached, 1)
+        lookahead = (aux["proposal"][0][:, :1], jnp.minimum(aux["proposal"][1], 1))
     elif drafter == "ngram":
       draft, n_draft = drafters.ngram_propose(history, n_cached, k)
-    elif drafter == "learned":
-      draft, n_draft = learned.propose(aux["table"], history, n_cached, k)
+    elif drafter == "learned":  # looked up before the switch: the first k of num_draft
+      draft, n_draft = aux["proposal"][0][:, :k], jnp.minimum(aux["proposal"][1], k)
     elif drafter == "mtp":
       draft, q, cache = drafters.mtp_propose(params, cache, aux["mtp_hidden"], n_cached, live,
                                              page_table, sampling, k=k, cfg=cfg, impl=impl)
@@ -277,10 +279,6 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                                                (n_acc + 1) * live_i, page_table, cfg=cfg,
                                                impl=impl)
       aux = {"mtp_hidden": jnp.where(live[:, None], mtp_hidden, aux["mtp_hidden"])}
-    elif drafter == "learned":  # learn from every emitted token (history already holds them)
-      emitted_at = n_cached[:, None] + 1 + jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-      aux = {"table": learned.update(aux["table"], history, emitted_at,
-                                     jnp.arange(k + 1)[None, :] < n_emit[:, None])}
     elif drafter == "draft":
       all_in = live & (n_acc == k)  # d_K was accepted but never fed to the draft model
       aux = {"cache": dcache, "lag": jnp.where(live, all_in, aux["lag"]),
@@ -295,33 +293,58 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     if lookahead is not None:  # evidence at no verify cost: would the drafter have been right?
       right = (lookahead[1] > 0) & (lookahead[0][:, 0] == v.emitted[:, 0])
       evidence = goodput.position_evidence(right, ~right, num_draft, space > 0)
-    return ((cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats),
-            jnp.sum(evidence, axis=0))
+    return (cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats), evidence
 
   choices = spec_k_choices(k, drafter) if adaptive else (k,)
   costs = (goodput.step_costs(choices, b) if step_costs is None
            else jnp.asarray(step_costs, jnp.float32))
 
   def body(loop_state):
-    state, counts, k_steps = loop_state
+    state, counts, row_counts, k_steps, calibration, table = loop_state
+    gain = goodput.row_gains(row_counts[:, None], counts[None])[:, 0]  # [B, K]
+    n_out, live = state[5], state[7] == FINISH_NONE
+    history, n_cached = state[2], state[4]
+    if table is not None:
+      # The learned table stays out of the switch (a buffer that a conditional's branches
+      # update is copied there, the whole table every iteration): num_draft drafts are looked
+      # up before it (a branch takes the first k) and the emitted tokens learned after. The
+      # barrier keeps XLA from sinking the reads into the branches.
+      proposal, table = jax.lax.optimization_barrier(
+          (learned.propose(table, history, n_cached, k), table))
+      state = (state[0], {"proposal": proposal}, *state[2:])
     if adaptive:
-      index = goodput.choose(goodput.drafter_gains(counts), costs, choices)
+      index = goodput.choose(gain, costs, choices, jnp.where(live, limit - n_out, 0))
       index = jnp.where(force_k >= 0, force_k, index)
-      state, evidence = jax.lax.switch(
+      state_after, evidence = jax.lax.switch(
           index, [functools.partial(step, kc) for kc in choices], state)
     else:
       index = jnp.int32(0)
-      state, evidence = step(k, state)
-    return state, goodput.decay_add(counts, evidence), k_steps.at[index].add(1)
+      state_after, evidence = step(k, state)
+    # Calibration: tokens the model expected of this iteration (each live row's E[tau] at the
+    # drafts it had room for) against those emitted, over iterations that drafted.
+    width = jnp.asarray(choices, jnp.int32)[index]
+    room = jnp.minimum(width, jnp.maximum(limit - n_out - 1, 0))
+    taken = jnp.arange(1, k + 1)[None, :] <= room[:, None]
+    expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))
+    emitted = jnp.sum(state_after[5] - n_out).astype(jnp.float32)
+    calibration = calibration + (width > 0) * jnp.stack([expected, emitted])
+    if table is not None:  # learn from every emitted token (history now holds them)
+      slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+      table = learned.update(table, state_after[2], n_cached[:, None] + 1 + slots,
+                             slots < (state_after[4] - n_cached)[:, None])
+    return (state_after, goodput.decay_add(counts, jnp.sum(evidence, axis=0)),
+            goodput.decay_add(row_counts, evidence), k_steps.at[index].add(1), calibration,
+            table)
 
   state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
-  loop_state = (state, jnp.zeros((k, 2), jnp.float32), jnp.zeros((len(choices),), jnp.int32))
+  loop_state = (state, jnp.zeros((k, 2), jnp.float32), jnp.zeros((b, k, 2), jnp.float32),
+                jnp.zeros((len(choices),), jnp.int32), jnp.zeros((2,), jnp.float32),
+                ngram_table if drafter == "learned" else None)
   loop_state = jax.lax.while_loop(lambda s: jnp.any(s[0][7] == FINISH_NONE), body, loop_state)
-  (cache, aux, _, _, n_cached, n_out, out, reasons, stats), _, k_steps = loop_state
+  (cache, _, _, _, n_cached, n_out, out, reasons, stats), _, _, k_steps, calib, table = loop_state
   return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
-                    cache_lengths=n_cached, stats=stats,
-                    ngram_table=aux["table"] if drafter == "learned" else None,
-                    k_steps=k_steps), cache
+                    cache_lengths=n_cached, stats=stats, ngram_table=table,
+                    k_steps=k_steps, calibration=calib), cache
 
 
 def spec_k_choices(num_draft: int, drafter: str) -> tuple[int, ...]:
