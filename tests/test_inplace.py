@@ -136,16 +136,12 @@ def test_serving_loop_keeps_caches_and_table_in_place(monkeypatch):
   assert not copied, copied
 
 
-@pytest.mark.parametrize("drafter", [
-    "learned",
-    pytest.param("mtp", marks=pytest.mark.xfail(strict=True, reason=(
-        "known: the fixed-batch loop's MTP propose/observe update the MTP layer's cache inside "
-        "the k-switch, which XLA copies every iteration (the serving loop keeps it in place "
-        "with run_if)")))])
+@pytest.mark.parametrize("drafter", ["learned", "mtp"])
 def test_fixed_batch_loop_keeps_cache_and_table_in_place(monkeypatch, drafter):
   """`generate_tokens`' adaptive speculative loop: no copy of a cache layer or of the learned
-  table (which is updated outside the k-switch, as in the serving loop; before, the whole
-  table was copied every iteration)."""
+  table. Before, XLA copied the whole table every iteration (it was updated inside the
+  k-switch; now before and after it) and the MTP layer's cache (updated by propose and
+  observe inside a branch; now through `run_if`)."""
   from engine.runtime.generate import SpeculativeConfig, generate_tokens
   from engine.runtime.speculative import learned, loop
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))

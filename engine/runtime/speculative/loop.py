@@ -31,6 +31,7 @@ from engine.runtime.generate import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, St
 from engine.runtime.sampling import SamplingArrays, sample
 from engine.runtime.speculative import drafters, goodput, learned
 from engine.runtime.speculative.acceptance import verify
+from engine.runtime.speculative.inplace import run_if
 
 DRAFTERS = ("ngram", "mtp", "draft", "learned")
 
@@ -245,8 +246,14 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     elif drafter == "learned":  # looked up before the switch: the first k of num_draft
       draft, n_draft = aux["proposal"][0][:, :k], jnp.minimum(aux["proposal"][1], k)
     elif drafter == "mtp":
-      draft, q, cache = drafters.mtp_propose(params, cache, aux["mtp_hidden"], n_cached, live,
-                                             page_table, sampling, k=k, cfg=cfg, impl=impl)
+      # (run_if, a loop of one trip here: XLA copied the MTP layer's cache, updated in this
+      # k-switch branch, every iteration; see `inplace.run_if`)
+      shapes = jax.eval_shape(lambda c: drafters.mtp_propose(
+          params, c, aux["mtp_hidden"], n_cached, live, page_table, sampling, k=k, cfg=cfg,
+          impl=impl)[:2], cache)
+      draft, q, cache = run_if(jnp.bool_(True), lambda st: drafters.mtp_propose(
+          params, st[2], aux["mtp_hidden"], n_cached, live, page_table, sampling, k=k, cfg=cfg,
+          impl=impl), (*(jnp.zeros(x.shape, x.dtype) for x in shapes), cache))
       n_draft = jnp.full((b,), k, jnp.int32)
     else:
       draft, q, dcache = drafters.draft_model_propose(
@@ -275,9 +282,13 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
 
     # 4. Let the drafter see what was verified (MTP: the verified block's hidden states).
     if drafter == "mtp":
-      mtp_hidden, cache = drafters.mtp_observe(params, cache, hidden, emitted, n_cached,
-                                               (n_acc + 1) * live_i, page_table, cfg=cfg,
-                                               impl=impl)
+      def observe(st):
+        h, c = drafters.mtp_observe(params, st[1], hidden, emitted, n_cached,
+                                    (n_acc + 1) * live_i, page_table, cfg=cfg, impl=impl)
+        return h.astype(st[0].dtype), c
+
+      mtp_hidden, cache = run_if(jnp.bool_(True), observe,
+                                 (jnp.zeros_like(aux["mtp_hidden"]), cache))
       aux = {"mtp_hidden": jnp.where(live[:, None], mtp_hidden, aux["mtp_hidden"])}
     elif drafter == "draft":
       all_in = live & (n_acc == k)  # d_K was accepted but never fed to the draft model
