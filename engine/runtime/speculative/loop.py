@@ -315,25 +315,32 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     gain = goodput.row_gains(row_counts[:, None], counts[None])[:, 0]  # [B, K]
     n_out, live = state[5], state[7] == FINISH_NONE
     history, n_cached = state[2], state[4]
-    if table is not None:
-      # The learned table stays out of the switch (a buffer that a conditional's branches
-      # update is copied there, the whole table every iteration): num_draft drafts are looked
-      # up before it (a branch takes the first k) and the emitted tokens learned after. The
-      # barrier keeps XLA from sinking the reads into the branches.
-      proposal, table = jax.lax.optimization_barrier(
-          (learned.propose(table, history, n_cached, k), table))
-      state = (state[0], {"proposal": proposal}, *state[2:])
     if adaptive:
       index = goodput.choose(gain, costs, choices, jnp.where(live, limit - n_out, 0))
       index = jnp.where(force_k >= 0, force_k, index)
+    else:
+      index = jnp.int32(0)
+    width = jnp.asarray(choices, jnp.int32)[index]
+    if table is not None:
+      # The learned table stays out of the switch (a buffer that a conditional's branches
+      # update is copied there, the whole table every iteration): num_draft drafts are looked
+      # up before it (a branch takes the first k; k = 0 looks up one) and the emitted tokens
+      # learned after. The barrier keeps XLA from sinking the reads into the branches.
+      def one(_):
+        d, n = learned.propose(table, history, n_cached, 1)
+        return jnp.pad(d, ((0, 0), (0, k - 1))), n
+
+      proposal = jax.lax.cond(width > 0, lambda _: learned.propose(table, history, n_cached, k),
+                              one, None)
+      proposal, table = jax.lax.optimization_barrier((proposal, table))
+      state = (state[0], {"proposal": proposal}, *state[2:])
+    if adaptive:
       state_after, evidence = jax.lax.switch(
           index, [functools.partial(step, kc) for kc in choices], state)
     else:
-      index = jnp.int32(0)
       state_after, evidence = step(k, state)
     # Calibration: tokens the model expected of this iteration (each live row's E[tau] at the
     # drafts it had room for) against those emitted, over iterations that drafted.
-    width = jnp.asarray(choices, jnp.int32)[index]
     room = jnp.minimum(width, jnp.maximum(limit - n_out - 1, 0))
     taken = jnp.arange(1, k + 1)[None, :] <= room[:, None]
     expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))

@@ -111,7 +111,7 @@ def forward_probes(params: Params, cfg: ModelConfig, b: int, ks, page_table: np.
 
 
 # Tokens per row in one loop-probe call: enough iterations that a call's dispatch is small.
-LOOP_PROBE_TOKENS = 32
+LOOP_PROBE_TOKENS = 64
 # Least cost of a verified column relative to the narrowest choice's iteration (as the
 # engine's MIN_BASE).
 MIN_COLUMN_COST = 0.03
@@ -121,7 +121,7 @@ _LOOP_COSTS: dict[tuple, np.ndarray] = {}
 
 
 def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int, ...],
-               tokens: int, rounds: int = 3) -> np.ndarray:
+               tokens: int, rounds: int = 5) -> np.ndarray:
   """The step costs of the fixed-batch loop's goodput model (`loop.speculative_decode`'s
   `step_costs`), measured on the loop itself once per process and `key`: run(i, n) is one call of
   the compiled loop forced to choice i on scratch state with a budget of n tokens per row,
