@@ -18,7 +18,6 @@ threads and never wait for a device step (adds and aborts go through an inbox).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import itertools
@@ -43,6 +42,7 @@ from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Re
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
 from engine.runtime.speculative.runtime import SpecRuntime
+from engine.runtime.warmup import compile_buckets
 
 MAX_STOP_IDS = 16  # stop token ids per request (EOS included): a static shape of decode_loop
 
@@ -524,47 +524,10 @@ class Engine:
     """Compiles every bucket (mixed shapes, then decode-loop batch sizes, plain and, with
     drafters, speculative); with `adaptive_k`, measures the cost model (`SpecRuntime`).
     Returns the number of programs. `progress(done, total, what)` is called after each."""
-    shapes = [("step", b, w) for b, w in self.buckets.mixed_shapes()]
-    shapes += [("decode", b, 1) for b in self.buckets.decode]
-    if self.spec.enabled:
-      shapes += [("spec", b, 1) for b in self.buckets.decode]
     with self._lock, self._on_mesh():
-      for i, (kind, b, w) in enumerate(shapes):
-        table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
-        zeros = np.zeros((b,), np.int32)
-        # Work at positions past the page table (writes dropped): every loop body runs once.
-        past = np.full((b,), self.max_pages_per_seq * self.config.page_size, np.int32)
-        full, ones = np.full((b,), w, np.int32), np.ones((b,), np.int32)
-        samp = self._sampling_arrays([None] * b)
-        stop_ids = np.full((b, MAX_STOP_IDS), -1, np.int32)
-        if kind == "step" and self.spec.observes:
-          *_, self.cache = self.spec.model_step(
-              self.params, self.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
-              np.zeros((b, w), np.int32), impl=self.config.kernels)
-        elif kind == "step":
-          _, _, self.cache = steps.model_step(
-              self.params, self.cache, np.zeros((b, w), np.int32), past, full, table, samp,
-              cfg=self.cfg, impl=self.config.kernels)
-        elif kind == "spec":
-          *_, self.cache = self.spec.decode(
-              self.params, self.cache, [], zeros, zeros, table, samp, stop_ids, zeros, zeros,
-              1, collections.Counter(), impl=self.config.kernels)
-        else:
-          *_, self.cache = steps.decode_loop(
-              self.params, self.cache, zeros, past, table, samp, stop_ids, ones, zeros,
-              np.int32(1), np.bool_(False), max_steps=self.config.max_decode_steps,
-              cfg=self.cfg, impl=self.config.kernels)
-          self.spec.learn([], np.zeros((b, self.config.max_decode_steps), np.int32), zeros)
-        if progress is not None:
-          progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
-      if self.spec.enabled and self.config.adaptive_k:
-        sizes = (min(self.buckets.decode), max(self.buckets.decode))
-        self.cache = self.spec.measure_costs(self.params, self.cache, sizes,
-                                             self.max_pages_per_seq, stop_width=MAX_STOP_IDS,
-                                             impl=self.config.kernels)
-      jax.block_until_ready(self.cache)
+      n = compile_buckets(self, progress, stop_width=MAX_STOP_IDS)
     self._take_snapshot()
-    return len(shapes)
+    return n
 
   def save_traffic_stats(self) -> None:
     if self.config.traffic_stats_path:

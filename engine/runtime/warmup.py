@@ -1,0 +1,63 @@
+"""`Engine.warmup`'s work: compile every bucket before traffic arrives, then (adaptive draft
+length) measure the speculative cost model.
+
+Each program runs once on the null page (writes at positions past the page table are dropped),
+so no real cache entry changes: mixed prefill/decode shapes, the plain decode loop per decode
+batch size (and the learned table's update from its tokens), the speculative loop per decode
+batch size when the engine has drafters, then `SpecRuntime.measure_costs`.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from engine.runtime import steps
+from engine.runtime.page_pool import NULL_PAGE
+
+
+def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, *,
+                    stop_width: int) -> int:
+  """Runs every bucket's programs once on `eng` (an `Engine`; its step lock held, on its
+  mesh). Returns the number of programs; `progress(done, total, what)` after each."""
+  shapes = [("step", b, w) for b, w in eng.buckets.mixed_shapes()]
+  shapes += [("decode", b, 1) for b in eng.buckets.decode]
+  if eng.spec.enabled:
+    shapes += [("spec", b, 1) for b in eng.buckets.decode]
+  for i, (kind, b, w) in enumerate(shapes):
+    table = np.full((b, eng.max_pages_per_seq), NULL_PAGE, np.int32)
+    zeros = np.zeros((b,), np.int32)
+    # Work at positions past the page table (writes dropped): every loop body runs once.
+    past = np.full((b,), eng.max_pages_per_seq * eng.config.page_size, np.int32)
+    full, ones = np.full((b,), w, np.int32), np.ones((b,), np.int32)
+    samp = eng._sampling_arrays([None] * b)
+    stop_ids = np.full((b, stop_width), -1, np.int32)
+    if kind == "step" and eng.spec.observes:
+      *_, eng.cache = eng.spec.model_step(
+          eng.params, eng.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
+          np.zeros((b, w), np.int32), impl=eng.config.kernels)
+    elif kind == "step":
+      _, _, eng.cache = steps.model_step(
+          eng.params, eng.cache, np.zeros((b, w), np.int32), past, full, table, samp,
+          cfg=eng.cfg, impl=eng.config.kernels)
+    elif kind == "spec":
+      *_, eng.cache = eng.spec.decode(
+          eng.params, eng.cache, [], zeros, zeros, table, samp, stop_ids, zeros, zeros,
+          1, collections.Counter(), impl=eng.config.kernels)
+    else:
+      *_, eng.cache = steps.decode_loop(
+          eng.params, eng.cache, zeros, past, table, samp, stop_ids, ones, zeros,
+          np.int32(1), np.bool_(False), max_steps=eng.config.max_decode_steps,
+          cfg=eng.cfg, impl=eng.config.kernels)
+      eng.spec.learn([], np.zeros((b, eng.config.max_decode_steps), np.int32), zeros)
+    if progress is not None:
+      progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
+  if eng.spec.enabled and eng.config.adaptive_k:
+    sizes = (min(eng.buckets.decode), max(eng.buckets.decode))
+    eng.cache = eng.spec.measure_costs(eng.params, eng.cache, sizes, eng.max_pages_per_seq,
+                                       stop_width=stop_width, impl=eng.config.kernels)
+  jax.block_until_ready(eng.cache)
+  return len(shapes)
