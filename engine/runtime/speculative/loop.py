@@ -248,12 +248,10 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     elif drafter == "mtp":
       # (run_if, a loop of one trip here: XLA copied the MTP layer's cache, updated in this
       # k-switch branch, every iteration; see `inplace.run_if`)
-      shapes = jax.eval_shape(lambda c: drafters.mtp_propose(
-          params, c, aux["mtp_hidden"], n_cached, live, page_table, sampling, k=k, cfg=cfg,
-          impl=impl)[:2], cache)
       draft, q, cache = run_if(jnp.bool_(True), lambda st: drafters.mtp_propose(
           params, st[2], aux["mtp_hidden"], n_cached, live, page_table, sampling, k=k, cfg=cfg,
-          impl=impl), (*(jnp.zeros(x.shape, x.dtype) for x in shapes), cache))
+          impl=impl), (jnp.zeros((b, k), jnp.int32),
+                       jnp.zeros((b, k, cfg.vocab_size), jnp.float32), cache))
       n_draft = jnp.full((b,), k, jnp.int32)
     else:
       draft, q, dcache = drafters.draft_model_propose(

@@ -132,6 +132,7 @@ class SpecRuntime:
     # Engine-wide decayed (accepted, ended) counts per drafter and draft position.
     self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), k, 2), jnp.float32))
     self.accept_seen = np.zeros((len(DRAFTER_IDS), k, 2), np.float32)  # host copy (stats)
+    self._estimates: tuple[Any, Any] = (None, None)  # (accept_seen, its estimates) for stats
     self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
                             + [0.0, DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN],
                             np.float32)
@@ -178,14 +179,13 @@ class SpecRuntime:
     """
     self._auto_calls += 1
     counts = self.accept_seen
-    estimates = [goodput.drafter_gains(counts)]
-    for r in reqs:
-      if r.drafter == AUTO and r.spec_accept is not None:
-        estimates.append(goodput.row_gains(r.spec_accept[None], counts)[0])
+    gains = goodput.drafter_gains(counts)[None]  # [1 + auto rows with evidence, D, K]
+    rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
+    if rows:  # (one call for all rows: this runs on the host before every loop call)
+      gains = jnp.concatenate([gains, goodput.row_gains(np.stack(rows), counts)])
     k, base = self.k, float(self.costs[-3])
     out = set()
-    for gain in estimates:
-      tokens = np.asarray(goodput.expected_tokens(gain, k))
+    for tokens in np.asarray(goodput.expected_tokens(gains, k)):
       free = max([1.0 if self.config.adaptive_k else 1.0 / (1.0 + k * base)]
                  + [tokens[drafter_id(d)] / (1.0 + k * base) for d in self.enabled
                     if d in DETERMINISTIC])
@@ -337,9 +337,12 @@ class SpecRuntime:
     for j, (drafted, accepted) in enumerate(self.per_position.T):  # slot j (0-based)
       s[f"spec_pos{j}_drafted"], s[f"spec_pos{j}_accepted"] = int(drafted), int(accepted)
     # The adaptive model's current engine-wide estimate of P(draft j accepted | drafts < j
-    # were), per drafter and slot (the decayed counts of the last loop call).
-    c = np.asarray(goodput.conditional_acceptance(self.accept_seen, goodput.PRIOR_ACCEPT,
-                                                  goodput.PRIOR_WEIGHT))
+    # were), per drafter and slot (the decayed counts of the last loop call; computed once per
+    # loop call, not at every engine step's snapshot).
+    if self._estimates[0] is not self.accept_seen:
+      self._estimates = (self.accept_seen, np.asarray(goodput.conditional_acceptance(
+          self.accept_seen, goodput.PRIOR_ACCEPT, goodput.PRIOR_WEIGHT)))
+    c = self._estimates[1]
     for d in self.enabled:
       for j, x in enumerate(c[drafter_id(d)]):
         s[f"spec_pos{j}_estimate_{d}"] = round(float(x), 4)
