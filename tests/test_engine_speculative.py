@@ -3,6 +3,7 @@ drafters chosen per request, MTP and draft-model drafting over the paged cache."
 
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative import catch_up
 from model_configs import CONFIGS, perturbed
 
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
@@ -207,8 +209,9 @@ def test_draft_model_drafting_in_the_engine(model):
   samp = [SamplingParams(), SamplingParams(drafter="ngram"), SamplingParams(drafter="off"),
           SamplingParams(temperature=1.0, top_k=1, seed=3)]  # top_k 1: greedy via sampling
   want = plain(model, ps, 24)
-  # The target as its own draft model: its cache is right (fed also on rows of other
-  # drafters, caught up after fully accepted blocks), so every greedy draft is accepted.
+  # The target as its own draft model: its cache is right (caught up over each prompt before
+  # the row's first loop call, fed after fully accepted blocks), so every greedy draft is
+  # accepted.
   same = Engine(cfg, params, EngineConfig(**SMALL, speculative="draft", drafters=("ngram",),
                                           num_draft_tokens=3), draft=(cfg, params))
   got = same.generate(ps, samp, StopParams(max_tokens=24))
@@ -260,3 +263,52 @@ def test_auto_drafter_picks_what_pays_per_request_and_keeps_greedy_output(model)
   assert_pool_full(eng)
   with pytest.raises(ValueError, match="drafters"):
     Engine(cfg, params, EngineConfig(**SMALL, speculative="auto"))
+
+
+def test_catch_up_plan_cuts_spans_like_the_scheduler():
+  spans = [(0, 0, 40), (2, 16, 5), (3, 7, 30)]
+  groups = catch_up.plan(spans, budget=32, max_spans=3)  # cut where the budget runs out
+  assert groups == [[(0, 0, 32)], [(0, 32, 8), (2, 16, 5), (3, 7, 19)], [(3, 26, 11)]]
+  assert catch_up.plan(spans, budget=32, max_spans=2) == [  # or the spans per step
+      [(0, 0, 32)], [(0, 32, 8), (2, 16, 5)], [(3, 7, 30)]]
+  assert catch_up.plan([], 32, 2) == []
+  ids = [list(range(100, 150)), [], list(range(200, 240)), list(range(300, 340))]
+  table = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
+  tokens, start, n_new, rows = catch_up.pack(groups[1][:2], ids, table, lambda n: (5, 4))
+  assert n_new.tolist() == [4, 4, 4, 1, 0] and start.tolist() == [32, 36, 16, 20, 0]
+  assert tokens[0].tolist() == list(range(132, 136)) and tokens[3, 0] == 220
+  assert rows.tolist() == [table[0].tolist()] * 2 + [table[2].tolist()] * 2 + [[0] * 3]
+
+
+def test_draft_model_is_fed_lazily_and_caught_up_over_shared_prefixes(model):
+  cfg, params = model
+  # The target as its own draft model: a greedy draft is rejected only where the draft cache
+  # is wrong, so "every draft accepted" checks that a catch-up filled every position.
+  eng = Engine(cfg, params, EngineConfig(**SMALL, drafters=("ngram", "draft"),
+                                         num_draft_tokens=3), draft=(cfg, params))
+  eng.warmup()
+  a = fresh_prompts(1, seed=31, lo=26, hi=27)[0]
+  b, c = a + [7, 8, 9, 10, 11, 12], a + [7, 8, 9, 10, 11, 12, 40, 41]
+  before = [np.array(x) for x in jax.tree.leaves(eng.spec.draft_cache)]
+  eng.generate([a], SamplingParams(drafter="ngram"), StopParams(max_tokens=12))
+  # Prefill and decoding of a request that does not draft with it never ran the draft model.
+  after = jax.tree.leaves(eng.spec.draft_cache)
+  assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after, strict=True))
+  assert eng.stats()["spec_draft_catch_up_tokens"] == 0
+  with CompileCounter() as compiles:
+    got_b = eng.generate([b], SamplingParams(drafter="draft"), StopParams(max_tokens=16))[0]
+  assert compiles.compiled == 0
+  use = got_b.usage()
+  assert use.cached_tokens >= 24  # a's pages, computed without the draft model, shared
+  # b is caught up over its whole prompt (the shared pages hold no draft entries) at its first
+  # loop call, then fed as it decodes: every draft accepted.
+  assert eng.stats()["spec_draft_catch_up_tokens"] == len(b)
+  assert use.spec_accepted_tokens == use.spec_draft_tokens > 8
+  # c shares b's pages, which now hold draft entries: only its own tokens are caught up.
+  got_c = eng.generate([c], SamplingParams(drafter="draft"), StopParams(max_tokens=16))[0]
+  use = got_c.usage()
+  assert use.cached_tokens >= 24
+  assert eng.stats()["spec_draft_catch_up_tokens"] == len(b) + len(c) - use.cached_tokens
+  assert use.spec_accepted_tokens == use.spec_draft_tokens > 8
+  assert [got_b.output_ids, got_c.output_ids] == plain(model, [b, c], 16)
+  assert_pool_full(eng)

@@ -42,6 +42,33 @@ def test_pool_refcounts_and_lru_eviction():
     pool.release([got[0]])
 
 
+def test_pool_tracks_which_pages_hold_draft_model_entries():
+  pool = PagePool(6, page_size=4)
+  sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32),
+                    pool)
+  a = make_request("a", range(1, 14))  # 13 tokens: 3 full pages
+  sched.add(a)
+  sched.schedule()
+  sched.record_computed(a, 13)
+  assert a.draft_computed == 0
+  pool.mark_draft_valid(a.pages[:2])  # the draft model saw the first 8 tokens only
+  assert pool.draft_valid_pages(a.pages) == 2
+  sched.finish(a, "stop")
+  # A request on the same prefix shares 3 pages, of which the first 2 hold draft entries.
+  b = make_request("b", list(range(1, 14)) + [50, 51], order=1)
+  sched.add(b)
+  sched.schedule()
+  assert b.num_computed == 12 and b.draft_computed == 8
+  sched.finish(b, "stop")
+  # Pages handed out again lose the mark.
+  got = pool.allocate(5)
+  assert pool.draft_valid_pages(got) == 0 and pool.stats().cached == 0
+  pool.release(got)
+  pool.mark_draft_valid(got)
+  pool.reset_prefix_cache()
+  assert pool.draft_valid_pages(got) == 0
+
+
 def test_page_keys_chain_over_the_prefix():
   a = page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
   b = page_keys([9, 2, 3, 4, 5, 6, 7, 8], 4)

@@ -136,13 +136,14 @@ class Engine:
       return cache
 
     self.cache = place(self.cache)
-    self.spec = SpecRuntime(cfg, config, num_pages, dtype, draft,
-                            place=lambda c: place(c, draft[0]),
-                            place_state=lambda x: jax.device_put(x, next(iter(devices)))
-                            if mesh is None and len(devices) == 1 else x)
     self.traffic = TrafficStats()
     self.buckets = derive_buckets(self.sched_config, config.row_widths,
                                   TrafficStats.load(config.traffic_stats_path))
+    self.spec = SpecRuntime(cfg, config, num_pages, dtype, draft,
+                            place=lambda c: place(c, draft[0]),
+                            place_state=lambda x: jax.device_put(x, next(iter(devices)))
+                            if mesh is None and len(devices) == 1 else x,
+                            pool=self.pool, buckets=self.buckets)
     # Threads: one thread steps; any thread may add, abort, release and read stats. `_lock`
     # (held for a whole step) guards the scheduler, pool and cache; `_inbox_lock` (held for
     # microseconds) guards what other threads touch: the request table, the inbox of adds and

@@ -106,6 +106,9 @@ class Request:
   spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
   drafter: str | None = None  # resolved at admission (None: plain decoding)
   mtp_hidden: Any = None  # [H] MTP output at position num_computed - 1 (drafter "mtp")
+  # Leading positions whose draft-model cache entries are valid (<= num_computed): the draft
+  # model is fed lazily, only for rows that may draft with it (`SpecRuntime.catch_up`).
+  draft_computed: int = 0
   # Decayed (accepted, ended) draft counts per drafter and draft position
   # [len(DRAFTER_IDS), num_draft_tokens, 2] of this request (None until its first speculative
   # step), and its verify steps per drafter.

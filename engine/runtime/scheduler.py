@@ -191,6 +191,7 @@ class Scheduler:
     req.page_keys = keys[:len(hits)]
     req.num_cached_pages = len(hits)
     req.num_computed = len(hits) * self.pool.page_size
+    req.draft_computed = self.pool.draft_valid_pages(hits) * self.pool.page_size
 
   def _grow(self, req: Request, num_tokens: int) -> bool:
     """Gives `req` pages for `num_tokens` tokens; False (and nothing taken) if the pool is dry."""
@@ -208,7 +209,7 @@ class Scheduler:
     req.pages = []
     req.page_keys = []
     req.num_cached_pages = 0
-    req.num_computed = 0
+    req.num_computed = req.draft_computed = 0
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)

@@ -2,9 +2,10 @@
 length) measure the speculative cost model.
 
 Each program runs once on the null page (writes at positions past the page table are dropped),
-so no real cache entry changes: mixed prefill/decode shapes, the plain decode loop per decode
-batch size (and the learned table's update from its tokens), the speculative loop per decode
-batch size when the engine has drafters, then `SpecRuntime.measure_costs`.
+so no real cache entry changes: mixed prefill/decode shapes (and the draft model's catch-up
+forward at each), the plain decode loop per decode batch size (and the learned table's update
+from its tokens), the speculative loop per decode batch size when the engine has drafters, then
+`SpecRuntime.measure_costs`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from engine.runtime import steps
 from engine.runtime.page_pool import NULL_PAGE
+from engine.runtime.speculative import catch_up
 
 
 def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, *,
@@ -35,6 +37,10 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
     full, ones = np.full((b,), w, np.int32), np.ones((b,), np.int32)
     samp = eng._sampling_arrays([None] * b)
     stop_ids = np.full((b, stop_width), -1, np.int32)
+    if kind == "step" and "draft" in eng.spec.enabled:  # the draft model's catch-up
+      eng.spec.draft_cache = catch_up.draft_forward(
+          eng.spec.draft_params, eng.spec.draft_cache, np.zeros((b, w), np.int32), past, full,
+          table, cfg=eng.spec.draft_cfg, impl=eng.config.kernels)
     if kind == "step" and eng.spec.observes:
       *_, eng.cache = eng.spec.model_step(
           eng.params, eng.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,

@@ -6,10 +6,12 @@
 * device state carried across engine steps: the learned n-gram table, the per-drafter decayed
   acceptance counts of the adaptive draft length, the draft model's paged cache (same page
   table and page ids as the target cache, so page accounting is unchanged);
-* `model_step`: the mixed prefill/decode program plus what the drafters must see of every
-  prefill chunk (the MTP layer observes the chunk, filling its cache entries and giving each
-  sampling row its MTP hidden state; the draft model runs over the same tokens);
-* `decode`: a decode-only engine step through `serving.speculative_decode_loop`;
+* `model_step`: the mixed prefill/decode program plus what the MTP layer must see of every
+  prefill chunk (it observes the chunk, filling its cache entries and giving each sampling row
+  its MTP hidden state);
+* `decode`: a decode-only engine step through `serving.speculative_decode_loop`. The draft
+  model is fed lazily (`catch_up.py`): only rows that may draft with it, each first caught up
+  over the positions its draft entries lack;
 * `measure_costs` (at `Engine.warmup`, adaptive mode): times the plain decode loop and the
   speculative loop at every compiled k, and the compiled verify forward (every position real,
   only the first), the MTP layer and the draft model, at the smallest and largest decode batch,
@@ -38,9 +40,11 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, forward
 from engine.runtime import steps
+from engine.runtime.buckets import ShapeBuckets
+from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays, SamplingParams
-from engine.runtime.speculative import drafters as dr, goodput, learned
+from engine.runtime.speculative import catch_up, drafters as dr, goodput, learned
 from engine.runtime.speculative.learned import NgramTable
 from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page,
                                                forward_probes, time_interleaved)
@@ -62,29 +66,19 @@ REST_CALLS = 3
 MIN_BASE = 0.03
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "draft_cfg", "impl", "mtp"),
-                   donate_argnames=("cache", "draft_cache"))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
 def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
                     n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
-                    next_tokens: jax.Array, draft_params: Params | None = None,
-                    draft_cache: Cache | None = None, *, cfg: ModelConfig,
-                    draft_cfg: ModelConfig | None = None, impl: KernelChoice = REFERENCE,
-                    mtp: bool = False):
-  """`steps.model_step` that also feeds the drafters. next_tokens [B, W]: the token after each
-  position (-1 where it is the one sampled here). Returns (sampled, logprobs, MTP hidden at
-  each row's last position [B, H] or None, cache, draft cache)."""
+                    next_tokens: jax.Array, *, cfg: ModelConfig, impl: KernelChoice = REFERENCE):
+  """`steps.model_step` that also runs the MTP layer over the chunk. next_tokens [B, W]: the
+  token after each position (-1 where it is the one sampled here). Returns (sampled, logprobs,
+  MTP hidden at each row's last position [B, H], cache)."""
   hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
   sampled, lps = steps.sample_rows(params, hidden, start, n_new, sampling, cfg)
-  mtp_hidden = None
-  if mtp:
-    nxt = jnp.where(next_tokens < 0, sampled[:, None], next_tokens)
-    mtp_hidden, cache = dr.mtp_observe(params, cache, hidden, nxt, start, n_new, page_table,
-                                       cfg=cfg, impl=impl)
-    mtp_hidden = mtp_hidden.astype(jnp.float32)
-  if draft_params is not None:
-    _, draft_cache = forward(draft_params, draft_cache, tokens, start, n_new, page_table,
-                             cfg=draft_cfg, impl=impl)
-  return sampled, lps, mtp_hidden, cache, draft_cache
+  nxt = jnp.where(next_tokens < 0, sampled[:, None], next_tokens)
+  mtp_hidden, cache = dr.mtp_observe(params, cache, hidden, nxt, start, n_new, page_table,
+                                     cfg=cfg, impl=impl)
+  return sampled, lps, mtp_hidden.astype(jnp.float32), cache
 
 
 _learn = jax.jit(learned.update, donate_argnames=("table",))
@@ -95,8 +89,12 @@ class SpecRuntime:
 
   def __init__(self, cfg: ModelConfig, config: Any, num_pages: int, dtype: Any,
                draft: tuple[ModelConfig, Params] | None = None, place=lambda c: c,
-               place_state=lambda x: x):
+               place_state=lambda x: x, pool: PagePool | None = None,
+               buckets: ShapeBuckets | None = None):
+    """`pool`, `buckets`: the engine's page pool (which pages hold draft-model entries) and
+    compiled shapes (the draft model's catch-up forwards); needed with drafter "draft"."""
     self.cfg, self.config = cfg, config
+    self.pool, self.buckets = pool, buckets
     self.default = config.speculative
     wanted = ({config.speculative} if config.speculative not in (None, AUTO) else set()
               ) | set(config.drafters)
@@ -145,13 +143,17 @@ class SpecRuntime:
     self._offered: dict[str, int] = {}  # last offered to them (`model_drafters_for_auto`)
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
                         for n in ("steps", "drafted", "accepted")}
+    if "draft" in self.enabled:
+      if pool is None or buckets is None:
+        raise ValueError("SpecRuntime: drafter 'draft' needs the engine's pool and buckets")
+      self.per_drafter.update(spec_draft_catch_up_steps=0, spec_draft_catch_up_tokens=0)
     self.per_position = np.zeros((2, k), np.int64)  # drafted, accepted tokens at each slot
     self.calibration = np.zeros((2,), np.float64)  # tokens expected / emitted when drafting
 
   @property
   def observes(self) -> bool:
-    """Prefill chunks must feed a drafter (MTP layer, draft model)."""
-    return "mtp" in self.enabled or "draft" in self.enabled
+    """Prefill chunks must feed the MTP layer."""
+    return "mtp" in self.enabled
 
   def resolve(self, drafter: str | None) -> str | None:
     """A request's drafter (None: plain decoding); ValueError if the engine lacks it."""
@@ -242,11 +244,30 @@ class SpecRuntime:
   def model_step(self, params, cache, tokens, start, n_new, table, sampling, next_tokens, *,
                  impl: KernelChoice = REFERENCE):
     """Returns (sampled, logprobs, MTP hidden [B, H] numpy or None, cache)."""
-    sampled, lps, mtp_h, cache, self.draft_cache = spec_model_step(
-        params, cache, tokens, start, n_new, table, sampling, next_tokens, self.draft_params,
-        self.draft_cache, cfg=self.cfg, draft_cfg=self.draft_cfg, impl=impl,
-        mtp="mtp" in self.enabled)
-    return sampled, lps, mtp_h, cache
+    return spec_model_step(params, cache, tokens, start, n_new, table, sampling, next_tokens,
+                           cfg=self.cfg, impl=impl)
+
+  def catch_up_draft(self, reqs: Sequence[Any], rows: np.ndarray, table: np.ndarray, *,
+               impl: KernelChoice = REFERENCE) -> None:
+    """Fills the draft model's cache of `reqs[i]` where rows[i], from `draft_computed` to
+    `num_computed` (`catch_up.py`); table [>= len(reqs), P] their page-table rows."""
+    spans = [(i, r.draft_computed, r.num_computed - r.draft_computed)
+             for i, r in enumerate(reqs) if rows[i] and r.draft_computed < r.num_computed]
+    groups = catch_up.plan(spans, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+    ids = [r.all_ids for r in reqs]
+    for group in groups:
+      self.draft_cache = catch_up.draft_forward(
+          self.draft_params, self.draft_cache, *catch_up.pack(group, ids, table,
+                                                              self.buckets.pack),
+          cfg=self.draft_cfg, impl=impl)
+    self.per_drafter["spec_draft_catch_up_steps"] += len(groups)
+    self.per_drafter["spec_draft_catch_up_tokens"] += sum(n for _, _, n in spans)
+
+  def draft_fed(self, req: Any, upto: int) -> None:
+    """`req`'s draft-model entries are valid below position `upto`: its full pages there are
+    marked for prefix sharing."""
+    req.draft_computed = upto
+    self.pool.mark_draft_valid(req.pages[:upto // self.pool.page_size])
 
   def histories(self, reqs: Sequence[Any], b: int) -> tuple[np.ndarray, np.ndarray]:
     """[b, window + max_decode_steps] each request's last `ngram_window` tokens, and counts."""
@@ -276,8 +297,14 @@ class SpecRuntime:
     models = (self.model_drafters_for_auto(reqs) if any(r.drafter == AUTO for r in reqs)
               else set())
     auto_allowed = np.asarray([d in DETERMINISTIC or d in models for d in DRAFTER_IDS])
-    # Model drafters kept current in this call: those a row uses or "auto" may take.
+    # Model drafters kept current in this call: those a row uses or "auto" may take; the
+    # draft model only for those rows (`draft_rows`), each first caught up.
     feed = np.asarray([d in models or any(r.drafter == d for r in reqs) for d in DRAFTER_IDS])
+    draft_rows = np.zeros((b,), bool)
+    draft_rows[:len(reqs)] = [r.drafter == "draft" or (r.drafter == AUTO and "draft" in models)
+                              for r in reqs]
+    if draft_rows.any():
+      self.catch_up_draft(reqs, draft_rows, table, impl=impl)
     for d in self.enabled:  # loop calls that kept a model drafter current (its upkeep)
       if feed[drafter_id(d)]:
         self.per_drafter[f"spec_fed_calls_{d}"] = self.per_drafter.get(
@@ -293,7 +320,7 @@ class SpecRuntime:
     res, cache = speculative_decode_loop(
         params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
         np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
-        row_accept, auto_allowed, feed, self.accept, self.costs,
+        row_accept, auto_allowed, feed, draft_rows, self.accept, self.costs,
         np.int32(self.force_k if force_k is None else force_k),
         wants_logprobs(reqs), self.table, mtp_hidden,
         self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
@@ -329,6 +356,8 @@ class SpecRuntime:
           self.per_drafter[key] = self.per_drafter.get(key, 0) + steps_
       if mtp_h is not None:
         req.mtp_hidden = mtp_h[i]
+      if draft_rows[i]:  # the loop fed it every token and flushed
+        self.draft_fed(req, req.num_computed + int(counts[i]))
     return out, counts, lps, cache
 
   def stats(self) -> dict[str, Any]:

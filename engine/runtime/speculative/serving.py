@@ -17,10 +17,11 @@ them (`inplace.run_if`, which keeps their caches in place):
 * "mtp": the model's MTP layer; it observes every verified block of every row (its cache covers
   all rows, so shared prefix pages stay valid for any drafter) and keeps each row's last MTP
   hidden state (`mtp_hidden`, in and out);
-* "draft": a small model with its own paged cache on the same page table. Every row feeds it
-  (also rows of other drafters): tokens it has not seen correctly yet (`pending`, at most k) go
-  in front of its first forward, and the loop flushes them at the end, so between engine steps
-  the draft cache holds exactly the positions the target cache holds.
+* "draft": a small model with its own paged cache on the same page table. The rows that may
+  draft with it (`draft_rows`, caught up before the call: `catch_up.py`) feed it: tokens it has
+  not seen correctly yet (`pending`, at most k) go in front of its first forward, and the loop
+  flushes them at the end, so after the call their draft cache holds exactly the positions the
+  target cache holds. Other rows' draft entries lag (they are caught up when they start).
 Rows of deterministic drafters are verified against the target's own (seed, position) samples
 (sampled output token for token that of plain decoding), rows of model drafters by speculative
 sampling with their q.
@@ -138,7 +139,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
                             row_auto: jax.Array, row_max_draft: jax.Array, row_accept: jax.Array,
                             auto_allowed: jax.Array, feed: jax.Array,
-                            accept: jax.Array, costs: jax.Array, force_k: jax.Array,
+                            draft_rows: jax.Array, accept: jax.Array, costs: jax.Array, force_k: jax.Array,
                             want_logprobs: jax.Array, table: learned.NgramTable | None = None,
                             mtp_hidden: jax.Array | None = None,
                             draft_params: Params | None = None,
@@ -161,9 +162,12 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       and draft position, J = max(choices) (its request's, carried across calls; zeros for a
       new request; `goodput.position_evidence`).
     auto_allowed: [D] bool drafters "auto" rows may take in this call.
-    feed: [D] bool model drafters ("mtp", "draft") whose state this call keeps current: the
-      MTP layer observes every verified block, the draft model is fed every token. A drafter
-      a row uses (its own or "auto"'s choice) must be fed; the others lag (drafts only).
+    feed: [D] bool model drafters whose state this call keeps current: "mtp" observes every
+      verified block of every row. A drafter a row uses (its own or "auto"'s choice) must be
+      fed; the others lag (drafts only). ("draft": `draft_rows`.)
+    draft_rows: [B] bool rows the draft model is fed (every token; their draft cache must
+      hold positions < n_cached): drafter "draft" rows, and the only "auto" rows that may
+      take it.
     accept: [D, J, 2] float32 the same counts over all drafting rows (the prior of new rows).
     costs: [D + 4] float32, relative to a plain decode-loop iteration: each drafter's cost
       per block column (when a live row uses it), then a speculative iteration's overhead,
@@ -173,8 +177,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     force_k: int32 scalar, index into `choices`, or -1 for the goodput choice.
     want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
     table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
-    draft_params, draft_cache ("draft"; the cache is donated and must hold positions
-      < n_cached of every row).
+    draft_params, draft_cache ("draft"; the cache is donated).
   """
   b = tokens.shape[0]
   n_ids = len(DRAFTER_IDS)
@@ -210,21 +213,23 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                                             page_table, sampling, k=kk, cfg=cfg, impl=impl),
           (*nothing, cache))
       props["mtp"] = (dm, full, wanted)
-    if "draft" in drafters:  # fed every iteration (k = 0 too) while `feed`
+    if "draft" in drafters:  # its rows fed every iteration (k = 0 too)
+      fed_rows = live & draft_rows
 
       def fed(st):
         return _draft_feed(draft_params, st[1], s["pending"], s["n_pending"], tok, n_cached,
-                           live, page_table, draft_cfg=draft_cfg, impl=impl)
+                           fed_rows, page_table, draft_cfg=draft_cfg, impl=impl)
 
       wanted = jnp.any(use["draft"] & live)
       h0 = jax.eval_shape(fed, (None, s["draft_cache"]))[0]
-      h, dcache = run_if(wanted | feed[drafter_id("draft")], fed,
+      h, dcache = run_if(jnp.any(fed_rows), fed,
                          (jnp.zeros(h0.shape, h0.dtype), s["draft_cache"]))
       dd, qd, new["draft_cache"] = run_if(
-          wanted, lambda st: _draft_chain(draft_params, st[2], h, n_cached, live, page_table,
-                                          sampling, k=kk, draft_cfg=draft_cfg, impl=impl),
+          wanted, lambda st: _draft_chain(draft_params, st[2], h, n_cached, fed_rows,
+                                          page_table, sampling, k=kk, draft_cfg=draft_cfg,
+                                          impl=impl),
           (*nothing, dcache))
-      props["draft"] = (dd, full, wanted)
+      props["draft"] = (dd, full, wanted & draft_rows)  # (other rows' drafts: stale context)
       q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
     draft = jnp.zeros((b, kk), jnp.int32)
     n_draft = jnp.zeros((b,), jnp.int32)
@@ -306,8 +311,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     # the widest block (a model drafter's cost as if the row alone paid for it).
     score = (goodput.expected_tokens(gain_rows, k_max)
              / (1.0 + k_max * (costs[-3] + costs[:n_ids]))[None, :])
-    best = jnp.argmax(jnp.where((enabled & auto_allowed)[None, :], score, -jnp.inf),
-                      axis=1).astype(jnp.int32)
+    allowed = (enabled & auto_allowed)[None, :] & (
+        (jnp.arange(n_ids) != drafter_id("draft"))[None, :] | draft_rows[:, None])
+    best = jnp.argmax(jnp.where(allowed, score, -jnp.inf), axis=1).astype(jnp.int32)
     ids = jnp.where(row_auto, best, row_drafter.astype(jnp.int32))
     gain = jnp.take_along_axis(gain_rows, ids[:, None, None], axis=1)[:, 0]  # [B, J]
     present = jnp.any(jax.nn.one_hot(ids, n_ids, dtype=bool) & live[:, None], 0)
@@ -365,11 +371,12 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     s.update(draft_cache=draft_cache, pending=jnp.zeros((b, k_max), jnp.int32), n_pending=zeros)
   s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, s)
   dcache = None
-  if "draft" in drafters:  # flush: the draft cache holds every position < n_cached again
+  if "draft" in drafters:  # flush: fed rows' draft cache holds every position < n_cached
     dcache = run_if(
-        feed[drafter_id("draft")],
+        jnp.any(draft_rows),
         lambda c: forward(draft_params, c, s["pending"], s["n_cached"] - s["n_pending"],
-                          s["n_pending"], page_table, cfg=draft_cfg, impl=impl)[1],
+                          s["n_pending"] * draft_rows.astype(jnp.int32), page_table,
+                          cfg=draft_cfg, impl=impl)[1],
         s["draft_cache"])
   return LoopResult(out=s["out"], counts=s["count"], stopped=s["stopped"], stats=s["stats"],
                     k_steps=s["k_steps"], calibration=s["calibration"], accept=s["accept"],

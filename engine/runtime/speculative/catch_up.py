@@ -1,0 +1,80 @@
+"""Lazy feeding of the draft model: a row's draft cache is caught up when it starts drafting.
+
+The draft model's paged cache shares the target cache's page ids. Feeding it every prefill
+chunk and every decode token of every request would cost a draft forward per token whether or
+not the request ever drafts with it (on the CPU demo that upkeep took engine "auto" on fresh
+prompts from 0.92x to 0.67x of plain decoding). Instead the serving loop feeds only the rows
+that may draft with it (`draft_rows`: drafter "draft", or "auto" while the engine offers the
+draft model), and before a loop call each such row whose draft entries stop short of its target
+entries (`Request.draft_computed < num_computed`: its prompt, tokens decoded while it was not
+fed, or a shared prefix whose pages were computed without the draft model, see
+`PagePool.draft_valid_pages`) runs a draft-only forward over the missing positions.
+
+The missing spans are cut like the scheduler cuts prefill: groups of at most the step token
+budget and `max_num_seqs` spans, each packed into a compiled mixed-step shape `[B, W]`
+(`ShapeBuckets.pack`), so the catch-up compiles nothing the warm-up did not
+(`warmup.compile_buckets` runs `draft_forward` at every mixed shape when "draft" is enabled).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from engine.model.config import ModelConfig
+from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.params import Params
+from engine.model.transformer import Cache, forward
+from engine.runtime.page_pool import NULL_PAGE
+
+Span = tuple[int, int, int]  # (row, first position, number of positions)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def draft_forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                  n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
+                  impl: KernelChoice = REFERENCE) -> Cache:
+  """Writes the draft model's cache entries of tokens [B, W] at positions start[b] + t for the
+  first n_new[b] of each row (rows of one request may continue each other: every row's entries
+  are written before any row attends). Returns the cache (donated)."""
+  return forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)[1]
+
+
+def plan(spans: Sequence[Span], budget: int, max_spans: int) -> list[list[Span]]:
+  """Groups (row, start, n) spans into steps of at most `budget` positions and `max_spans`
+  spans, cutting a span across steps where the budget runs out (its earlier positions first).
+  A row appears at most once per step."""
+  groups: list[list[Span]] = [[]]
+  used = 0
+  for row, start, n in spans:
+    while n > 0:
+      if used == budget or len(groups[-1]) == max_spans:
+        groups.append([])
+        used = 0
+      take = min(n, budget - used)
+      groups[-1].append((row, start, take))
+      used, start, n = used + take, start + take, n - take
+  return [g for g in groups if g]
+
+
+def pack(group: Sequence[Span], ids: Sequence[Sequence[int]], page_table: np.ndarray,
+         shape: Callable[[Sequence[int]], tuple[int, int]]) -> tuple[np.ndarray, ...]:
+  """A step's spans as `draft_forward` inputs: each span of n positions becomes ceil(n / W) rows
+  of width W, (B, W) = shape(span lengths). ids[row]: that row's tokens from position 0;
+  page_table [rows, P]. Returns (tokens [B, W], start [B], n_new [B], page table [B, P])."""
+  b, w = shape([n for _, _, n in group])
+  tokens = np.zeros((b, w), np.int32)
+  start = np.zeros((b,), np.int32)
+  n_new = np.zeros((b,), np.int32)
+  table = np.full((b, page_table.shape[1]), NULL_PAGE, np.int32)
+  r = 0
+  for row, first, n in group:
+    for off in range(0, n, w):
+      chunk = ids[row][first + off:first + min(off + w, n)]
+      tokens[r, :len(chunk)] = chunk
+      start[r], n_new[r], table[r] = first + off, len(chunk), page_table[row]
+      r += 1
+  return tokens, start, n_new, table
