@@ -166,7 +166,8 @@ def main(argv):
     args[12] = np.full((b,), DRAFTER_IDS.index(FLAGS.rows), np.int32)  # row_drafter
     args[13] = np.zeros((b,), bool)  # row_auto
     args[17] = np.asarray([d == FLAGS.rows for d in DRAFTER_IDS])  # feed
-    args[20] = np.int32(FLAGS.force_k)
+    args[18] = np.full((b,), FLAGS.rows == "draft")  # draft_rows (fed by the draft model)
+    args[21] = np.int32(FLAGS.force_k)
   fresh = lambda: jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
                                (args, kwargs))
   best = float("inf")

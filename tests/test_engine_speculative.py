@@ -18,6 +18,7 @@ from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import catch_up
+from engine.runtime.speculative.serving import drafter_id
 from model_configs import CONFIGS, perturbed
 
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
@@ -312,3 +313,81 @@ def test_draft_model_is_fed_lazily_and_caught_up_over_shared_prefixes(model):
   assert use.spec_accepted_tokens == use.spec_draft_tokens > 8
   assert [got_b.output_ids, got_c.output_ids] == plain(model, [b, c], 16)
   assert_pool_full(eng)
+
+
+def test_draft_model_rows_rest_in_the_plain_loop_and_catch_up(model):
+  cfg, params = model
+  # The target as its own draft model, so drafts are all accepted exactly when the draft cache
+  # is right. While drafting costs too much to pay, the rows rest in the plain loop; once it
+  # pays they draft again from a draft cache caught up over the tokens decoded meanwhile.
+  eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="draft", num_draft_tokens=3,
+                                         adaptive_k=True), draft=(cfg, params))
+  ps = fresh_prompts(2, seed=41)
+  slot = drafter_id("draft")
+  eng.spec.costs[slot] = 100.0  # a drafted column costs 100 plain iterations
+  rids = [eng.add_request(p, stop=StopParams(max_tokens=40)) for p in ps]
+  while eng.stats().get("spec_rest_calls", 0) < 2:
+    assert eng.has_unfinished()
+    eng.step()
+  caught_up = eng.stats()["spec_draft_catch_up_tokens"]
+  # Each prompt (and the token a row may have decoded in a mixed step while the other one was
+  # still prefilling), at the first loop call.
+  assert sum(map(len, ps)) <= caught_up <= sum(map(len, ps)) + len(ps)
+  drafted = eng.counters["spec_drafted"]
+  eng.spec.costs[slot] = 0.0
+  eng.spec.costs[-4:] = 0.0, 0.03, 0.0, 0.0  # overhead, base, pad_row, per_token
+  while eng.has_unfinished():
+    eng.step()
+  reqs = [eng.requests[rid] for rid in rids]
+  assert [r.output_ids for r in reqs] == plain(model, ps, 40)
+  assert eng.stats()["spec_draft_catch_up_tokens"] > caught_up  # the rested tokens
+  assert eng.counters["spec_drafted"] - drafted > 10
+  assert eng.counters["spec_accepted"] == eng.counters["spec_drafted"]
+  for r in reqs:
+    eng.release(r.request_id)
+  assert_pool_full(eng)
+
+
+def test_rest_after_fruitless_probes_doubles_and_probes_are_short(model):
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=256), speculative="learned",
+                                         num_draft_tokens=3, adaptive_k=True))
+  eng.spec.costs[-4:] = 0.5, 5.0, 0.0, 0.0  # a drafted column costs 5 plain iterations
+  calls = []  # per decode-only step: (speculative?, token budget)
+  real_speculates, real_decode = eng.spec.speculates, eng.spec.decode
+
+  def speculates(reqs):
+    calls.append([real_speculates(reqs), None])
+    return calls[-1][0]
+
+  def decode(*args, **kwargs):
+    calls[-1][1] = args[10]  # num_steps
+    return real_decode(*args, **kwargs)
+
+  eng.spec.speculates, eng.spec.decode = speculates, decode
+  p = fresh_prompts(1, seed=51, lo=8, hi=10)[0]
+  got = eng.generate([p], stop=StopParams(max_tokens=230))[0]
+  assert got.output_ids == plain(model, [p], 230)[0]
+  pattern = [True] + [False] * 3 + [True] + [False] * 6 + [True] + [False] * 12 + [True]
+  assert [s for s, _ in calls[:len(pattern)]] == pattern, calls
+  # Every probe after a rest is one block's worth of tokens: k + 1.
+  probes = [n for i, (s, n) in enumerate(calls) if s and i > 0]
+  assert probes and set(probes) == {4}, calls
+  assert eng.stats()["spec_rest_calls"] == sum(not s for s, _ in calls)
+
+
+def test_auto_never_offers_a_model_drafter_that_cannot_pay(model):
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="auto",
+                                         drafters=("ngram", "mtp", "draft"), num_draft_tokens=3,
+                                         adaptive_k=True), draft=(cfg, params))
+  # Measured-like costs: the MTP layer costs more per column than a perfect chain returns.
+  eng.spec.costs[drafter_id("mtp")], eng.spec.costs[drafter_id("draft")] = 0.8, 0.05
+  eng.spec.costs[-4:] = 0.3, 0.2, 0.0, 0.0
+  assert eng.spec.hopeless() == {"mtp"}
+  got = eng.generate(fresh_prompts(2, seed=52), stop=StopParams(max_tokens=12))
+  stats = eng.stats()
+  assert "spec_fed_calls_mtp" not in stats and stats["spec_fed_calls_draft"] >= 1
+  assert all("mtp" not in r.drafter_steps for r in got)
+  eng.spec.costs[drafter_id("mtp")] = 0.1  # now it could pay: offered (explored) again
+  assert "mtp" in eng.spec.model_drafters_for_auto([])

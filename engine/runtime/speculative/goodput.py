@@ -60,32 +60,36 @@ def decay_add(counts: jnp.ndarray, evidence: jnp.ndarray) -> jnp.ndarray:
 
 
 def conditional_acceptance(counts: jnp.ndarray, first_prior: jnp.ndarray | float,
-                           weight: float, depth_ratio: jnp.ndarray | None = None) -> jnp.ndarray:
+                           weight: float, depth_ratio: jnp.ndarray | None = None, *,
+                           xp=jnp) -> jnp.ndarray:
   """[..., J] c_j from decayed (accepted, ended) counts [..., J, 2], each with a prior worth
   `weight` observations: `first_prior` at j = 1, then c_{j-1} (times depth_ratio[..., j] when
-  given: how acceptance changes with depth elsewhere, e.g. for the drafter engine-wide)."""
+  given: how acceptance changes with depth elsewhere, e.g. for the drafter engine-wide).
+
+  `xp`: the array module; the engine's host-side decisions and statistics pass numpy (these
+  few small ops, dispatched eagerly one by one, cost ~1 ms per call through jax)."""
   acc, end = counts[..., 0], counts[..., 1]
-  prior = jnp.broadcast_to(jnp.asarray(first_prior, jnp.float32), acc.shape[:-1])
+  prior = xp.broadcast_to(xp.asarray(first_prior, xp.float32), acc.shape[:-1])
   out = []
   for j in range(acc.shape[-1]):
     if j:
-      prior = out[-1] if depth_ratio is None else jnp.clip(out[-1] * depth_ratio[..., j], 0.0,
-                                                           _MAX_ACCEPT)
+      prior = out[-1] if depth_ratio is None else xp.clip(out[-1] * depth_ratio[..., j], 0.0,
+                                                          _MAX_ACCEPT)
     out.append((acc[..., j] + weight * prior) / (acc[..., j] + end[..., j] + weight))
-  return jnp.stack(out, axis=-1)
+  return xp.stack(out, axis=-1)
 
 
-def gains(c: jnp.ndarray) -> jnp.ndarray:
+def gains(c: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
   """[..., J] g_j = c_1 ... c_j: the chance that drafts 1 .. j are all accepted."""
-  return jnp.cumprod(jnp.clip(c, 0.0, _MAX_ACCEPT), axis=-1)
+  return xp.cumprod(xp.clip(c, 0.0, _MAX_ACCEPT), axis=-1)
 
 
-def drafter_gains(counts: jnp.ndarray) -> jnp.ndarray:
+def drafter_gains(counts: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
   """[..., J] gains from engine-wide counts [..., J, 2] (prior PRIOR_ACCEPT)."""
-  return gains(conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT))
+  return gains(conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT, xp=xp), xp=xp)
 
 
-def row_gains(row_counts: jnp.ndarray, counts: jnp.ndarray) -> jnp.ndarray:
+def row_gains(row_counts: jnp.ndarray, counts: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
   """[B, D, J] each row's gains per drafter from its own decayed counts `row_counts`
   [B, D, J, 2], with the drafter's engine-wide estimate (`counts` [D, J, 2]) as a prior worth
   ROW_PRIOR_WEIGHT observations: a new request starts from what the drafter does for
@@ -93,15 +97,15 @@ def row_gains(row_counts: jnp.ndarray, counts: jnp.ndarray) -> jnp.ndarray:
   depth, its estimate follows the row's own shallower one scaled by the drafter's engine-wide
   change with depth (a request that accepts more than most at position 1 is expected to keep
   doing so)."""
-  g = conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT)  # [D, J]
-  ratio = g / jnp.concatenate([g[:, :1], g[:, :-1]], axis=1)  # c_j / c_{j-1} (1 at j = 1)
-  c = conditional_acceptance(row_counts, g[None, :, 0], ROW_PRIOR_WEIGHT, ratio[None])
-  return gains(c)
+  g = conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT, xp=xp)  # [D, J]
+  ratio = g / xp.concatenate([g[:, :1], g[:, :-1]], axis=1)  # c_j / c_{j-1} (1 at j = 1)
+  c = conditional_acceptance(row_counts, g[None, :, 0], ROW_PRIOR_WEIGHT, ratio[None], xp=xp)
+  return gains(c, xp=xp)
 
 
-def expected_tokens(gain: jnp.ndarray, k: int) -> jnp.ndarray:
+def expected_tokens(gain: jnp.ndarray, k: int, *, xp=jnp) -> jnp.ndarray:
   """E[tau](k) = 1 + g_1 + ... + g_k (tokens per row per step) from gains [..., J]."""
-  return 1.0 + jnp.sum(gain[..., :k], axis=-1)
+  return 1.0 + xp.sum(gain[..., :k], axis=-1)
 
 
 def step_costs(choices: tuple[int, ...], batch: int, draft_cost: float = 0.0,

@@ -59,8 +59,10 @@ DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN = 0.03, 0.02, 0.0
 # "auto" rows get a model drafter that does not look worth its upkeep once per this many calls.
 EXPLORE_EVERY = 32
 # After a loop call in which the adaptive policy chose k = 0 throughout, this many calls run the
-# plain loop (cheaper per token than the speculative loop at k = 0) before it probes again.
-REST_CALLS = 3
+# plain loop (cheaper per token than the speculative loop at k = 0) before a short call
+# (`budget`: num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles
+# the rest, up to MAX_REST_CALLS, and a call that drafts resets it.
+REST_CALLS, MAX_REST_CALLS = 3, 12
 # Floor of the fitted base cost per verified position: timings within noise of each other must
 # not make verification free (a drafter that proposes nothing would then never back off).
 MIN_BASE = 0.03
@@ -139,6 +141,8 @@ class SpecRuntime:
                         if "draft" in self.enabled else None)
     self.k_steps = np.zeros((len(self.choices),), np.int64)
     self._rest = 0  # plain-loop calls left before the speculative loop probes again
+    self._rest_len = REST_CALLS  # the next rest's length
+    self._probe = False  # the next speculative call follows a rest: a short one
     self._auto_calls = 0  # loop calls with "auto" rows, and when each model drafter was
     self._offered: dict[str, int] = {}  # last offered to them (`model_drafters_for_auto`)
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
@@ -177,17 +181,18 @@ class SpecRuntime:
     drafter's E[tau](K; g) / (1 + K base), or plain decoding's 1 (adaptive k), with the gains g
     from the engine-wide counts or from any auto row's own (`goodput.row_gains`). Every
     EXPLORE_EVERY calls with auto rows, a drafter not offered meanwhile is offered once (and at
-    the first such call), so fresh evidence can bring it back.
+    the first such call), so fresh evidence can bring it back. A `hopeless` one never is.
     """
     self._auto_calls += 1
     counts = self.accept_seen
-    gains = goodput.drafter_gains(counts)[None]  # [1 + auto rows with evidence, D, K]
+    gains = goodput.drafter_gains(counts, xp=np)[None]  # [1 + auto rows with evidence, D, K]
     rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
-    if rows:  # (one call for all rows: this runs on the host before every loop call)
-      gains = jnp.concatenate([gains, goodput.row_gains(np.stack(rows), counts)])
+    if rows:  # (numpy, all rows at once: this runs on the host before every loop call)
+      gains = np.concatenate([gains, goodput.row_gains(np.stack(rows), counts, xp=np)])
     k, base = self.k, float(self.costs[-3])
+    hopeless = self.hopeless()
     out = set()
-    for tokens in np.asarray(goodput.expected_tokens(gains, k)):
+    for tokens in goodput.expected_tokens(gains, k, xp=np):
       free = max([1.0 if self.config.adaptive_k else 1.0 / (1.0 + k * base)]
                  + [tokens[drafter_id(d)] / (1.0 + k * base) for d in self.enabled
                     if d in DETERMINISTIC])
@@ -196,24 +201,44 @@ class SpecRuntime:
         if d not in DETERMINISTIC and tokens[drafter_id(d)] / (1 + k * (base + c) + c) > free:
           out.add(d)
     for d in self.enabled:
-      if d not in DETERMINISTIC and (d in out or self._auto_calls - self._offered.get(d, -10**9)
-                                     >= EXPLORE_EVERY):
+      if d in hopeless:
+        out.discard(d)
+      elif d not in DETERMINISTIC and (d in out or self._auto_calls
+                                       - self._offered.get(d, -10**9) >= EXPLORE_EVERY):
         out.add(d)
         self._offered[d] = self._auto_calls
+    return out
+
+  def hopeless(self) -> set[str]:
+    """Model drafters that could not pay for themselves even if every draft were accepted:
+    (1 + j) / (1 + overhead + j (base + c_d) + c_d) <= 1 (plain decoding) at every compiled
+    j > 0, by the measured costs (adaptive k; e.g. the MTP layer of the CPU demo model)."""
+    if not self.config.adaptive_k:
+      return set()
+    overhead, base = float(self.costs[-4]), float(self.costs[-3])
+    out = set()
+    for d in self.enabled:
+      c = float(self.costs[drafter_id(d)])
+      if d not in DETERMINISTIC and all((1 + j) / (1 + overhead + j * (base + c) + c) <= 1.0
+                                        for j in self.choices if j):
+        out.add(d)
     return out
 
   def speculates(self, reqs: Sequence[Any]) -> bool:
     """Whether a decode-only step of `reqs` runs the speculative loop (else the plain one).
 
     With `adaptive_k`, after a call that chose k = 0 in every iteration (nothing paid), the
-    next REST_CALLS calls of batches without a model-drafter row decode plainly (their tokens
-    still teach the learned table, `learn`); then the speculative loop probes again. Rows of
-    model drafters always take it: their drafter's state must see every token.
+    next REST_CALLS calls of batches without an MTP row decode plainly (their tokens still
+    teach the learned table, `learn`); then the speculative loop probes again. Draft-model
+    rows rest too and are caught up when they return (`catch_up_draft`); MTP rows always take
+    the speculative loop: the MTP layer must observe every verified block (catching it up
+    would need the target's hidden states again).
     """
     if not any(r.drafter for r in reqs):
       return False
-    if self._rest > 0 and all(r.drafter in (None, AUTO) + DETERMINISTIC for r in reqs):
+    if self._rest > 0 and all(r.drafter != "mtp" for r in reqs):
       self._rest -= 1
+      self._probe = True
       self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
       return False
     return True
@@ -236,8 +261,12 @@ class SpecRuntime:
     self.table = _learn(self.table, history, positions, valid)
 
   def budget(self, steps_: int, drafting: bool) -> int:
-    """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that."""
-    return max(steps_, self.k + 1) if drafting else steps_
+    """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that.
+    A call that probes after a rest gets exactly that (if it drafts nothing, little was spent
+    on the speculative loop's overhead)."""
+    if not drafting:
+      return steps_
+    return self.k + 1 if self._probe and self._rest == 0 else max(steps_, self.k + 1)
 
   # ---- programs ------------------------------------------------------------------------------
 
@@ -334,7 +363,10 @@ class SpecRuntime:
     self.calibration += calib
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
-      self._rest = REST_CALLS
+      self._rest, self._rest_len = self._rest_len, min(2 * self._rest_len, MAX_REST_CALLS)
+    elif k_steps[1:].any():
+      self._rest_len = REST_CALLS
+    self._probe = False
     counters["spec_steps"] += int(spec.steps.sum())
     counters["spec_drafted"] += int(spec.draft_tokens.sum())
     counters["spec_accepted"] += int(spec.accepted_tokens.sum())
@@ -369,8 +401,8 @@ class SpecRuntime:
     # were), per drafter and slot (the decayed counts of the last loop call; computed once per
     # loop call, not at every engine step's snapshot).
     if self._estimates[0] is not self.accept_seen:
-      self._estimates = (self.accept_seen, np.asarray(goodput.conditional_acceptance(
-          self.accept_seen, goodput.PRIOR_ACCEPT, goodput.PRIOR_WEIGHT)))
+      self._estimates = (self.accept_seen, goodput.conditional_acceptance(
+          self.accept_seen, goodput.PRIOR_ACCEPT, goodput.PRIOR_WEIGHT, xp=np))
     c = self._estimates[1]
     for d in self.enabled:
       for j, x in enumerate(c[drafter_id(d)]):
@@ -422,11 +454,11 @@ class SpecRuntime:
                 0, self.cfg.vocab_size, (b,), dtype=np.int32))))
     # The loop probes teach the table junk and move the counters: kept aside, restored after.
     saved = (None if self.table is None else jax.tree.map(jnp.copy, self.table), self.accept,
-             self.accept_seen, self.k_steps.copy(), self._rest, self.per_position.copy(),
-             self.calibration.copy())
+             self.accept_seen, self.k_steps.copy(), self._rest, self._rest_len, self._probe,
+             self.per_position.copy(), self.calibration.copy())
     best = time_interleaved(probes, caches, rounds)
-    (self.table, self.accept, self.accept_seen, self.k_steps, self._rest, self.per_position,
-     self.calibration) = saved
+    (self.table, self.accept, self.accept_seen, self.k_steps, self._rest, self._rest_len,
+     self._probe, self.per_position, self.calibration) = saved
     best = {key: t if key[0] in ("loop", "plain") else t / PROBE_REPEATS
             for key, t in best.items()}  # seconds per loop call, per forward
     table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(self.choices) | {0})}

@@ -332,12 +332,19 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     before_count = jnp.sum(s["count"])
     # The learned table stays out of the switch: a buffer carried through a conditional whose
     # branches update it is copied there (XLA), a few MB every iteration. Drafts are looked up
-    # before (k_max of them; a branch takes the first k) and emitted tokens learned after.
+    # before (k_max of them, or one at k = 0; a branch takes the first k) and emitted tokens
+    # learned after.
     table = s.pop("table", None)
     before = s["history_len"]
     if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)
-      s["learned_proposal"], table = jax.lax.optimization_barrier(
-          (learned.propose(table, s["history"], before - 1, k_max), table))
+      def one(_):
+        d, n = learned.propose(table, s["history"], before - 1, 1)
+        return jnp.pad(d, ((0, 0), (0, k_max - 1))), n
+
+      proposal = jax.lax.cond(
+          width > 0, lambda _: learned.propose(table, s["history"], before - 1, k_max), one,
+          None)
+      s["learned_proposal"], table = jax.lax.optimization_barrier((proposal, table))
     s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
     if table is not None:
       del s["learned_proposal"]
