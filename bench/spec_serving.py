@@ -14,7 +14,9 @@ acceptance). Workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EO
 For each: output tok/s (best of `--repeats` after a warm-up pass), tokens per target forward of
 drafting rows, speedup over "off" on the same engine, the goodput model's calibration (tokens it
 expected over tokens emitted in iterations that drafted: above 1, its acceptance estimates run
-ahead of what is accepted), and whether every output equals "off"'s. The learned table keeps
+ahead of what is accepted) and of its costs (speculative calls' wall time over the time it
+predicted for them, both in plain-loop iterations: above 1, T(k) or the calls' fixed costs are
+underrated), and whether every output equals "off"'s. The learned table keeps
 what earlier passes taught it (it learns across requests). Prints a table and writes JSON
 (`--out`). On CPU the times describe the reference path.
 """
@@ -125,19 +127,25 @@ def main(argv):
           # the goodput model's tokens expected / emitted in iterations that drafted
           expected_over_emitted=(spec["spec_model_expected_tokens"]
                                  / spec["spec_model_emitted_tokens"])
-          if spec.get("spec_model_emitted_tokens") else None))
+          if spec.get("spec_model_emitted_tokens") else None,
+          # and its costs: speculative calls' measured time over what it predicted
+          measured_over_predicted=(spec["spec_model_measured_cost"]
+                                   / spec["spec_model_predicted_cost"])
+          if spec.get("spec_model_predicted_cost") else None))
       print(f"  {name} {mode} done", file=sys.stderr)
 
   header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'tok/fwd':>7} "
-            f"{'exp/emit':>8} identical  auto chose (row iterations)")
+            f"{'exp/emit':>8} {'T meas/pred':>11} identical  auto chose (row iterations)")
   print(header)
   print("-" * len(header))
   for r in rows:
     sp = f"{r['speedup']:7.2f}" if r["speedup"] is not None else f"{'-':>7}"
     cal = r["expected_over_emitted"]
     cal = f"{cal:8.2f}" if cal is not None else f"{'-':>8}"
+    cost = r["measured_over_predicted"]
+    cost = f"{cost:11.2f}" if cost is not None else f"{'-':>11}"
     print(f"{r['workload']:8} {r['mode']:8} {r['tok_s']:8.1f} {sp} "
-          f"{r['tokens_per_forward']:7.2f} {cal} {str(r['identical']):9}  "
+          f"{r['tokens_per_forward']:7.2f} {cal} {cost} {str(r['identical']):9}  "
           f"{r['auto_choice'] or ''}")
   if FLAGS.out:
     with open(FLAGS.out, "w") as fh:

@@ -74,6 +74,11 @@ def test_adaptive_k_backs_off_on_fresh_prompts_and_drafts_what_it_learned(model)
   assert [r.output_ids for r in got] == want
   k0 = eng.spec.k_steps.copy()
   assert k0[0] > 2 * k0[1:].sum(), k0
+  # The cost model's calibration on live traffic: speculative calls priced (at least 1 plus
+  # the measured overhead per iteration) and timed against the warm-up's plain iteration.
+  stats = eng.stats()
+  assert stats["spec_model_predicted_cost"] >= 1 + stats["spec_cost_overhead"] > 0
+  assert stats["spec_model_measured_cost"] > 0
   # Nothing paid, so most calls ran the plain loop; the table still learned their tokens.
   assert eng.stats()["spec_rest_calls"] > 0
   from engine.runtime.speculative import learned
@@ -391,3 +396,33 @@ def test_auto_never_offers_a_model_drafter_that_cannot_pay(model):
   assert all("mtp" not in r.drafter_steps for r in got)
   eng.spec.costs[drafter_id("mtp")] = 0.1  # now it could pay: offered (explored) again
   assert "mtp" in eng.spec.model_drafters_for_auto([])
+
+
+def test_cost_model_is_corrected_by_what_speculative_calls_measure(model):
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=128), speculative="ngram",
+                                         num_draft_tokens=3, adaptive_k=True))
+  eng.spec.costs[-4:] = 0.25, 0.1, 0.01, 0.02  # overhead, base, pad_row, per_token
+  np.testing.assert_allclose(eng.spec.live_costs(), eng.spec.costs)
+  eng.spec.cost_scale = 2.0  # every speculative T(k) doubles; plain decoding stays 1
+  live = eng.spec.live_costs()
+  for k in (1, 3):
+    t = 1 + eng.spec.costs[-4] + k * (eng.spec.costs[-3] + 4 * eng.spec.costs[-2])
+    t_live = 1 + live[-4] + k * (live[-3] + 4 * live[-2])
+    assert t_live == pytest.approx(2 * t)
+  assert live[-1] == pytest.approx(0.04)
+  # Live traffic, with drafting priced free so that every call drafts (no rest). The unit, a
+  # plain iteration, made absurdly slow: the calls look far cheaper than predicted, and the
+  # correction hits its floor; absurdly fast: its ceiling.
+  eng.spec.costs[-4:] = 0.0
+  ps = [[1] + [5, 6, 7, 8, 9] * 5, [1] + [9, 3, 4] * 8]
+  want = plain(model, ps, 60)
+  for unit, scale in ((1e3, 0.5), (1e-9, 2.0)):
+    eng.spec.cost_scale, eng.spec._cost_evidence = 1.0, np.zeros(2)
+    eng.spec.plain_iter_s = {b: unit for b in eng.buckets.decode}
+    before = eng.stats()["spec_model_predicted_cost"]
+    got = eng.generate(ps, stop=StopParams(max_tokens=60))
+    assert [r.output_ids for r in got] == want
+    assert eng.stats()["spec_model_predicted_cost"] - before > 32
+    assert eng.spec.cost_scale == scale
+    assert eng.stats()["spec_cost_scale"] == scale

@@ -145,7 +145,9 @@ def test_speculative_metrics_by_drafter_and_k():
                spec_k0_loops=3, spec_k4_loops=7, spec_mean_accepted_length_ngram=3.5,
                spec_pos0_drafted=10, spec_pos0_accepted=8, spec_pos1_drafted=9,
                spec_pos1_accepted=5, spec_pos0_estimate_ngram=0.8,
-               spec_pos1_estimate_ngram=0.55)
+               spec_pos1_estimate_ngram=0.55, spec_model_expected_tokens=40.5,
+               spec_model_emitted_tokens=38.0, spec_model_predicted_cost=12.0,
+               spec_model_measured_cost=15.0, spec_cost_scale=1.25)
   text = ServingMetrics(lambda: stats, page_size=16).text()
   for line in ('moejax:spec_decode_num_drafts_total 10.0',
                'moejax:spec_decode_num_accepted_tokens_by_drafter_total{drafter="ngram"} 15.0',
@@ -153,7 +155,10 @@ def test_speculative_metrics_by_drafter_and_k():
                'moejax:spec_decode_loop_iterations_total{k="4"} 7.0',
                'moejax:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 5.0',
                'moejax:spec_decode_num_draft_tokens_per_pos_total{position="0"} 10.0',
-               'moejax:spec_decode_acceptance_estimate{drafter="ngram",position="1"} 0.55'):
+               'moejax:spec_decode_acceptance_estimate{drafter="ngram",position="1"} 0.55',
+               'moejax:spec_decode_model_total{quantity="expected_tokens"} 40.5',
+               'moejax:spec_decode_model_total{quantity="measured_cost"} 15.0',
+               'moejax:spec_decode_cost_scale 1.25'):
     assert line in text, line
   # Per-position keys are not mistaken for drafters.
   assert 'drafter="pos' not in text

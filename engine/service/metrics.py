@@ -99,6 +99,21 @@ class _EngineCollector:
         loops.add_metric([k[len("spec_k"):-len("_loops")]], float(v))
     if loops.samples:
       yield loops
+    # The goodput model's calibration (tokens expected vs emitted when drafting; speculative
+    # calls' time predicted vs measured, in plain-loop iterations) and the live cost correction.
+    model = CounterMetricFamily(PREFIX + "spec_decode_model", "The adaptive draft length's "
+                                "model against what happened: tokens expected / emitted in "
+                                "iterations that drafted; speculative calls' time predicted / "
+                                "measured (plain-loop iterations).", labels=["quantity"])
+    for q in ("expected_tokens", "emitted_tokens", "predicted_cost", "measured_cost"):
+      if "spec_model_" + q in s:
+        model.add_metric([q], float(s["spec_model_" + q]))
+    if model.samples:
+      yield model
+    if "spec_cost_scale" in s:
+      yield GaugeMetricFamily(PREFIX + "spec_decode_cost_scale", "Measured over predicted time "
+                              "of speculative calls (decayed): the factor applied to the cost "
+                              "model's speculative step times.", value=float(s["spec_cost_scale"]))
 
 
 class ServingMetrics:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 from typing import Any, Sequence
 
 import jax
@@ -63,6 +64,9 @@ EXPLORE_EVERY = 32
 # (`budget`: num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles
 # the rest, up to MAX_REST_CALLS, and a call that drafts resets it.
 REST_CALLS, MAX_REST_CALLS = 3, 12
+# The live correction of the cost model (`live_costs`): decay of its evidence per speculative
+# call, the predicted plain-loop iterations it needs before it applies, and its range.
+COST_DECAY, COST_MIN_EVIDENCE, COST_SCALE_RANGE = 0.9, 32.0, (0.5, 2.0)
 # Floor of the fitted base cost per verified position: timings within noise of each other must
 # not make verification free (a drafter that proposes nothing would then never back off).
 MIN_BASE = 0.03
@@ -153,6 +157,13 @@ class SpecRuntime:
       self.per_drafter.update(spec_draft_catch_up_steps=0, spec_draft_catch_up_tokens=0)
     self.per_position = np.zeros((2, k), np.int64)  # drafted, accepted tokens at each slot
     self.calibration = np.zeros((2,), np.float64)  # tokens expected / emitted when drafting
+    # The cost model's calibration on live traffic: speculative calls' time as it predicts it
+    # and as measured (wall time over a plain-loop iteration's, `record_plain`), in plain-loop
+    # iterations; and that iteration's time per decode batch size (s).
+    self.cost_seen = np.zeros((2,), np.float64)
+    self.plain_iter_s: dict[int, float] = {}
+    self._cost_evidence = np.zeros((2,), np.float64)  # the same, decayed per call
+    self.cost_scale = 1.0  # measured / predicted: the live correction (`live_costs`)
 
   @property
   def observes(self) -> bool:
@@ -189,7 +200,8 @@ class SpecRuntime:
     rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
     if rows:  # (numpy, all rows at once: this runs on the host before every loop call)
       gains = np.concatenate([gains, goodput.row_gains(np.stack(rows), counts, xp=np)])
-    k, base = self.k, float(self.costs[-3])
+    costs = self.live_costs()
+    k, base = self.k, float(costs[-3])
     hopeless = self.hopeless()
     out = set()
     for tokens in goodput.expected_tokens(gains, k, xp=np):
@@ -197,7 +209,7 @@ class SpecRuntime:
                  + [tokens[drafter_id(d)] / (1.0 + k * base) for d in self.enabled
                     if d in DETERMINISTIC])
       for d in self.enabled:
-        c = float(self.costs[drafter_id(d)])
+        c = float(costs[drafter_id(d)])
         if d not in DETERMINISTIC and tokens[drafter_id(d)] / (1 + k * (base + c) + c) > free:
           out.add(d)
     for d in self.enabled:
@@ -209,16 +221,37 @@ class SpecRuntime:
         self._offered[d] = self._auto_calls
     return out
 
+  def live_costs(self) -> np.ndarray:
+    """`costs` corrected by what speculative calls measured on live traffic: with
+    r = `cost_scale` (measured / predicted time of the calls, decayed), every speculative
+    iteration's T(k) becomes r T(k) (overhead r (1 + overhead) - 1, the per-column and
+    per-token costs times r); plain decoding's unit stays 1. So drafting must beat plain
+    decoding by what the warm-up's probes leave out: the calls' fixed costs, the draft
+    model's catch-up, host work, and iterations dearer on real rows than on the probes'."""
+    r = self.cost_scale
+    costs = self.costs.astype(np.float32) * np.float32(r)
+    costs[-4] = r * (1.0 + float(self.costs[-4])) - 1.0
+    return costs
+
+  def _learn_cost_scale(self, predicted: float, measured: float) -> None:
+    """Folds one speculative call's predicted (by the uncorrected model) and measured time
+    into `cost_scale`."""
+    self._cost_evidence = COST_DECAY * self._cost_evidence + (predicted, measured)
+    if self._cost_evidence[0] >= COST_MIN_EVIDENCE:
+      self.cost_scale = float(np.clip(self._cost_evidence[1] / self._cost_evidence[0],
+                                      *COST_SCALE_RANGE))
+
   def hopeless(self) -> set[str]:
     """Model drafters that could not pay for themselves even if every draft were accepted:
     (1 + j) / (1 + overhead + j (base + c_d) + c_d) <= 1 (plain decoding) at every compiled
     j > 0, by the measured costs (adaptive k; e.g. the MTP layer of the CPU demo model)."""
     if not self.config.adaptive_k:
       return set()
-    overhead, base = float(self.costs[-4]), float(self.costs[-3])
+    costs = self.live_costs()
+    overhead, base = float(costs[-4]), float(costs[-3])
     out = set()
     for d in self.enabled:
-      c = float(self.costs[drafter_id(d)])
+      c = float(costs[drafter_id(d)])
       if d not in DETERMINISTIC and all((1 + j) / (1 + overhead + j * (base + c) + c) <= 1.0
                                         for j in self.choices if j):
         out.add(d)
@@ -259,6 +292,14 @@ class SpecRuntime:
       valid[i, :counts[i]] = True
     positions = np.broadcast_to(np.arange(n, n + n_steps, dtype=np.int32), (b, n_steps))
     self.table = _learn(self.table, history, positions, valid)
+
+  def record_plain(self, b: int, iterations: int, seconds: float) -> None:
+    """A plain decode-loop call of b rows: its time per iteration, the unit of the cost model
+    (a moving average over full calls, `max_decode_steps` iterations, as at warm-up)."""
+    if iterations == self.config.max_decode_steps:
+      old = self.plain_iter_s.get(b)
+      t = seconds / iterations
+      self.plain_iter_s[b] = t if old is None else 0.8 * old + 0.2 * t
 
   def budget(self, steps_: int, drafting: bool) -> int:
     """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that.
@@ -314,6 +355,8 @@ class SpecRuntime:
              force_k: int | None = None):
     """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
     logprobs as `steps.decode_loop`'s, cache)."""
+    started = time.perf_counter()
+    live, scale, probing = self.live_costs(), self.cost_scale, self._probe
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
     row_drafter = np.zeros((b,), np.int32)
@@ -349,7 +392,7 @@ class SpecRuntime:
     res, cache = speculative_decode_loop(
         params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
         np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
-        row_accept, auto_allowed, feed, draft_rows, self.accept, self.costs,
+        row_accept, auto_allowed, feed, draft_rows, self.accept, live,
         np.int32(self.force_k if force_k is None else force_k),
         wants_logprobs(reqs), self.table, mtp_hidden,
         self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
@@ -360,7 +403,13 @@ class SpecRuntime:
         jax.device_get((res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden,
                         res.logprobs, res.row_accept, res.by_drafter, res.accept,
                         res.calibration)))
-    self.calibration += calib
+    self.calibration += calib[:2]
+    if reqs and b in self.plain_iter_s:  # (catch-up and host work included: real costs)
+      predicted = float(calib[2]) / scale  # the loop priced it with live_costs: T times scale
+      measured = (time.perf_counter() - started) / self.plain_iter_s[b]
+      self.cost_seen += predicted, measured
+      if self.force_k < 0 and not probing:  # (a probe's few iterations carry a whole call's
+        self._learn_cost_scale(predicted, measured)  # fixed cost: not what full calls pay)
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
       self._rest, self._rest_len = self._rest_len, min(2 * self._rest_len, MAX_REST_CALLS)
@@ -412,6 +461,12 @@ class SpecRuntime:
     # acceptance estimates run ahead of what is accepted (so it drafts where it loses).
     s["spec_model_expected_tokens"], s["spec_model_emitted_tokens"] = (
         float(x) for x in self.calibration)
+    # And of its costs: speculative calls' time as predicted and as measured, in plain-loop
+    # iterations (above 1 measured/predicted: T(k) underrates real iterations, or the calls'
+    # fixed costs, catch-up and host work, which it leaves out, matter).
+    s["spec_model_predicted_cost"], s["spec_model_measured_cost"] = (
+        float(x) for x in self.cost_seen)
+    s["spec_cost_scale"] = self.cost_scale  # the live correction applied (`live_costs`)
     for d in self.enabled:  # tokens per target forward of rows drafting with d
       steps_ = self.per_drafter[f"spec_steps_{d}"]
       if steps_:
@@ -467,6 +522,7 @@ class SpecRuntime:
     n = self.config.max_decode_steps  # iterations per loop probe
     loop = {b: {k: best[("loop", b, k)] / n for k in self.choices} for b in table}  # s / iter
     plain = {b: best[("plain", b)] / n for b in table}  # the unit of T
+    self.plain_iter_s.update(plain)
     drafter_s = {d: [best[(d, b)] / plain[b] for b in table] if d in self.enabled else []
                  for d in ("mtp", "draft")}
     overhead = max(float(np.mean([loop[b][0] / plain[b] - 1.0 for b in table])), 0.0)
@@ -497,6 +553,7 @@ class SpecRuntime:
         costs[drafter_id(d)] = float(np.mean(rs))
     costs[-4:] = overhead, base, pad_row, per_token
     self.costs = costs.astype(np.float32)
+    self.cost_scale, self._cost_evidence = 1.0, np.zeros((2,), np.float64)  # a new model
     self.cost_fit = dict(overhead=overhead, base=base, pad_row=pad_row, per_token=per_token,
                          **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()
                             if rs},

@@ -72,8 +72,9 @@ class LoopResult:
   stopped: jax.Array  # [B] bool
   stats: SpecStats
   k_steps: jax.Array  # [len(choices)] iterations run with each draft length
-  calibration: jax.Array  # [2] float32 over iterations that drafted: tokens the goodput model
-  # expected them to emit (from the rows' gains and draft counts), tokens they emitted
+  calibration: jax.Array  # [3] float32: over iterations that drafted, tokens the goodput model
+  # expected them to emit (from the rows' gains and draft counts) and tokens they emitted;
+  # over all iterations, their time by the cost model (`costs`; plain-loop iterations)
   accept: jax.Array  # [D, J, 2] updated acceptance counts per draft position
   table: learned.NgramTable | None
   mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
@@ -329,6 +330,10 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     width = jnp.asarray(choices, jnp.int32)[index]
     taken = jnp.arange(1, k_max + 1)[None, :] <= jnp.minimum(k_rows, width)[:, None]
     expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))
+    # The iteration's time as the cost model prices it (`goodput.plan`'s T, with the
+    # speculative loop's overhead also at k = 0: this call runs that loop).
+    predicted = (1.0 + costs[-4] + width.astype(jnp.float32) * block_cost
+                 + costs[-1] * jnp.sum(jnp.where(taken & (live & (ids > 0))[:, None], 1.0, 0.0)))
     before_count = jnp.sum(s["count"])
     # The learned table stays out of the switch: a buffer carried through a conditional whose
     # branches update it is copied there (XLA), a few MB every iteration. Drafts are looked up
@@ -353,8 +358,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                                   slots < (s["history_len"] - before)[:, None])
     s["k_steps"] = s["k_steps"].at[index].add(1)
     drafted = (width > 0).astype(jnp.float32)  # the model's calibration (`LoopResult`)
-    s["calibration"] = s["calibration"] + drafted * jnp.stack(
-        [expected, (jnp.sum(s["count"]) - before_count).astype(jnp.float32)])
+    s["calibration"] = s["calibration"] + jnp.stack(
+        [drafted * expected, drafted * (jnp.sum(s["count"]) - before_count).astype(jnp.float32),
+         predicted])
     return s
 
   zeros = jnp.zeros((b,), jnp.int32)
@@ -366,7 +372,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
            ids=row_drafter.astype(jnp.int32), k_rows=zeros,
            by_drafter=jnp.zeros((b, n_ids, 3), jnp.int32),
            k_steps=jnp.zeros((len(choices),), jnp.int32),
-           calibration=jnp.zeros((2,), jnp.float32))
+           calibration=jnp.zeros((3,), jnp.float32))
   kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
   s["lps"] = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
               jnp.zeros((b, max_steps, kt), jnp.float32))
