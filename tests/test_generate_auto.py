@@ -2,9 +2,11 @@
 serving engine with every drafter the model supports; greedy output equals plain decoding."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import engine
+from engine import api
 from engine.api import LoadedModel, auto_drafters, generate_on_engine
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
@@ -59,12 +61,20 @@ def test_auto_keeps_the_learned_table_in_the_callers_memory(model, want, draft):
   before = memory.table
   spec = SpeculativeConfig("auto", 3, model.config, draft, memory=memory)
   # engine.generate measures the costs on its first call (then k may well be 0 on CPU).
+  states = []
   for _ in range(2):  # the second call starts from the table the first one left
     got = engine.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
                           speculative=spec)
     assert [r.token_ids for r in got] == want
     assert memory.table is not before and int(jnp.sum(memory.table.used)) > 0
     before = memory.table
+    states.append([v for k, v in api._MEASURED_COSTS.items() if k[2] is not None
+                   and k[1].num_draft_tokens == 3])
+  # The costs were measured once, and each call left what it measured of the speculative
+  # calls (the live correction's evidence) for the next.
+  (first,), (second,) = states
+  assert np.array_equal(first[0], second[0]) and first[2] and second[2]
+  assert first[4][0] > 0 and not np.array_equal(first[4], second[4])
   with pytest.raises(ValueError, match="serving engine"):
     generate_tokens(model.params, model.config, PROMPTS, speculative=spec)
   # Without a draft model "auto" leaves the draft drafter out.

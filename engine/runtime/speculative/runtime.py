@@ -233,6 +233,17 @@ class SpecRuntime:
     costs[-4] = r * (1.0 + float(self.costs[-4])) - 1.0
     return costs
 
+  def cost_state(self) -> tuple:
+    """What the engine knows about its costs (fitted model, plain-iteration times, live
+    correction), for a later engine of the same configuration (`set_cost_state`)."""
+    return (self.costs.copy(), dict(self.cost_fit), dict(self.plain_iter_s), self.cost_scale,
+            self._cost_evidence.copy())
+
+  def set_cost_state(self, state: tuple) -> None:
+    costs, fit, plain, self.cost_scale, evidence = state
+    self.costs, self.cost_fit, self.plain_iter_s = costs.copy(), dict(fit), dict(plain)
+    self._cost_evidence = evidence.copy()
+
   def _learn_cost_scale(self, predicted: float, measured: float) -> None:
     """Folds one speculative call's predicted (by the uncorrected model) and measured time
     into `cost_scale`."""
