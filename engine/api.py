@@ -216,7 +216,8 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
   costs (their defaults suit a memory-bound GPU step; on CPU verifying k tokens costs far more),
   so the first call per (model, engine config) measures them as `Engine.warmup` does (timed
   verify forwards per compiled k, MTP layer, draft model) and later calls reuse them
-  (`_MEASURED_COSTS`, with the live cost correction each call learns, `SpecRuntime.cost_state`).
+  (`_MEASURED_COSTS`), with what each call's adaptive policy learned (`SpecRuntime.
+  adaptive_state`: the live cost correction, acceptance counts, rest and exploration).
   `warmup`: run the whole `Engine.warmup` (every bucket compiled) first.
   """
   # The serving engine: only for this path.
@@ -271,14 +272,14 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
       eng.cache = eng.spec.measure_costs(model.params, eng.cache, sizes, eng.max_pages_per_seq,
                                          stop_width=MAX_STOP_IDS, impl=config.kernels)
   if drafters and measure_costs and costs_key in _MEASURED_COSTS and not warmup:
-    eng.spec.set_cost_state(_MEASURED_COSTS[costs_key])
+    eng.spec.set_adaptive_state(_MEASURED_COSTS[costs_key])
   stops = [StopParams(max_tokens=m, min_tokens=min(min_new_tokens, m),
                       stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
            for m in max_new]
   samp = [dataclasses.replace(s, drafter=AUTO if drafters else "off") for s in sampling]
   done = eng.generate([list(p) for p in ids], samp, stops)  # the engine enters its mesh
-  if drafters and measure_costs:  # with what this call measured (the live cost correction)
-    _MEASURED_COSTS[costs_key] = eng.spec.cost_state()
+  if drafters and measure_costs:  # with what this call's adaptive policy learned
+    _MEASURED_COSTS[costs_key] = eng.spec.adaptive_state()
   if memory is not None:
     memory.table = eng.spec.table
   stats = eng.stats() if drafters else {}
@@ -290,10 +291,10 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
           for r in done]
 
 
-# (model config, engine config, draft config, dtype) -> `SpecRuntime.cost_state()`: the costs
-# measured as `Engine.warmup` does and the live correction learned since, so that repeated
-# `generate` calls measure once per process and keep what the earlier calls measured.
-_MEASURED_COSTS: dict[Any, tuple] = {}
+# (model config, engine config, draft config, dtype) -> `SpecRuntime.adaptive_state()`: the
+# costs measured as `Engine.warmup` does and what the adaptive policy learned since, so that
+# repeated `generate` calls measure once per process and go on from the earlier calls.
+_MEASURED_COSTS: dict[Any, dict] = {}
 
 
 def _committed_like(tree: Any, params: Params) -> Any:

@@ -233,16 +233,26 @@ class SpecRuntime:
     costs[-4] = r * (1.0 + float(self.costs[-4])) - 1.0
     return costs
 
-  def cost_state(self) -> tuple:
-    """What the engine knows about its costs (fitted model, plain-iteration times, live
-    correction), for a later engine of the same configuration (`set_cost_state`)."""
-    return (self.costs.copy(), dict(self.cost_fit), dict(self.plain_iter_s), self.cost_scale,
-            self._cost_evidence.copy())
+  def adaptive_state(self) -> dict[str, Any]:
+    """What the adaptive policy has learned, for a later engine of the same configuration
+    (`set_adaptive_state`), so that a process that builds one engine per call
+    (`generate_on_engine`) behaves like one long-lived engine: the fitted costs, the
+    plain-iteration unit and the live correction; the engine-wide acceptance counts; the rest
+    and the exploration schedule of model drafters."""
+    return dict(costs=self.costs.copy(), cost_fit=dict(self.cost_fit),
+                plain_iter_s=dict(self.plain_iter_s), cost_scale=self.cost_scale,
+                cost_evidence=self._cost_evidence.copy(), accept=np.array(self.accept_seen),
+                rest=self._rest, rest_len=self._rest_len, probe=self._probe,
+                auto_calls=self._auto_calls, offered=dict(self._offered))
 
-  def set_cost_state(self, state: tuple) -> None:
-    costs, fit, plain, self.cost_scale, evidence = state
-    self.costs, self.cost_fit, self.plain_iter_s = costs.copy(), dict(fit), dict(plain)
-    self._cost_evidence = evidence.copy()
+  def set_adaptive_state(self, state: dict[str, Any]) -> None:
+    self.costs, self.cost_fit = state["costs"].copy(), dict(state["cost_fit"])
+    self.plain_iter_s, self.cost_scale = dict(state["plain_iter_s"]), state["cost_scale"]
+    self._cost_evidence = state["cost_evidence"].copy()
+    self.accept_seen = np.array(state["accept"])
+    self.accept = jax.device_put(self.accept_seen, next(iter(self.accept.devices())))
+    self._rest, self._rest_len, self._probe = state["rest"], state["rest_len"], state["probe"]
+    self._auto_calls, self._offered = state["auto_calls"], dict(state["offered"])
 
   def _learn_cost_scale(self, predicted: float, measured: float) -> None:
     """Folds one speculative call's predicted (by the uncorrected model) and measured time
