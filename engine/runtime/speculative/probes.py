@@ -113,7 +113,7 @@ def forward_probes(params: Params, cfg: ModelConfig, b: int, ks, page_table: np.
 # Tokens per row in one loop-probe call: enough iterations that a call's dispatch is small.
 LOOP_PROBE_TOKENS = 64
 # Least cost of a verified column relative to the narrowest choice's iteration (as the
-# engine's MIN_BASE).
+# engine's MIN_BASE, `serving_costs`).
 MIN_COLUMN_COST = 0.03
 # (cfg, B, K, method, page table shape, max_steps, page_size, dtype, draft cfg, impl) ->
 # [len(choices)] the fixed-batch loop's time per iteration at each choice, relative to the first.

@@ -12,12 +12,10 @@
 * `decode`: a decode-only engine step through `serving.speculative_decode_loop`. The draft
   model is fed lazily (`catch_up.py`): only rows that may draft with it, each first caught up
   over the positions its draft entries lack;
-* `measure_costs` (at `Engine.warmup`, adaptive mode): times the plain decode loop and the
-  speculative loop at every compiled k, and the compiled verify forward (every position real,
-  only the first), the MTP layer and the draft model, at the smallest and largest decode batch,
-  and fits the goodput model's step time in plain-loop iterations
-  T = 1 + [K > 0] overhead + K (base + pad_row B + drafters) + per_token sum_b k_b
-  (`goodput.plan`).
+* the cost model: measured at `Engine.warmup` (`measure_costs`, `serving_costs.py`: the
+  goodput model's step time T(B, k) in plain-loop iterations), then corrected by what live
+  speculative calls take (`live_costs`); `adaptive_state` carries it, with the acceptance
+  counts, rest and exploration schedule, to a later engine of the same configuration.
 
 Each request keeps its own acceptance counts per drafter and draft position
 (`Request.spec_accept`), so the loop sizes every row's drafts, and picks an "auto" row's
@@ -26,7 +24,6 @@ drafter, from what that request accepts at each depth.
 
 from __future__ import annotations
 
-import collections
 import functools
 import time
 from typing import Any, Sequence
@@ -44,11 +41,9 @@ from engine.runtime import steps
 from engine.runtime.buckets import ShapeBuckets
 from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
-from engine.runtime.sampling import SamplingArrays, SamplingParams
-from engine.runtime.speculative import catch_up, drafters as dr, goodput, learned
+from engine.runtime.sampling import SamplingArrays
+from engine.runtime.speculative import catch_up, drafters as dr, goodput, learned, serving_costs
 from engine.runtime.speculative.learned import NgramTable
-from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page,
-                                               forward_probes, time_interleaved)
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
@@ -67,9 +62,6 @@ REST_CALLS, MAX_REST_CALLS = 3, 12
 # The live correction of the cost model (`live_costs`): decay of its evidence per speculative
 # call, the predicted plain-loop iterations it needs before it applies, and its range.
 COST_DECAY, COST_MIN_EVIDENCE, COST_SCALE_RANGE = 0.9, 32.0, (0.5, 2.0)
-# Floor of the fitted base cost per verified position: timings within noise of each other must
-# not make verification free (a drafter that proposes nothing would then never back off).
-MIN_BASE = 0.03
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -501,121 +493,7 @@ class SpecRuntime:
 
   def measure_costs(self, params, cache, batch_sizes: Sequence[int], max_pages: int, *,
                     stop_width: int, impl: KernelChoice = REFERENCE, rounds: int = 7):
-    """Times the serving loop itself at every compiled k (forced, rows not drafting: a padded
-    block), the verify forward with every position real and with only the first, and each
-    model drafter's step, at the given batch sizes; fits T(B, k) and installs it. Returns the
-    cache (donated through). `stop_width`: the engine's stop-id columns (its compiled shape).
-
-    The loop probes price everything an iteration does besides the forward (drafter lookups,
-    acceptance, bookkeeping): on 2 CPU cores a K = 4 iteration costs ~1.4x what its verify
-    forward alone predicts. Every probe runs once per round, rounds interleaved, and keeps its
-    fastest time: load from elsewhere on the machine then slows all probes alike."""
-
-    caches = {"target": cache, "draft": self.draft_cache}
-    probes: list[tuple[tuple, str, Any]] = []  # (key, which cache, program)
-    rng = np.random.default_rng(0)
-    for b in sorted(set(batch_sizes)):
-      pt = np.zeros((b, max_pages), np.int32)  # the null page: cleared afterwards
-      probes += forward_probes(
-          params, self.cfg, b, sorted(set(self.choices) | {0}), pt, impl, rng,
-          mtp="mtp" in self.enabled,
-          draft=(self.draft_cfg, self.draft_params) if "draft" in self.enabled else None)
-      probes.append((("plain", b), "target", functools.partial(
-          self._plain_probe, params, b=b, max_pages=max_pages, stop_width=stop_width, impl=impl,
-          tokens=rng.integers(0, self.cfg.vocab_size, (b,), dtype=np.int32))))
-      for i, k in enumerate(self.choices):
-        probes.append((("loop", b, k), "target", functools.partial(
-            self._loop_probe, params, caches=caches, b=b, force_k=i, max_pages=max_pages,
-            stop_width=stop_width, impl=impl, tokens=rng.integers(
-                0, self.cfg.vocab_size, (b,), dtype=np.int32))))
-    # The loop probes teach the table junk and move the counters: kept aside, restored after.
-    saved = (None if self.table is None else jax.tree.map(jnp.copy, self.table), self.accept,
-             self.accept_seen, self.k_steps.copy(), self._rest, self._rest_len, self._probe,
-             self.per_position.copy(), self.calibration.copy())
-    best = time_interleaved(probes, caches, rounds)
-    (self.table, self.accept, self.accept_seen, self.k_steps, self._rest, self._rest_len,
-     self._probe, self.per_position, self.calibration) = saved
-    best = {key: t if key[0] in ("loop", "plain") else t / PROBE_REPEATS
-            for key, t in best.items()}  # seconds per loop call, per forward
-    table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(self.choices) | {0})}
-             for b in sorted(set(batch_sizes))}  # every position real
-    padded = {b: {k: best[("verify", b, k, 1)] for k in row} for b, row in table.items()}
-    n = self.config.max_decode_steps  # iterations per loop probe
-    loop = {b: {k: best[("loop", b, k)] / n for k in self.choices} for b in table}  # s / iter
-    plain = {b: best[("plain", b)] / n for b in table}  # the unit of T
-    self.plain_iter_s.update(plain)
-    drafter_s = {d: [best[(d, b)] / plain[b] for b in table] if d in self.enabled else []
-                 for d in ("mtp", "draft")}
-    overhead = max(float(np.mean([loop[b][0] / plain[b] - 1.0 for b in table])), 0.0)
-    caches = {w: c if c is None else clear_null_page(c) for w, c in caches.items()}
-    cache, self.draft_cache = caches["target"], caches["draft"]
-    # All relative to a plain decode-loop iteration t_plain(B). Overhead: the speculative
-    # loop's k = 0 iteration beyond it. Per block column: least squares of r(B, k) / k =
-    # base + pad_row B over k > 0, r = (t_loop(B, k) - t_loop(B, 0)) / t_plain(B) (a padded
-    # block). Per real drafted token: the mean of (t_verify,full - t_verify,padded) / t_plain
-    # / (B k).
-    xs, ys, tok = [], [], []
-    for b, row in loop.items():
-      for k, t in row.items():
-        if k > 0:
-          xs.append(b)
-          ys.append((t - row[0]) / plain[b] / k)
-          tok.append((table[b][k] - padded[b][k]) / plain[b] / (b * k))
-    xs, ys = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
-    if len(set(xs.tolist())) > 1:
-      pad_row, base = np.polyfit(xs, ys, 1)
-    else:
-      pad_row, base = 0.0, float(ys.mean()) if len(ys) else 0.0
-    base, pad_row = max(float(base), MIN_BASE), max(float(pad_row), 0.0)
-    per_token = max(float(np.mean(tok)) if tok else 0.0, 0.0)
-    costs = self.costs.copy()
-    for d, rs in drafter_s.items():
-      if rs:
-        costs[drafter_id(d)] = float(np.mean(rs))
-    costs[-4:] = overhead, base, pad_row, per_token
-    self.costs = costs.astype(np.float32)
-    self.cost_scale, self._cost_evidence = 1.0, np.zeros((2,), np.float64)  # a new model
-    self.cost_fit = dict(overhead=overhead, base=base, pad_row=pad_row, per_token=per_token,
-                         **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()
-                            if rs},
-                         table={b: {k: round(t * 1e3, 4) for k, t in row.items()}
-                                for b, row in table.items()},  # ms
-                         table_padded={b: {k: round(t * 1e3, 4) for k, t in row.items()}
-                                       for b, row in padded.items()},
-                         table_loop={b: {k: round(t * 1e3, 4) for k, t in row.items()}
-                                     for b, row in loop.items()},
-                         plain_loop={b: round(t * 1e3, 4) for b, t in plain.items()})
-    return cache
-
-  def _probe_rows(self, b: int, max_pages: int, stop_width: int) -> tuple:
-    """The loop probes' rows after `tokens`: (n_cached, page table, sampling, stop ids,
-    remaining, min_before). b greedy rows with max_decode_steps tokens to go, a quarter of the
-    page table cached (attention over a typical context; every page is the null page, so
-    nothing real is read or written)."""
-    n = self.config.max_decode_steps
-    context = max(max_pages * self.config.page_size // 4 - n * (max(self.choices) + 1), 0)
-    return (np.full((b,), context, np.int32), np.zeros((b, max_pages), np.int32),
-            SamplingArrays.from_params([SamplingParams()] * b),
-            np.full((b, stop_width), -1, np.int32), np.full((b,), n, np.int32),
-            np.zeros((b,), np.int32))
-
-  def _plain_probe(self, params, cache, *, b, max_pages, stop_width, impl, tokens):
-    """A call of the plain decode loop (max_decode_steps iterations, outputs fetched as the
-    engine does) for b rows on the null page."""
-    n = self.config.max_decode_steps
-    out, *_, cache = steps.decode_loop(
-        params, cache, tokens, *self._probe_rows(b, max_pages, stop_width), np.int32(n),
-        np.bool_(False), max_steps=n, cfg=self.cfg, impl=impl)
-    return jax.device_get(out), cache
-
-  def _loop_probe(self, params, cache, *, caches, b, force_k, max_pages, stop_width, impl,
-                  tokens):
-    """A call of the serving loop (max_decode_steps iterations, its host work included) at
-    choice `force_k` for b rows that do not draft, on the null page (the draft cache is
-    threaded through `caches`)."""
-    self.draft_cache = caches["draft"]
-    out, *_, cache = self.decode(
-        params, cache, [], tokens, *self._probe_rows(b, max_pages, stop_width),
-        self.config.max_decode_steps, collections.Counter(), impl=impl, force_k=force_k)
-    caches["draft"] = self.draft_cache
-    return out, cache
+    """Times the loops and forwards and fits the cost model (`serving_costs.
+    measure_serving_costs`). Returns the cache (donated through)."""
+    return serving_costs.measure_serving_costs(self, params, cache, batch_sizes, max_pages,
+                                               stop_width=stop_width, impl=impl, rounds=rounds)
