@@ -151,6 +151,17 @@ def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int,
   return jnp.stack(drafts, axis=1), n_draft
 
 
+def propose_or_one(table: NgramTable, history: jax.Array, newest: jax.Array, k: int,
+                   drafting: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`propose` of K drafts when `drafting` (a traced bool), else of one padded to K: an
+  iteration that verifies nothing only compares one looked-up token with the emitted one."""
+  def one(_):
+    d, n = propose(table, history, newest, 1)
+    return jnp.pad(d, ((0, 0), (0, k - 1))), n
+
+  return jax.lax.cond(drafting, lambda _: propose(table, history, newest, k), one, None)
+
+
 class NgramMemory:
   """Host handle on a table that persists across `generate_tokens` calls (it is replaced by
   the updated table after each call; the old device buffers are donated)."""

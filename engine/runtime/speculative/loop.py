@@ -324,12 +324,7 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
       # update is copied there, the whole table every iteration): num_draft drafts are looked
       # up before it (a branch takes the first k; k = 0 looks up one) and the emitted tokens
       # learned after. The barrier keeps XLA from sinking the reads into the branches.
-      def one(_):
-        d, n = learned.propose(table, history, n_cached, 1)
-        return jnp.pad(d, ((0, 0), (0, k - 1))), n
-
-      proposal = jax.lax.cond(width > 0, lambda _: learned.propose(table, history, n_cached, k),
-                              one, None)
+      proposal = learned.propose_or_one(table, history, n_cached, k, width > 0)
       proposal, table = jax.lax.optimization_barrier((proposal, table))
       state = (state[0], {"proposal": proposal}, *state[2:])
     if adaptive:

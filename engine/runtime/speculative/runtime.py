@@ -92,7 +92,7 @@ class SpecRuntime:
     """`pool`, `buckets`: the engine's page pool (which pages hold draft-model entries) and
     compiled shapes (the draft model's catch-up forwards); needed with drafter "draft"."""
     self.cfg, self.config = cfg, config
-    self.pool, self.buckets = pool, buckets
+    self.pool, self.buckets, self._place_state = pool, buckets, place_state
     self.default = config.speculative
     wanted = ({config.speculative} if config.speculative not in (None, AUTO) else set()
               ) | set(config.drafters)
@@ -242,7 +242,7 @@ class SpecRuntime:
     self.plain_iter_s, self.cost_scale = dict(state["plain_iter_s"]), state["cost_scale"]
     self._cost_evidence = state["cost_evidence"].copy()
     self.accept_seen = np.array(state["accept"])
-    self.accept = jax.device_put(self.accept_seen, next(iter(self.accept.devices())))
+    self.accept = self._place_state(jnp.asarray(self.accept_seen))
     self._rest, self._rest_len, self._probe = state["rest"], state["rest_len"], state["probe"]
     self._auto_calls, self._offered = state["auto_calls"], dict(state["offered"])
 
@@ -331,7 +331,7 @@ class SpecRuntime:
                            cfg=self.cfg, impl=impl)
 
   def catch_up_draft(self, reqs: Sequence[Any], rows: np.ndarray, table: np.ndarray, *,
-               impl: KernelChoice = REFERENCE) -> None:
+                     impl: KernelChoice = REFERENCE) -> None:
     """Fills the draft model's cache of `reqs[i]` where rows[i], from `draft_computed` to
     `num_computed` (`catch_up.py`); table [>= len(reqs), P] their page-table rows."""
     spans = [(i, r.draft_computed, r.num_computed - r.draft_computed)

@@ -343,13 +343,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     table = s.pop("table", None)
     before = s["history_len"]
     if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)
-      def one(_):
-        d, n = learned.propose(table, s["history"], before - 1, 1)
-        return jnp.pad(d, ((0, 0), (0, k_max - 1))), n
-
-      proposal = jax.lax.cond(
-          width > 0, lambda _: learned.propose(table, s["history"], before - 1, k_max), one,
-          None)
+      proposal = learned.propose_or_one(table, s["history"], before - 1, k_max, width > 0)
       s["learned_proposal"], table = jax.lax.optimization_barrier((proposal, table))
     s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
     if table is not None:
