@@ -398,6 +398,29 @@ def test_auto_never_offers_a_model_drafter_that_cannot_pay(model):
   assert "mtp" in eng.spec.model_drafters_for_auto([])
 
 
+def test_mtp_rows_give_mtp_up_where_it_cannot_pay(model):
+  """Explicit MTP rows run the speculative loop (the MTP layer observes every verified block)
+  unless MTP is hopeless: then they decode plainly for good, with the same output."""
+  cfg, params = model
+  ps = fresh_prompts(3, seed=53)
+  want = plain(model, ps, 20)
+  for cost, hopeless in ((0.8, True), (0.05, False)):
+    eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="mtp", num_draft_tokens=3,
+                                           adaptive_k=True))
+    eng.spec.costs[drafter_id("mtp")] = cost
+    eng.spec.costs[-4:] = 0.3, 0.2, 0.0, 0.0
+    assert (eng.spec.hopeless() == {"mtp"}) == hopeless
+    got = eng.generate(ps, stop=StopParams(max_tokens=20))
+    assert [r.output_ids for r in got] == want
+    stats = eng.stats()
+    if hopeless:  # no speculative loop at all: every decode step is plain
+      assert stats["spec_mtp_given_up"] == 3 and "spec_fed_calls_mtp" not in stats
+      assert all(r.drafter is None and not r.drafter_steps for r in got)
+    else:
+      assert "spec_mtp_given_up" not in stats and stats["spec_fed_calls_mtp"] >= 1
+      assert all(r.drafter_steps.get("mtp", 0) > 0 for r in got)
+
+
 def test_cost_model_is_corrected_by_what_speculative_calls_measure(model):
   cfg, params = model
   eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=128), speculative="ngram",

@@ -326,7 +326,9 @@ def test_adaptive_draft_length_keeps_output_and_backs_off(model, method):
   # Random drafters are almost never right: after the prior fades the loop drafts the least.
   least = min(k_steps)
   assert k_steps[least] > k_steps[3]
-  assert sum(k_steps.values()) == max(c.spec["steps"] for c in got)  # one choice per iteration
+  # One choice per iteration (the plain phase's are counted apart).
+  assert (sum(k_steps.values()) + got[0].spec["plain_steps"]
+          == max(c.spec["steps"] for c in got))
   # Calibration counters: iterations that drafted had a live row each, which the model
   # expected at least one token of and which emitted at least one.
   drafting = sum(n for kk, n in k_steps.items() if kk > 0)
@@ -351,10 +353,14 @@ def test_adaptive_loop_measures_its_costs_once_per_shape(model):
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
     assert speculative_decode._cache_size() == programs + 1  # probes and call: one program
     (key,) = set(probes._LOOP_COSTS) - before
-    costs = probes._LOOP_COSTS[key]  # choices (0, 1, 2), relative to k = 0
+    costs, plain_cost = probes._LOOP_COSTS[key]  # choices (0, 1, 2), relative to k = 0
     # (timings on this tiny model are within noise of each other: the floors keep k > 0 dear)
     assert costs.shape == (3,) and costs[0] == 1.0 and np.all(np.diff(costs) >= 0), costs
     assert np.all(costs >= 1.0 + probes.MIN_COLUMN_COST * np.arange(3) - 1e-9), costs
+    if method == "mtp":  # the plain phase (model drafters), timed on the same program
+      assert 0.0 < plain_cost < 10.0
+    else:
+      assert plain_cost is None
     assert set(got[0].spec["k_steps"]) == {0, 1, 2}
     with CompileCounter() as counter:
       again = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
@@ -366,6 +372,43 @@ def test_adaptive_loop_measures_its_costs_once_per_shape(model):
   got = generate_tokens(params, cfg, PROMPTS[:2], max_new_tokens=[6, 12], speculative=given)
   assert set(probes._LOOP_COSTS) == before
   assert [c.token_ids for c in got] == [c.token_ids for c in plain[:2]]
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_random", "learned"])
+def test_adaptive_loop_gives_speculation_up_once_plain_decoding_wins(model, method,
+                                                                    monkeypatch):
+  """With plain decoding priced below every choice (its iteration skips the drafter's upkeep),
+  a model drafter's loop speculates PLAIN_PATIENCE iterations, then decodes the rest plainly:
+  the same tokens, no drafts after them; priced above, it never gives up. A deterministic
+  drafter (no upkeep; at k = 0 it still looks ahead) never does."""
+  from engine.runtime.speculative import probes
+  from engine.runtime.speculative.learned import NgramMemory
+  from engine.runtime.speculative.loop import PLAIN_PATIENCE
+  cfg, params = model
+  n = [6, 40, 40]
+  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=n)
+  memory = NgramMemory(num_slots=1024)
+  for plain_cost, cheap in ((0.2, True), (3.0, False)):
+    gives_up = cheap and method != "learned"
+    # costs per choice relative to the first; a plain iteration's (0.2: below any choice's
+    # time per expected token, even if every draft were accepted)
+    def loop_costs(key, run, choices, tokens, plain, c=plain_cost):
+      return 1.0 + 0.1 * np.arange(len(choices)), c if plain else None
+    monkeypatch.setattr(probes, "loop_costs", loop_costs)
+    spec = dataclasses.replace(_spec(model, method), adaptive=True,
+                               memory=memory if method == "learned" else None)
+    got = generate_tokens(params, cfg, PROMPTS, max_new_tokens=n, speculative=spec)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain]
+    s = got[0].spec
+    steps = max(c.spec["steps"] for c in got)
+    if gives_up:
+      assert sum(s["k_steps"].values()) == PLAIN_PATIENCE
+      assert s["plain_steps"] == steps - PLAIN_PATIENCE > 0
+      assert all(c.spec["drafted"] <= 3 * PLAIN_PATIENCE for c in got)
+    else:
+      assert s["plain_steps"] == 0 and sum(s["k_steps"].values()) == steps
+  if method == "learned":  # the second call drafts what the first emitted
+    assert sum(c.spec["accepted"] for c in got) >= 40
 
 
 def test_bad_speculative_settings_are_named(model):

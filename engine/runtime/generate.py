@@ -153,7 +153,9 @@ class SpeculativeConfig:
   length (<= K) every loop step by the goodput model of `speculative.goodput`, with each
   draft length's step time measured on this machine the first time a batch shape is seen
   (`speculative.probes.loop_costs`), or, when `draft_cost` or `verify_cost` is given, modelled
-  as 1 + k (draft_cost + verify_cost B) relative to a plain decode step.
+  as 1 + k (draft_cost + verify_cost B) relative to a plain decode step; once plain decoding
+  (timed too) would finish sooner, the loop of a model drafter (mtp, draft) stops speculating
+  and decodes the rest plainly, without the drafter's upkeep (`speculative.loop`, plain phase).
   """
   method: str
   num_draft_tokens: int = 4
@@ -303,15 +305,20 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
   from engine.runtime.speculative.loop import spec_k_choices
   choices = spec_k_choices(spec.num_draft_tokens, spec.method) if spec.adaptive else ()
 
-  def run(cache, table, stops, costs, force_k):
+  def run(cache, table, stops, costs, plain_cost, force_k):
     return speculative_decode(
         params, cache, logits, jnp.asarray(tokens), lengths_arr, page_table, sampling, stops,
         prompt_hidden, spec.draft_params if spec.method == "draft" else None, draft_cache,
         table, max_steps=max_steps, num_draft=spec.num_draft_tokens, drafter=spec.method,
         cfg=cfg, draft_cfg=spec.draft_cfg if spec.method == "draft" else None, impl=impl,
-        adaptive=spec.adaptive, step_costs=costs, force_k=np.int32(force_k))
+        adaptive=spec.adaptive, step_costs=costs, force_k=np.int32(force_k),
+        plain_cost=plain_cost)
 
-  costs = None
+  costs = plain_cost = None
+  # The plain phase (`speculative.loop`): for the model drafters, whose upkeep it drops. A
+  # deterministic drafter's k = 0 costs little more than plain decoding and keeps looking one
+  # token ahead, so it can start drafting again when the text turns repetitive.
+  upkeep = spec.adaptive and spec.method in ("mtp", "draft")
   if spec.adaptive and spec.draft_cost is None and spec.verify_cost is None:
     # Timed on this very program (forced to each choice, on a scratch cache and table, its
     # own budgets and no stop ids), so the probes compile nothing the real call will not use.
@@ -322,25 +329,31 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
                             stop_ids=jnp.full_like(stops.stop_ids, -1),
                             min_new_tokens=jnp.zeros_like(stops.min_new_tokens))
       res, scratch["cache"] = run(scratch["cache"], scratch["table"], budget,
-                                  goodput.step_costs(choices, len(lengths)), i)
+                                  goodput.step_costs(choices, len(lengths)),
+                                  np.float32(1.0) if upkeep else None, i)
       scratch["table"] = res.ngram_table
-      return res.k_steps
+      return jnp.append(res.k_steps, res.plain_steps)
 
     key = (cfg, len(lengths), spec.num_draft_tokens, spec.method, page_table.shape, max_steps,
            page_size, jnp.dtype(dtype).name, spec.draft_cfg, impl)
-    costs = jnp.asarray(probes.loop_costs(key, probe, choices,
-                                          min(max_steps, probes.LOOP_PROBE_TOKENS)),
-                        jnp.float32)
+    costs, plain_cost = probes.loop_costs(key, probe, choices,
+                                          min(max_steps, probes.LOOP_PROBE_TOKENS),
+                                          plain=upkeep)
+    costs = jnp.asarray(costs, jnp.float32)
+    plain_cost = np.float32(plain_cost) if upkeep else None
     del scratch
-  elif spec.adaptive:
+  elif spec.adaptive:  # relative to a plain decode step: an unmeasured plain phase costs 1
     costs = goodput.step_costs(choices, len(lengths), spec.draft_cost or 0.0,
                                spec.verify_cost or 0.0)
-  out, cache = run(cache, memory.table if memory is not None else None, stops, costs, -1)
+    plain_cost = np.float32(1.0) if upkeep else None
+  out, cache = run(cache, memory.table if memory is not None else None, stops, costs,
+                   plain_cost, -1)
   del cache
   if memory is not None:
     memory.table = out.ngram_table
-  toks, counts, reasons, st, k_steps, calibration = jax.device_get(
-      (out.tokens, out.num_tokens, out.finish_reason, out.stats, out.k_steps, out.calibration))
+  toks, counts, reasons, st, k_steps, calibration, plain_steps = jax.device_get(
+      (out.tokens, out.num_tokens, out.finish_reason, out.stats, out.k_steps, out.calibration,
+       out.plain_steps))
   result = []
   for i in range(len(lengths)):
     # Tokens from verification steps: all but the first (which prefill produced).
@@ -349,6 +362,7 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
                            [int(x) for x in st.accepted_at[i]])
     if spec.adaptive:  # loop steps per draft length (the whole batch shares the choice)
       summary["k_steps"] = dict(zip(choices, map(int, k_steps)))
+      summary["plain_steps"] = int(plain_steps)  # after the loop gave speculation up
       # the goodput model's tokens expected / emitted over the batch's steps that drafted
       summary["model_expected_tokens"], summary["model_emitted_tokens"] = map(float,
                                                                               calibration)

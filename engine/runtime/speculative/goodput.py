@@ -126,9 +126,26 @@ def choose(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
   that only speed up rows which finish early anyway do not pay, and a batch whose slowest
   row accepts nothing decodes plainly. (With equal rows this is the most tokens per unit of
   step time.)"""
+  return jnp.argmin(finish_times(gain, costs, choices, remaining)).astype(jnp.int32)
+
+
+def finish_times(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
+                 remaining: jnp.ndarray) -> jnp.ndarray:
+  """[C] T(k) max_b remaining_b / E_b[tau](k): the time the batch needs at each choice (see
+  `choose`)."""
   tokens = jnp.stack([expected_tokens(gain, k) for k in choices])  # [C, B]
   steps = jnp.max(remaining.astype(jnp.float32)[None, :] / tokens, axis=1)
-  return jnp.argmin(costs * steps).astype(jnp.int32)
+  return costs * steps
+
+
+def plain_wins(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
+               remaining: jnp.ndarray, plain_cost: jnp.ndarray, margin: float) -> jnp.ndarray:
+  """Whether plain decoding (an iteration costing `plain_cost`, without the drafter's upkeep,
+  one token per row) would finish the batch at least `margin` (a fraction) sooner than the best
+  choice: a bool scalar. Same arguments as `choose`."""
+  best = jnp.min(finish_times(gain, costs, choices, remaining))
+  plain = plain_cost * jnp.max(remaining).astype(jnp.float32)
+  return plain < (1.0 - margin) * best
 
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,

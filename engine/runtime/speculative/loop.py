@@ -13,6 +13,14 @@ Rows accept different counts and finish independently (EOS/stop ids after min_ne
 max_new_tokens); finished rows write nothing. No host round trip until every row is done.
 With `adaptive`, each iteration first picks its draft length (`goodput`) and runs the step
 compiled for it (`lax.switch`).
+
+Plain phase: given `plain_cost` (a plain iteration's measured time, in the step costs' unit),
+once plain decoding would have finished the batch sooner than every choice (by PLAIN_MARGIN)
+for PLAIN_PATIENCE iterations in a row, the loop ends its speculation and a second while loop
+decodes the rest plainly: one token per row and iteration, without the drafter's upkeep (the
+draft model's or MTP layer's forward, which the k = 0 choice still pays to keep its cache
+current). It does not go back (that upkeep has stopped); the serving engine, which can catch a
+draft cache up, rests and probes instead (`runtime.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ from engine.runtime.speculative.acceptance import verify
 from engine.runtime.speculative.inplace import run_if
 
 DRAFTERS = ("ngram", "mtp", "draft", "learned")
+# The plain phase starts once plain decoding wins by this fraction of the best choice's time
+# for this many iterations in a row (the estimates start from a prior and move with evidence;
+# a drafter whose k = 0 costs about what plain decoding does is never given up for noise).
+PLAIN_MARGIN = 0.05
+PLAIN_PATIENCE = 8
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +90,7 @@ class SpecOutput:
   k_steps: jax.Array  # [len(choices)] loop steps run with each draft length (see k_choices)
   calibration: jax.Array  # [2] float32 over steps that drafted: tokens the goodput model
   # expected (live rows' E[tau] at their room), tokens emitted
+  plain_steps: jax.Array  # int32 scalar: iterations of the plain phase (see the module doc)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -169,7 +183,8 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                        num_draft: int,
                        drafter: str, cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
                        impl: KernelChoice = REFERENCE, adaptive: bool = False,
-                       step_costs: jax.Array | None = None, force_k: jax.Array | int = -1
+                       step_costs: jax.Array | None = None, force_k: jax.Array | int = -1,
+                       plain_cost: jax.Array | float | None = None
                        ) -> tuple[SpecOutput, Cache]:
   """Speculative generation of up to `max_steps` tokens per row.
 
@@ -187,8 +202,12 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
       step_costs [len(choices)]: an iteration's time at each choice, relative to the first
       (`probes.loop_costs` measures them; None: `goodput.step_costs` with draft cost 0 and
       verify cost 0.02 per row and token); force_k: an index into the choices (the loop
-      probes), or -1 for the goodput choice. At k = 0 deterministic drafters still look up
-      one token, compared with the emitted one, so the estimate keeps tracking them.
+      probes), or -1 for the goodput choice; len(choices): the plain phase only. At k = 0
+      deterministic drafters still look up one token, compared with the emitted one, so the
+      estimate keeps tracking them.
+    plain_cost: with `adaptive`, a plain-phase iteration's time in step_costs' unit
+      (`probes.loop_costs` measures it): the loop may end its speculation (module doc).
+      None: it speculates to the end.
   Returns:
     (SpecOutput, cache).
   """
@@ -307,9 +326,15 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
   choices = spec_k_choices(k, drafter) if adaptive else (k,)
   costs = (goodput.step_costs(choices, b) if step_costs is None
            else jnp.asarray(step_costs, jnp.float32))
+  plain_only = jnp.asarray(force_k) == len(choices)
+
+  def learn(table, state, state_after):  # the learned drafter learns every emitted token
+    slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    return learned.update(table, state_after[2], state[4][:, None] + 1 + slots,
+                          slots < (state_after[4] - state[4])[:, None])
 
   def body(loop_state):
-    state, counts, row_counts, k_steps, calibration, table = loop_state
+    state, counts, row_counts, k_steps, calibration, table, patience = loop_state
     gain = goodput.row_gains(row_counts[:, None], counts[None])[:, 0]  # [B, K]
     n_out, live = state[5], state[7] == FINISH_NONE
     history, n_cached = state[2], state[4]
@@ -340,22 +365,58 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     emitted = jnp.sum(state_after[5] - n_out).astype(jnp.float32)
     calibration = calibration + (width > 0) * jnp.stack([expected, emitted])
     if table is not None:  # learn from every emitted token (history now holds them)
-      slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-      table = learned.update(table, state_after[2], n_cached[:, None] + 1 + slots,
-                             slots < (state_after[4] - n_cached)[:, None])
-    return (state_after, goodput.decay_add(counts, jnp.sum(evidence, axis=0)),
-            goodput.decay_add(row_counts, evidence), k_steps.at[index].add(1), calibration,
-            table)
+      table = learn(table, state, state_after)
+    counts = goodput.decay_add(counts, jnp.sum(evidence, axis=0))
+    row_counts = goodput.decay_add(row_counts, evidence)
+    if adaptive and plain_cost is not None:  # would plain decoding now finish sooner?
+      after_live = state_after[7] == FINISH_NONE
+      wins = goodput.plain_wins(
+          goodput.row_gains(row_counts[:, None], counts[None])[:, 0], costs, choices,
+          jnp.where(after_live, limit - state_after[5], 0), plain_cost, PLAIN_MARGIN)
+      patience = jnp.where(wins & (force_k < 0), patience + 1, 0)
+    return (state_after, counts, row_counts, k_steps.at[index].add(1), calibration, table,
+            patience)
+
+  def speculating(loop_state):
+    return (jnp.any(loop_state[0][7] == FINISH_NONE) & (loop_state[6] < PLAIN_PATIENCE)
+            & ~plain_only)
+
+  def plain_body(plain_state):
+    """One plain decode step, as lean as `generate.decode`'s (same (seed, position) keys)."""
+    state, table, n = plain_state
+    cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
+    live = reasons == FINISH_NONE
+    live_i = live.astype(jnp.int32)
+    hidden, cache = forward(params, cache, tok[:, None], n_cached, live_i, page_table, cfg=cfg,
+                            impl=impl)
+    new_tok = sample(compute_logits(params, hidden[:, 0], cfg), sampling, n_cached + 1)
+    out = _place(out, n_out, new_tok[:, None], live_i)
+    if table is not None:
+      history = _place(history, n_cached + 1, new_tok[:, None], live_i)
+    n_out = n_out + live_i
+    stopped = (jnp.any(new_tok[:, None] == stops.stop_ids, axis=-1)
+               & (n_out >= stops.min_new_tokens))
+    reason = jnp.where(stopped, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
+                                                       FINISH_NONE))
+    zeros = jnp.zeros_like(n_out)
+    state_after = (cache, aux, history, jnp.where(live, new_tok, tok), n_cached + live_i, n_out,
+                   out, jnp.where(live, reason, reasons), stats.add(live, zeros, zeros))
+    return state_after, table if table is None else learn(table, state, state_after), n + 1
 
   state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
   loop_state = (state, jnp.zeros((k, 2), jnp.float32), jnp.zeros((b, k, 2), jnp.float32),
                 jnp.zeros((len(choices),), jnp.int32), jnp.zeros((2,), jnp.float32),
-                ngram_table if drafter == "learned" else None)
-  loop_state = jax.lax.while_loop(lambda s: jnp.any(s[0][7] == FINISH_NONE), body, loop_state)
-  (cache, _, _, _, n_cached, n_out, out, reasons, stats), _, _, k_steps, calib, table = loop_state
+                ngram_table if drafter == "learned" else None, jnp.int32(0))
+  state, _, _, k_steps, calib, table, _ = jax.lax.while_loop(speculating, body, loop_state)
+  if adaptive and plain_cost is not None:
+    state, table, plain_steps = jax.lax.while_loop(
+        lambda s: jnp.any(s[0][7] == FINISH_NONE), plain_body, (state, table, jnp.int32(0)))
+  else:
+    plain_steps = jnp.int32(0)
+  cache, _, _, _, n_cached, n_out, out, reasons, stats = state
   return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
                     cache_lengths=n_cached, stats=stats, ngram_table=table,
-                    k_steps=k_steps, calibration=calib), cache
+                    k_steps=k_steps, calibration=calib, plain_steps=plain_steps), cache
 
 
 def spec_k_choices(num_draft: int, drafter: str) -> tuple[int, ...]:

@@ -116,28 +116,32 @@ LOOP_PROBE_TOKENS = 64
 # engine's MIN_BASE, `serving_costs`).
 MIN_COLUMN_COST = 0.03
 # (cfg, B, K, method, page table shape, max_steps, page_size, dtype, draft cfg, impl) ->
-# [len(choices)] the fixed-batch loop's time per iteration at each choice, relative to the first.
-_LOOP_COSTS: dict[tuple, np.ndarray] = {}
+# ([len(choices)] the fixed-batch loop's time per iteration at each choice, relative to the
+# first; a plain-phase iteration's in the same unit).
+_LOOP_COSTS: dict[tuple, tuple[np.ndarray, float]] = {}
 
 
 def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int, ...],
-               tokens: int, rounds: int = 5) -> np.ndarray:
+               tokens: int, rounds: int = 5, plain: bool = True
+               ) -> tuple[np.ndarray, float | None]:
   """The step costs of the fixed-batch loop's goodput model (`loop.speculative_decode`'s
-  `step_costs`), measured on the loop itself once per process and `key`: run(i, n) is one call of
-  the compiled loop forced to choice i on scratch state with a budget of n tokens per row,
-  returning its iterations per choice (`k_steps`). A choice's time per iteration is the difference
-  between calls with budgets `tokens` and tokens // 2 over the difference in iterations (what a
+  `step_costs` and `plain_cost`), measured on the loop itself once per process and `key`:
+  run(i, n) is one call of the compiled loop forced to choice i (i = len(choices): its plain
+  phase only, timed with `plain`, else None) on scratch state with a budget of n tokens per
+  row, returning its iterations (per choice, then the plain phase's). A choice's time per
+  iteration is the difference between calls with budgets `tokens` and tokens // 2 over the difference in iterations (what a
   call costs once, dispatch and transfers, cancels), fastest of `rounds` interleaved rounds (after
   one that compiles); over the first choice's, made non-decreasing in k (a wider block does all a
   narrower one does, so a lower figure is noise) and at least MIN_COLUMN_COST more per verified
   column (timings within noise of each other must not make drafting free: a drafter that is never
   right would then never back off). Timing the loop, not just its verify forward, prices what an
   iteration does besides the forward (lookups, acceptance, bookkeeping): on the CPU demo a K = 4
-  iteration costs ~1.4x what its forward alone predicts."""
+  iteration costs ~1.4x what its forward alone predicts. The plain phase's figure is left as
+  measured: it may well lie below the k = 0 choice's (whose drafter upkeep it skips)."""
   if key in _LOOP_COSTS:
     return _LOOP_COSTS[key]
   budgets = (tokens, max(tokens // 2, 1))
-  n_choices = len(choices)
+  n_choices = len(choices) + plain
   best = np.full((n_choices, 2), np.inf)
   iters = np.zeros((n_choices, 2))
   for r in range(rounds + 1):
@@ -150,7 +154,9 @@ def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int
   per_iter = np.where(iters[:, 0] > iters[:, 1],
                       (best[:, 0] - best[:, 1]) / np.maximum(iters[:, 0] - iters[:, 1], 1),
                       best[:, 0] / np.maximum(iters[:, 0], 1))
-  cost = np.maximum.accumulate(np.maximum(per_iter, 1e-9)) / max(per_iter[0], 1e-9)
+  per_iter = np.maximum(per_iter, 1e-9)
+  cost = np.maximum.accumulate(per_iter[:len(choices)]) / per_iter[0]
   ks = np.asarray(choices, np.float64)
-  _LOOP_COSTS[key] = np.maximum(cost, 1.0 + MIN_COLUMN_COST * (ks - ks[0]))
+  _LOOP_COSTS[key] = (np.maximum(cost, 1.0 + MIN_COLUMN_COST * (ks - ks[0])),
+                      float(per_iter[-1] / per_iter[0]) if plain else None)
   return _LOOP_COSTS[key]

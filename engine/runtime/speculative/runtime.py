@@ -227,8 +227,8 @@ class SpecRuntime:
 
   def adaptive_state(self) -> dict[str, Any]:
     """What the adaptive policy has learned, for a later engine of the same configuration
-    (`set_adaptive_state`), so that a process that builds one engine per call
-    (`generate_on_engine`) behaves like one long-lived engine: the fitted costs, the
+    (`set_adaptive_state`), so that an engine `generate_on_engine` builds again for a configuration
+    whose kept engine was dropped goes on from where it was: the fitted costs, the
     plain-iteration unit and the live correction; the engine-wide acceptance counts; the rest
     and the exploration schedule of model drafters."""
     return dict(costs=self.costs.copy(), cost_fit=dict(self.cost_fit),
@@ -278,8 +278,16 @@ class SpecRuntime:
     teach the learned table, `learn`); then the speculative loop probes again. Draft-model
     rows rest too and are caught up when they return (`catch_up_draft`); MTP rows always take
     the speculative loop: the MTP layer must observe every verified block (catching it up
-    would need the target's hidden states again).
+    would need the target's hidden states again). Unless MTP is `hopeless`: then its rows
+    give it up for good and decode plainly (their MTP state goes stale; `spec_mtp_given_up`
+    counts them), as nothing it could draft would pay for its upkeep.
     """
+    if any(r.drafter == "mtp" for r in reqs) and "mtp" in self.hopeless():
+      for r in reqs:
+        if r.drafter == "mtp":
+          r.drafter = None
+          self.per_drafter["spec_mtp_given_up"] = (
+              self.per_drafter.get("spec_mtp_given_up", 0) + 1)
     if not any(r.drafter for r in reqs):
       return False
     if self._rest > 0 and all(r.drafter != "mtp" for r in reqs):
