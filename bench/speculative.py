@@ -16,8 +16,10 @@ Rows, for each K of `--num_draft`:
   costs); their speedup is over plain decoding on the same path (`off`, loop);
 * path "engine" (`--auto`): method "auto" through `engine.generate` (the serving `Engine`: every
   drafter the model supports, chosen per decode loop, adaptive k); its speedup is over plain
-  decoding through the same engine path (`off`, engine), which has its own scheduling and
-  per-call set-up costs, so the two paths' speedups are each against their own baseline.
+  decoding through the same engine path (`off`, engine), which has its own scheduling, so the
+  two paths' speedups are each against their own baseline. `generate_on_engine` keeps its
+  engine between calls; every call here first empties its prefix cache (as the loop path, it
+  computes its prompts anew) and gets an empty learned table of its own.
 Each: one warm-up call (compiles), then the best of two timed calls. Mean accepted length =
 tokens per target forward; identical = same tokens as plain greedy on the loop path. The learned
 table starts empty in every timed call (no credit for the warm-up having seen the prompts).
@@ -43,6 +45,7 @@ import jax
 from absl import app, flags
 
 import engine as moejax
+from engine import api
 from engine.api import generate_on_engine
 from engine.runtime.generate import SpeculativeConfig, generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
@@ -80,6 +83,7 @@ def loop_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple
 
 def engine_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple[list, dict]]:
   """The serving engine path (`engine.generate`'s route for method "auto")."""
+  api.reset_prefix_caches()
   out = generate_on_engine(model, ids, max_new_tokens=max_new, ignore_eos=True,
                            speculative=spec)
   return [(r.token_ids, r.spec) for r in out]
@@ -141,7 +145,7 @@ def spec_factory(method: str, k: int, adaptive: bool, draft) -> Callable[[], Spe
     with_draft = draft is not None and method in ("draft", "auto")
     return SpeculativeConfig(method, k, draft.config if with_draft else None,
                              draft.params if with_draft else None,
-                             memory=NgramMemory() if method == "learned" else None,
+                             memory=NgramMemory() if method in ("learned", "auto") else None,
                              adaptive=adaptive or method == "auto")
   return make
 

@@ -12,6 +12,7 @@ The jitted building blocks (`engine.model.transformer.forward_logits`,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -204,13 +205,20 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
                        min_new_tokens: int = 0, speculative: SpeculativeConfig | None = None,
                        measure_costs: bool = True, warmup: bool = False
                        ) -> list[GenerationResult]:
-  """Runs token-id prompts to completion through a fresh serving `Engine` sized for the batch.
+  """Runs token-id prompts to completion through a serving `Engine` sized for the batch.
+
+  The engine is kept for later calls of the same configuration (model, batch size, bucketed
+  length, drafters; the KEPT_ENGINES most recently used, as vLLM's `LLM` keeps its engine):
+  its KV pages and prefix cache (a later turn's shared context is not computed again), its
+  learned table and its adaptive state live on. `release_engines` drops them; an engine whose
+  call raised is dropped.
 
   With `speculative` (method "auto") the engine enables every drafter the model supports
   (`auto_drafters`) with adaptive draft length up to `num_draft_tokens`; each request's drafter
   is "auto" (the engine re-chooses it every decode loop from measured acceptance and costs).
   `speculative.memory` (an `NgramMemory`), when given, is the learned drafter's table: it is
-  installed in the engine and replaced by the updated table afterwards, as the fixed path does.
+  installed in the engine and replaced by the updated table afterwards, as the fixed path does;
+  without one the kept engine's own table goes on learning across calls.
   None: plain decoding on the same path (the baseline the auto mode is timed against).
   `measure_costs`: the adaptive draft length needs the verify forward's and drafters' real
   costs (their defaults suit a memory-bound GPU step; on CPU verifying k tokens costs far more),
@@ -248,19 +256,31 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
     drafters, k = auto_drafters(cfg, speculative), speculative.num_draft_tokens
     if speculative.memory is not None:
       slots = int(speculative.memory.table.tags.shape[0])
-  # Bucketed limits: calls of similar sizes reuse the compiled programs (static shapes).
+  # Bucketed limits: calls of similar sizes reuse the compiled programs (static shapes) and the
+  # kept engine. Pages: the batch at full length, as many again for cached prefixes (not the
+  # serving default, a fraction of the accelerator's free memory).
+  max_len = min(bucket(total + k + 1), cfg.max_position_embeddings)
+  page_size = EngineConfig.page_size
   config = EngineConfig(
-      max_num_seqs=b, max_model_len=min(bucket(total + k + 1), cfg.max_position_embeddings),
+      max_num_seqs=b, max_model_len=max_len, page_size=page_size,
+      num_pages=2 * b * -(-max_len // page_size) + 1,
       max_decode_steps=max(16, k + 1), speculative=AUTO if drafters else None,
       drafters=drafters, num_draft_tokens=k, adaptive_k=bool(drafters),
       learned_table_slots=slots, kernels=model.kernels)
   draft = ((speculative.draft_cfg, speculative.draft_params) if "draft" in drafters else None)
-  eng = Engine(cfg, model.params, config, model.tokenizer, model.eos_token_ids,
-               mesh=model.mesh, draft=draft)
+  costs_key = (cfg, config, draft[0] if draft else None, str(model.params["embed"].dtype))
+  # (ids of what the engine holds, so they cannot be reused while it is kept)
+  engine_key = (costs_key, measure_costs, id(model.params), id(model.tokenizer),
+                model.eos_token_ids, id(model.mesh), id(draft[1]) if draft else None)
+  eng = _ENGINES.pop(engine_key, None)
+  if eng is None:
+    eng = Engine(cfg, model.params, config, model.tokenizer, model.eos_token_ids,
+                 mesh=model.mesh, draft=draft)
+    if drafters and measure_costs and costs_key in _MEASURED_COSTS and not warmup:
+      eng.spec.set_adaptive_state(_MEASURED_COSTS[costs_key])
   memory = speculative.memory if speculative is not None else None
   if memory is not None:
     eng.spec.table = _committed_like(memory.table, model.params)
-  costs_key = (cfg, config, draft[0] if draft else None, str(model.params["embed"].dtype))
   if warmup:
     eng.warmup()  # compiles every bucket; with drafters, measures the goodput model's costs
   elif drafters and measure_costs and costs_key not in _MEASURED_COSTS:
@@ -271,30 +291,55 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
     with on_mesh:
       eng.cache = eng.spec.measure_costs(model.params, eng.cache, sizes, eng.max_pages_per_seq,
                                          stop_width=MAX_STOP_IDS, impl=config.kernels)
-  if drafters and measure_costs and costs_key in _MEASURED_COSTS and not warmup:
-    eng.spec.set_adaptive_state(_MEASURED_COSTS[costs_key])
   stops = [StopParams(max_tokens=m, min_tokens=min(min_new_tokens, m),
                       stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
            for m in max_new]
   samp = [dataclasses.replace(s, drafter=AUTO if drafters else "off") for s in sampling]
-  done = eng.generate([list(p) for p in ids], samp, stops)  # the engine enters its mesh
+  before = _k_steps(eng.stats()) if drafters else {}
+  done = eng.generate([list(p) for p in ids], samp, stops)  # (raises: the engine is dropped)
+  _ENGINES[engine_key] = eng  # kept, most recently used last
+  while len(_ENGINES) > KEPT_ENGINES:
+    _ENGINES.popitem(last=False)
   if drafters and measure_costs:  # with what this call's adaptive policy learned
     _MEASURED_COSTS[costs_key] = eng.spec.adaptive_state()
   if memory is not None:
     memory.table = eng.spec.table
-  stats = eng.stats() if drafters else {}
+  k_steps = ({n: c - before.get(n, 0) for n, c in _k_steps(eng.stats()).items()} if drafters
+             else {})
   return [GenerationResult(token_ids=list(r.output_ids), text=model.decode(r.output_ids),
                            finish_reason=r.finish_reason or "length",
                            prompt_tokens=len(r.prompt_ids),
-                           spec=_engine_spec_summary(r, stats, drafters, k) if drafters
+                           spec=_engine_spec_summary(r, k_steps, drafters, k) if drafters
                            else None)
           for r in done]
 
 
 # (model config, engine config, draft config, dtype) -> `SpecRuntime.adaptive_state()`: the
 # costs measured as `Engine.warmup` does and what the adaptive policy learned since, so that
-# repeated `generate` calls measure once per process and go on from the earlier calls.
+# repeated `generate` calls measure once per process and go on from the earlier calls (an
+# engine built after another was dropped starts from there too).
 _MEASURED_COSTS: dict[Any, dict] = {}
+# The engines `generate_on_engine` keeps, by configuration and what they hold; most recently
+# used last.
+KEPT_ENGINES = 2
+_ENGINES: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+
+
+def release_engines() -> None:
+  """Drops the engines `generate_on_engine` keeps, and with them their caches' memory."""
+  _ENGINES.clear()
+
+
+def reset_prefix_caches() -> None:
+  """Every kept engine forgets its cached prefixes (e.g. to time prompts as never seen)."""
+  for eng in _ENGINES.values():
+    eng.pool.reset_prefix_cache()
+
+
+def _k_steps(stats: dict[str, Any]) -> dict[int, int]:
+  """The engine's loop iterations per block width, from its `stats()`."""
+  return {int(n[len("spec_k"):-len("_loops")]): v for n, v in stats.items()
+          if n.startswith("spec_k") and n.endswith("_loops")}
 
 
 def _committed_like(tree: Any, params: Params) -> Any:
@@ -304,15 +349,15 @@ def _committed_like(tree: Any, params: Params) -> Any:
   return jax.device_put(tree, next(iter(devices))) if len(devices) == 1 else tree
 
 
-def _engine_spec_summary(req: Any, stats: dict[str, Any], drafters: tuple[str, ...],
+def _engine_spec_summary(req: Any, k_steps: dict[int, int], drafters: tuple[str, ...],
                          k: int) -> dict[str, Any]:
   """A request's counters in the keys of `generate.spec_summary`, plus the engine's choices.
 
   The engine counts drafts, drafted and accepted tokens per request but not target forwards;
   every forward after the first token emits one token plus the drafts it accepted, so
   steps = (tokens - 1) - accepted. `auto_choices`: this request's speculative iterations per
-  drafter the engine chose for it; `k_steps` (loop iterations per block width) is the whole
-  batch's: rows share a loop.
+  drafter the engine chose for it; `k_steps` (this call's loop iterations per block width) is
+  the whole batch's: rows share a loop.
   """
   drafts, drafted, accepted = req.spec
   emitted = max(len(req.output_ids) - 1, 0)
@@ -322,6 +367,4 @@ def _engine_spec_summary(req: Any, stats: dict[str, Any], drafters: tuple[str, .
           "mean_accepted_length": emitted / steps if steps else 0.0,
           "method": AUTO, "drafters": list(drafters),
           "auto_choices": dict(req.drafter_steps),
-          "k_steps": {int(n[len("spec_k"):-len("_loops")]): v for n, v in stats.items()
-                      if n.startswith("spec_k") and n.endswith("_loops")},
-          "num_draft_tokens": k}
+          "k_steps": k_steps, "num_draft_tokens": k}

@@ -56,6 +56,34 @@ def test_auto_uses_every_drafter_and_keeps_greedy_output(model, want, draft):
   assert all(r.spec is None for r in off)
 
 
+def test_the_engine_is_kept_between_calls(model, want, monkeypatch):
+  """Calls of one configuration share one engine (its prefix cache serves a repeated prompt);
+  the least recently used beyond KEPT_ENGINES is dropped, and so is an engine whose call
+  failed."""
+  from engine.runtime.engine import Engine
+  api.release_engines()
+  for i in range(2):
+    off = generate_on_engine(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    assert [r.token_ids for r in off] == want
+    (eng,) = api._ENGINES.values()
+    if i == 0:
+      first, hits = eng, eng.pool.prefix_hits
+  assert eng is first and eng.pool.prefix_hits > hits  # the first prompt's full page
+  for n in (2, 1):  # other batch sizes: other engines
+    got = generate_on_engine(model, PROMPTS[:n], max_new_tokens=NEW[:n], ignore_eos=True)
+    assert [r.token_ids for r in got] == want[:n]
+  assert len(api._ENGINES) == api.KEPT_ENGINES == 2 and first not in api._ENGINES.values()
+
+  def fail(*args, **kwargs):
+    raise RuntimeError("out of memory")
+  monkeypatch.setattr(Engine, "generate", fail)
+  with pytest.raises(RuntimeError, match="out of memory"):
+    generate_on_engine(model, PROMPTS[:1], max_new_tokens=NEW[:1], ignore_eos=True)
+  assert len(api._ENGINES) == 1
+  api.release_engines()
+  assert not api._ENGINES
+
+
 def test_auto_keeps_the_learned_table_in_the_callers_memory(model, want, draft):
   memory = NgramMemory()  # the engine's default size: the first test's programs are reused
   before = memory.table
