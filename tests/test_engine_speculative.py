@@ -2,6 +2,7 @@
 drafters chosen per request, MTP and draft-model drafting over the paged cache."""
 
 import random
+import types
 
 import jax
 import jax.numpy as jnp
@@ -381,6 +382,35 @@ def test_rest_after_fruitless_probes_doubles_and_probes_are_short(model):
   assert eng.stats()["spec_rest_calls"] == sum(not s for s, _ in calls)
 
 
+def test_a_rest_ends_once_the_resting_calls_show_that_drafting_pays(model):
+  """While the engine rests, each plain call's tokens are replayed through the deterministic
+  drafters (`counterfactual.plain_call_evidence`): once the evidence says a speculative call
+  would pay, the rest ends at the next call instead of after it."""
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=128),
+                                         speculative="learned", num_draft_tokens=3,
+                                         adaptive_k=True))
+  eng.spec.costs[-4:] = 0.2, 0.1, 0.0, 0.0
+  p = fresh_prompts(1, seed=54, lo=8, hi=10)[0]
+  want = plain(model, [p], 40)[0]
+  # A request that does not draft teaches the table its answer (plain calls learn too) and
+  # leaves no evidence (it has no drafter).
+  eng.generate([p], SamplingParams(drafter="off"), StopParams(max_tokens=40))
+  assert not eng.spec.accept_seen.any()
+  # As after fruitless probes: a rest ahead, and the learned drafter's first drafts rejected.
+  eng.spec._rest, eng.spec._rest_len = 12, 12
+  eng.spec.accept_seen[drafter_id("learned"), 0] = 0.0, 5.0
+  eng.spec.accept = eng.spec._place_state(jnp.asarray(eng.spec.accept_seen))
+  fresh_row = types.SimpleNamespace(drafter="learned", spec_accept=None)
+  assert not eng.spec.drafting_pays([fresh_row])
+  got = eng.generate([p], stop=StopParams(max_tokens=40))[0]
+  assert got.output_ids == want
+  stats = eng.stats()
+  assert stats["spec_rest_calls"] == 1 and stats["spec_rest_ended"] == 1
+  assert eng.spec.accept_seen[drafter_id("learned"), :, 0].min() > 0
+  assert got.usage().spec_accepted_tokens > 10
+
+
 def test_auto_never_offers_a_model_drafter_that_cannot_pay(model):
   cfg, params = model
   eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="auto",
@@ -400,17 +430,27 @@ def test_auto_never_offers_a_model_drafter_that_cannot_pay(model):
 
 def test_mtp_rows_give_mtp_up_where_it_cannot_pay(model):
   """Explicit MTP rows run the speculative loop (the MTP layer observes every verified block)
-  unless MTP is hopeless: then they decode plainly for good, with the same output."""
+  unless MTP is hopeless: then they decode plainly for good, with the same output, and
+  prefill stops feeding the MTP layer (its plain programs compiled at warm-up)."""
+  from engine.runtime.buckets import CompileCounter
   cfg, params = model
   ps = fresh_prompts(3, seed=53)
   want = plain(model, ps, 20)
   for cost, hopeless in ((0.8, True), (0.05, False)):
     eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="mtp", num_draft_tokens=3,
                                            adaptive_k=True))
-    eng.spec.costs[drafter_id("mtp")] = cost
-    eng.spec.costs[-4:] = 0.3, 0.2, 0.0, 0.0
-    assert (eng.spec.hopeless() == {"mtp"}) == hopeless
-    got = eng.generate(ps, stop=StopParams(max_tokens=20))
+
+    def measured(*args, cost=cost, **kwargs):  # as if warm-up had measured these costs
+      eng.spec.costs[drafter_id("mtp")] = cost
+      eng.spec.costs[-4:] = 0.3, 0.2, 0.0, 0.0
+      return eng.cache
+    eng.spec.measure_costs = measured
+    assert eng.spec.observes
+    eng.warmup()
+    assert (eng.spec.hopeless() == {"mtp"}) == hopeless and eng.spec.observes != hopeless
+    with CompileCounter() as counter:
+      got = eng.generate(ps, stop=StopParams(max_tokens=20))
+    assert counter.count == 0
     assert [r.output_ids for r in got] == want
     stats = eng.stats()
     if hopeless:  # no speculative loop at all: every decode step is plain

@@ -493,6 +493,33 @@ def test_acceptance_is_estimated_per_draft_position():
   np.testing.assert_allclose(g_rows[1, 1, :2], [row_c1, row_c1 * row_c1 / 6], rtol=3e-3)
 
 
+def test_plain_call_evidence_replays_what_a_drafter_would_have_drafted():
+  """A plain call's tokens, replayed: ngram drafting K = 4 from the call's start matches all 4
+  (censored: no mismatch inside the horizon), then 1 of the one token left; the counts fold
+  step by step as the loop folds its own. A row the drafter misses ends at position 1 once
+  per token; a row without a drafter learns nothing."""
+  from engine.runtime.speculative import counterfactual
+  from engine.runtime.speculative.serving import DRAFTER_IDS, drafter_id
+  hist = np.asarray([[5, 6, 7, 8] * 3, [9, 3, 4, 1, 2, 6, 7, 11, 12, 13, 14, 15]] * 2, np.int32)
+  newest, end = np.full((4,), 5, np.int32), np.full((4,), 11, np.int32)
+  d, n_ids = drafter_id("ngram"), len(DRAFTER_IDS)
+  row_accept, accept = counterfactual.plain_call_evidence(
+      hist, newest, end, np.asarray([True, True, False, False]), None,
+      np.zeros((4, n_ids, 4, 2), np.float32), np.zeros((n_ids, 4, 2), np.float32), k=4,
+      replayed=(("ngram", d),), steps=8)
+  np.testing.assert_allclose(row_accept[0, d], [[1.8, 0], [1, 0], [1, 0], [1, 0]], rtol=1e-6)
+  misses = sum(0.8 ** i for i in range(6))  # 6 steps, each ended at position 1
+  np.testing.assert_allclose(row_accept[1, d], [[0, misses]] + [[0, 0]] * 3, rtol=1e-6)
+  assert not np.any(row_accept[2:]) and not np.any(np.delete(np.asarray(row_accept), d, 1))
+  # Engine-wide: both rows' evidence summed per step, folded step by step.
+  want = np.zeros((4, 2))
+  for e in ([[1, 1], [1, 0], [1, 0], [1, 0]], [[1, 1], [0, 0], [0, 0], [0, 0]]) + (
+      [[0, 1], [0, 0], [0, 0], [0, 0]],) * 4:
+    e = np.asarray(e, np.float64)
+    want = np.where(e.sum(-1, keepdims=True) > 0, 0.8 * want, want) + e
+  np.testing.assert_allclose(accept[d], want, rtol=1e-6)
+
+
 def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
   """`goodput.plan` (block width K and per-row draft counts) reaches the best tokens per unit of
   step time that trying every K and every k_b <= min(K, room_b) finds."""

@@ -5,7 +5,8 @@ Each program runs once on the null page (writes at positions past the page table
 so no real cache entry changes: mixed prefill/decode shapes (and the draft model's catch-up
 forward at each), the plain decode loop per decode batch size (and the learned table's update
 from its tokens), the speculative loop per decode batch size when the engine has drafters, then
-`SpecRuntime.measure_costs`.
+`SpecRuntime.measure_costs`. Where the measured costs make the MTP layer `hopeless`, prefill
+chunks stop feeding it: the mixed shapes are compiled again without it.
 """
 
 from __future__ import annotations
@@ -46,9 +47,7 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
           eng.params, eng.cache, np.zeros((b, w), np.int32), zeros, zeros, table, samp,
           np.zeros((b, w), np.int32), impl=eng.config.kernels)
     elif kind == "step":
-      _, _, eng.cache = steps.model_step(
-          eng.params, eng.cache, np.zeros((b, w), np.int32), past, full, table, samp,
-          cfg=eng.cfg, impl=eng.config.kernels)
+      _plain_step(eng, b, w)
     elif kind == "spec":
       *_, eng.cache = eng.spec.decode(
           eng.params, eng.cache, [], zeros, zeros, table, samp, stop_ids, zeros, zeros,
@@ -61,9 +60,24 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
       eng.spec.learn([], np.zeros((b, eng.config.max_decode_steps), np.int32), zeros)
     if progress is not None:
       progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
+  observed = eng.spec.observes
   if eng.spec.enabled and eng.config.adaptive_k:
     sizes = (min(eng.buckets.decode), max(eng.buckets.decode))
     eng.cache = eng.spec.measure_costs(eng.params, eng.cache, sizes, eng.max_pages_per_seq,
                                        stop_width=stop_width, impl=eng.config.kernels)
+  n = len(shapes)
+  if observed and not eng.spec.observes:  # MTP turned out hopeless: plain mixed steps
+    for b, w in eng.buckets.mixed_shapes():
+      _plain_step(eng, b, w)
+      n += 1
   jax.block_until_ready(eng.cache)
-  return len(shapes)
+  return n
+
+
+def _plain_step(eng: Any, b: int, w: int) -> None:
+  """The mixed prefill/decode step without the MTP layer, b rows of w tokens, once."""
+  table = np.full((b, eng.max_pages_per_seq), NULL_PAGE, np.int32)
+  past = np.full((b,), eng.max_pages_per_seq * eng.config.page_size, np.int32)
+  _, _, eng.cache = steps.model_step(
+      eng.params, eng.cache, np.zeros((b, w), np.int32), past, np.full((b,), w, np.int32),
+      table, eng._sampling_arrays([None] * b), cfg=eng.cfg, impl=eng.config.kernels)

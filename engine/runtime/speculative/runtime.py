@@ -42,7 +42,8 @@ from engine.runtime.buckets import ShapeBuckets
 from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays
-from engine.runtime.speculative import catch_up, drafters as dr, goodput, learned, serving_costs
+from engine.runtime.speculative import (catch_up, counterfactual, drafters as dr, goodput,
+                                        learned, serving_costs)
 from engine.runtime.speculative.learned import NgramTable
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
@@ -59,6 +60,17 @@ EXPLORE_EVERY = 32
 # (`budget`: num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles
 # the rest, up to MAX_REST_CALLS, and a call that drafts resets it.
 REST_CALLS, MAX_REST_CALLS = 3, 12
+# Where every row's drafter is deterministic (auto: no model drafter offered), the resting
+# calls' replay (below) ends a rest as soon as drafting pays: rests may grow this long.
+MAX_REPLAYED_REST_CALLS = 48
+# A rest ends early once the acceptance estimates, with the counterfactual evidence of the
+# resting calls (`counterfactual.plain_call_evidence`), say a speculative call would decode
+# this much faster than the plain loop (`drafting_pays`).
+PAY_MARGIN = 0.05
+# The replay's share of the resting calls' time: a call is replayed when the time it and the
+# earlier calls earned covers the replay's measured cost (every call on a GPU, where it is
+# small beside a plain call; every few on the CPU demo, where it is ~0.8 ms against ~10 ms).
+REPLAY_BUDGET = 0.02
 # The live correction of the cost model (`live_costs`): decay of its evidence per speculative
 # call, the predicted plain-loop iterations it needs before it applies, and its range.
 COST_DECAY, COST_MIN_EVIDENCE, COST_SCALE_RANGE = 0.9, 32.0, (0.5, 2.0)
@@ -154,13 +166,18 @@ class SpecRuntime:
     # iterations; and that iteration's time per decode batch size (s).
     self.cost_seen = np.zeros((2,), np.float64)
     self.plain_iter_s: dict[int, float] = {}
+    self._last_plain_s = 0.0  # the last plain call's time (`record_plain`)
+    self._replay_s, self._replay_credit = 0.0, 0.0  # a replay's cost (moving average), budget
     self._cost_evidence = np.zeros((2,), np.float64)  # the same, decayed per call
     self.cost_scale = 1.0  # measured / predicted: the live correction (`live_costs`)
 
   @property
   def observes(self) -> bool:
-    """Prefill chunks must feed the MTP layer."""
-    return "mtp" in self.enabled
+    """Prefill chunks must feed the MTP layer: unless it is `hopeless`, when no row drafts
+    with it (auto does not offer it, MTP rows give it up) and its upkeep would be wasted. (Were
+    the live correction to bring it back, rows prefilled meanwhile would draft from stale MTP
+    entries: rejected drafts, the output unchanged.)"""
+    return "mtp" in self.enabled and "mtp" not in self.hopeless()
 
   def resolve(self, drafter: str | None) -> str | None:
     """A request's drafter (None: plain decoding); ValueError if the engine lacks it."""
@@ -275,7 +292,9 @@ class SpecRuntime:
 
     With `adaptive_k`, after a call that chose k = 0 in every iteration (nothing paid), the
     next REST_CALLS calls of batches without an MTP row decode plainly (their tokens still
-    teach the learned table, `learn`); then the speculative loop probes again. Draft-model
+    teach the learned table and are replayed through the deterministic drafters, `learn`);
+    then the speculative loop probes again, or as soon as that replayed evidence says drafting
+    pays (`drafting_pays`). Draft-model
     rows rest too and are caught up when they return (`catch_up_draft`); MTP rows always take
     the speculative loop: the MTP layer must observe every verified block (catching it up
     would need the target's hidden states again). Unless MTP is `hopeless`: then its rows
@@ -291,15 +310,58 @@ class SpecRuntime:
     if not any(r.drafter for r in reqs):
       return False
     if self._rest > 0 and all(r.drafter != "mtp" for r in reqs):
+      if self.drafting_pays(reqs):  # what the resting calls' tokens showed: a full call
+        self._rest, self._rest_len, self._probe = 0, REST_CALLS, False
+        self.per_drafter["spec_rest_ended"] = self.per_drafter.get("spec_rest_ended", 0) + 1
+        return True
       self._rest -= 1
       self._probe = True
       self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
       return False
     return True
 
+  def drafting_pays(self, reqs: Sequence[Any]) -> bool:
+    """Whether a speculative call would beat the plain loop by PAY_MARGIN for `reqs`, by their
+    acceptance estimates and the live costs: every row with a deterministic drafter (auto: its
+    best one) drafting up to K, T(K) = 1 + overhead + K (base + pad_row B) + per_token
+    sum_b k_b (as the serving loop's `goodput.plan` prices a block), against B tokens per plain
+    iteration."""
+    ids = [drafter_id(d) for d in DETERMINISTIC if d in self.enabled]
+    rows = [r for r in reqs if r.drafter in DETERMINISTIC or (r.drafter == AUTO and ids)]
+    if not rows or not self.config.adaptive_k:
+      return False
+    counts = self.accept_seen
+    own = np.stack([counts * 0 if r.spec_accept is None else r.spec_accept for r in rows])
+    gains = goodput.row_gains(own, counts, xp=np)  # [R, D, K]
+    best = np.stack([gains[i, drafter_id(r.drafter)] if r.drafter != AUTO else
+                     gains[i, ids][np.argmax(gains[i, ids].sum(-1))] for i, r in enumerate(rows)])
+    overhead, base, pad_row, per_token = (float(c) for c in self.live_costs()[-4:])
+    n = len(reqs)
+    for k in (c for c in self.choices if c):
+      tokens = n + float(best[:, :k].sum())
+      t = 1.0 + overhead + k * (base + pad_row * n) + per_token * k * len(rows)
+      if tokens / t > n * (1.0 + PAY_MARGIN):
+        return True
+    return False
+
   def learn(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
     """Teaches the learned table a plain loop's tokens: out [B, S] (the first counts[b] new in
-    row b), before they are appended to the requests. `reqs` empty: compiles (warm-up)."""
+    row b), before they are appended to the requests; first, with `adaptive_k`, the rows with
+    a drafter get what the deterministic drafters would have achieved on them
+    (`counterfactual.plain_call_evidence`). `reqs` empty: compiles (warm-up)."""
+    if not reqs and self.config.adaptive_k:
+      self._replay(reqs, out, counts)
+    elif self.config.adaptive_k and any(r.drafter for r in reqs):
+      self._replay_credit += REPLAY_BUDGET * self._last_plain_s
+      if self._replay_credit >= self._replay_s:
+        started = time.perf_counter()
+        self._replay(reqs, out, counts)
+        spent = time.perf_counter() - started
+        n = self.per_drafter.get("spec_replayed_calls", 0) + 1
+        self.per_drafter["spec_replayed_calls"] = n
+        if n > 1:  # (the first may have compiled: it neither sets the cost nor spends)
+          self._replay_s = spent if not self._replay_s else 0.8 * self._replay_s + 0.2 * spent
+          self._replay_credit = max(self._replay_credit - spent, 0.0)
     if self.table is None:
       return
     b, n_steps = out.shape
@@ -314,9 +376,33 @@ class SpecRuntime:
     positions = np.broadcast_to(np.arange(n, n + n_steps, dtype=np.int32), (b, n_steps))
     self.table = _learn(self.table, history, positions, valid)
 
+  def _replay(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
+    """Folds a plain call's counterfactual evidence into the acceptance counts (`learn`)."""
+    replayed = tuple((d, drafter_id(d)) for d in DETERMINISTIC if d in self.enabled)
+    if not replayed:
+      return
+    b = out.shape[0]
+    history, history_len = self.histories(reqs, b)  # the tokens before the call, then its own
+    row_accept = np.zeros((b,) + self.accept_seen.shape, np.float32)
+    rows = np.zeros((b,), bool)
+    for i, req in enumerate(reqs):
+      history[i, history_len[i]:history_len[i] + counts[i]] = out[i, :counts[i]]
+      rows[i] = req.drafter is not None
+      if req.spec_accept is not None:
+        row_accept[i] = req.spec_accept
+    newest = np.maximum(history_len - 1, 0).astype(np.int32)
+    row_accept, self.accept = counterfactual.plain_call_evidence(
+        history, newest, (newest + counts[:b]).astype(np.int32), rows, self.table, row_accept,
+        self.accept, k=self.k, replayed=replayed, steps=self.config.max_decode_steps)
+    row_accept, self.accept_seen = jax.device_get((row_accept, self.accept))
+    for i, req in enumerate(reqs):
+      if rows[i]:
+        req.spec_accept = row_accept[i]
+
   def record_plain(self, b: int, iterations: int, seconds: float) -> None:
     """A plain decode-loop call of b rows: its time per iteration, the unit of the cost model
     (a moving average over full calls, `max_decode_steps` iterations, as at warm-up)."""
+    self._last_plain_s = seconds
     if iterations == self.config.max_decode_steps:
       old = self.plain_iter_s.get(b)
       t = seconds / iterations
@@ -433,7 +519,10 @@ class SpecRuntime:
         self._learn_cost_scale(predicted, measured)  # fixed cost: not what full calls pay)
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
-      self._rest, self._rest_len = self._rest_len, min(2 * self._rest_len, MAX_REST_CALLS)
+      replayed = all(r.drafter in DETERMINISTIC or (r.drafter == AUTO and not models)
+                     for r in reqs)
+      self._rest, self._rest_len = self._rest_len, min(
+          2 * self._rest_len, MAX_REPLAYED_REST_CALLS if replayed else MAX_REST_CALLS)
     elif k_steps[1:].any():
       self._rest_len = REST_CALLS
     self._probe = False

@@ -51,7 +51,7 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
-from engine.runtime.speculative import drafters as dr, goodput, learned
+from engine.runtime.speculative import counterfactual, drafters as dr, goodput, learned
 from engine.runtime.speculative.acceptance import draft_sample
 from engine.runtime.speculative.inplace import run_if
 from engine.runtime.speculative.loop import SpecStats, _place, verify_block
@@ -115,18 +115,6 @@ def _draft_chain(draft_params, dcache, h, n_cached, live, page_table, sampling, 
     drafts.append(t)
     qs.append(q)
   return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), dcache
-
-
-def _matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_emit: jax.Array
-             ) -> tuple[jax.Array, jax.Array]:
-  """What a drafter's proposal [B, P] (first n_proposed real) would have achieved against the
-  tokens the row emitted [B, >= P] (first n_emit real): (leading matches [B], ended [B] bool:
-  a mismatch or no proposal before the horizon min(P, n_emit); else censored)."""
-  p = proposal.shape[1]
-  slots = jnp.arange(p, dtype=jnp.int32)[None, :]
-  same = (proposal == emitted[:, :p]) & (slots < jnp.minimum(n_proposed, n_emit)[:, None])
-  m = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1)
-  return m, m < jnp.minimum(p, n_emit)
 
 
 @functools.partial(jax.jit,
@@ -298,7 +286,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     # Per draft position (`goodput.position_evidence`): accepted at 1 .. m, ended at m + 1.
     evidence = jnp.zeros((b, n_ids, k_max, 2), jnp.float32)
     for d, (t, n, computed) in props.items():
-      m, ended = _matched(t, n, v.emitted, n_emit)
+      m, ended = counterfactual.matched(t, n, v.emitted, n_emit)
       evidence = evidence.at[:, drafter_id(d)].set(
           goodput.position_evidence(m, ended, k_max, live & computed))
     s["row_accept"] = goodput.decay_add(s["row_accept"], evidence)
