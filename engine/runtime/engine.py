@@ -326,8 +326,7 @@ class Engine:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
     self._last_batch = batch
     # One speculative iteration may emit num_draft_tokens + 1 tokens.
-    return self.spec.budget(self._decode_steps,
-                            any(r.drafter for r in self.scheduler.running))
+    return self.spec.budget(self._decode_steps, self.scheduler.running)
 
   def _page_table_row(self, req: Request) -> np.ndarray:
     row = np.full((self.max_pages_per_seq,), NULL_PAGE, np.int32)

@@ -408,11 +408,13 @@ class SpecRuntime:
       t = seconds / iterations
       self.plain_iter_s[b] = t if old is None else 0.8 * old + 0.2 * t
 
-  def budget(self, steps_: int, drafting: bool) -> int:
+  def budget(self, steps_: int, running: Sequence[Any]) -> int:
     """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that.
     A call that probes after a rest gets exactly that (if it drafts nothing, little was spent
-    on the speculative loop's overhead)."""
-    if not drafting:
+    on the speculative loop's overhead). A resting call (`speculates`) keeps the plain loop's
+    budget (its short first calls after the batch changes), as a call without drafters does."""
+    if not any(r.drafter for r in running) or (
+        self._rest > 0 and all(r.drafter != "mtp" for r in running)):
       return steps_
     return self.k + 1 if self._probe and self._rest == 0 else max(steps_, self.k + 1)
 
