@@ -60,13 +60,6 @@ EXPLORE_EVERY = 32
 # (`budget`: num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles
 # the rest, up to MAX_REST_CALLS, and a call that drafts resets it.
 REST_CALLS, MAX_REST_CALLS = 3, 12
-# Where every row's drafter is deterministic (auto: no model drafter offered), the resting
-# calls' replay (below) ends a rest as soon as drafting pays: rests may grow this long.
-MAX_REPLAYED_REST_CALLS = 48
-# A rest ends early once the acceptance estimates, with the counterfactual evidence of the
-# resting calls (`counterfactual.plain_call_evidence`), say a speculative call would decode
-# this much faster than the plain loop (`drafting_pays`).
-PAY_MARGIN = 0.05
 # The replay's share of the resting calls' time: a call is replayed when the time it and the
 # earlier calls earned covers the replay's measured cost (every call on a GPU, where it is
 # small beside a plain call; every few on the CPU demo, where it is ~0.8 ms against ~10 ms).
@@ -293,8 +286,9 @@ class SpecRuntime:
     With `adaptive_k`, after a call that chose k = 0 in every iteration (nothing paid), the
     next REST_CALLS calls of batches without an MTP row decode plainly (their tokens still
     teach the learned table and are replayed through the deterministic drafters, `learn`);
-    then the speculative loop probes again, or as soon as that replayed evidence says drafting
-    pays (`drafting_pays`). Draft-model
+    then the speculative loop probes again, its rows' estimates up to date. (Ending a rest as
+    soon as that evidence said drafting paid lost on the CPU demo: 0.70-0.80x against
+    0.93-0.99x, see the issue notes.) Draft-model
     rows rest too and are caught up when they return (`catch_up_draft`); MTP rows always take
     the speculative loop: the MTP layer must observe every verified block (catching it up
     would need the target's hidden states again). Unless MTP is `hopeless`: then its rows
@@ -310,39 +304,11 @@ class SpecRuntime:
     if not any(r.drafter for r in reqs):
       return False
     if self._rest > 0 and all(r.drafter != "mtp" for r in reqs):
-      if self.drafting_pays(reqs):  # what the resting calls' tokens showed: a full call
-        self._rest, self._rest_len, self._probe = 0, REST_CALLS, False
-        self.per_drafter["spec_rest_ended"] = self.per_drafter.get("spec_rest_ended", 0) + 1
-        return True
       self._rest -= 1
       self._probe = True
       self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
       return False
     return True
-
-  def drafting_pays(self, reqs: Sequence[Any]) -> bool:
-    """Whether a speculative call would beat the plain loop by PAY_MARGIN for `reqs`, by their
-    acceptance estimates and the live costs: every row with a deterministic drafter (auto: its
-    best one) drafting up to K, T(K) = 1 + overhead + K (base + pad_row B) + per_token
-    sum_b k_b (as the serving loop's `goodput.plan` prices a block), against B tokens per plain
-    iteration."""
-    ids = [drafter_id(d) for d in DETERMINISTIC if d in self.enabled]
-    rows = [r for r in reqs if r.drafter in DETERMINISTIC or (r.drafter == AUTO and ids)]
-    if not rows or not self.config.adaptive_k:
-      return False
-    counts = self.accept_seen
-    own = np.stack([counts * 0 if r.spec_accept is None else r.spec_accept for r in rows])
-    gains = goodput.row_gains(own, counts, xp=np)  # [R, D, K]
-    best = np.stack([gains[i, drafter_id(r.drafter)] if r.drafter != AUTO else
-                     gains[i, ids][np.argmax(gains[i, ids].sum(-1))] for i, r in enumerate(rows)])
-    overhead, base, pad_row, per_token = (float(c) for c in self.live_costs()[-4:])
-    n = len(reqs)
-    for k in (c for c in self.choices if c):
-      tokens = n + float(best[:, :k].sum())
-      t = 1.0 + overhead + k * (base + pad_row * n) + per_token * k * len(rows)
-      if tokens / t > n * (1.0 + PAY_MARGIN):
-        return True
-    return False
 
   def learn(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
     """Teaches the learned table a plain loop's tokens: out [B, S] (the first counts[b] new in
@@ -521,10 +487,7 @@ class SpecRuntime:
         self._learn_cost_scale(predicted, measured)  # fixed cost: not what full calls pay)
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
-      replayed = all(r.drafter in DETERMINISTIC or (r.drafter == AUTO and not models)
-                     for r in reqs)
-      self._rest, self._rest_len = self._rest_len, min(
-          2 * self._rest_len, MAX_REPLAYED_REST_CALLS if replayed else MAX_REST_CALLS)
+      self._rest, self._rest_len = self._rest_len, min(2 * self._rest_len, MAX_REST_CALLS)
     elif k_steps[1:].any():
       self._rest_len = REST_CALLS
     self._probe = False
