@@ -390,6 +390,7 @@ def test_resting_calls_are_replayed_so_the_probe_drafts_from_current_estimates(m
                                          speculative="learned", num_draft_tokens=3,
                                          adaptive_k=True))
   eng.spec.costs[-4:] = 0.2, 0.1, 0.0, 0.0
+  eng.spec.replay_budget = 0.02  # (off by default: `runtime.REPLAY_BUDGET`)
   p = fresh_prompts(1, seed=54, lo=8, hi=10)[0]
   want = plain(model, [p], 40)[0]
   # A request that does not draft teaches the table its answer (plain calls learn too) and
