@@ -319,9 +319,11 @@ class SpecRuntime:
     row b), before they are appended to the requests; first, with `adaptive_k`, the rows with
     a drafter get what the deterministic drafters would have achieved on them
     (`counterfactual.plain_call_evidence`). `reqs` empty: compiles (warm-up)."""
-    if not reqs and self.config.adaptive_k:
+    if not self.config.adaptive_k or self.replay_budget <= 0:
+      pass  # (off: neither compiled at warm-up nor run)
+    elif not reqs:
       self._replay(reqs, out, counts)
-    elif self.config.adaptive_k and self.replay_budget > 0 and any(r.drafter for r in reqs):
+    elif any(r.drafter for r in reqs):
       self._replay_credit += self.replay_budget * self._last_plain_s
       if self._replay_credit >= self._replay_s:
         started = time.perf_counter()

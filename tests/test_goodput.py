@@ -1,0 +1,151 @@
+"""The adaptive draft length's goodput model (`speculative.goodput`) and the counterfactual
+acceptance evidence of calls that did not draft (`speculative.counterfactual`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def test_goodput_choice():
+  from engine.runtime.speculative import goodput
+  choices = goodput.k_choices(4)
+  assert choices == (0, 1, 2, 4) and goodput.k_choices(3, allow_zero=False) == (1, 2, 3)
+  geometric = lambda a: goodput.gains(jnp.full((4,), a, jnp.float32))
+  pick = lambda gain, rows, dc: choices[int(goodput.choose(
+      gain[None], goodput.step_costs(choices, rows, dc, 0.02), choices, jnp.asarray([64])))]
+  assert pick(geometric(0.9), 1, 0.0) == 4  # cheap, accurate drafts: draft the most
+  assert pick(geometric(0.05), 1, 0.2) == 0  # costly, useless drafts: plain decoding
+  assert pick(geometric(0.7), 64, 0.0) < pick(geometric(0.7), 1, 0.0)  # big batch: dear
+  # The same first-position rate, but chains that end at the second draft: one draft is best.
+  assert pick(goodput.gains(jnp.asarray([0.9, 0.05, 0.05, 0.05])), 1, 0.05) == 1
+  np.testing.assert_allclose(goodput.expected_tokens(geometric(0.5), 2), 1.75, rtol=1e-6)
+  # A fixed batch takes as long as its slowest row: drafts that only help a row that finishes
+  # early do not pay; drafts for the row with the most left to emit do.
+  rows = jnp.stack([geometric(0.9), geometric(0.02)])
+  costs = goodput.step_costs(choices, 2, 0.0, 0.05)
+  slow_rejects = goodput.choose(rows, costs, choices, jnp.asarray([10, 60]))
+  slow_accepts = goodput.choose(rows, costs, choices, jnp.asarray([60, 10]))
+  assert choices[int(slow_rejects)] == 0 and choices[int(slow_accepts)] == 4
+  assert choices[int(goodput.choose(rows, costs, choices, jnp.asarray([60, 0])))] == 4
+
+
+def test_acceptance_is_estimated_per_draft_position():
+  """Decayed (accepted, ended) counts per position give c_j = P(draft j accepted | drafts < j
+  were); positions without evidence follow the one above (the geometric model); counts decay
+  only where evidence arrives; a row's estimate starts at its drafter's and follows its own."""
+  from engine.runtime.speculative import goodput
+  j = 4
+  ev = goodput.position_evidence(jnp.asarray([0, 2, 4, 1]), jnp.asarray([True, True, False, False]),
+                                 j, jnp.asarray([1.0, 1.0, 1.0, 0.0]))
+  np.testing.assert_array_equal(ev[..., 0], [[0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1],
+                                             [0, 0, 0, 0]])
+  np.testing.assert_array_equal(ev[..., 1], [[1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0],
+                                             [0, 0, 0, 0]])  # censored: no "ended"
+  # Chains that always accept the first draft and reject the second.
+  counts = jnp.zeros((j, 2))
+  for _ in range(30):
+    counts = goodput.decay_add(counts, goodput.position_evidence(
+        jnp.asarray([1]), jnp.asarray([True]), j)[0])
+  c = np.asarray(goodput.conditional_acceptance(counts, goodput.PRIOR_ACCEPT,
+                                                goodput.PRIOR_WEIGHT))
+  # Decayed counts saturate at 1 / (1 - DECAY) = 5 observations; each prior is worth one, and
+  # is the shallower position's estimate (so positions 3 and 4, never reached, follow 2).
+  c1 = 5.5 / 6
+  np.testing.assert_allclose(c, [c1, c1 / 6, c1 / 6, c1 / 6], rtol=1e-3)
+  g = np.asarray(goodput.drafter_gains(counts))
+  np.testing.assert_allclose(g, np.cumprod(c), rtol=1e-5)
+  # Evidence at the first position only (k = 0 lookahead, horizon 1): deep positions keep what
+  # they learned (their counts do not decay), and with no deep evidence at all they follow c_1.
+  later = counts
+  for _ in range(30):
+    later = goodput.decay_add(later, goodput.position_evidence(
+        jnp.asarray([1]), jnp.asarray([False]), j)[0])
+  np.testing.assert_array_equal(later[1:], counts[1:])
+  fresh = jnp.zeros((j, 2)).at[0].set([8.0, 2.0])
+  c = np.asarray(goodput.conditional_acceptance(fresh, goodput.PRIOR_ACCEPT,
+                                                goodput.PRIOR_WEIGHT))
+  np.testing.assert_allclose(c, (8 + 0.5) / 11, rtol=1e-6)
+  # Rows: without evidence of its own a row has its drafter's gains; a row accepting more at
+  # position 1 than the drafter does keeps the drafter's drop at depth 2.
+  d_counts = jnp.stack([jnp.zeros((j, 2)), counts])  # drafter 0: nothing known, 1: as above
+  rows = jnp.zeros((2, 2, j, 2)).at[1, 1, 0].set([20.0, 0.0])
+  g_rows = np.asarray(goodput.row_gains(rows, d_counts))
+  np.testing.assert_allclose(g_rows[0], goodput.drafter_gains(d_counts), rtol=1e-5)
+  row_c1 = (20 + goodput.ROW_PRIOR_WEIGHT * c1) / (20 + goodput.ROW_PRIOR_WEIGHT)
+  np.testing.assert_allclose(g_rows[1, 1, :2], [row_c1, row_c1 * row_c1 / 6], rtol=3e-3)
+
+
+def test_plain_call_evidence_replays_what_a_drafter_would_have_drafted():
+  """A plain call's tokens, replayed: ngram drafting K = 4 from the call's start matches all 4
+  (censored: no mismatch inside the horizon), then 1 of the one token left; the counts fold
+  step by step as the loop folds its own. A row the drafter misses ends at position 1 once
+  per token; a row without a drafter learns nothing."""
+  from engine.runtime.speculative import counterfactual
+  from engine.runtime.speculative.serving import DRAFTER_IDS, drafter_id
+  hist = np.asarray([[5, 6, 7, 8] * 3, [9, 3, 4, 1, 2, 6, 7, 11, 12, 13, 14, 15]] * 2, np.int32)
+  newest, end = np.full((4,), 5, np.int32), np.full((4,), 11, np.int32)
+  d, n_ids = drafter_id("ngram"), len(DRAFTER_IDS)
+  row_accept, accept = counterfactual.plain_call_evidence(
+      hist, newest, end, np.asarray([True, True, False, False]), None,
+      np.zeros((4, n_ids, 4, 2), np.float32), np.zeros((n_ids, 4, 2), np.float32), k=4,
+      replayed=(("ngram", d),), steps=8)
+  np.testing.assert_allclose(row_accept[0, d], [[1.8, 0], [1, 0], [1, 0], [1, 0]], rtol=1e-6)
+  misses = sum(0.8 ** i for i in range(6))  # 6 steps, each ended at position 1
+  np.testing.assert_allclose(row_accept[1, d], [[0, misses]] + [[0, 0]] * 3, rtol=1e-6)
+  assert not np.any(row_accept[2:]) and not np.any(np.delete(np.asarray(row_accept), d, 1))
+  # Engine-wide: both rows' evidence summed per step, folded step by step.
+  want = np.zeros((4, 2))
+  for e in ([[1, 1], [1, 0], [1, 0], [1, 0]], [[1, 1], [0, 0], [0, 0], [0, 0]]) + (
+      [[0, 1], [0, 0], [0, 0], [0, 0]],) * 4:
+    e = np.asarray(e, np.float64)
+    want = np.where(e.sum(-1, keepdims=True) > 0, 0.8 * want, want) + e
+  np.testing.assert_allclose(accept[d], want, rtol=1e-6)
+
+
+def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
+  """`goodput.plan` (block width K and per-row draft counts) reaches the best tokens per unit of
+  step time that trying every K and every k_b <= min(K, room_b) finds."""
+  import itertools
+  from engine.runtime.speculative import goodput
+  choices = (0, 1, 2, 4)
+  rng = np.random.default_rng(4)
+
+  def rate(gain, live, drafting, k, ks, block, token, overhead):
+    tokens = live.sum() + sum(sum(gain[i, :kb]) for i, kb in enumerate(ks) if drafting[i])
+    return tokens / (1 + (overhead if k else 0.0) + k * block + token * sum(ks))
+
+  for case in range(40):
+    b = 3
+    # Per-position acceptance (geometric in half the cases), gains = its running product.
+    c = rng.uniform(0.0, 0.98, (b, 4)) if case % 2 else np.repeat(rng.uniform(0, 0.98, (b, 1)),
+                                                                    4, axis=1)
+    gain = np.cumprod(c, axis=1)
+    live = np.asarray([True, True, case % 3 > 0])
+    drafting = live & np.asarray([True, case % 2 == 0, True])
+    room = rng.integers(0, 5, b)
+    block, token = rng.uniform(0.0, 0.3), [0.0, 0.05, 0.4][case % 3]
+    overhead = [0.0, 0.3][case % 2]
+    index, k_rows = goodput.plan(jnp.asarray(gain, jnp.float32), jnp.asarray(drafting),
+                                 jnp.asarray(live), jnp.asarray(room, jnp.int32), choices,
+                                 jnp.float32(block), jnp.float32(token), jnp.float32(overhead))
+    k, k_rows = choices[int(index)], np.asarray(k_rows)
+    cap = [min(room[i], max(choices)) if drafting[i] else 0 for i in range(b)]
+    assert all(k_rows <= np.minimum(cap, k)), (k, k_rows, cap)
+    best = max(rate(gain, live, drafting, kc, ks, block, token, overhead) for kc in choices
+               for ks in itertools.product(*[range(min(c, kc) + 1) for c in cap]))
+    got = rate(gain, live, drafting, k, k_rows, block, token, overhead)
+    assert got == pytest.approx(best, rel=1e-4), (case, gain, room, k, k_rows)
+    if token == 0.0:  # nothing to save per token: every drafting row fills the block
+      assert list(k_rows) == [min(c, k) for c in cap]
+  # A row that rarely accepts drafts less than one that usually does, in the same block.
+  geometric = lambda a: goodput.gains(jnp.full((4,), a, jnp.float32))
+  index, k_rows = goodput.plan(jnp.stack([geometric(0.95), geometric(0.2)]), jnp.ones(2, bool),
+                               jnp.ones(2, bool), jnp.asarray([4, 4], jnp.int32), choices,
+                               jnp.float32(0.05), jnp.float32(0.3))
+  assert choices[int(index)] == 4 and int(k_rows[0]) == 4 and int(k_rows[1]) < 2
+  # A row that accepts its first draft as often but then stops drafts one token.
+  index, k_rows = goodput.plan(jnp.stack([geometric(0.95), goodput.gains(jnp.asarray(
+      [0.95, 0.1, 0.1, 0.1]))]), jnp.ones(2, bool), jnp.ones(2, bool),
+      jnp.asarray([4, 4], jnp.int32), choices, jnp.float32(0.05), jnp.float32(0.3))
+  assert int(k_rows[0]) == choices[int(index)] >= 2 and int(k_rows[1]) == 1
