@@ -21,3 +21,12 @@ def _release_compiled_programs():
   import jax
   jax.clear_caches()
   gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _forget_loop_rests():
+  """Each test starts without `generate_tokens`' rest schedules (`speculative.rest`): process
+  state keyed by the model's identity, which another test's call on a shared fixture would set."""
+  from engine.runtime.speculative.rest import forget_loop_rests
+  forget_loop_rests()
+  yield

@@ -347,7 +347,7 @@ def test_adaptive_loop_measures_its_costs_once_per_shape(model):
   cfg, params = model
   plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9])
   for method in ("ngram", "mtp"):
-    spec = SpeculativeConfig(method, 2, adaptive=True)
+    spec = SpeculativeConfig(method, 2, adaptive=True, rests=False)  # (rests: a later test)
     before, programs = set(probes._LOOP_COSTS), speculative_decode._cache_size()
     got = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
@@ -395,7 +395,7 @@ def test_adaptive_loop_gives_speculation_up_once_plain_decoding_wins(model, meth
     def loop_costs(key, run, choices, tokens, plain, c=plain_cost):
       return 1.0 + 0.1 * np.arange(len(choices)), c if plain else None
     monkeypatch.setattr(probes, "loop_costs", loop_costs)
-    spec = dataclasses.replace(_spec(model, method), adaptive=True,
+    spec = dataclasses.replace(_spec(model, method), adaptive=True, rests=False,
                                memory=memory if method == "learned" else None)
     got = generate_tokens(params, cfg, PROMPTS, max_new_tokens=n, speculative=spec)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
@@ -409,6 +409,50 @@ def test_adaptive_loop_gives_speculation_up_once_plain_decoding_wins(model, meth
       assert s["plain_steps"] == 0 and sum(s["k_steps"].values()) == steps
   if method == "learned":  # the second call drafts what the first emitted
     assert sum(c.spec["accepted"] for c in got) >= 40
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_random"])
+def test_adaptive_loop_rests_after_giving_speculation_up(model, method, monkeypatch):
+  """After a call whose model drafter gave speculation up, the next calls of the same model,
+  drafter and shape decode plainly (the same tokens, nothing drafted, no drafter set-up) for
+  REST_CALLS calls; the call after speculates again, and another give-up doubles the rest. A
+  call that speculates to its end resets the length; `rests=False` always speculates."""
+  from engine.runtime.speculative import loop, probes, rest
+  cfg, params = model
+  n = [6, 40, 40]
+  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=n)
+  plain_cost = {"c": 0.2}  # below every choice's time per token: the loop gives up
+  monkeypatch.setattr(probes, "loop_costs", lambda key, run, choices, tokens, plain: (
+      1.0 + 0.1 * np.arange(len(choices)), plain_cost["c"]))
+  spec = dataclasses.replace(_spec(model, method), adaptive=True)
+  speculated = []
+  real = loop.speculative_decode
+  monkeypatch.setattr(loop, "speculative_decode", lambda *a, **kw: (
+      speculated.append(1), real(*a, **kw))[1])
+
+  def call(s=spec, prompts=PROMPTS, m=n):
+    before = len(speculated)
+    got = generate_tokens(params, cfg, prompts, max_new_tokens=m, speculative=s)
+    assert [c.token_ids for c in got] == [c.token_ids for c in plain[:len(prompts)]]
+    assert all(c.spec["rested"] == (len(speculated) == before) for c in got)
+    if got[0].spec["rested"]:
+      assert all(c.spec["drafted"] == 0 and c.spec["steps"] == len(c.token_ids) - 1
+                 and not any(c.spec["k_steps"].values()) for c in got)
+    return got[0].spec["rested"]
+
+  r1, r2 = rest.REST_CALLS, 2 * rest.REST_CALLS
+  pattern = [call() for _ in range(1 + r1 + 1 + r2 + 1)]
+  assert pattern == [False] + [True] * r1 + [False] + [True] * r2 + [False]
+  # Another batch shape has its own schedule; rests=False never rests.
+  assert not call(prompts=PROMPTS[:2], m=n[:2])
+  assert not call(dataclasses.replace(spec, rests=False))
+  # Speculation that pays to the end resets the length: the next give-up rests REST_CALLS.
+  rest.forget_loop_rests()
+  assert [call() for _ in range(2)] == [False, True]  # (a rest of REST_CALLS began)
+  plain_cost["c"] = 3.0  # dearer than any choice: never given up
+  assert [call() for _ in range(r1 - 1 + 2)] == [True] * (r1 - 1) + [False, False]
+  plain_cost["c"] = 0.2
+  assert [call() for _ in range(1 + r1 + 1)] == [False] + [True] * r1 + [False]
 
 
 def test_bad_speculative_settings_are_named(model):

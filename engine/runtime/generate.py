@@ -156,6 +156,9 @@ class SpeculativeConfig:
   as 1 + k (draft_cost + verify_cost B) relative to a plain decode step; once plain decoding
   (timed too) would finish sooner, the loop of a model drafter (mtp, draft) stops speculating
   and decodes the rest plainly, without the drafter's upkeep (`speculative.loop`, plain phase).
+  rests: after such a call, the next calls of the same model, drafter and shape decode
+  plainly, without the drafter's set-up, before one speculates again (`speculative.rest`;
+  their `Completion.spec` says "rested"). False: every call speculates.
   """
   method: str
   num_draft_tokens: int = 4
@@ -165,6 +168,7 @@ class SpeculativeConfig:
   adaptive: bool = False
   draft_cost: float | None = None
   verify_cost: float | None = None
+  rests: bool = True
 
   def validate(self, cfg: ModelConfig) -> None:
     methods = ("ngram", "mtp", "draft", "learned")  # speculative.loop.DRAFTERS
@@ -244,6 +248,16 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   lengths_arr = jnp.asarray(lengths, jnp.int32)
+  rest = rested = None  # an adaptive model drafter's rest schedule (`speculative.rest`)
+  if (speculative is not None and speculative.adaptive and speculative.rests
+      and speculative.method in ("mtp", "draft")):
+    from engine.runtime.speculative.rest import loop_rest
+    rest = loop_rest((cfg, id(params), id(speculative.draft_params), b, page_table.shape,
+                      max_steps, page_size, jnp.dtype(dtype).name, impl, speculative.method,
+                      speculative.num_draft_tokens, speculative.draft_cfg,
+                      speculative.draft_cost, speculative.verify_cost))
+    if rest.take():  # this call decodes plainly: no drafter set-up, no speculative loop
+      rested, speculative = speculative, None
   if speculative is not None and speculative.method == "mtp":
     from engine.runtime.speculative.loop import prefill_hidden  # imports this module
     logits, prompt_hidden, cache = prefill_hidden(params, cache, jnp.asarray(tokens),
@@ -269,7 +283,7 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
     return _speculate(params, cfg, cache, logits, tokens, lengths, page_table,
                       SamplingArrays.from_params(samp), stops, max_steps, speculative,
                       prompt_hidden if speculative.method == "mtp" else None, page_size, dtype,
-                      impl)
+                      impl, rest)
   if max(max_new) == 1:
     out = first_token(logits, lengths_arr, SamplingArrays.from_params(samp), stops)
   else:
@@ -280,12 +294,27 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
   toks, counts, reasons = jax.device_get((out.tokens, out.num_tokens, out.finish_reason))
   return [Completion(token_ids=[int(t) for t in toks[i, :counts[i]]],
                      finish_reason=FINISH_REASONS[int(reasons[i])] or "length",
-                     prompt_tokens=lengths[i]) for i in range(b)]
+                     prompt_tokens=lengths[i],
+                     spec=None if rested is None else _rested_summary(
+                         rested, int(counts[i]) - 1, int(max(counts)) - 1))
+          for i in range(b)]
+
+
+def _rested_summary(spec: SpeculativeConfig, steps: int, loop_steps: int) -> dict:
+  """A resting call's counters (`speculative.rest`): every step plain, nothing drafted."""
+  from engine.runtime.speculative.loop import spec_k_choices  # imports this module
+  summary = spec_summary(0, 0, 0, steps, steps, [0] * spec.num_draft_tokens)
+  summary.update(k_steps={c: 0 for c in spec_k_choices(spec.num_draft_tokens, spec.method)},
+                 plain_steps=loop_steps, rested=True, model_expected_tokens=0.0,
+                 model_emitted_tokens=0.0)
+  return summary
 
 
 def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling, stops,
-               max_steps, spec, prompt_hidden, page_size, dtype, impl) -> list[Completion]:
-  """`generate_tokens`' speculative tail: drafter set-up, `speculative_decode`, counters."""
+               max_steps, spec, prompt_hidden, page_size, dtype, impl, rest
+               ) -> list[Completion]:
+  """`generate_tokens`' speculative tail: drafter set-up, `speculative_decode`, counters;
+  `rest` (a `speculative.rest.Rest` or None) learns whether the loop gave speculation up."""
   from engine.runtime.speculative.loop import speculative_decode  # imports this module
 
   lengths_arr = jnp.asarray(lengths, jnp.int32)
@@ -351,6 +380,8 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
   del cache
   if memory is not None:
     memory.table = out.ngram_table
+  if rest is not None:
+    rest.after_speculating(gave_up=int(out.plain_steps) > 0)
   toks, counts, reasons, st, k_steps, calibration, plain_steps = jax.device_get(
       (out.tokens, out.num_tokens, out.finish_reason, out.stats, out.k_steps, out.calibration,
        out.plain_steps))
@@ -363,6 +394,7 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
     if spec.adaptive:  # loop steps per draft length (the whole batch shares the choice)
       summary["k_steps"] = dict(zip(choices, map(int, k_steps)))
       summary["plain_steps"] = int(plain_steps)  # after the loop gave speculation up
+      summary["rested"] = False
       # the goodput model's tokens expected / emitted over the batch's steps that drafted
       summary["model_expected_tokens"], summary["model_emitted_tokens"] = map(float,
                                                                               calibration)

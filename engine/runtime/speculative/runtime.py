@@ -45,6 +45,7 @@ from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative import (catch_up, counterfactual, drafters as dr, goodput,
                                         learned, serving_costs)
 from engine.runtime.speculative.learned import NgramTable
+from engine.runtime.speculative.rest import MAX_REST_CALLS, REST_CALLS
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
@@ -58,8 +59,8 @@ EXPLORE_EVERY = 32
 # After a loop call in which the adaptive policy chose k = 0 throughout, this many calls run the
 # plain loop (cheaper per token than the speculative loop at k = 0) before a short call
 # (`budget`: num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles
-# the rest, up to MAX_REST_CALLS, and a call that drafts resets it.
-REST_CALLS, MAX_REST_CALLS = 3, 12
+# the rest, up to MAX_REST_CALLS, and a call that drafts resets it (the same schedule as
+# `generate_tokens`' rests, `rest.py`).
 # The replay's share of the resting calls' time (`SpecRuntime.replay_budget`): a call is
 # replayed when the time it and the earlier calls earned covers the replay's measured cost
 # (at 0.02: every few calls on the CPU demo, ~0.8 ms against ~10 ms; every call on a GPU).
