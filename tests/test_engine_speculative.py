@@ -460,7 +460,7 @@ def test_mtp_rows_give_mtp_up_where_it_cannot_pay(model):
       assert all(r.drafter_steps.get("mtp", 0) > 0 for r in got)
 
 
-def test_cost_model_is_corrected_by_what_speculative_calls_measure(model):
+def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkeypatch):
   cfg, params = model
   eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=128), speculative="ngram",
                                          num_draft_tokens=3, adaptive_k=True))
@@ -488,3 +488,16 @@ def test_cost_model_is_corrected_by_what_speculative_calls_measure(model):
     assert eng.stats()["spec_model_predicted_cost"] - before > 32
     assert eng.spec.cost_scale == scale
     assert eng.stats()["spec_cost_scale"] == scale
+  # A call that compiled (here: every call, as patched) is timed for neither the calibration
+  # nor the correction: its seconds would be a compile's.
+  from engine.runtime.speculative import runtime
+  programs = iter(range(10 ** 6))
+  monkeypatch.setattr(runtime, "_compiled_programs", lambda: next(programs))
+  before = eng.stats()
+  got = eng.generate(ps, stop=StopParams(max_tokens=60))
+  assert [r.output_ids for r in got] == want
+  after = eng.stats()
+  loops = lambda st: sum(v for k, v in st.items() if k.startswith("spec_k"))
+  assert loops(after) > loops(before)  # it ran the speculative loop
+  for key in ("spec_model_predicted_cost", "spec_model_measured_cost", "spec_cost_scale"):
+    assert after[key] == before[key], key

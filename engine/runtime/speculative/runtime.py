@@ -91,6 +91,11 @@ def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.
 _learn = jax.jit(learned.update, donate_argnames=("table",))
 
 
+def _compiled_programs() -> int:
+  """Programs compiled so far of a speculative call's (a call that compiled is not timed)."""
+  return speculative_decode_loop._cache_size() + catch_up.draft_forward._cache_size()
+
+
 class SpecRuntime:
   """Speculative decoding state and programs of one `Engine` (see the module docstring)."""
 
@@ -437,7 +442,7 @@ class SpecRuntime:
              force_k: int | None = None):
     """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
     logprobs as `steps.decode_loop`'s, cache)."""
-    started = time.perf_counter()
+    started, programs = time.perf_counter(), _compiled_programs()
     live, scale, probing = self.live_costs(), self.cost_scale, self._probe
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
@@ -486,7 +491,9 @@ class SpecRuntime:
                         res.logprobs, res.row_accept, res.by_drafter, res.accept,
                         res.calibration)))
     self.calibration += calib[:2]
-    if reqs and b in self.plain_iter_s:  # (catch-up and host work included: real costs)
+    # (catch-up and host work included: real costs; not a call that compiled, whose seconds
+    # would count as hundreds of iterations in the calibration and the live correction)
+    if reqs and b in self.plain_iter_s and _compiled_programs() == programs:
       predicted = float(calib[2]) / scale  # the loop priced it with live_costs: T times scale
       measured = (time.perf_counter() - started) / self.plain_iter_s[b]
       self.cost_seen += predicted, measured
