@@ -20,13 +20,19 @@ Rows, for each K of `--num_draft`:
   two paths' speedups are each against their own baseline. `generate_on_engine` keeps its
   engine between calls; every call here first empties its prefix cache (as the loop path, it
   computes its prompts anew) and gets an empty learned table of its own.
-Each: one warm-up call (compiles), then the best of two timed calls. Mean accepted length =
-tokens per target forward; identical = same tokens as plain greedy on the loop path. The learned
-table starts empty in every timed call (no credit for the warm-up having seen the prompts).
+Each row: one warm-up call of it and of its path's `off` (compiles), then `--rounds` rounds
+that time a call of each in turn; speedup = the mean times' ratio, so load from elsewhere on the
+machine (which moved separately timed rows by up to 0.3x on CPU) slows both alike, and every
+call counts: an adaptive model drafter's rests (`speculative.rest`: calls that decode plainly
+after one gave speculation up, column "rested") and the calls that probe again. Counters are
+summed over the timed calls: mean accepted length = tokens per target forward; identical =
+every call's tokens equal plain greedy on the loop path. The learned table starts empty in
+every call (no credit for the warm-up having seen the prompts).
 
 `--learning_curve=N`: N repetitions of the agent workload with one learned table kept across
 them (drafter "learned" at the largest K, and "auto" with `--auto`): accepted length and speedup
-per repetition, each one timed call (its table is what the earlier repetitions left).
+per repetition, each one timed call (its table is what the earlier repetitions left) right
+after one of its path's `off`.
 
 Prints a table (and the issue's targets: agent accepted length >= 3 and speedup >= 2.5x, fresh
 adaptive/auto never below 0.95x) and writes JSON (`--out`). On CPU the times describe the
@@ -69,6 +75,9 @@ flags.DEFINE_integer("max_new_tokens", 64, "Generated tokens per prompt.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
                   "checkpoint's). In bfloat16 on CPU, a (k+1)-token verify forward can round "
                   "differently from 1-token decoding, so greedy outputs may differ slightly.")
+flags.DEFINE_integer("rounds", 4, "Timed rounds per row, each a call of the row's path's "
+                     "plain decoding and one of the row's, in turn (after a warm-up call of "
+                     "each); speedup = mean time of the one over the other.", lower_bound=1)
 flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
 
@@ -99,19 +108,37 @@ def timed(call: Callable[[], Any], repeats: int) -> tuple[Any, float]:
   return out, best
 
 
-def measure(call: Callable[[], Any], repeats: int = 2) -> tuple[Any, float]:
-  call()  # warm-up: compiles
-  result = timed(call, repeats)
+def side_by_side(base: Callable[[], Any], call: Callable[[], Any], rounds: int
+                 ) -> tuple[list, float, float]:
+  """One warm-up call of each (compiles), then `rounds` rounds that time `base` and `call` in
+  turn: (the results of `call`'s timed calls, mean seconds per call of base, of call). Load
+  from elsewhere on the machine then slows both alike, and the mean counts every call a
+  workload makes (a rest's probes as well as its plain calls)."""
+  base()
+  call()
+  t_base = t_call = 0.0
+  results = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    base()
+    t_base += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    results.append(call())
+    t_call += time.perf_counter() - t0
   # Every (method, K, path) compiles its own programs; one process holding all of them ran a
   # shared 23 GB machine out of memory (LLVM "Cannot allocate memory", then a segfault).
   jax.clear_caches()
-  return result
+  return results, t_base / rounds, t_call / rounds
 
 
-def row(workload: str, path: str, method: str, k: int, adaptive: bool, got, seconds: float,
-        plain_ids: list[list[int]], base_seconds: float, prompt_tokens: int) -> dict:
-  """A table row from one measured call; speedup is over `base_seconds` (the path's `off`)."""
-  n_tokens = sum(len(t) for t, _ in got)
+def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: list,
+        seconds: float, plain_ids: list[list[int]], base_seconds: float, prompt_tokens: int
+        ) -> dict:
+  """A table row from the timed calls of one configuration (`seconds`: mean per call);
+  counters summed over the calls; speedup is over `base_seconds` (the path's `off`, timed side
+  by side)."""
+  got = [r for call in calls for r in call]
+  n_tokens = sum(len(t) for t, _ in got) / len(calls)
   specs = [s for _, s in got if s is not None]
   steps = sum(s["steps"] for s in specs)
   drafted = sum(s["drafted"] for s in specs)
@@ -119,7 +146,10 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, got, seco
            mean_accepted_length=(sum(len(t) - 1 for t, _ in got) / steps if steps else 1.0),
            acceptance_rate=sum(s["accepted"] for s in specs) / drafted if drafted else 0.0,
            tok_s=n_tokens / seconds, seconds=seconds, speedup=base_seconds / seconds,
-           identical=[t for t, _ in got] == plain_ids, prompt_tokens=prompt_tokens)
+           identical=all([t for t, _ in call] == plain_ids for call in calls),
+           prompt_tokens=prompt_tokens, calls=len(calls),
+           rested_calls=sum(any(s is not None and s.get("rested") for _, s in call)
+                            for call in calls))
   if specs and "auto_choices" in specs[0]:  # row iterations per drafter, all requests
     r["auto_choices"] = {}
     for s in specs:
@@ -151,46 +181,61 @@ def spec_factory(method: str, k: int, adaptive: bool, draft) -> Callable[[], Spe
 
 
 def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
-                  methods: list[str], ks: list[int], adaptive: bool, auto: bool) -> list[dict]:
+                  methods: list[str], ks: list[int], adaptive: bool, auto: bool,
+                  rounds: int) -> list[dict]:
   prompt_tokens = sum(map(len, ids))
-  plain, t_plain = measure(lambda: loop_call(model, ids, max_new, None))
+  loop_off = lambda: loop_call(model, ids, max_new, None)
+  plain = loop_off()
   plain_ids = [t for t, _ in plain]
-  rows = [row(name, "loop", "off", 0, False, plain, t_plain, plain_ids, t_plain, prompt_tokens)]
+  rows = []
   for method in methods:
     for k in ks:
       for adapt in ((False, True) if adaptive else (False,)):
         make = spec_factory(method, k, adapt, draft)
-        got, t = measure(lambda: loop_call(model, ids, max_new, make()))
-        rows.append(row(name, "loop", method, k, adapt, got, t, plain_ids, t_plain,
+        calls, t_off, t = side_by_side(loop_off, lambda: loop_call(model, ids, max_new, make()),
+                                       rounds)
+        rows.append(row(name, "loop", method, k, adapt, calls, t, plain_ids, t_off,
                         prompt_tokens))
         print(f"  {name} loop {method} k={k}{' adaptive' if adapt else ''} done",
               file=sys.stderr)
   if auto:
-    off, t_off = measure(lambda: engine_call(model, ids, max_new, None))
-    rows.append(row(name, "engine", "off", 0, False, off, t_off, plain_ids, t_off,
-                    prompt_tokens))
-    rows[-1]["speedup_vs_loop_off"] = t_plain / t_off
+    engine_off = lambda: engine_call(model, ids, max_new, None)
     for k in ks:
       make = spec_factory("auto", k, True, draft)
-      got, t = measure(lambda: engine_call(model, ids, max_new, make()))
-      rows.append(row(name, "engine", "auto", k, True, got, t, plain_ids, t_off, prompt_tokens))
-      rows[-1]["speedup_vs_loop_off"] = t_plain / t
+      calls, t_off, t = side_by_side(engine_off,
+                                     lambda: engine_call(model, ids, max_new, make()), rounds)
+      rows.append(row(name, "engine", "auto", k, True, calls, t, plain_ids, t_off,
+                      prompt_tokens))
       print(f"  {name} engine auto k={k} done", file=sys.stderr)
+  # The paths' own plain speeds, side by side (each row above is against its own path's off).
+  if auto:
+    offs, t_loop, t_engine = side_by_side(loop_off, engine_off, rounds)
+    rows.insert(0, row(name, "loop", "off", 0, False, [plain] * rounds, t_loop, plain_ids,
+                       t_loop, prompt_tokens))
+    rows.insert(1, row(name, "engine", "off", 0, False, offs, t_engine, plain_ids, t_engine,
+                       prompt_tokens))
+    rows[1]["speedup_vs_loop_off"] = t_loop / t_engine
+  else:
+    _, t_loop = timed(loop_off, rounds)
+    rows.insert(0, row(name, "loop", "off", 0, False, [plain], t_loop, plain_ids, t_loop,
+                       prompt_tokens))
   return rows
 
 
 def learning_curve(model, draft, ids: list[list[int]], max_new: int, k: int, reps: int,
                    auto: bool) -> list[dict]:
   """`reps` timed repetitions of one workload with one `NgramMemory` kept across them: drafter
-  "learned" on the loop path (and "auto" on the engine path), each against its path's `off`."""
-  plain, t_plain = measure(lambda: loop_call(model, ids, max_new, None))
+  "learned" on the loop path (and "auto" on the engine path), each timed right after a call of
+  its path's `off`, which it is compared with."""
+  loop_off = lambda: loop_call(model, ids, max_new, None)
+  plain = loop_off()
   plain_ids = [t for t, _ in plain]
-  paths = [("loop", "learned", loop_call, t_plain)]
+  paths = [("loop", "learned", loop_call, loop_off)]
   if auto:
-    _, t_off = measure(lambda: engine_call(model, ids, max_new, None))
-    paths.append(("engine", "auto", engine_call, t_off))
+    paths.append(("engine", "auto", engine_call,
+                  lambda: engine_call(model, ids, max_new, None)))
   curve = []
-  for path, method, call, t_base in paths:
+  for path, method, call, off in paths:
     with_draft = method == "auto" and draft is not None
 
     def make(memory):
@@ -200,17 +245,20 @@ def learning_curve(model, draft, ids: list[list[int]], max_new: int, k: int, rep
     # Compiles (twice: the table the first call returns is committed to the device, a fresh
     # one is not, and each compiles its own program); the warm-up table is thrown away.
     warm = NgramMemory()
+    off()
     for _ in range(2):
       call(model, ids, max_new, make(warm))
     memory = NgramMemory()
     for rep in range(1, reps + 1):
+      _, t_base = timed(off, 1)
       got, t = timed(lambda: call(model, ids, max_new, make(memory)), 1)
-      r = row("agent", path, method, k, method == "auto", got, t, plain_ids, t_base,
+      r = row("agent", path, method, k, method == "auto", [got], t, plain_ids, t_base,
               sum(map(len, ids)))
       r["repetition"] = rep
       curve.append(r)
       print(f"  learning curve {path} {method} repetition {rep}: accepted length "
             f"{r['mean_accepted_length']:.2f}, speedup {r['speedup']:.2f}", file=sys.stderr)
+    jax.clear_caches()
   return curve
 
 
@@ -219,14 +267,15 @@ def learning_curve(model, draft, ids: list[list[int]], max_new: int, k: int, rep
 def print_table(rows: list[dict], repetition: bool = False) -> None:
   first = f"{'rep':>3} " if repetition else ""
   header = (f"{first}{'workload':8} {'path':6} {'method':8} {'K':>2} {'adapt':5} {'acc.len':>7} "
-            f"{'acc.rate':>8} {'tok/s':>8} {'speedup':>7} identical")
+            f"{'acc.rate':>8} {'tok/s':>8} {'speedup':>7} {'rested':>6} identical")
   print(header)
   print("-" * len(header))
   for r in rows:
     lead = f"{r['repetition']:>3} " if repetition else ""
     print(f"{lead}{r['workload']:8} {r['path']:6} {r['method']:8} {r['k']:>2} "
           f"{'yes' if r['adaptive'] else 'no':5} {r['mean_accepted_length']:7.2f} "
-          f"{r['acceptance_rate']:8.2f} {r['tok_s']:8.1f} {r['speedup']:7.2f} {r['identical']}")
+          f"{r['acceptance_rate']:8.2f} {r['tok_s']:8.1f} {r['speedup']:7.2f} "
+          f"{r['rested_calls']:>2}/{r['calls']:<3} {r['identical']}")
 
 
 def targets(rows: list[dict]) -> dict:
@@ -277,7 +326,7 @@ def main(argv):
 
   for name, ids in workloads.items():
     rows += workload_rows(model, draft, name, ids, FLAGS.max_new_tokens, FLAGS.methods, ks,
-                          FLAGS.adaptive, FLAGS.auto)
+                          FLAGS.adaptive, FLAGS.auto, FLAGS.rounds)
     write()
   if FLAGS.learning_curve:
     curve = learning_curve(model, draft, workloads["agent"], FLAGS.max_new_tokens, max(ks),
