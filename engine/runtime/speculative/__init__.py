@@ -7,4 +7,5 @@
 * `loop`: `speculative_decode`, the jitted `lax.while_loop` next to `generate.decode`.
 * `serving`: `speculative_decode_loop`, the serving engine's decode-only loop (drafter per row).
 * `runtime`: `SpecRuntime`, the engine's speculative state, drafter feeding and cost model.
+* `rest`: rests between speculative calls where speculation gave up (both paths).
 """
