@@ -35,10 +35,10 @@ from engine.model.params import Params
 from engine.model.sharding import cache_sharding
 from engine.runtime import steps
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
+from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
-from engine.runtime.request import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Request,
-                                    RequestOutput, StopParams, TokenLogprob, stop_ids_for,
-                                    wants_logprobs)
+from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopParams,
+                                    TokenLogprob, stop_ids_for, wants_logprobs)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
 from engine.runtime.speculative.runtime import SpecRuntime
@@ -85,16 +85,6 @@ def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def _logprob(req: Request, lps: tuple[np.ndarray, np.ndarray, np.ndarray],
-             at: tuple[int, ...]) -> TokenLogprob | None:
-  """The request's logprobs entry from a program's (chosen, top ids, top logprobs) at `at`."""
-  if req.sampling.logprobs is None:
-    return None
-  chosen, ids, lp = (x[at] for x in lps)
-  k = req.sampling.logprobs
-  return TokenLogprob(float(chosen), tuple((int(i), float(v)) for i, v in zip(ids[:k], lp[:k])))
 
 
 class Engine:
@@ -282,7 +272,7 @@ class Engine:
       req = self.requests.get(rid)
       if req is not None and not req.finished:
         self._finish(req, FINISH_ABORT)
-        out = self._output(req, [])
+        out = request_output(req, [])
         with self._inbox_lock:
           self._pending.append(out)
     if adds or aborts:
@@ -313,7 +303,7 @@ class Engine:
         req = seg.request
         new = req.output_ids[sent[req.request_id]:]
         if new or req.finished:
-          outputs.append(self._output(req, new))
+          outputs.append(request_output(req, new))
       self._take_snapshot()
       return outputs
 
@@ -380,7 +370,7 @@ class Engine:
         self._advance(seg.request, seg.start + seg.num_tokens, [])
       else:
         self._advance(seg.request, seg.start + seg.num_tokens, [int(sampled[row])],
-                      [_logprob(seg.request, lps, (row,))])
+                      [logprob_entry(seg.request, lps, (row,))])
 
   def _run_decode_loop(self, plan: SchedulerOutput) -> None:
     reqs = [s.request for s in plan.segments]
@@ -419,86 +409,26 @@ class Engine:
     for i, req in enumerate(reqs):
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
-                    None if lps is None else [_logprob(req, lps, (i, j)) for j in range(n)])
+                    None if lps is None else [logprob_entry(req, lps, (i, j)) for j in range(n)])
 
-  # ---- host-side token handling --------------------------------------------------------------
+  # ---- host-side token handling (the rules: `outputs.py`) ------------------------------------
 
   def _advance(self, req: Request, num_computed: int, new_ids: list[int],
                logprobs: list[TokenLogprob | None] | None = None) -> None:
     """Records a step's result: new tokens, cache progress (full pages join the prefix cache,
     also when the request ends here), then the finish if a stop rule fired."""
-    reason = self._append(req, new_ids, logprobs)
+    before = len(req.output_ids)
+    reason = append_tokens(req, new_ids, logprobs, self.tokenizer,
+                           self.sched_config.max_model_len)
+    self.counters["generation_tokens"] += len(req.output_ids) - before
     self.scheduler.record_computed(req, num_computed)
     if reason is not None:
       self._finish(req, reason)
-
-  def _append(self, req: Request, new_ids: list[int],
-              logprobs: list[TokenLogprob | None] | None = None) -> str | None:
-    """Appends sampled tokens, applying the stop rules in order; returns the finish reason if
-    one fired. Tokens after a stop are dropped (the device loop may run past a stop string).
-    The text is decoded once per call, or per token only while stop strings are watched."""
-    reason, text_upto = None, None
-    for i, tok in enumerate(new_ids):
-      if req.timings.first_token is None:
-        req.timings.first_token = time.monotonic()
-      req.output_ids.append(tok)
-      if logprobs is not None and logprobs[i] is not None:
-        req.output_logprobs.append(logprobs[i])
-      self.counters["generation_tokens"] += 1
-      n = len(req.output_ids)
-      if tok in req.stop_ids and n >= req.stop.min_tokens:
-        req.stop_reason, reason, text_upto = tok, FINISH_STOP, n - 1  # its text is not output
-        break
-      if req.stop.stop and self._stop_string_hit(req):
-        return FINISH_STOP  # req.text is already cut at the stop string
-      if n >= req.stop.max_tokens or req.num_tokens >= self.sched_config.max_model_len:
-        reason = FINISH_LENGTH
-        break
-    if self.tokenizer is not None and new_ids:
-      req.text = self.tokenizer.decode(req.output_ids[:text_upto], skip_special_tokens=True)
-    return reason
-
-  def _stop_string_hit(self, req: Request) -> bool:
-    if self.tokenizer is None:
-      return False
-    text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-    req.text = text
-    if len(req.output_ids) < req.stop.min_tokens:
-      return False
-    longest = max(len(s) for s in req.stop.stop)
-    window_start = max(0, req.num_sent_chars - longest)
-    hits = [(text.find(s, window_start), s) for s in req.stop.stop]
-    hits = [(i, s) for i, s in hits if i >= 0]
-    if not hits:
-      return False
-    i, s = min(hits)
-    req.stop_reason = s
-    req.text = text[:i + len(s)] if req.stop.include_stop_str_in_output else text[:i]
-    return True
 
   def _finish(self, req: Request, reason: str) -> None:
     self.scheduler.finish(req, reason)
     req.timings.finished = time.monotonic()
     self.counters[f"finished_{reason}"] += 1
-
-  def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
-    """The delta since the last output. Text is held back while it may still change: an
-    incomplete UTF-8 sequence, or a possible prefix of a stop string."""
-    text = req.text
-    if not req.finished:
-      if text.endswith("\ufffd"):
-        text = text.rstrip("\ufffd")
-      if req.stop.stop:
-        text = text[:max(req.num_sent_chars, len(text) - max(len(s) for s in req.stop.stop) + 1)]
-    delta = text[req.num_sent_chars:] if len(text) > req.num_sent_chars else ""
-    req.num_sent_chars += len(delta)
-    return RequestOutput(request_id=req.request_id, new_token_ids=list(new_ids),
-                         text_delta=delta, finished=req.finished,
-                         finish_reason=req.finish_reason, usage=req.usage(),
-                         timings=req.timings, stop_reason=req.stop_reason,
-                         new_logprobs=(None if req.sampling.logprobs is None else
-                                       req.output_logprobs[len(req.output_logprobs)
-                                                           - len(new_ids):]))
 
   # ---- conveniences --------------------------------------------------------------------------
 
