@@ -108,22 +108,24 @@ def timed(call: Callable[[], Any], repeats: int) -> tuple[Any, float]:
   return out, best
 
 
-def side_by_side(base: Callable[[], Any], call: Callable[[], Any], rounds: int
-                 ) -> tuple[list, float, float]:
-  """One warm-up call of each (compiles), then `rounds` rounds that time `base` and `call` in
-  turn: (the results of `call`'s timed calls, mean seconds per call of base, of call). Load
-  from elsewhere on the machine then slows both alike, and the mean counts every call a
-  workload makes (a rest's probes as well as its plain calls)."""
+def side_by_side(base: Callable[[], Any], call: Callable[[Any], Any], rounds: int,
+                 prepare: Callable[[], Any] = lambda: None) -> tuple[list, float, float]:
+  """One warm-up call of each (compiles), then `rounds` rounds that time `base()` and
+  `call(prepare())` in turn (`prepare` untimed: a fresh learned table is the benchmark's
+  choice, not the call's work): (the results of `call`'s timed calls, mean seconds per call of
+  base, of call). Load from elsewhere on the machine then slows both alike, and the mean counts
+  every call a workload makes (a rest's probes as well as its plain calls)."""
   base()
-  call()
+  call(prepare())
   t_base = t_call = 0.0
   results = []
   for _ in range(rounds):
     t0 = time.perf_counter()
     base()
     t_base += time.perf_counter() - t0
+    args = prepare()
     t0 = time.perf_counter()
-    results.append(call())
+    results.append(call(args))
     t_call += time.perf_counter() - t0
   # Every (method, K, path) compiles its own programs; one process holding all of them ran a
   # shared 23 GB machine out of memory (LLVM "Cannot allocate memory", then a segfault).
@@ -192,8 +194,8 @@ def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
     for k in ks:
       for adapt in ((False, True) if adaptive else (False,)):
         make = spec_factory(method, k, adapt, draft)
-        calls, t_off, t = side_by_side(loop_off, lambda: loop_call(model, ids, max_new, make()),
-                                       rounds)
+        calls, t_off, t = side_by_side(
+            loop_off, lambda spec: loop_call(model, ids, max_new, spec), rounds, make)
         rows.append(row(name, "loop", method, k, adapt, calls, t, plain_ids, t_off,
                         prompt_tokens))
         print(f"  {name} loop {method} k={k}{' adaptive' if adapt else ''} done",
@@ -202,14 +204,14 @@ def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
     engine_off = lambda: engine_call(model, ids, max_new, None)
     for k in ks:
       make = spec_factory("auto", k, True, draft)
-      calls, t_off, t = side_by_side(engine_off,
-                                     lambda: engine_call(model, ids, max_new, make()), rounds)
+      calls, t_off, t = side_by_side(
+          engine_off, lambda spec: engine_call(model, ids, max_new, spec), rounds, make)
       rows.append(row(name, "engine", "auto", k, True, calls, t, plain_ids, t_off,
                       prompt_tokens))
       print(f"  {name} engine auto k={k} done", file=sys.stderr)
   # The paths' own plain speeds, side by side (each row above is against its own path's off).
   if auto:
-    offs, t_loop, t_engine = side_by_side(loop_off, engine_off, rounds)
+    offs, t_loop, t_engine = side_by_side(loop_off, lambda _: engine_off(), rounds)
     rows.insert(0, row(name, "loop", "off", 0, False, [plain] * rounds, t_loop, plain_ids,
                        t_loop, prompt_tokens))
     rows.insert(1, row(name, "engine", "off", 0, False, offs, t_engine, plain_ids, t_engine,
@@ -251,7 +253,8 @@ def learning_curve(model, draft, ids: list[list[int]], max_new: int, k: int, rep
     memory = NgramMemory()
     for rep in range(1, reps + 1):
       _, t_base = timed(off, 1)
-      got, t = timed(lambda: call(model, ids, max_new, make(memory)), 1)
+      spec = make(memory)
+      got, t = timed(lambda: call(model, ids, max_new, spec), 1)
       r = row("agent", path, method, k, method == "auto", [got], t, plain_ids, t_base,
               sum(map(len, ids)))
       r["repetition"] = rep
