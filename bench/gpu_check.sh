@@ -43,8 +43,8 @@ stage e2e_kernels 150 $PY -m bench.decode_profile --model=$MODEL --batch=1,8,64 
 stage e2e_reference 60 $PY -m bench.decode_profile --model=$MODEL --batch=8 --ablate= \
   --kernels=reference --nohost --iters=5 --out="$OUT/e2e_reference.json"
 if [ -f bench/speculative.py ]; then
-  stage speculative 120 $PY -m bench.speculative --methods=ngram,learned,mtp --num_draft=4,8 \
-    --learning_curve=3 --out="$OUT/speculative.json"
+  stage speculative 120 $PY -m bench.speculative --methods=ngram,learned,mtp --num_draft=4 \
+    --rounds=3 --learning_curve=3 --out="$OUT/speculative.json"
 fi
 stage dispatch 60 $PY -m bench.dispatch_check --out="$OUT/dispatch.json"
 $PY -m bench.summarize "$OUT" > "$OUT/summary.md" 2>&1 || status=1
