@@ -87,6 +87,11 @@ def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _compiled_plain() -> int:
+  """Programs of the plain decode loop compiled so far (0 if something wraps it)."""
+  return getattr(steps.decode_loop, "_cache_size", lambda: 0)()
+
+
 class Engine:
   """Continuous-batching engine over one model replica."""
 
@@ -396,14 +401,14 @@ class Engine:
             self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
             remaining, min_before, plan.num_steps, self.counters, impl=self.config.kernels)
     else:
-      started, programs = time.perf_counter(), steps.decode_loop._cache_size()
+      started, programs = time.perf_counter(), _compiled_plain()
       with self._on_mesh():
         out, counts, _, lps, self.cache = steps.decode_loop(
             self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
             min_before, np.int32(plan.num_steps), wants_logprobs(reqs),
             max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=self.config.kernels)
       out, counts, lps = jax.device_get((out, counts, lps))
-      if steps.decode_loop._cache_size() == programs:  # (a call that compiled is not timed)
+      if _compiled_plain() == programs:  # (a call that compiled is not timed)
         self.spec.record_plain(b, int(counts.max()), time.perf_counter() - started)
       self.spec.learn(reqs, out, counts)
     for i, req in enumerate(reqs):
