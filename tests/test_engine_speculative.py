@@ -18,6 +18,7 @@ from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import catch_up
+from engine.runtime.speculative.rest import Rest
 from engine.runtime.speculative.serving import drafter_id
 from model_configs import CONFIGS, perturbed
 
@@ -399,7 +400,7 @@ def test_resting_calls_are_replayed_so_the_probe_drafts_from_current_estimates(m
   assert not eng.spec.accept_seen.any()
   # As after fruitless probes: a rest ahead, and the learned drafter's first drafts rejected
   # (estimates that, left alone, make the probe draft nothing).
-  eng.spec._rest, eng.spec._rest_len = 2, 6
+  eng.spec.rest = Rest(2, 6)
   eng.spec.accept_seen[drafter_id("learned"), 0] = 0.0, 5.0
   eng.spec.accept = eng.spec._place_state(jnp.asarray(eng.spec.accept_seen))
   got = eng.generate([p], stop=StopParams(max_tokens=40))[0]
@@ -491,8 +492,14 @@ def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkey
   # A call that compiled (here: every call, as patched) is timed for neither the calibration
   # nor the correction: its seconds would be a compile's.
   from engine.runtime.speculative import runtime
-  programs = iter(range(10 ** 6))
-  monkeypatch.setattr(runtime, "_compiled_programs", lambda: next(programs))
+
+  class Compiling:  # a CompileCounter that saw a compile in every call
+    count = 1
+    def __enter__(self):
+      return self
+    def __exit__(self, *exc):
+      pass
+  monkeypatch.setattr(runtime, "CompileCounter", Compiling)
   before = eng.stats()
   got = eng.generate(ps, stop=StopParams(max_tokens=60))
   assert [r.output_ids for r in got] == want

@@ -34,7 +34,8 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
 from engine.runtime import steps
-from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
+from engine.runtime.buckets import (DEFAULT_ROW_WIDTHS, CompileCounter, TrafficStats,
+                                    derive_buckets)
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
 from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopParams,
@@ -85,11 +86,6 @@ def enable_compilation_cache(path: str) -> None:
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def _compiled_plain() -> int:
-  """Programs of the plain decode loop compiled so far (0 if something wraps it)."""
-  return getattr(steps.decode_loop, "_cache_size", lambda: 0)()
 
 
 class Engine:
@@ -401,14 +397,14 @@ class Engine:
             self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
             remaining, min_before, plan.num_steps, self.counters, impl=self.config.kernels)
     else:
-      started, programs = time.perf_counter(), _compiled_plain()
-      with self._on_mesh():
+      started = time.perf_counter()
+      with self._on_mesh(), CompileCounter() as compiles:
         out, counts, _, lps, self.cache = steps.decode_loop(
             self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
             min_before, np.int32(plan.num_steps), wants_logprobs(reqs),
             max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=self.config.kernels)
       out, counts, lps = jax.device_get((out, counts, lps))
-      if _compiled_plain() == programs:  # (a call that compiled is not timed)
+      if not compiles.count:  # (a call that compiled is not timed)
         self.spec.record_plain(b, int(counts.max()), time.perf_counter() - started)
       self.spec.learn(reqs, out, counts)
     for i, req in enumerate(reqs):

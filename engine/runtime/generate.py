@@ -249,13 +249,14 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
     tokens[i, :len(p)] = p
   lengths_arr = jnp.asarray(lengths, jnp.int32)
   rest = rested = None  # an adaptive model drafter's rest schedule (`speculative.rest`)
+  if speculative is not None:  # the compiled loop's shape (its measured costs' key)
+    shape_key = (cfg, b, speculative.num_draft_tokens, speculative.method, page_table.shape,
+                 max_steps, page_size, jnp.dtype(dtype).name, speculative.draft_cfg, impl)
   if (speculative is not None and speculative.adaptive and speculative.rests
       and speculative.method in ("mtp", "draft")):
     from engine.runtime.speculative.rest import loop_rest
-    rest = loop_rest((cfg, id(params), id(speculative.draft_params), b, page_table.shape,
-                      max_steps, page_size, jnp.dtype(dtype).name, impl, speculative.method,
-                      speculative.num_draft_tokens, speculative.draft_cfg,
-                      speculative.draft_cost, speculative.verify_cost))
+    rest = loop_rest(shape_key + (id(params), id(speculative.draft_params),
+                                  speculative.draft_cost, speculative.verify_cost))
     if rest.take():  # this call decodes plainly: no drafter set-up, no speculative loop
       rested, speculative = speculative, None
   if speculative is not None and speculative.method == "mtp":
@@ -283,7 +284,7 @@ def generate_tokens(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence
     return _speculate(params, cfg, cache, logits, tokens, lengths, page_table,
                       SamplingArrays.from_params(samp), stops, max_steps, speculative,
                       prompt_hidden if speculative.method == "mtp" else None, page_size, dtype,
-                      impl, rest)
+                      impl, shape_key, rest)
   if max(max_new) == 1:
     out = first_token(logits, lengths_arr, SamplingArrays.from_params(samp), stops)
   else:
@@ -311,10 +312,11 @@ def _rested_summary(spec: SpeculativeConfig, steps: int, loop_steps: int) -> dic
 
 
 def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling, stops,
-               max_steps, spec, prompt_hidden, page_size, dtype, impl, rest
+               max_steps, spec, prompt_hidden, page_size, dtype, impl, shape_key, rest
                ) -> list[Completion]:
   """`generate_tokens`' speculative tail: drafter set-up, `speculative_decode`, counters;
-  `rest` (a `speculative.rest.Rest` or None) learns whether the loop gave speculation up."""
+  `shape_key` keys the measured step costs; `rest` (a `speculative.rest.Rest` or None) learns
+  whether the loop gave speculation up."""
   from engine.runtime.speculative.loop import speculative_decode  # imports this module
 
   lengths_arr = jnp.asarray(lengths, jnp.int32)
@@ -363,9 +365,7 @@ def _speculate(params, cfg, cache, logits, tokens, lengths, page_table, sampling
       scratch["table"] = res.ngram_table
       return jnp.append(res.k_steps, res.plain_steps)
 
-    key = (cfg, len(lengths), spec.num_draft_tokens, spec.method, page_table.shape, max_steps,
-           page_size, jnp.dtype(dtype).name, spec.draft_cfg, impl)
-    costs, plain_cost = probes.loop_costs(key, probe, choices,
+    costs, plain_cost = probes.loop_costs(shape_key, probe, choices,
                                           min(max_steps, probes.LOOP_PROBE_TOKENS),
                                           plain=upkeep)
     costs = jnp.asarray(costs, jnp.float32)

@@ -40,16 +40,16 @@ def k_choices(k_max: int, allow_zero: bool = True) -> tuple[int, ...]:
 
 
 def position_evidence(matched: jnp.ndarray, ended: jnp.ndarray, depth: int,
-                      weight: jnp.ndarray | None = None, *, xp=jnp) -> jnp.ndarray:
+                      weight: jnp.ndarray | None = None) -> jnp.ndarray:
   """[..., depth, 2] float32 (accepted, ended) at draft positions 1 .. depth of chains whose
   first `matched` [...] drafts were accepted and which `ended` [...] bool at matched + 1 (else
   censored there); scaled by `weight` [...] (e.g. 0 for rows that did not take part)."""
-  j = xp.arange(1, depth + 1, dtype=xp.int32)
-  m = matched.astype(xp.int32)[..., None]
+  j = jnp.arange(1, depth + 1, dtype=jnp.int32)
+  m = matched.astype(jnp.int32)[..., None]
   acc = j <= m
   end = (j == m + 1) & ended[..., None]
-  ev = xp.stack([acc, end], axis=-1).astype(xp.float32)
-  return ev if weight is None else ev * weight[..., None, None].astype(xp.float32)
+  ev = jnp.stack([acc, end], axis=-1).astype(jnp.float32)
+  return ev if weight is None else ev * weight[..., None, None].astype(jnp.float32)
 
 
 def decay_add(counts: jnp.ndarray, evidence: jnp.ndarray) -> jnp.ndarray:

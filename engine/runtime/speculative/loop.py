@@ -334,8 +334,9 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
                           slots < (state_after[4] - state[4])[:, None])
 
   def body(loop_state):
-    state, counts, row_counts, k_steps, calibration, table, patience = loop_state
-    gain = goodput.row_gains(row_counts[:, None], counts[None])[:, 0]  # [B, K]
+    # gain [B, K]: each row's estimates from the counts so far (`row_gains`, computed where
+    # the counts last changed: the plain-phase test needs them too)
+    state, counts, row_counts, gain, k_steps, calibration, table, patience = loop_state
     n_out, live = state[5], state[7] == FINISH_NONE
     history, n_cached = state[2], state[4]
     if adaptive:
@@ -368,17 +369,18 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
       table = learn(table, state, state_after)
     counts = goodput.decay_add(counts, jnp.sum(evidence, axis=0))
     row_counts = goodput.decay_add(row_counts, evidence)
+    gain = goodput.row_gains(row_counts[:, None], counts[None])[:, 0]
     if adaptive and plain_cost is not None:  # would plain decoding now finish sooner?
       after_live = state_after[7] == FINISH_NONE
-      wins = goodput.plain_wins(
-          goodput.row_gains(row_counts[:, None], counts[None])[:, 0], costs, choices,
-          jnp.where(after_live, limit - state_after[5], 0), plain_cost, PLAIN_MARGIN)
+      wins = goodput.plain_wins(gain, costs, choices,
+                                jnp.where(after_live, limit - state_after[5], 0), plain_cost,
+                                PLAIN_MARGIN)
       patience = jnp.where(wins & (force_k < 0), patience + 1, 0)
-    return (state_after, counts, row_counts, k_steps.at[index].add(1), calibration, table,
-            patience)
+    return (state_after, counts, row_counts, gain, k_steps.at[index].add(1), calibration,
+            table, patience)
 
   def speculating(loop_state):
-    return (jnp.any(loop_state[0][7] == FINISH_NONE) & (loop_state[6] < PLAIN_PATIENCE)
+    return (jnp.any(loop_state[0][7] == FINISH_NONE) & (loop_state[7] < PLAIN_PATIENCE)
             & ~plain_only)
 
   def plain_body(plain_state):
@@ -404,10 +406,12 @@ def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
     return state_after, table if table is None else learn(table, state, state_after), n + 1
 
   state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
-  loop_state = (state, jnp.zeros((k, 2), jnp.float32), jnp.zeros((b, k, 2), jnp.float32),
+  counts, row_counts = jnp.zeros((k, 2), jnp.float32), jnp.zeros((b, k, 2), jnp.float32)
+  loop_state = (state, counts, row_counts,
+                goodput.row_gains(row_counts[:, None], counts[None])[:, 0],
                 jnp.zeros((len(choices),), jnp.int32), jnp.zeros((2,), jnp.float32),
                 ngram_table if drafter == "learned" else None, jnp.int32(0))
-  state, _, _, k_steps, calib, table, _ = jax.lax.while_loop(speculating, body, loop_state)
+  state, _, _, _, k_steps, calib, table, _ = jax.lax.while_loop(speculating, body, loop_state)
   if adaptive and plain_cost is not None:
     state, table, plain_steps = jax.lax.while_loop(
         lambda s: jnp.any(s[0][7] == FINISH_NONE), plain_body, (state, table, jnp.int32(0)))

@@ -129,14 +129,15 @@ def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int
   run(i, n) is one call of the compiled loop forced to choice i (i = len(choices): its plain
   phase only, timed with `plain`, else None) on scratch state with a budget of n tokens per
   row, returning its iterations (per choice, then the plain phase's). A choice's time per
-  iteration is the difference between calls with budgets `tokens` and tokens // 2 over the difference in iterations (what a
-  call costs once, dispatch and transfers, cancels), fastest of `rounds` interleaved rounds (after
-  one that compiles); over the first choice's, made non-decreasing in k (a wider block does all a
-  narrower one does, so a lower figure is noise) and at least MIN_COLUMN_COST more per verified
-  column (timings within noise of each other must not make drafting free: a drafter that is never
-  right would then never back off). Timing the loop, not just its verify forward, prices what an
-  iteration does besides the forward (lookups, acceptance, bookkeeping): on the CPU demo a K = 4
-  iteration costs ~1.4x what its forward alone predicts. The plain phase's figure is left as
+  iteration is the difference between calls with budgets `tokens` and tokens // 2 over the
+  difference in iterations (what a call costs once, dispatch and transfers, cancels), fastest
+  of `rounds` interleaved rounds (after one that compiles); over the first choice's, made
+  non-decreasing in k (a wider block does all a narrower one does, so a lower figure is noise)
+  and at least MIN_COLUMN_COST more per verified column (timings within noise of each other
+  must not make drafting free: a drafter that is never right would then never back off).
+  Timing the loop, not just its verify forward, prices what an iteration does besides the
+  forward (lookups, acceptance, bookkeeping): on the CPU demo a K = 4 iteration costs ~1.4x
+  what its forward alone predicts. The plain phase's figure is left as
   measured: it may well lie below the k = 0 choice's (whose drafter upkeep it skips)."""
   if key in _LOOP_COSTS:
     return _LOOP_COSTS[key]

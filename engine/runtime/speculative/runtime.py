@@ -38,14 +38,14 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, forward
 from engine.runtime import steps
-from engine.runtime.buckets import ShapeBuckets
+from engine.runtime.buckets import CompileCounter, ShapeBuckets
 from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative import (catch_up, counterfactual, drafters as dr, goodput,
-                                        learned, serving, serving_costs)
+                                        learned, serving_costs)
 from engine.runtime.speculative.learned import NgramTable
-from engine.runtime.speculative.rest import MAX_REST_CALLS, REST_CALLS
+from engine.runtime.speculative.rest import Rest
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
 
@@ -56,11 +56,11 @@ DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
 DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN = 0.03, 0.02, 0.0
 # "auto" rows get a model drafter that does not look worth its upkeep once per this many calls.
 EXPLORE_EVERY = 32
-# After a loop call in which the adaptive policy chose k = 0 throughout, this many calls run the
-# plain loop (cheaper per token than the speculative loop at k = 0) before a short call
-# (`budget`: num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles
-# the rest, up to MAX_REST_CALLS, and a call that drafts resets it (the same schedule as
-# `generate_tokens`' rests, `rest.py`).
+# Rests (`SpecRuntime.rest`, the schedule of `generate_tokens`' rests too: `rest.py`): after a
+# loop call in which the adaptive policy chose k = 0 throughout, REST_CALLS calls run the plain
+# loop (cheaper per token than the speculative loop at k = 0) before a short call (`budget`:
+# num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles the rest,
+# up to MAX_REST_CALLS, and a call that drafts resets it.
 # The replay's share of the resting calls' time (`SpecRuntime.replay_budget`): a call is
 # replayed when the time it and the earlier calls earned covers the replay's measured cost
 # (at 0.02: every few calls on the CPU demo, ~0.8 ms against ~10 ms; every call on a GPU).
@@ -89,13 +89,6 @@ def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.
 
 
 _learn = jax.jit(learned.update, donate_argnames=("table",))
-
-
-def _compiled_programs() -> int:
-  """Programs compiled so far of a speculative call's (a call that compiled is not timed;
-  a program wrapped by something else, e.g. a test's spy, counts none)."""
-  return sum(getattr(f, "_cache_size", lambda: 0)()
-             for f in (serving.speculative_decode_loop, catch_up.draft_forward))
 
 
 class SpecRuntime:
@@ -152,8 +145,7 @@ class SpecRuntime:
     self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
                         if "draft" in self.enabled else None)
     self.k_steps = np.zeros((len(self.choices),), np.int64)
-    self._rest = 0  # plain-loop calls left before the speculative loop probes again
-    self._rest_len = REST_CALLS  # the next rest's length
+    self.rest = Rest()  # plain-loop calls left before the speculative loop probes again
     self._probe = False  # the next speculative call follows a rest: a short one
     self._auto_calls = 0  # loop calls with "auto" rows, and when each model drafter was
     self._offered: dict[str, int] = {}  # last offered to them (`model_drafters_for_auto`)
@@ -249,14 +241,14 @@ class SpecRuntime:
 
   def adaptive_state(self) -> dict[str, Any]:
     """What the adaptive policy has learned, for a later engine of the same configuration
-    (`set_adaptive_state`), so that an engine `generate_on_engine` builds again for a configuration
-    whose kept engine was dropped goes on from where it was: the fitted costs, the
+    (`set_adaptive_state`), so that an engine `generate_on_engine` builds again for a
+    configuration whose kept engine was dropped goes on from where it was: the fitted costs, the
     plain-iteration unit and the live correction; the engine-wide acceptance counts; the rest
     and the exploration schedule of model drafters."""
     return dict(costs=self.costs.copy(), cost_fit=dict(self.cost_fit),
                 plain_iter_s=dict(self.plain_iter_s), cost_scale=self.cost_scale,
                 cost_evidence=self._cost_evidence.copy(), accept=np.array(self.accept_seen),
-                rest=self._rest, rest_len=self._rest_len, probe=self._probe,
+                rest=self.rest.left, rest_len=self.rest.length, probe=self._probe,
                 auto_calls=self._auto_calls, offered=dict(self._offered))
 
   def set_adaptive_state(self, state: dict[str, Any]) -> None:
@@ -265,7 +257,7 @@ class SpecRuntime:
     self._cost_evidence = state["cost_evidence"].copy()
     self.accept_seen = np.array(state["accept"])
     self.accept = self._place_state(jnp.asarray(self.accept_seen))
-    self._rest, self._rest_len, self._probe = state["rest"], state["rest_len"], state["probe"]
+    self.rest, self._probe = Rest(state["rest"], state["rest_len"]), state["probe"]
     self._auto_calls, self._offered = state["auto_calls"], dict(state["offered"])
 
   def _learn_cost_scale(self, predicted: float, measured: float) -> None:
@@ -315,12 +307,16 @@ class SpecRuntime:
               self.per_drafter.get("spec_mtp_given_up", 0) + 1)
     if not any(r.drafter for r in reqs):
       return False
-    if self._rest > 0 and all(r.drafter != "mtp" for r in reqs):
-      self._rest -= 1
+    if self._may_rest(reqs) and self.rest.take():
       self._probe = True
       self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
       return False
     return True
+
+  @staticmethod
+  def _may_rest(reqs: Sequence[Any]) -> bool:
+    """MTP rows never rest: the MTP layer must observe every verified block."""
+    return all(r.drafter != "mtp" for r in reqs)
 
   def learn(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
     """Teaches the learned table a plain loop's tokens: out [B, S] (the first counts[b] new in
@@ -335,11 +331,12 @@ class SpecRuntime:
       self._replay_credit += self.replay_budget * self._last_plain_s
       if self._replay_credit >= self._replay_s:
         started = time.perf_counter()
-        self._replay(reqs, out, counts)
+        with CompileCounter() as compiles:
+          self._replay(reqs, out, counts)
         spent = time.perf_counter() - started
-        n = self.per_drafter.get("spec_replayed_calls", 0) + 1
-        self.per_drafter["spec_replayed_calls"] = n
-        if n > 1:  # (the first may have compiled: it neither sets the cost nor spends)
+        self.per_drafter["spec_replayed_calls"] = (
+            self.per_drafter.get("spec_replayed_calls", 0) + 1)
+        if not compiles.count:  # (one that compiled neither sets the cost nor spends)
           self._replay_s = spent if not self._replay_s else 0.8 * self._replay_s + 0.2 * spent
           self._replay_credit = max(self._replay_credit - spent, 0.0)
     if self.table is None:
@@ -393,10 +390,9 @@ class SpecRuntime:
     A call that probes after a rest gets exactly that (if it drafts nothing, little was spent
     on the speculative loop's overhead). A resting call (`speculates`) keeps the plain loop's
     budget (its short first calls after the batch changes), as a call without drafters does."""
-    if not any(r.drafter for r in running) or (
-        self._rest > 0 and all(r.drafter != "mtp" for r in running)):
+    if not any(r.drafter for r in running) or (self.rest.left > 0 and self._may_rest(running)):
       return steps_
-    return self.k + 1 if self._probe and self._rest == 0 else max(steps_, self.k + 1)
+    return self.k + 1 if self._probe and self.rest.left == 0 else max(steps_, self.k + 1)
 
   # ---- programs ------------------------------------------------------------------------------
 
@@ -444,7 +440,7 @@ class SpecRuntime:
              force_k: int | None = None):
     """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
     logprobs as `steps.decode_loop`'s, cache)."""
-    started, programs = time.perf_counter(), _compiled_programs()
+    started, compiles = time.perf_counter(), CompileCounter()  # (a call that compiled: untimed)
     live, scale, probing = self.live_costs(), self.cost_scale, self._probe
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
@@ -465,7 +461,8 @@ class SpecRuntime:
     draft_rows[:len(reqs)] = [r.drafter == "draft" or (r.drafter == AUTO and "draft" in models)
                               for r in reqs]
     if draft_rows.any():
-      self.catch_up_draft(reqs, draft_rows, table, impl=impl)
+      with compiles:
+        self.catch_up_draft(reqs, draft_rows, table, impl=impl)
     for d in self.enabled:  # loop calls that kept a model drafter current (its upkeep)
       if feed[drafter_id(d)]:
         self.per_drafter[f"spec_fed_calls_{d}"] = self.per_drafter.get(
@@ -478,15 +475,16 @@ class SpecRuntime:
         row_accept[i] = req.spec_accept
       if mtp_hidden is not None and req.mtp_hidden is not None:
         mtp_hidden[i] = req.mtp_hidden
-    res, cache = speculative_decode_loop(
-        params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
-        np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
-        row_accept, auto_allowed, feed, draft_rows, self.accept, live,
-        np.int32(self.force_k if force_k is None else force_k),
-        wants_logprobs(reqs), self.table, mtp_hidden,
-        self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
-        choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
-        impl=impl)
+    with compiles:
+      res, cache = speculative_decode_loop(
+          params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
+          np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
+          row_accept, auto_allowed, feed, draft_rows, self.accept, live,
+          np.int32(self.force_k if force_k is None else force_k),
+          wants_logprobs(reqs), self.table, mtp_hidden,
+          self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
+          choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
+          impl=impl)
     self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache
     out, counts, spec, k_steps, mtp_h, lps, row_accept, by_drafter, self.accept_seen, calib = (
         jax.device_get((res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden,
@@ -495,7 +493,7 @@ class SpecRuntime:
     self.calibration += calib[:2]
     # (catch-up and host work included: real costs; not a call that compiled, whose seconds
     # would count as hundreds of iterations in the calibration and the live correction)
-    if reqs and b in self.plain_iter_s and _compiled_programs() == programs:
+    if reqs and b in self.plain_iter_s and not compiles.count:
       predicted = float(calib[2]) / scale  # the loop priced it with live_costs: T times scale
       measured = (time.perf_counter() - started) / self.plain_iter_s[b]
       self.cost_seen += predicted, measured
@@ -503,9 +501,9 @@ class SpecRuntime:
         self._learn_cost_scale(predicted, measured)  # fixed cost: not what full calls pay)
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
-      self._rest, self._rest_len = self._rest_len, min(2 * self._rest_len, MAX_REST_CALLS)
+      self.rest.after_speculating(gave_up=True)  # k = 0 throughout: rest
     elif k_steps[1:].any():
-      self._rest_len = REST_CALLS
+      self.rest.after_speculating(gave_up=False)
     self._probe = False
     counters["spec_steps"] += int(spec.steps.sum())
     counters["spec_drafted"] += int(spec.draft_tokens.sum())

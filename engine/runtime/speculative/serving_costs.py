@@ -11,6 +11,7 @@ T = 1 + [K > 0] overhead + K (base + pad_row B + drafters) + per_token sum_b k_b
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -65,10 +66,10 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
               0, spec.cfg.vocab_size, (b,), dtype=np.int32))))
   # The loop probes teach the table junk and move the counters: kept aside, restored after.
   saved = (None if spec.table is None else jax.tree.map(jnp.copy, spec.table), spec.accept,
-           spec.accept_seen, spec.k_steps.copy(), spec._rest, spec._rest_len, spec._probe,
+           spec.accept_seen, spec.k_steps.copy(), dataclasses.replace(spec.rest), spec._probe,
            spec.per_position.copy(), spec.calibration.copy())
   best = time_interleaved(probes, caches, rounds)
-  (spec.table, spec.accept, spec.accept_seen, spec.k_steps, spec._rest, spec._rest_len,
+  (spec.table, spec.accept, spec.accept_seen, spec.k_steps, spec.rest,
    spec._probe, spec.per_position, spec.calibration) = saved
   best = {key: t if key[0] in ("loop", "plain") else t / PROBE_REPEATS
           for key, t in best.items()}  # seconds per loop call, per forward
