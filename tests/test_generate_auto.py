@@ -99,13 +99,12 @@ def test_auto_keeps_the_learned_table_in_the_callers_memory(model, want, draft):
     states.append([v for k, v in api._MEASURED_COSTS.items() if k[2] is not None
                    and k[1].num_draft_tokens == 3])
   # The costs were measured once, and each call left what its adaptive policy learned (the
-  # live correction's evidence, the acceptance counts, the exploration schedule) for the next.
+  # acceptance counts, from its speculative calls and the replay of its plain ones; the live
+  # correction's evidence and the exploration schedule where it speculated) for the next.
   (first,), (second,) = states
-  assert np.array_equal(first["costs"], second["costs"])
+  assert np.array_equal(first["costs"], second["costs"]) and first["call_cost"] >= 0
   assert first["plain_iter_s"] and second["plain_iter_s"]
-  assert first["cost_evidence"][0] > 0 and first["accept"].sum() > 0 and first["auto_calls"] > 0
-  # The second call went on from there: it rested (the rest carried over) or drafted more.
-  assert (second["rest"] != first["rest"] or second["auto_calls"] > first["auto_calls"])
+  assert first["accept"].sum() > 0 and second["accept"].sum() > 0
   assert second["auto_calls"] >= first["auto_calls"]
   with pytest.raises(ValueError, match="serving engine"):
     generate_tokens(model.params, model.config, PROMPTS, speculative=spec)

@@ -126,9 +126,15 @@ def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
     room = rng.integers(0, 5, b)
     block, token = rng.uniform(0.0, 0.3), [0.0, 0.05, 0.4][case % 3]
     overhead = [0.0, 0.3][case % 2]
-    index, k_rows = goodput.plan(jnp.asarray(gain, jnp.float32), jnp.asarray(drafting),
-                                 jnp.asarray(live), jnp.asarray(room, jnp.int32), choices,
-                                 jnp.float32(block), jnp.float32(token), jnp.float32(overhead))
+    index, k_rows, at = goodput.plan(jnp.asarray(gain, jnp.float32), jnp.asarray(drafting),
+                                     jnp.asarray(live), jnp.asarray(room, jnp.int32), choices,
+                                     jnp.float32(block), jnp.float32(token),
+                                     jnp.float32(overhead))
+    # The host's numpy plan (the engine's per-call decision) is the same plan.
+    host = goodput.plan(gain.astype(np.float32), drafting, live, room.astype(np.int32), choices,
+                        np.float32(block), np.float32(token), np.float32(overhead), xp=np)
+    assert int(host[0]) == int(index) and list(host[1]) == list(np.asarray(k_rows))
+    assert float(host[2]) == pytest.approx(float(at), rel=1e-5)
     k, k_rows = choices[int(index)], np.asarray(k_rows)
     cap = [min(room[i], max(choices)) if drafting[i] else 0 for i in range(b)]
     assert all(k_rows <= np.minimum(cap, k)), (k, k_rows, cap)
@@ -136,16 +142,17 @@ def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
                for ks in itertools.product(*[range(min(c, kc) + 1) for c in cap]))
     got = rate(gain, live, drafting, k, k_rows, block, token, overhead)
     assert got == pytest.approx(best, rel=1e-4), (case, gain, room, k, k_rows)
+    assert float(at) == pytest.approx(got, rel=1e-4)  # the rate it returns is its plan's
     if token == 0.0:  # nothing to save per token: every drafting row fills the block
       assert list(k_rows) == [min(c, k) for c in cap]
   # A row that rarely accepts drafts less than one that usually does, in the same block.
   geometric = lambda a: goodput.gains(jnp.full((4,), a, jnp.float32))
-  index, k_rows = goodput.plan(jnp.stack([geometric(0.95), geometric(0.2)]), jnp.ones(2, bool),
+  index, k_rows, _ = goodput.plan(jnp.stack([geometric(0.95), geometric(0.2)]), jnp.ones(2, bool),
                                jnp.ones(2, bool), jnp.asarray([4, 4], jnp.int32), choices,
                                jnp.float32(0.05), jnp.float32(0.3))
   assert choices[int(index)] == 4 and int(k_rows[0]) == 4 and int(k_rows[1]) < 2
   # A row that accepts its first draft as often but then stops drafts one token.
-  index, k_rows = goodput.plan(jnp.stack([geometric(0.95), goodput.gains(jnp.asarray(
+  index, k_rows, _ = goodput.plan(jnp.stack([geometric(0.95), goodput.gains(jnp.asarray(
       [0.95, 0.1, 0.1, 0.1]))]), jnp.ones(2, bool), jnp.ones(2, bool),
       jnp.asarray([4, 4], jnp.int32), choices, jnp.float32(0.05), jnp.float32(0.3))
   assert int(k_rows[0]) == choices[int(index)] >= 2 and int(k_rows[1]) == 1

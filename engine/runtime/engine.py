@@ -34,12 +34,11 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
 from engine.runtime import steps
-from engine.runtime.buckets import (DEFAULT_ROW_WIDTHS, CompileCounter, TrafficStats,
-                                    derive_buckets)
+from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
 from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopParams,
-                                    TokenLogprob, stop_ids_for, wants_logprobs)
+                                    TokenLogprob, stop_ids_for)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
 from engine.runtime.speculative.runtime import SpecRuntime
@@ -391,22 +390,16 @@ class Engine:
       remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    if self.spec.speculates(reqs):  # logprobs come from the verify logits
+    if self.spec.speculates(reqs, plan.num_steps):  # logprobs come from the verify logits
       with self._on_mesh():
         out, counts, lps, self.cache = self.spec.decode(
             self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
             remaining, min_before, plan.num_steps, self.counters, impl=self.config.kernels)
-    else:
-      started = time.perf_counter()
-      with self._on_mesh(), CompileCounter() as compiles:
-        out, counts, _, lps, self.cache = steps.decode_loop(
-            self.params, self.cache, tokens, n_cached, table, sampling, stop_ids, remaining,
-            min_before, np.int32(plan.num_steps), wants_logprobs(reqs),
-            max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=self.config.kernels)
-      out, counts, lps = jax.device_get((out, counts, lps))
-      if not compiles.count:  # (a call that compiled is not timed)
-        self.spec.record_plain(b, int(counts.max()), time.perf_counter() - started)
-      self.spec.learn(reqs, out, counts)
+    else:  # (its tokens teach the learned table; some are replayed through the drafters)
+      with self._on_mesh():
+        out, counts, lps, self.cache = self.spec.plain_decode(
+            self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+            remaining, min_before, plan.num_steps, impl=self.config.kernels)
     for i, req in enumerate(reqs):
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],

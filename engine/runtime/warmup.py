@@ -53,11 +53,9 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
           eng.params, eng.cache, [], zeros, zeros, table, samp, stop_ids, zeros, zeros,
           1, collections.Counter(), impl=eng.config.kernels)
     else:
-      *_, eng.cache = steps.decode_loop(
-          eng.params, eng.cache, zeros, past, table, samp, stop_ids, ones, zeros,
-          np.int32(1), np.bool_(False), max_steps=eng.config.max_decode_steps,
-          cfg=eng.cfg, impl=eng.config.kernels)
-      eng.spec.learn([], np.zeros((b, eng.config.max_decode_steps), np.int32), zeros)
+      *_, eng.cache = eng.spec.plain_decode(
+          eng.params, eng.cache, [], zeros, past, table, samp, stop_ids, ones, zeros, 1,
+          impl=eng.config.kernels)
     if progress is not None:
       progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
   observed = eng.spec.observes

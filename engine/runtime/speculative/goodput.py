@@ -150,9 +150,10 @@ def plain_wins(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
          choices: tuple[int, ...], block_cost: jnp.ndarray, token_cost: jnp.ndarray,
-         overhead: jnp.ndarray | float = 0.0, refinements: int = 2
-         ) -> tuple[jnp.ndarray, jnp.ndarray]:
-  """The iteration's block width K (index into `choices`) and each row's draft count k_b <= K.
+         overhead: jnp.ndarray | float = 0.0, refinements: int = 2, *, xp=jnp
+         ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """The iteration's block width K (index into `choices`), each row's draft count k_b <= K,
+  and the rate R at that plan (expected tokens per unit of step time; `rows` at plain decoding).
 
   gain [B, J >= max(choices)]: each row's gains for its drafter (`gains`); drafting [B] bool:
   live rows with a drafter (the others emit one token whatever K is); live [B] bool; room [B]
@@ -167,23 +168,25 @@ def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.
   R it pays iff g_bj >= token_cost R: rows that rarely accept draft fewer tokens, and with
   token_cost = 0 every drafting row fills the block. R is found by a few fixed-point steps
   (Dinkelbach) per K; K maximises R. (Gains fall with j, so the drafts taken are a prefix.)
+  `xp`: the array module (numpy for the engine's host-side per-call decision, `call_policy`).
   """
-  ks = jnp.asarray(choices, jnp.int32)  # [C]
+  ks = xp.asarray(choices, xp.int32)  # [C]
   k_max = max(choices)
-  j = jnp.arange(1, k_max + 1, dtype=jnp.int32)  # [J]
-  gain = jnp.clip(gain[:, :k_max].astype(jnp.float32), 0.0, _MAX_ACCEPT)  # [B, J]
-  room = jnp.where(drafting, room, 0)
+  j = xp.arange(1, k_max + 1, dtype=xp.int32)  # [J]
+  gain = xp.clip(gain[:, :k_max].astype(xp.float32), 0.0, _MAX_ACCEPT)  # [B, J]
+  room = xp.where(drafting, room, 0)
   allowed = (j[None, None, :] <= ks[:, None, None]) & (j[None, None, :] <= room[None, :, None])
-  emitted = jnp.sum(live).astype(jnp.float32)  # one token per live row at least
+  emitted = xp.sum(live).astype(xp.float32)  # one token per live row at least
 
   def rate(take):  # [C, B, J] -> [C]
-    tokens = emitted + jnp.sum(jnp.where(take, gain[None], 0.0), axis=(1, 2))
-    drafted = jnp.sum(take, axis=(1, 2)).astype(jnp.float32)
-    return tokens / (1.0 + jnp.where(ks > 0, overhead, 0.0)
-                     + ks.astype(jnp.float32) * block_cost + token_cost * drafted)
+    tokens = emitted + xp.sum(xp.where(take, gain[None], 0.0), axis=(1, 2))
+    drafted = xp.sum(take, axis=(1, 2)).astype(xp.float32)
+    return tokens / (1.0 + xp.where(ks > 0, overhead, 0.0)
+                     + ks.astype(xp.float32) * block_cost + token_cost * drafted)
 
   take = allowed
   for _ in range(refinements):
     take = allowed & (gain[None] >= token_cost * rate(take)[:, None, None])
-  index = jnp.argmax(rate(take)).astype(jnp.int32)
-  return index, jnp.sum(take[index], axis=-1).astype(jnp.int32)
+  rates = rate(take)
+  index = xp.argmax(rates).astype(xp.int32)
+  return index, xp.sum(take[index], axis=-1).astype(xp.int32), rates[index]

@@ -42,8 +42,8 @@ from engine.runtime.buckets import CompileCounter, ShapeBuckets
 from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays
-from engine.runtime.speculative import (catch_up, counterfactual, drafters as dr, goodput,
-                                        learned, serving_costs)
+from engine.runtime.speculative import (call_policy, catch_up, drafters as dr, goodput,
+                                        plain_calls, serving_costs)
 from engine.runtime.speculative.learned import NgramTable
 from engine.runtime.speculative.rest import Rest
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
@@ -61,13 +61,14 @@ EXPLORE_EVERY = 32
 # loop (cheaper per token than the speculative loop at k = 0) before a short call (`budget`:
 # num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles the rest,
 # up to MAX_REST_CALLS, and a call that drafts resets it.
-# The replay's share of the resting calls' time (`SpecRuntime.replay_budget`): a call is
-# replayed when the time it and the earlier calls earned covers the replay's measured cost
-# (at 0.02: every few calls on the CPU demo, ~0.8 ms against ~10 ms; every call on a GPU).
-# 0: off by default. On the CPU demo the replay's current estimates made the probes draft at
-# ~2.5 tokens per forward where that loses (serving learned/auto 0.69-0.85x against ~0.95x):
-# the cost model misprices those iterations there. To turn on once it is checked on a GPU.
-REPLAY_BUDGET = 0.0
+# The replay's share of plain calls' time (`SpecRuntime.replay_budget`): a plain call is
+# replayed through the deterministic drafters when the time it and the earlier calls earned
+# covers the replay's measured cost (every few calls on the CPU demo, ~1.4 ms against ~20 ms;
+# every call on a GPU). With it, batches of replayable drafters are decided per call by
+# `SpecRuntime.pays` instead of resting and probing. (Off, 0: the rest schedule alone; before
+# `pays` priced a speculative call's fixed cost, replayed estimates made the engine's short
+# calls draft where they lose: CPU demo 0.69-0.85x.)
+REPLAY_BUDGET = 0.02
 # The live correction of the cost model (`live_costs`): decay of its evidence per speculative
 # call, the predicted plain-loop iterations it needs before it applies, and its range.
 COST_DECAY, COST_MIN_EVIDENCE, COST_SCALE_RANGE = 0.9, 32.0, (0.5, 2.0)
@@ -86,9 +87,6 @@ def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.
   mtp_hidden, cache = dr.mtp_observe(params, cache, hidden, nxt, start, n_new, page_table,
                                      cfg=cfg, impl=impl)
   return sampled, lps, mtp_hidden.astype(jnp.float32), cache
-
-
-_learn = jax.jit(learned.update, donate_argnames=("table",))
 
 
 class SpecRuntime:
@@ -145,6 +143,10 @@ class SpecRuntime:
     self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
                         if "draft" in self.enabled else None)
     self.k_steps = np.zeros((len(self.choices),), np.int64)
+    # A speculative call's fixed cost beyond a plain call's, in plain-loop iterations (measured
+    # at warm-up; 0 until then, as on a GPU where it is a fraction of one): `call_policy`.
+    self.call_cost = 0.0
+    self._speedups: dict[tuple, float] = {}  # `pays`' predictions, by what they came from
     self.rest = Rest()  # plain-loop calls left before the speculative loop probes again
     self._probe = False  # the next speculative call follows a rest: a short one
     self._auto_calls = 0  # loop calls with "auto" rows, and when each model drafter was
@@ -246,6 +248,7 @@ class SpecRuntime:
     plain-iteration unit and the live correction; the engine-wide acceptance counts; the rest
     and the exploration schedule of model drafters."""
     return dict(costs=self.costs.copy(), cost_fit=dict(self.cost_fit),
+                call_cost=self.call_cost,
                 plain_iter_s=dict(self.plain_iter_s), cost_scale=self.cost_scale,
                 cost_evidence=self._cost_evidence.copy(), accept=np.array(self.accept_seen),
                 rest=self.rest.left, rest_len=self.rest.length, probe=self._probe,
@@ -253,6 +256,7 @@ class SpecRuntime:
 
   def set_adaptive_state(self, state: dict[str, Any]) -> None:
     self.costs, self.cost_fit = state["costs"].copy(), dict(state["cost_fit"])
+    self.call_cost = state["call_cost"]
     self.plain_iter_s, self.cost_scale = dict(state["plain_iter_s"]), state["cost_scale"]
     self._cost_evidence = state["cost_evidence"].copy()
     self.accept_seen = np.array(state["accept"])
@@ -284,12 +288,16 @@ class SpecRuntime:
         out.add(d)
     return out
 
-  def speculates(self, reqs: Sequence[Any]) -> bool:
-    """Whether a decode-only step of `reqs` runs the speculative loop (else the plain one).
+  def speculates(self, reqs: Sequence[Any], num_steps: int) -> bool:
+    """Whether a decode-only step of `reqs` (`num_steps` tokens per row at most, `budget`)
+    runs the speculative loop (else the plain one).
 
-    With `adaptive_k`, after a call that chose k = 0 in every iteration (nothing paid), the
+    Where the replay keeps every estimate the batch drafts from current (`gated`), the call
+    speculates when its predicted saving covers the speculative call's fixed cost (`pays`).
+    Otherwise, with `adaptive_k`, after a call that chose k = 0 in every iteration (nothing paid), the
     next REST_CALLS calls of batches without an MTP row decode plainly (their tokens still
-    teach the learned table and are replayed through the deterministic drafters, `learn`);
+    teach the learned table and are replayed through the deterministic drafters,
+    `plain_decode`);
     then the speculative loop probes again, its rows' estimates up to date. (Ending a rest as
     soon as that evidence said drafting paid lost on the CPU demo: 0.70-0.80x against
     0.93-0.99x, see the issue notes.) Draft-model
@@ -307,74 +315,102 @@ class SpecRuntime:
               self.per_drafter.get("spec_mtp_given_up", 0) + 1)
     if not any(r.drafter for r in reqs):
       return False
+    if self.gated(reqs):
+      if self.pays(reqs, num_steps):
+        return True
+      self.per_drafter["spec_gated_calls"] = self.per_drafter.get("spec_gated_calls", 0) + 1
+      return False
     if self._may_rest(reqs) and self.rest.take():
       self._probe = True
       self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
       return False
     return True
 
+  def gated(self, reqs: Sequence[Any]) -> bool:
+    """Whether `pays` decides `reqs`' calls (instead of the rest schedule): adaptive k with
+    the replay on (`replay_budget`), and every row's drafter one the replay evaluates on plain
+    calls (ngram, learned; "auto" rows too, whose model drafters are explored in the calls
+    that speculate), so estimates move while the batch decodes plainly and no probe is
+    needed to find out that drafting pays again."""
+    return (self.force_k < 0 and self.replay_budget > 0
+            and all(r.drafter in (None, AUTO) or r.drafter in DETERMINISTIC for r in reqs))
+
+  def pays(self, reqs: Sequence[Any], n: int) -> bool:
+    """Whether a speculative call of n tokens per row is predicted to beat a plain one,
+    its fixed cost included (`call_policy`). The predicted speedup is kept with what it was
+    computed from (the rows' drafters and estimates, the costs): a batch decoding plainly asks
+    every step (`budget`, `speculates`), and its estimates move only when the replay runs
+    (computing it costs ~0.5 ms on the host, 2-3% of a CPU demo call)."""
+    if n <= 1 or (n <= self.k and not self.pays(reqs, self.k + 1)):
+      return False  # (fewer tokens, and fewer drafts each: it pays less than a full block)
+    room = min(n, self.k + 1)  # (the plan depends on n only through the drafts it allows)
+    key = (room, self.cost_scale, self.costs.tobytes(), self.accept_seen.tobytes(),
+           tuple((r.drafter, r.sampling.max_draft_tokens, None if r.spec_accept is None
+                  else r.spec_accept.tobytes()) for r in reqs))
+    if key not in self._speedups:
+      if len(self._speedups) >= 16:
+        self._speedups.clear()
+      self._speedups[key] = call_policy.first_iteration_speedup(self, reqs, room)
+    return call_policy.call_saving(self._speedups[key], n,
+                                   self.call_cost * self.cost_scale) > 0
+
   @staticmethod
   def _may_rest(reqs: Sequence[Any]) -> bool:
     """MTP rows never rest: the MTP layer must observe every verified block."""
     return all(r.drafter != "mtp" for r in reqs)
 
-  def learn(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
-    """Teaches the learned table a plain loop's tokens: out [B, S] (the first counts[b] new in
-    row b), before they are appended to the requests; first, with `adaptive_k`, the rows with
-    a drafter get what the deterministic drafters would have achieved on them
-    (`counterfactual.plain_call_evidence`). `reqs` empty: compiles (warm-up)."""
-    if not self.config.adaptive_k or self.replay_budget <= 0:
-      pass  # (off: neither compiled at warm-up nor run)
-    elif not reqs:
+  def plain_decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+                   remaining, min_before, num_steps, *, impl: KernelChoice = REFERENCE):
+    """A decode-only step of `reqs` on the plain loop (`speculates` said no). Its tokens teach
+    the learned table, in the loop's own program unless the call is replayed (`plain_calls`);
+    with `adaptive_k`, rows with a drafter get what the deterministic drafters would have
+    achieved on them when the replay's budget allows (`_replay_due`); its time is the cost
+    model's unit (`record_plain`). Returns (out, counts, logprobs, cache) as `decode`.
+    `reqs` empty: compiles every program a plain call may run (warm-up)."""
+    b, warm_up = tokens.shape[0], not reqs
+    replaying = warm_up or self._replay_due(reqs)
+    args = (tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
+            np.int32(num_steps), wants_logprobs(reqs))
+    kw = dict(max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=impl)
+    started = time.perf_counter()
+    with CompileCounter() as compiles:
+      if self.table is not None and (warm_up or not replaying):
+        context, rows = plain_calls.contexts(reqs, b)
+        out, counts, _, lps, cache, self.table = plain_calls.decode_loop_learning(
+            params, cache, *args, self.table, context, rows, **kw)
+      if warm_up or self.table is None or replaying:
+        out, counts, _, lps, cache = steps.decode_loop(params, cache, *args, **kw)
+      out, counts, lps = jax.device_get((out, counts, lps))
+    if not warm_up and not compiles.count:  # (a call that compiled is not timed)
+      self.record_plain(b, int(counts.max()), time.perf_counter() - started)
+    if replaying and self.config.adaptive_k and self.replay_budget > 0:
       self._replay(reqs, out, counts)
-    elif any(r.drafter for r in reqs):
-      self._replay_credit += self.replay_budget * self._last_plain_s
-      if self._replay_credit >= self._replay_s:
-        started = time.perf_counter()
-        with CompileCounter() as compiles:
-          self._replay(reqs, out, counts)
-        spent = time.perf_counter() - started
-        self.per_drafter["spec_replayed_calls"] = (
-            self.per_drafter.get("spec_replayed_calls", 0) + 1)
-        if not compiles.count:  # (one that compiled neither sets the cost nor spends)
-          self._replay_s = spent if not self._replay_s else 0.8 * self._replay_s + 0.2 * spent
-          self._replay_credit = max(self._replay_credit - spent, 0.0)
-    if self.table is None:
-      return
-    b, n_steps = out.shape
-    n = max(learned.ORDERS)
-    history = np.zeros((b, n + n_steps), np.int32)
-    valid = np.zeros((b, n_steps), bool)
-    for i, req in enumerate(reqs):
-      context = req.all_ids[-n:]
-      history[i, n - len(context):n] = context
-      history[i, n:n + counts[i]] = out[i, :counts[i]]
-      valid[i, :counts[i]] = True
-    positions = np.broadcast_to(np.arange(n, n + n_steps, dtype=np.int32), (b, n_steps))
-    self.table = _learn(self.table, history, positions, valid)
+    if replaying and self.table is not None:
+      self.table = plain_calls.learn_tokens(self.table, reqs, out, counts)
+    return out, counts, lps, cache
+
+  def _replay_due(self, reqs: Sequence[Any]) -> bool:
+    """Whether this plain call is replayed: the time it and the earlier calls earned at
+    `replay_budget` of their own covers the replay's measured cost (adaptive k, rows with a
+    drafter)."""
+    if not self.config.adaptive_k or self.replay_budget <= 0 or not any(
+        r.drafter for r in reqs):
+      return False
+    self._replay_credit += self.replay_budget * self._last_plain_s
+    return self._replay_credit >= self._replay_s
 
   def _replay(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
-    """Folds a plain call's counterfactual evidence into the acceptance counts (`learn`)."""
-    replayed = tuple((d, drafter_id(d)) for d in DETERMINISTIC if d in self.enabled)
-    if not replayed:
+    """`plain_calls.replay`, timed for the replay's budget (`reqs` empty: compiles)."""
+    started = time.perf_counter()
+    with CompileCounter() as compiles:
+      plain_calls.replay(self, reqs, out, counts)
+    if not reqs:
       return
-    b = out.shape[0]
-    history, history_len = self.histories(reqs, b)  # the tokens before the call, then its own
-    row_accept = np.zeros((b,) + self.accept_seen.shape, np.float32)
-    rows = np.zeros((b,), bool)
-    for i, req in enumerate(reqs):
-      history[i, history_len[i]:history_len[i] + counts[i]] = out[i, :counts[i]]
-      rows[i] = req.drafter is not None
-      if req.spec_accept is not None:
-        row_accept[i] = req.spec_accept
-    newest = np.maximum(history_len - 1, 0).astype(np.int32)
-    row_accept, self.accept = counterfactual.plain_call_evidence(
-        history, newest, (newest + counts[:b]).astype(np.int32), rows, self.table, row_accept,
-        self.accept, k=self.k, replayed=replayed, steps=self.config.max_decode_steps)
-    row_accept, self.accept_seen = jax.device_get((row_accept, self.accept))
-    for i, req in enumerate(reqs):
-      if rows[i]:
-        req.spec_accept = row_accept[i]
+    spent = time.perf_counter() - started
+    self.per_drafter["spec_replayed_calls"] = self.per_drafter.get("spec_replayed_calls", 0) + 1
+    if not compiles.count:  # (one that compiled neither sets the cost nor spends)
+      self._replay_s = spent if not self._replay_s else 0.8 * self._replay_s + 0.2 * spent
+      self._replay_credit = max(self._replay_credit - spent, 0.0)
 
   def record_plain(self, b: int, iterations: int, seconds: float) -> None:
     """A plain decode-loop call of b rows: its time per iteration, the unit of the cost model
@@ -389,8 +425,14 @@ class SpecRuntime:
     """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that.
     A call that probes after a rest gets exactly that (if it drafts nothing, little was spent
     on the speculative loop's overhead). A resting call (`speculates`) keeps the plain loop's
-    budget (its short first calls after the batch changes), as a call without drafters does."""
-    if not any(r.drafter for r in running) or (self.rest.left > 0 and self._may_rest(running)):
+    budget (its short first calls after the batch changes), as a call without drafters does,
+    and so does a `gated` call that would not pay."""
+    if not any(r.drafter for r in running):
+      return steps_
+    if self.gated(running):  # (the plain budget where a speculative call would not pay)
+      n = max(steps_, self.k + 1)
+      return n if self.pays(running, n) else steps_
+    if self.rest.left > 0 and self._may_rest(running):
       return steps_
     return self.k + 1 if self._probe and self.rest.left == 0 else max(steps_, self.k + 1)
 
@@ -441,7 +483,7 @@ class SpecRuntime:
     """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
     logprobs as `steps.decode_loop`'s, cache)."""
     started, compiles = time.perf_counter(), CompileCounter()  # (a call that compiled: untimed)
-    live, scale, probing = self.live_costs(), self.cost_scale, self._probe
+    live, scale = self.live_costs(), self.cost_scale
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
     row_drafter = np.zeros((b,), np.int32)
@@ -494,11 +536,12 @@ class SpecRuntime:
     # (catch-up and host work included: real costs; not a call that compiled, whose seconds
     # would count as hundreds of iterations in the calibration and the live correction)
     if reqs and b in self.plain_iter_s and not compiles.count:
-      predicted = float(calib[2]) / scale  # the loop priced it with live_costs: T times scale
+      # (the loop priced its iterations with live_costs: T times scale; plus the call's own)
+      predicted = float(calib[2]) / scale + self.call_cost
       measured = (time.perf_counter() - started) / self.plain_iter_s[b]
       self.cost_seen += predicted, measured
-      if self.force_k < 0 and not probing:  # (a probe's few iterations carry a whole call's
-        self._learn_cost_scale(predicted, measured)  # fixed cost: not what full calls pay)
+      if self.force_k < 0:
+        self._learn_cost_scale(predicted, measured)
     self.k_steps += k_steps
     if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
       self.rest.after_speculating(gave_up=True)  # k = 0 throughout: rest

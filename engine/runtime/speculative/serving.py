@@ -310,7 +310,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     rows = jnp.sum(live).astype(jnp.float32)
     block_cost = costs[-3] + costs[-2] * rows + jnp.sum(jnp.where(present, costs[:n_ids], 0.0))
     room = jnp.maximum(jnp.minimum(limit - s["count"] - 1, row_max_draft), 0)
-    index, k_rows = goodput.plan(gain, live & (ids > 0), live, room, choices, block_cost,
+    index, k_rows, _ = goodput.plan(gain, live & (ids > 0), live, room, choices, block_cost,
                                  costs[-1], costs[-4])
     forced = force_k >= 0
     k_rows = jnp.where(forced, room, k_rows)

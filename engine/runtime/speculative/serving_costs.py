@@ -1,11 +1,14 @@
 """The serving engine's cost model, measured (`SpecRuntime.measure_costs`, at warm-up).
 
 Times, at the smallest and largest decode batch, the plain decode loop, the speculative loop
-at every compiled k (forced, rows not drafting), the verify forward with every position real
+at every compiled k (forced, rows not drafting; both loops also over one token, which splits a
+call's time into a fixed and a per-iteration part), the verify forward with every position real
 and with only the first, and each model drafter's step (`probes.forward_probes`,
 `probes.time_interleaved`), then fits the goodput model's step time in plain-loop iterations:
 T = 1 + [K > 0] overhead + K (base + pad_row B + drafters) + per_token sum_b k_b
-(`goodput.plan`). What live traffic then measures corrects it (`SpecRuntime.live_costs`).
+(`goodput.plan`), plus the speculative call's fixed cost beyond a plain call's
+(`SpecRuntime.call_cost`, `call_policy`). What live traffic then measures corrects it
+(`SpecRuntime.live_costs`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from engine.model.params import Params
 from engine.model.transformer import Cache
 from engine.runtime import steps
 from engine.runtime.sampling import SamplingArrays, SamplingParams
+from engine.runtime.speculative import plain_calls
 from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page,
                                                forward_probes, time_interleaved)
 from engine.runtime.speculative.serving import drafter_id
@@ -50,20 +54,24 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
   caches = {"target": cache, "draft": spec.draft_cache}
   probes: list[tuple[tuple, str, Any]] = []  # (key, which cache, program)
   rng = np.random.default_rng(0)
+  n = spec.config.max_decode_steps  # iterations per full loop probe
   for b in sorted(set(batch_sizes)):
     pt = np.zeros((b, max_pages), np.int32)  # the null page: cleared afterwards
     probes += forward_probes(
         params, spec.cfg, b, sorted(set(spec.choices) | {0}), pt, impl, rng,
         mtp="mtp" in spec.enabled,
         draft=(spec.draft_cfg, spec.draft_params) if "draft" in spec.enabled else None)
-    probes.append((("plain", b), "target", functools.partial(
-        _plain_probe, spec, params, b=b, max_pages=max_pages, stop_width=stop_width, impl=impl,
-        tokens=rng.integers(0, spec.cfg.vocab_size, (b,), dtype=np.int32))))
+    for n_steps in (n, 1):  # a full call and a one-token call: the fixed costs
+      probes.append((("plain", b, n_steps), "target", functools.partial(
+          _plain_probe, spec, params, b=b, n_steps=n_steps, max_pages=max_pages,
+          stop_width=stop_width, impl=impl,
+          tokens=rng.integers(0, spec.cfg.vocab_size, (b,), dtype=np.int32))))
     for i, k in enumerate(spec.choices):
-      probes.append((("loop", b, k), "target", functools.partial(
-          _loop_probe, spec, params, caches=caches, b=b, force_k=i, max_pages=max_pages,
-          stop_width=stop_width, impl=impl, tokens=rng.integers(
-              0, spec.cfg.vocab_size, (b,), dtype=np.int32))))
+      for n_steps in ((n, 1) if k == 0 else (n,)):
+        probes.append((("loop", b, k, n_steps), "target", functools.partial(
+            _loop_probe, spec, params, caches=caches, b=b, n_steps=n_steps, force_k=i,
+            max_pages=max_pages, stop_width=stop_width, impl=impl, tokens=rng.integers(
+                0, spec.cfg.vocab_size, (b,), dtype=np.int32))))
   # The loop probes teach the table junk and move the counters: kept aside, restored after.
   saved = (None if spec.table is None else jax.tree.map(jnp.copy, spec.table), spec.accept,
            spec.accept_seen, spec.k_steps.copy(), dataclasses.replace(spec.rest), spec._probe,
@@ -76,13 +84,27 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
   table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(spec.choices) | {0})}
            for b in sorted(set(batch_sizes))}  # every position real
   padded = {b: {k: best[("verify", b, k, 1)] for k in row} for b, row in table.items()}
-  n = spec.config.max_decode_steps  # iterations per loop probe
-  loop = {b: {k: best[("loop", b, k)] / n for k in spec.choices} for b in table}  # s / iter
-  plain = {b: best[("plain", b)] / n for b in table}  # the unit of T
+  loop = {b: {k: best[("loop", b, k, n)] / n for k in spec.choices} for b in table}  # s / iter
+  plain = {b: best[("plain", b, n)] / n for b in table}  # the unit of T
   spec.plain_iter_s.update(plain)
   drafter_s = {d: [best[(d, b)] / plain[b] for b in table] if d in spec.enabled else []
                for d in ("mtp", "draft")}
-  overhead = max(float(np.mean([loop[b][0] / plain[b] - 1.0 for b in table])), 0.0)
+  # A call's time a + n b on each loop, from n and one iteration: the speculative call's fixed
+  # cost beyond the plain call's (a_spec - a_plain) and the k = 0 iteration's beyond a plain
+  # one (b_spec - b_plain), in plain iterations. Without k = 0 compiled (fixed k) the
+  # speculative loop's extra time is all per iteration, as before the split was measured.
+  call_cost, overhead = [], []
+  for b in table:
+    if 0 not in spec.choices:
+      overhead.append(loop[b][spec.choices[0]] / plain[b] - 1.0)
+      continue
+    full_s, one_s = best[("loop", b, 0, n)], best[("loop", b, 0, 1)]
+    full_p, one_p = best[("plain", b, n)], best[("plain", b, 1)]
+    per_s, per_p = (full_s - one_s) / (n - 1), (full_p - one_p) / (n - 1)
+    call_cost.append(((one_s - per_s) - (one_p - per_p)) / plain[b])
+    overhead.append((per_s - per_p) / plain[b])
+  spec.call_cost = max(float(np.mean(call_cost)), 0.0) if call_cost else 0.0
+  overhead = max(float(np.mean(overhead)), 0.0)
   caches = {w: c if c is None else clear_null_page(c) for w, c in caches.items()}
   cache, spec.draft_cache = caches["target"], caches["draft"]
   # All relative to a plain decode-loop iteration t_plain(B). Overhead: the speculative
@@ -112,6 +134,7 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
   spec.costs = costs.astype(np.float32)
   spec.cost_scale, spec._cost_evidence = 1.0, np.zeros((2,), np.float64)  # a new model
   spec.cost_fit = dict(overhead=overhead, base=base, pad_row=pad_row, per_token=per_token,
+                       call=spec.call_cost,
                        **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()
                           if rs},
                        table={b: {k: round(t * 1e3, 4) for k, t in row.items()}
@@ -137,24 +160,30 @@ def _probe_rows(spec, b: int, max_pages: int, stop_width: int) -> tuple:
           np.zeros((b,), np.int32))
 
 
-def _plain_probe(spec, params, cache, *, b, max_pages, stop_width, impl, tokens):
-  """A call of the plain decode loop (max_decode_steps iterations, outputs fetched as the
-  engine does) for b rows on the null page."""
-  n = spec.config.max_decode_steps
-  out, *_, cache = steps.decode_loop(
-      params, cache, tokens, *_probe_rows(spec, b, max_pages, stop_width), np.int32(n),
-      np.bool_(False), max_steps=n, cfg=spec.cfg, impl=impl)
+def _plain_probe(spec, params, cache, *, b, n_steps, max_pages, stop_width, impl, tokens):
+  """A call of the plain decode loop (`n_steps` iterations, outputs fetched as the engine
+  does) for b rows on the null page: the program live plain calls run (with a learned table,
+  the one that also updates it, `plain_calls`; here no row teaches it)."""
+  args = (tokens, *_probe_rows(spec, b, max_pages, stop_width), np.int32(n_steps),
+          np.bool_(False))
+  kw = dict(max_steps=spec.config.max_decode_steps, cfg=spec.cfg, impl=impl)
+  if spec.table is None:
+    out, *_, cache = steps.decode_loop(params, cache, *args, **kw)
+  else:
+    context, rows = plain_calls.contexts([], b)
+    out, *_, cache, spec.table = plain_calls.decode_loop_learning(
+        params, cache, *args, spec.table, context, rows, **kw)
   return jax.device_get(out), cache
 
 
-def _loop_probe(spec, params, cache, *, caches, b, force_k, max_pages, stop_width, impl,
-                tokens):
-  """A call of the serving loop (max_decode_steps iterations, its host work included) at
-  choice `force_k` for b rows that do not draft, on the null page (the draft cache is
-  threaded through `caches`)."""
+def _loop_probe(spec, params, cache, *, caches, b, n_steps, force_k, max_pages, stop_width,
+                impl, tokens):
+  """A call of the serving loop (`n_steps` iterations, its host work included) at choice
+  `force_k` for b rows that do not draft, on the null page (the draft cache is threaded
+  through `caches`)."""
   spec.draft_cache = caches["draft"]
   out, *_, cache = spec.decode(
       params, cache, [], tokens, *_probe_rows(spec, b, max_pages, stop_width),
-      spec.config.max_decode_steps, collections.Counter(), impl=impl, force_k=force_k)
+      n_steps, collections.Counter(), impl=impl, force_k=force_k)
   caches["draft"] = spec.draft_cache
   return out, cache

@@ -1,0 +1,66 @@
+"""Whether a serving decode call runs the speculative loop at all (host side, once per call).
+
+The loop picks its block width every iteration (`goodput.plan`), but the call as a whole has
+a cost its iterations do not: the speculative loop's fixed cost F beyond a plain call's (a
+larger program to dispatch, more outputs to fetch, its set-up), measured at warm-up
+(`serving_costs`, `SpecRuntime.call_cost`) in plain-loop iterations and corrected, with the
+rest of the cost model, by what live calls take (`SpecRuntime.live_costs`). A call of n tokens
+per row whose first iteration's plan emits R tokens per unit of step time against `rows` for
+plain decoding saves about n (1 - rows / R) plain iterations; it pays when that exceeds F.
+
+On the 2-core CPU F is several plain iterations, so short calls (the engine's first calls
+after its batch changes, a probe's K + 1 tokens) lose there even at high acceptance, which the
+per-iteration model alone could not see; on a GPU, where an iteration is the weights' read
+time, F is a fraction of one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.runtime.speculative import goodput
+from engine.runtime.speculative.serving import DETERMINISTIC, DRAFTER_IDS, drafter_id
+
+
+def first_iteration_speedup(spec: Any, reqs: Sequence[Any], n: int) -> float:
+  """Tokens per unit of step time of the plan the loop would start `reqs` with (rows' own
+  estimates, `goodput.row_gains`; an "auto" row takes the drafter with the most expected
+  tokens per unit of time among the deterministic ones and the model drafters that could pay,
+  as the loop does), over plain decoding's (one token per row per iteration): 1 when nothing
+  would draft, <= 1 never pays. `spec`: the `SpecRuntime`; n: the call's budget per row."""
+  rows = [r for r in reqs if r.drafter]
+  if not rows:
+    return 1.0
+  n_ids, k = len(DRAFTER_IDS), spec.k
+  row_accept = np.stack([r.spec_accept if r.spec_accept is not None
+                         else np.zeros(spec.accept_seen.shape, np.float32) for r in reqs])
+  gains = goodput.row_gains(row_accept, spec.accept_seen, xp=np)  # [B, D, J]
+  costs = spec.live_costs()
+  hopeless = spec.hopeless()
+  usable = np.asarray([d in spec.enabled and (d in DETERMINISTIC or d not in hopeless)
+                       for d in DRAFTER_IDS])
+  score = (goodput.expected_tokens(gains, k, xp=np)
+           / (1.0 + k * (costs[-3] + costs[:n_ids]))[None, :])
+  best = np.argmax(np.where(usable[None], score, -np.inf), axis=1)
+  ids = np.asarray([best[i] if r.drafter == "auto" else drafter_id(r.drafter) if r.drafter
+                    else 0 for i, r in enumerate(reqs)])
+  gain = gains[np.arange(len(reqs)), ids]  # [B, J]
+  drafting = ids > 0
+  present = np.zeros((n_ids,), bool)
+  present[ids[drafting]] = True
+  block_cost = costs[-3] + costs[-2] * len(reqs) + float(np.sum(costs[:n_ids][present]))
+  room = np.asarray([min(n - 1, r.sampling.max_draft_tokens or k) for r in reqs], np.int32)
+  _, _, rate = goodput.plan(gain, drafting, np.ones((len(reqs),), bool), np.maximum(room, 0),
+                            spec.choices, np.float32(block_cost), np.float32(costs[-1]),
+                            np.float32(costs[-4]), xp=np)
+  return float(rate) / len(reqs)
+
+
+def call_saving(speedup: float, n: int, fixed_cost: float) -> float:
+  """Plain-loop iterations a speculative call of n tokens per row saves at `speedup` (tokens
+  per unit of time over plain decoding's) after its fixed cost (negative: it loses)."""
+  if speedup <= 1.0:
+    return -fixed_cost
+  return n * (1.0 - 1.0 / speedup) - fixed_cost
