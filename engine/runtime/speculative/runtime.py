@@ -43,7 +43,7 @@ from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative import (call_policy, catch_up, drafters as dr, goodput,
-                                        plain_calls, serving_costs)
+                                        plain_calls, serving_costs, serving_stats)
 from engine.runtime.speculative.learned import NgramTable
 from engine.runtime.speculative.rest import Rest
 from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
@@ -574,39 +574,7 @@ class SpecRuntime:
     return out, counts, lps, cache
 
   def stats(self) -> dict[str, Any]:
-    s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.choices, self.k_steps)}
-    s.update(self.per_drafter)
-    for j, (drafted, accepted) in enumerate(self.per_position.T):  # slot j (0-based)
-      s[f"spec_pos{j}_drafted"], s[f"spec_pos{j}_accepted"] = int(drafted), int(accepted)
-    # The adaptive model's current engine-wide estimate of P(draft j accepted | drafts < j
-    # were), per drafter and slot (the decayed counts of the last loop call; computed once per
-    # loop call, not at every engine step's snapshot).
-    if self._estimates[0] is not self.accept_seen:
-      self._estimates = (self.accept_seen, goodput.conditional_acceptance(
-          self.accept_seen, goodput.PRIOR_ACCEPT, goodput.PRIOR_WEIGHT, xp=np))
-    c = self._estimates[1]
-    for d in self.enabled:
-      for j, x in enumerate(c[drafter_id(d)]):
-        s[f"spec_pos{j}_estimate_{d}"] = round(float(x), 4)
-    # Calibration of the goodput model over iterations that drafted: the tokens it expected
-    # (rows' gains at their draft counts) and the tokens emitted; a ratio above 1 means the
-    # acceptance estimates run ahead of what is accepted (so it drafts where it loses).
-    s["spec_model_expected_tokens"], s["spec_model_emitted_tokens"] = (
-        float(x) for x in self.calibration)
-    # And of its costs: speculative calls' time as predicted and as measured, in plain-loop
-    # iterations (above 1 measured/predicted: T(k) underrates real iterations, or the calls'
-    # fixed costs, catch-up and host work, which it leaves out, matter).
-    s["spec_model_predicted_cost"], s["spec_model_measured_cost"] = (
-        float(x) for x in self.cost_seen)
-    s["spec_cost_scale"] = self.cost_scale  # the live correction applied (`live_costs`)
-    for d in self.enabled:  # tokens per target forward of rows drafting with d
-      steps_ = self.per_drafter[f"spec_steps_{d}"]
-      if steps_:
-        s[f"spec_mean_accepted_length_{d}"] = 1 + self.per_drafter[f"spec_accepted_{d}"] / steps_
-    for name, value in self.cost_fit.items():
-      if isinstance(value, (int, float)):
-        s[f"spec_cost_{name}"] = value
-    return s
+    return serving_stats.spec_stats(self)
 
   # ---- the cost model ------------------------------------------------------------------------
 
