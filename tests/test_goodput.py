@@ -156,3 +156,41 @@ def test_goodput_plan_sizes_each_row_like_an_exhaustive_search():
       [0.95, 0.1, 0.1, 0.1]))]), jnp.ones(2, bool), jnp.ones(2, bool),
       jnp.asarray([4, 4], jnp.int32), choices, jnp.float32(0.05), jnp.float32(0.3))
   assert int(k_rows[0]) == choices[int(index)] >= 2 and int(k_rows[1]) == 1
+
+
+def test_row_drafters_pick_the_best_allowed_drafter_on_host_and_device_alike():
+  """`goodput.row_drafters` (the serving loop's per-iteration drafter choice, which the host
+  repeats in numpy to price a call): an "auto" row takes the allowed drafter with the most
+  E[tau](k) / (1 + k (base + c_d)), other rows keep their own; the block's cost per column
+  counts the base, the live rows and each drafter a live row uses, once."""
+  from engine.runtime.speculative import goodput
+  rng = np.random.default_rng(7)
+  b, d, k = 5, 4, 4
+  for _ in range(20):
+    gain_rows = np.cumprod(rng.uniform(0.0, 0.98, (b, d, k)), axis=-1).astype(np.float32)
+    costs = np.concatenate([[0.0], rng.uniform(0.0, 0.5, d - 1),
+                            rng.uniform(0.0, 0.3, 4)]).astype(np.float32)
+    allowed = rng.uniform(size=(b, d)) < 0.7
+    allowed[:, 1] = True  # (at least one)
+    row_auto = rng.uniform(size=b) < 0.6
+    row_drafter = rng.integers(0, d, b).astype(np.int32)
+    live = rng.uniform(size=b) < 0.8
+    host = goodput.row_drafters(gain_rows, costs, allowed, row_auto, row_drafter, live, k,
+                                xp=np)
+    dev = goodput.row_drafters(*(jnp.asarray(x) for x in (gain_rows, costs, allowed, row_auto,
+                                                          row_drafter, live)), k)
+    np.testing.assert_array_equal(host[0], np.asarray(dev[0]))
+    np.testing.assert_allclose(host[1], np.asarray(dev[1]), rtol=1e-6)
+    assert float(host[2]) == pytest.approx(float(dev[2]), rel=1e-6)
+    ids = host[0]
+    for i in range(b):
+      if row_auto[i]:
+        score = [(1 + gain_rows[i, j].sum()) / (1 + k * (costs[-3] + costs[j])) if allowed[i, j]
+                 else -np.inf for j in range(d)]
+        assert ids[i] == int(np.argmax(score))
+      else:
+        assert ids[i] == row_drafter[i]
+      np.testing.assert_allclose(host[1][i], gain_rows[i, ids[i]])
+    used = {int(ids[i]) for i in range(b) if live[i]}
+    want = costs[-3] + costs[-2] * live.sum() + sum(costs[j] for j in used)
+    assert float(host[2]) == pytest.approx(want, rel=1e-5)

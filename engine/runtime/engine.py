@@ -41,6 +41,7 @@ from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopPa
                                     TokenLogprob, stop_ids_for)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
+from engine.runtime.speculative import serving_stats
 from engine.runtime.speculative.runtime import SpecRuntime
 from engine.runtime.warmup import compile_buckets
 
@@ -146,6 +147,7 @@ class Engine:
     self._lock = threading.RLock()
     self._inbox_lock = threading.Lock()
     self._snapshot: dict[str, Any] = {}
+    self._spec_snapshot: serving_stats.SpecSnapshot | None = None
     self._order = itertools.count()
     self._decode_steps = 1
     self._last_batch: tuple[str, ...] = ()
@@ -468,9 +470,10 @@ class Engine:
                 num_requests_waiting=len(waiting), kv_cache_usage_perc=pool.usage,
                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
                 num_preemptions=self.scheduler.num_preemptions,
-                waiting_tokens=sum(r.num_uncomputed for r in waiting), **self.spec.stats())
+                waiting_tokens=sum(r.num_uncomputed for r in waiting))
+    spec = self.spec.snapshot()  # (its stats are built when read: `stats`)
     with self._inbox_lock:
-      self._snapshot = snap
+      self._snapshot, self._spec_snapshot = snap, spec
 
   def queue_load(self) -> QueueLoad:
     """The waiting queue's size (as of the last step, plus requests added since), for
@@ -484,7 +487,7 @@ class Engine:
   def stats(self) -> dict[str, Any]:
     """Gauges and counters for metrics endpoints (as of the last step; never waits)."""
     with self._inbox_lock:
-      snap = dict(self._snapshot)
-      snap.pop("waiting_tokens")
-      snap["num_requests_waiting"] += len(self._inbox)
-      return snap
+      snap, spec, inbox = dict(self._snapshot), self._spec_snapshot, len(self._inbox)
+    snap.pop("waiting_tokens")
+    snap["num_requests_waiting"] += inbox
+    return dict(snap, **serving_stats.spec_stats(spec))  # (built here, not every step)

@@ -21,41 +21,38 @@ from typing import Any, Sequence
 import numpy as np
 
 from engine.runtime.speculative import goodput
-from engine.runtime.speculative.serving import DETERMINISTIC, DRAFTER_IDS, drafter_id
+from engine.runtime.speculative.serving import AUTO, DETERMINISTIC, DRAFTER_IDS, drafter_id
 
 
 def first_iteration_speedup(spec: Any, reqs: Sequence[Any], n: int) -> float:
-  """Tokens per unit of step time of the plan the loop would start `reqs` with (rows' own
-  estimates, `goodput.row_gains`; an "auto" row takes the drafter with the most expected
-  tokens per unit of time among the deterministic ones and the model drafters that could pay,
-  as the loop does), over plain decoding's (one token per row per iteration): 1 when nothing
-  would draft, <= 1 never pays. `spec`: the `SpecRuntime`; n: the call's budget per row."""
-  rows = [r for r in reqs if r.drafter]
-  if not rows:
+  """Tokens per unit of step time of the plan the loop would start `reqs` with, over plain
+  decoding's (one token per row per iteration): 1 when nothing would draft, <= 1 never pays.
+  The loop's own choices (`goodput.row_drafters`, `goodput.plan`) on the rows' current
+  estimates (`goodput.row_gains`); "auto" rows may take the deterministic drafters and the
+  model drafters that are not `hopeless` (the loop may be offered fewer). `spec`: the
+  `SpecRuntime`; n: the call's budget per row."""
+  if not any(r.drafter for r in reqs):
     return 1.0
-  n_ids, k = len(DRAFTER_IDS), spec.k
+  b, k = len(reqs), spec.k
   row_accept = np.stack([r.spec_accept if r.spec_accept is not None
                          else np.zeros(spec.accept_seen.shape, np.float32) for r in reqs])
   gains = goodput.row_gains(row_accept, spec.accept_seen, xp=np)  # [B, D, J]
   costs = spec.live_costs()
   hopeless = spec.hopeless()
-  usable = np.asarray([d in spec.enabled and (d in DETERMINISTIC or d not in hopeless)
-                       for d in DRAFTER_IDS])
-  score = (goodput.expected_tokens(gains, k, xp=np)
-           / (1.0 + k * (costs[-3] + costs[:n_ids]))[None, :])
-  best = np.argmax(np.where(usable[None], score, -np.inf), axis=1)
-  ids = np.asarray([best[i] if r.drafter == "auto" else drafter_id(r.drafter) if r.drafter
-                    else 0 for i, r in enumerate(reqs)])
-  gain = gains[np.arange(len(reqs)), ids]  # [B, J]
-  drafting = ids > 0
-  present = np.zeros((n_ids,), bool)
-  present[ids[drafting]] = True
-  block_cost = costs[-3] + costs[-2] * len(reqs) + float(np.sum(costs[:n_ids][present]))
+  allowed = np.asarray([d in spec.enabled and (d in DETERMINISTIC or d not in hopeless)
+                        for d in DRAFTER_IDS])
+  row_auto = np.asarray([r.drafter == AUTO for r in reqs])
+  row_drafter = np.asarray([0 if r.drafter in (None, AUTO) else drafter_id(r.drafter)
+                            for r in reqs], np.int32)
+  live = np.ones((b,), bool)
+  ids, gain, block_cost = goodput.row_drafters(
+      gains, costs, np.broadcast_to(allowed, (b, len(DRAFTER_IDS))), row_auto, row_drafter,
+      live, k, xp=np)
   room = np.asarray([min(n - 1, r.sampling.max_draft_tokens or k) for r in reqs], np.int32)
-  _, _, rate = goodput.plan(gain, drafting, np.ones((len(reqs),), bool), np.maximum(room, 0),
-                            spec.choices, np.float32(block_cost), np.float32(costs[-1]),
+  _, _, rate = goodput.plan(gain, ids > 0, live, np.maximum(room, 0), spec.choices,
+                            np.float32(block_cost), np.float32(costs[-1]),
                             np.float32(costs[-4]), xp=np)
-  return float(rate) / len(reqs)
+  return float(rate) / b
 
 
 def call_saving(speedup: float, n: int, fixed_cost: float) -> float:

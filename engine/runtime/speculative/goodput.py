@@ -108,6 +108,33 @@ def expected_tokens(gain: jnp.ndarray, k: int, *, xp=jnp) -> jnp.ndarray:
   return 1.0 + xp.sum(gain[..., :k], axis=-1)
 
 
+def row_drafters(gain_rows: jnp.ndarray, costs: jnp.ndarray, allowed: jnp.ndarray,
+                 row_auto: jnp.ndarray, row_drafter: jnp.ndarray, live: jnp.ndarray, k: int,
+                 *, xp=jnp) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """Each row's drafter for an iteration, its gains, and the block's cost per column.
+
+  gain_rows [B, D, J]: every row's gains per drafter (`row_gains`); costs [D + 4]: the
+  serving cost model (`plan`'s terms: per-drafter column costs, then overhead, base, per row,
+  per token); allowed [B, D] bool: drafters an "auto" row (`row_auto` [B] bool) may take;
+  row_drafter [B] int32: the others' own (0: off); live [B] bool. An "auto" row takes the
+  allowed drafter with the most expected tokens per unit of step time at the widest block,
+  E[tau](k) / (1 + k (base + c_d)) (a model drafter's cost as if the row alone paid for it).
+  The block's cost per column is the base, the per-row cost over live rows, and the column
+  cost of every drafter a live row uses. Returns (ids [B] int32, gain [B, J], block_cost).
+  The serving loop runs this every iteration; the host runs it in numpy (`xp`) to predict a
+  call's first iteration (`call_policy`)."""
+  n_ids = gain_rows.shape[1]
+  score = expected_tokens(gain_rows, k, xp=xp) / (1.0 + k * (costs[-3] + costs[:n_ids]))[None]
+  best = xp.argmax(xp.where(allowed, score, -xp.inf), axis=1).astype(xp.int32)
+  ids = xp.where(row_auto, best, row_drafter.astype(xp.int32))
+  gain = xp.take_along_axis(gain_rows, ids[:, None, None], axis=1)[:, 0]  # [B, J]
+  present = xp.any((ids[:, None] == xp.arange(n_ids)[None, :]) & live[:, None], axis=0)
+  rows = xp.sum(live).astype(xp.float32)
+  block_cost = (costs[-3] + costs[-2] * rows
+                + xp.sum(xp.where(present, costs[:n_ids], xp.float32(0.0))))
+  return ids, gain, block_cost
+
+
 def step_costs(choices: tuple[int, ...], batch: int, draft_cost: float = 0.0,
                verify_cost: float = 0.02) -> jnp.ndarray:
   """[C] T(B, k) = 1 + k (draft_cost + verify_cost B) per choice: a step's time relative to a

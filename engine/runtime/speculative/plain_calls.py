@@ -53,16 +53,26 @@ def decode_loop_learning(params: Params, cache: Cache, tokens: jax.Array, n_cach
   return out, count, stopped, lps, cache, table
 
 
+def last_tokens(reqs: Sequence[Any], b: int, width: int, columns: int | None = None, *,
+                right_align: bool = False) -> tuple[np.ndarray, np.ndarray]:
+  """([b, columns or width] int32 each request's last `width` tokens, oldest first, zeros
+  elsewhere: from column 0, or ending at column width - 1 (`right_align`); [b] int32 how
+  many). The loop's n-gram `history` (`SpecRuntime.histories`), the table's `contexts`."""
+  out = np.zeros((b, columns or width), np.int32)
+  lens = np.zeros((b,), np.int32)
+  for i, req in enumerate(reqs):
+    last = req.all_ids[-width:]
+    start = width - len(last) if right_align else 0
+    out[i, start:start + len(last)] = last
+    lens[i] = len(last)
+  return out, lens
+
+
 def contexts(reqs: Sequence[Any], b: int) -> tuple[np.ndarray, np.ndarray]:
   """([b, CONTEXT] each request's last tokens, zeros before a short one's; [b] bool rows that
   are requests)."""
-  context = np.zeros((b, CONTEXT), np.int32)
-  rows = np.zeros((b,), bool)
-  for i, req in enumerate(reqs):
-    last = req.all_ids[-CONTEXT:]
-    context[i, CONTEXT - len(last):] = last
-    rows[i] = True
-  return context, rows
+  context, _ = last_tokens(reqs, b, CONTEXT, right_align=True)
+  return context, np.arange(b) < len(reqs)
 
 
 def learn_tokens(table: learned.NgramTable, reqs: Sequence[Any], out: np.ndarray,

@@ -46,10 +46,8 @@ from engine.runtime.speculative import (call_policy, catch_up, drafters as dr, g
                                         plain_calls, serving_costs, serving_stats)
 from engine.runtime.speculative.learned import NgramTable
 from engine.runtime.speculative.rest import Rest
-from engine.runtime.speculative.serving import (DETERMINISTIC, DRAFTER_IDS, drafter_id,
+from engine.runtime.speculative.serving import (AUTO, DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
-
-AUTO = "auto"  # a request's drafter chosen per loop call from measured acceptance and costs
 
 # Cost per drafted token relative to a plain decode step until measured (adaptive mode).
 DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
@@ -135,7 +133,6 @@ class SpecRuntime:
     # Engine-wide decayed (accepted, ended) counts per drafter and draft position.
     self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), k, 2), jnp.float32))
     self.accept_seen = np.zeros((len(DRAFTER_IDS), k, 2), np.float32)  # host copy (stats)
-    self._estimates: tuple[Any, Any] = (None, None)  # (accept_seen, its estimates) for stats
     self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
                             + [0.0, DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN],
                             np.float32)
@@ -469,13 +466,7 @@ class SpecRuntime:
   def histories(self, reqs: Sequence[Any], b: int) -> tuple[np.ndarray, np.ndarray]:
     """[b, window + max_decode_steps] each request's last `ngram_window` tokens, and counts."""
     window = self.config.ngram_window
-    history = np.zeros((b, window + self.config.max_decode_steps), np.int32)
-    history_len = np.zeros((b,), np.int32)
-    for i, req in enumerate(reqs):
-      recent = req.all_ids[-window:]
-      history[i, :len(recent)] = recent
-      history_len[i] = len(recent)
-    return history, history_len
+    return plain_calls.last_tokens(reqs, b, window, window + self.config.max_decode_steps)
 
   def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
              min_before, num_steps, counters: dict, *, impl: KernelChoice = REFERENCE,
@@ -543,7 +534,9 @@ class SpecRuntime:
       if self.force_k < 0:
         self._learn_cost_scale(predicted, measured)
     self.k_steps += k_steps
-    if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
+    if self.gated(reqs):
+      pass  # (decided per call by `pays`: the rest schedule is not theirs)
+    elif self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
       self.rest.after_speculating(gave_up=True)  # k = 0 throughout: rest
     elif k_steps[1:].any():
       self.rest.after_speculating(gave_up=False)
@@ -573,8 +566,12 @@ class SpecRuntime:
         self.draft_fed(req, req.num_computed + int(counts[i]))
     return out, counts, lps, cache
 
+  def snapshot(self) -> serving_stats.SpecSnapshot:
+    """What `stats` reports, copied as of now (the engine's per-step snapshot)."""
+    return serving_stats.SpecSnapshot.of(self)
+
   def stats(self) -> dict[str, Any]:
-    return serving_stats.spec_stats(self)
+    return serving_stats.spec_stats(self.snapshot())
 
   # ---- the cost model ------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from engine.runtime.speculative.loop import SpecStats, _place, verify_block
 
 DRAFTER_IDS = ("off", "ngram", "learned", "mtp", "draft")
 DETERMINISTIC = ("ngram", "learned")
+AUTO = "auto"  # a request's drafter chosen by the loop from measured acceptance and costs
 
 
 def drafter_id(name: str | None) -> int:
@@ -297,18 +298,10 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
   def body(s):
     live = ~s["done"]
     gain_rows = goodput.row_gains(s["row_accept"], s["accept"])  # [B, D, J]
-    # "auto" rows: the enabled drafter with the most expected tokens per unit of step time at
-    # the widest block (a model drafter's cost as if the row alone paid for it).
-    score = (goodput.expected_tokens(gain_rows, k_max)
-             / (1.0 + k_max * (costs[-3] + costs[:n_ids]))[None, :])
     allowed = (enabled & auto_allowed)[None, :] & (
         (jnp.arange(n_ids) != drafter_id("draft"))[None, :] | draft_rows[:, None])
-    best = jnp.argmax(jnp.where(allowed, score, -jnp.inf), axis=1).astype(jnp.int32)
-    ids = jnp.where(row_auto, best, row_drafter.astype(jnp.int32))
-    gain = jnp.take_along_axis(gain_rows, ids[:, None, None], axis=1)[:, 0]  # [B, J]
-    present = jnp.any(jax.nn.one_hot(ids, n_ids, dtype=bool) & live[:, None], 0)
-    rows = jnp.sum(live).astype(jnp.float32)
-    block_cost = costs[-3] + costs[-2] * rows + jnp.sum(jnp.where(present, costs[:n_ids], 0.0))
+    ids, gain, block_cost = goodput.row_drafters(gain_rows, costs, allowed, row_auto,
+                                                 row_drafter, live, k_max)
     room = jnp.maximum(jnp.minimum(limit - s["count"] - 1, row_max_draft), 0)
     index, k_rows, _ = goodput.plan(gain, live & (ids > 0), live, room, choices, block_cost,
                                  costs[-1], costs[-4])
