@@ -131,7 +131,8 @@ def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int
   row, returning its iterations (per choice, then the plain phase's). A choice's time per
   iteration is the difference between calls with budgets `tokens` and tokens // 2 over the
   difference in iterations (what a call costs once, dispatch and transfers, cancels), fastest
-  of `rounds` interleaved rounds (after one that compiles); over the first choice's, made
+  of `rounds` interleaved rounds (after one that compiles), at least half the long call's
+  mean time per iteration; over the first choice's, made
   non-decreasing in k (a wider block does all a narrower one does, so a lower figure is noise)
   and at least MIN_COLUMN_COST more per verified column (timings within noise of each other
   must not make drafting free: a drafter that is never right would then never back off).
@@ -155,7 +156,10 @@ def loop_costs(key: Hashable, run: Callable[[int, int], Any], choices: tuple[int
   per_iter = np.where(iters[:, 0] > iters[:, 1],
                       (best[:, 0] - best[:, 1]) / np.maximum(iters[:, 0] - iters[:, 1], 1),
                       best[:, 0] / np.maximum(iters[:, 0], 1))
-  per_iter = np.maximum(per_iter, 1e-9)
+  # A difference lost in noise (budgets a few iterations apart on a tiny model: a figure near
+  # zero once made the plain phase 257109x the k = 0 iteration) is floored at half the long
+  # call's mean time per iteration (its fixed cost included), which every choice shares.
+  per_iter = np.maximum(per_iter, 0.5 * best[:, 0] / np.maximum(iters[:, 0], 1))
   cost = np.maximum.accumulate(per_iter[:len(choices)]) / per_iter[0]
   ks = np.asarray(choices, np.float64)
   _LOOP_COSTS[key] = (np.maximum(cost, 1.0 + MIN_COLUMN_COST * (ks - ks[0])),
