@@ -534,12 +534,11 @@ class SpecRuntime:
       if self.force_k < 0:
         self._learn_cost_scale(predicted, measured)
     self.k_steps += k_steps
-    if self.gated(reqs):
-      pass  # (decided per call by `pays`: the rest schedule is not theirs)
-    elif self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
-      self.rest.after_speculating(gave_up=True)  # k = 0 throughout: rest
-    elif k_steps[1:].any():
-      self.rest.after_speculating(gave_up=False)
+    if not self.gated(reqs):  # (gated calls are decided by `pays`: the rests are not theirs)
+      if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
+        self.rest.after_speculating(gave_up=True)  # k = 0 throughout: rest
+      elif k_steps[1:].any():
+        self.rest.after_speculating(gave_up=False)
     self._probe = False
     counters["spec_steps"] += int(spec.steps.sum())
     counters["spec_drafted"] += int(spec.draft_tokens.sum())
