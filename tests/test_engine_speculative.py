@@ -19,7 +19,7 @@ from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import catch_up
 from engine.runtime.speculative.rest import Rest
-from engine.runtime.speculative.serving import drafter_id
+from engine.runtime.speculative.serving import DRAFTER_IDS, drafter_id
 from model_configs import CONFIGS, perturbed
 
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
@@ -467,7 +467,9 @@ def test_a_speculative_call_must_save_more_than_its_fixed_cost(model):
   assert budgets[1e3] == [], budgets
 
 
-def test_auto_never_offers_a_model_drafter_that_cannot_pay(model):
+def test_auto_never_offers_a_model_drafter_that_cannot_pay(model, monkeypatch):
+  """Nor does the per-call policy count on one; predicting the offer changes nothing."""
+  from engine.runtime.speculative import call_policy, goodput
   cfg, params = model
   eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="auto",
                                          drafters=("ngram", "mtp", "draft"), num_draft_tokens=3,
@@ -480,8 +482,31 @@ def test_auto_never_offers_a_model_drafter_that_cannot_pay(model):
   stats = eng.stats()
   assert "spec_fed_calls_mtp" not in stats and stats["spec_fed_calls_draft"] >= 1
   assert all("mtp" not in r.drafter_steps for r in got)
+  # The per-call policy (`pays`) predicts the loop with the drafters it would be offered.
+  offered = []
+  real_row_drafters = goodput.row_drafters
+
+  def row_drafters(gains, costs, allowed, *args, **kwargs):
+    offered.append({d for d, a in zip(DRAFTER_IDS, allowed[0]) if a})
+    return real_row_drafters(gains, costs, allowed, *args, **kwargs)
+  monkeypatch.setattr(goodput, "row_drafters", row_drafters)
+  row = eng.requests[eng.add_request([5, 6, 7], stop=StopParams(max_tokens=8))]
+  call_policy.first_iteration_speedup(eng.spec, [row], 4)
+  assert offered[-1] == {"ngram"} | eng.spec.model_drafters_for_auto([row], commit=False)
+  assert "mtp" not in offered[-1]
+  # The draft model, seen to be wrong and explored a moment ago, is not offered: nor counted.
+  seen = np.array(eng.spec.accept_seen)
+  seen[drafter_id("draft")] = (0.0, 20.0)
+  eng.spec.accept_seen = seen
+  eng.spec._offered["draft"] = eng.spec._auto_calls
+  call_policy.first_iteration_speedup(eng.spec, [row], 4)
+  assert offered[-1] == {"ngram"}
   eng.spec.costs[drafter_id("mtp")] = 0.1  # now it could pay: offered (explored) again
-  assert "mtp" in eng.spec.model_drafters_for_auto([])
+  state = (eng.spec._auto_calls, dict(eng.spec._offered))
+  predicted = eng.spec.model_drafters_for_auto([], commit=False)
+  assert (eng.spec._auto_calls, eng.spec._offered) == state  # a prediction changes nothing
+  assert "mtp" in predicted and eng.spec.model_drafters_for_auto([]) == predicted
+  assert eng.spec._auto_calls == state[0] + 1 and eng.spec._offered["mtp"] == state[0] + 1
 
 
 def test_mtp_rows_give_mtp_up_where_it_cannot_pay(model):

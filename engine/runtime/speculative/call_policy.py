@@ -29,8 +29,8 @@ def first_iteration_speedup(spec: Any, reqs: Sequence[Any], n: int) -> float:
   decoding's (one token per row per iteration): 1 when nothing would draft, <= 1 never pays.
   The loop's own choices (`goodput.row_drafters`, `goodput.plan`) on the rows' current
   estimates (`goodput.row_gains`); "auto" rows may take the deterministic drafters and the
-  model drafters that are not `hopeless` (the loop may be offered fewer). `spec`: the
-  `SpecRuntime`; n: the call's budget per row."""
+  model drafters the loop call would be offered (`SpecRuntime.model_drafters_for_auto`,
+  uncommitted). `spec`: the `SpecRuntime`; n: the call's budget per row."""
   if not any(r.drafter for r in reqs):
     return 1.0
   b, k = len(reqs), spec.k
@@ -38,10 +38,10 @@ def first_iteration_speedup(spec: Any, reqs: Sequence[Any], n: int) -> float:
                          else np.zeros(spec.accept_seen.shape, np.float32) for r in reqs])
   gains = goodput.row_gains(row_accept, spec.accept_seen, xp=np)  # [B, D, J]
   costs = spec.live_costs()
-  hopeless = spec.hopeless()
-  allowed = np.asarray([d in spec.enabled and (d in DETERMINISTIC or d not in hopeless)
-                        for d in DRAFTER_IDS])
   row_auto = np.asarray([r.drafter == AUTO for r in reqs])
+  models = spec.model_drafters_for_auto(reqs, commit=False) if row_auto.any() else set()
+  allowed = np.asarray([d in spec.enabled and (d in DETERMINISTIC or d in models)
+                        for d in DRAFTER_IDS])
   row_drafter = np.asarray([0 if r.drafter in (None, AUTO) else drafter_id(r.drafter)
                             for r in reqs], np.int32)
   live = np.ones((b,), bool)

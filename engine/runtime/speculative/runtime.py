@@ -188,7 +188,7 @@ class SpecRuntime:
                        f"{', '.join(self.enabled) or 'none'})")
     return drafter
 
-  def model_drafters_for_auto(self, reqs: Sequence[Any]) -> set[str]:
+  def model_drafters_for_auto(self, reqs: Sequence[Any], *, commit: bool = True) -> set[str]:
     """The model drafters (mtp, draft) "auto" rows may take in the next loop call.
 
     Keeping one usable costs every iteration a forward (the MTP layer observes the verified
@@ -198,8 +198,10 @@ class SpecRuntime:
     from the engine-wide counts or from any auto row's own (`goodput.row_gains`). Every
     EXPLORE_EVERY calls with auto rows, a drafter not offered meanwhile is offered once (and at
     the first such call), so fresh evidence can bring it back. A `hopeless` one never is.
+    `commit`: the loop call is made (counts it and the offers); False: what the next call
+    would be offered, changing nothing (`call_policy` predicts that call).
     """
-    self._auto_calls += 1
+    calls = self._auto_calls + 1
     counts = self.accept_seen
     gains = goodput.drafter_gains(counts, xp=np)[None]  # [1 + auto rows with evidence, D, K]
     rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
@@ -220,11 +222,19 @@ class SpecRuntime:
     for d in self.enabled:
       if d in hopeless:
         out.discard(d)
-      elif d not in DETERMINISTIC and (d in out or self._auto_calls
-                                       - self._offered.get(d, -10**9) >= EXPLORE_EVERY):
+      elif d not in DETERMINISTIC and (d in out or self.exploration_due(d, calls)):
         out.add(d)
-        self._offered[d] = self._auto_calls
+        if commit:
+          self._offered[d] = calls
+    if commit:
+      self._auto_calls = calls
     return out
+
+  def exploration_due(self, drafter: str, calls: int | None = None) -> bool:
+    """Whether the loop call numbered `calls` (default: the next) with "auto" rows offers
+    `drafter` to explore it (EXPLORE_EVERY, `model_drafters_for_auto`)."""
+    calls = self._auto_calls + 1 if calls is None else calls
+    return calls - self._offered.get(drafter, -10**9) >= EXPLORE_EVERY
 
   def live_costs(self) -> np.ndarray:
     """`costs` corrected by what speculative calls measured on live traffic: with
@@ -343,7 +353,8 @@ class SpecRuntime:
     room = min(n, self.k + 1)  # (the plan depends on n only through the drafts it allows)
     key = (room, self.cost_scale, self.costs.tobytes(), self.accept_seen.tobytes(),
            tuple((r.drafter, r.sampling.max_draft_tokens, None if r.spec_accept is None
-                  else r.spec_accept.tobytes()) for r in reqs))
+                  else r.spec_accept.tobytes()) for r in reqs),
+           tuple(self.exploration_due(d) for d in self.enabled if d not in DETERMINISTIC))
     if key not in self._speedups:
       if len(self._speedups) >= 16:
         self._speedups.clear()
