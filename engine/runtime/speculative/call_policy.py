@@ -39,7 +39,11 @@ def first_iteration_speedup(spec: Any, reqs: Sequence[Any], n: int) -> float:
   gains = goodput.row_gains(row_accept, spec.accept_seen, xp=np)  # [B, D, J]
   costs = spec.live_costs()
   row_auto = np.asarray([r.drafter == AUTO for r in reqs])
-  models = spec.model_drafters_for_auto(reqs, commit=False) if row_auto.any() else set()
+  models = set()
+  if row_auto.any():  # (a row without evidence has the engine-wide gains: `row_gains`)
+    engine_wide = goodput.drafter_gains(spec.accept_seen, xp=np)[None]
+    models = spec.model_drafters_for_auto(
+        reqs, commit=False, gains=np.concatenate([engine_wide, gains[row_auto]]))
   allowed = np.asarray([d in spec.enabled and (d in DETERMINISTIC or d in models)
                         for d in DRAFTER_IDS])
   row_drafter = np.asarray([0 if r.drafter in (None, AUTO) else drafter_id(r.drafter)

@@ -188,7 +188,8 @@ class SpecRuntime:
                        f"{', '.join(self.enabled) or 'none'})")
     return drafter
 
-  def model_drafters_for_auto(self, reqs: Sequence[Any], *, commit: bool = True) -> set[str]:
+  def model_drafters_for_auto(self, reqs: Sequence[Any], *, commit: bool = True,
+                              gains: np.ndarray | None = None) -> set[str]:
     """The model drafters (mtp, draft) "auto" rows may take in the next loop call.
 
     Keeping one usable costs every iteration a forward (the MTP layer observes the verified
@@ -199,14 +200,16 @@ class SpecRuntime:
     EXPLORE_EVERY calls with auto rows, a drafter not offered meanwhile is offered once (and at
     the first such call), so fresh evidence can bring it back. A `hopeless` one never is.
     `commit`: the loop call is made (counts it and the offers); False: what the next call
-    would be offered, changing nothing (`call_policy` predicts that call).
+    would be offered, changing nothing (`call_policy` predicts that call). `gains`: those
+    gains [R, D, K] when the caller has them (the engine-wide ones and the auto rows').
     """
     calls = self._auto_calls + 1
     counts = self.accept_seen
-    gains = goodput.drafter_gains(counts, xp=np)[None]  # [1 + auto rows with evidence, D, K]
-    rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
-    if rows:  # (numpy, all rows at once: this runs on the host before every loop call)
-      gains = np.concatenate([gains, goodput.row_gains(np.stack(rows), counts, xp=np)])
+    if gains is None:
+      gains = goodput.drafter_gains(counts, xp=np)[None]  # [1 + auto rows with evidence, D, K]
+      rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
+      if rows:  # (numpy, all rows at once: this runs on the host before every loop call)
+        gains = np.concatenate([gains, goodput.row_gains(np.stack(rows), counts, xp=np)])
     costs = self.live_costs()
     k, base = self.k, float(costs[-3])
     hopeless = self.hopeless()
