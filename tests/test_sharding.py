@@ -56,12 +56,17 @@ def test_every_parameter_follows_its_rule():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_dispatch_packing_is_exact(dtype):
-  """Routing weights and expert ids travel bit-cast inside the token rows."""
+  """Routing weights and expert ids travel bit-cast inside the token rows, as unsigned integers
+  (small ids are subnormals as bf16 bits, which a float op may flush)."""
   from engine.model.expert_parallel import _pack, _unpack
   x = jax.random.normal(jax.random.key(0), (5, 8)).astype(dtype)
   w = jax.random.uniform(jax.random.key(1), (5, 3))
   ids = jnp.asarray([[0, 7, -1], [383, 2, 1], [5, 5, 5], [-1, -1, -1], [9, 10, 11]], jnp.int32)
-  gx, gw, gids = _unpack(_pack(x, w, ids)[None], 8, 3)
+  packed = _pack(x, w, ids)
+  assert jnp.issubdtype(packed.dtype, jnp.unsignedinteger)
+  assert packed.dtype.itemsize == x.dtype.itemsize
+  gx, gw, gids = _unpack(packed[None], 8, 3, x.dtype)
+  assert gx.dtype == x.dtype
   assert (gx[0] == x).all() and (gw[0] == w).all() and (gids[0] == ids).all()
 
 

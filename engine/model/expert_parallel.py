@@ -15,10 +15,11 @@ of the expert-parallel (EP) group of N = expert x tensor devices holds E / N who
   replicated activations that is a local slice, no traffic). Each device lists, per EP device,
   the tokens that chose at least one expert there (one copy per token and device, however many
   of its k experts live there), exchanges the counts (`all_to_all` of [N] ints), sends the rows
-  (token, routing weights and ids bit-cast into one row) to their owners (`exchange`), runs its
-  local experts with the MoE kernel on what it received, sends the outputs back by the reverse
-  exchange and sums them per token in float32. The result leaves split over the group; XLA
-  all-gathers it where the next layer's tensor-parallel attention needs it whole.
+  (token, routing weights and ids bit-cast into one row of unsigned integers) to their owners
+  (`exchange`), runs its local experts with the MoE kernel on what it received, sends the
+  outputs back by the reverse exchange and sums them per token in float32. The result leaves
+  split over the group; XLA all-gathers it where the next layer's tensor-parallel attention
+  needs it whole.
 * "auto": dispatch when the step has at least DISPATCH_MIN_TOKENS tokens per device (prefill
   sizes), psum below (a guess, not measured on a GPU yet).
 
@@ -44,6 +45,8 @@ padded with rows routed nowhere (id -1).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -155,7 +158,7 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
     sent = jnp.arange(c)[None, :] < sizes[:, None]  # [n, C]
     recv_sizes = jax.lax.all_to_all(sizes, EP_AXES, 0, 0, tiled=True)  # [n] from each device
     packed = exchange(_pack(x, weights, ids)[order], sizes, recv_sizes)
-    rx, rw, rids = _unpack(packed, x.shape[1], ids.shape[1])
+    rx, rw, rids = _unpack(packed, x.shape[1], ids.shape[1], x.dtype)
     received = jnp.arange(c)[None, :] < recv_sizes[:, None]  # [n, C] real rows
     rids = jnp.where(received[..., None], rids, -1)  # padding rows go to no expert
     y = fn(rx.reshape(n * c, -1), rw.reshape(n * c, -1), rids.reshape(n * c, -1), gate, up,
@@ -176,22 +179,34 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
 
 
 def _pack(x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
-  """[T, H + m]: each token's row, then its routing weights and expert ids bit-cast into x's
-  dtype (exact), so one exchange carries all three."""
-  meta = jnp.concatenate([weights.astype(jnp.float32),
-                          jax.lax.bitcast_convert_type(ids.astype(jnp.int32), jnp.float32)], -1)
-  meta = jax.lax.bitcast_convert_type(meta, x.dtype).reshape(x.shape[0], -1)
-  return jnp.concatenate([x, meta], axis=-1)
+  """[T, H + m] unsigned integers of x's width: each token's row, then its routing weights and
+  expert ids, all bit-cast, so one exchange carries all three. Integers, not x's dtype: a
+  float select or copy may canonicalise what it moves (XLA:CPU at -O0 zeroed the bf16
+  subnormals that small ids are as bf16 bits), an integer one moves bits."""
+  bits = _uint(x.dtype)
+  meta = jnp.concatenate([jax.lax.bitcast_convert_type(weights.astype(jnp.float32), jnp.uint32),
+                          jax.lax.bitcast_convert_type(ids.astype(jnp.int32), jnp.uint32)], -1)
+  meta = jax.lax.bitcast_convert_type(meta, bits).reshape(x.shape[0], -1)
+  return jnp.concatenate([jax.lax.bitcast_convert_type(x, bits), meta], axis=-1)
 
 
-def _unpack(packed: jax.Array, h: int, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Inverse of `_pack` on [..., H + m] -> (x [..., H], weights [..., k], ids [..., k])."""
+def _unpack(packed: jax.Array, h: int, k: int, dtype: Any) -> tuple[jax.Array, jax.Array,
+                                                                   jax.Array]:
+  """Inverse of `_pack` on [..., H + m] -> (x [..., H] in `dtype`, weights [..., k], ids
+  [..., k])."""
   x, meta = packed[..., :h], packed[..., h:]
-  per = 4 // packed.dtype.itemsize  # x-dtype values per 32-bit word
+  per = 4 // packed.dtype.itemsize  # packed values per 32-bit word
   if per > 1:
     meta = meta.reshape(*meta.shape[:-1], 2 * k, per)
-  meta = jax.lax.bitcast_convert_type(meta, jnp.float32)
-  return x, meta[..., :k], jax.lax.bitcast_convert_type(meta[..., k:], jnp.int32)
+  meta = jax.lax.bitcast_convert_type(meta, jnp.uint32)
+  return (jax.lax.bitcast_convert_type(x, dtype),
+          jax.lax.bitcast_convert_type(meta[..., :k], jnp.float32),
+          jax.lax.bitcast_convert_type(meta[..., k:], jnp.int32))
+
+
+def _uint(dtype: Any) -> Any:
+  """The unsigned integer type as wide as `dtype`."""
+  return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
 
 
 def exchange(blocks: jax.Array, sizes: jax.Array, recv_sizes: jax.Array) -> jax.Array:
