@@ -6,10 +6,10 @@ import os
 import sys
 
 MODE = sys.argv[1]  # "meshes", "dispatch", "reference" or "multiprocess"
-if MODE in ("meshes", "dispatch"):
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-else:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+DEVICES = 8 if MODE in ("meshes", "dispatch") else 4
+# (Kept: the flags the test process was started with, e.g. conftest's optimization level.)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={DEVICES}").strip()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
