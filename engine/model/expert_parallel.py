@@ -190,8 +190,7 @@ def _pack(x: jax.Array, weights: jax.Array, ids: jax.Array) -> jax.Array:
   return jnp.concatenate([jax.lax.bitcast_convert_type(x, bits), meta], axis=-1)
 
 
-def _unpack(packed: jax.Array, h: int, k: int, dtype: Any) -> tuple[jax.Array, jax.Array,
-                                                                   jax.Array]:
+def _unpack(packed: jax.Array, h: int, k: int, dtype: Any) -> tuple[jax.Array, ...]:
   """Inverse of `_pack` on [..., H + m] -> (x [..., H] in `dtype`, weights [..., k], ids
   [..., k])."""
   x, meta = packed[..., :h], packed[..., h:]
