@@ -194,3 +194,36 @@ def test_row_drafters_pick_the_best_allowed_drafter_on_host_and_device_alike():
     used = {int(ids[i]) for i in range(b) if live[i]}
     want = costs[-3] + costs[-2] * live.sum() + sum(costs[j] for j in used)
     assert float(host[2]) == pytest.approx(want, rel=1e-5)
+
+
+def test_cost_fits_price_the_loop_times_they_predict():
+  """The warm-up's per-column and per-token fits (`serving_costs`): exact on data the model can
+  express; never negative; and a first column dearer than the rest at one batch size (the
+  CPU's one-row forward gathers its experts, a wider block runs them all) does not set the
+  price of every column, as a per-column average extrapolated along a falling line did."""
+  from engine.runtime.speculative.serving_costs import column_fit, token_fit
+  ks, bs = np.array([1, 2, 4, 1, 2, 4]), np.array([1, 1, 1, 4, 4, 4])
+  base, pad_row = column_fit(ks, bs, ks * (0.2 + 0.05 * bs))
+  assert (base, pad_row) == (pytest.approx(0.2), pytest.approx(0.05))
+  # Loop times measured on the 2-core CPU (plain iterations beyond the k = 0 iteration):
+  # one row pays 0.62 for its first column and ~0.1 per column after it; four rows pay ~0.27
+  # per column throughout. A wide block costs ~0.94 at one row, ~1.08 at four.
+  extra = np.array([0.622, 0.723, 0.937, 0.273, 0.555, 1.081])
+  base, pad_row = column_fit(ks, bs, extra)
+  assert base >= 0 and pad_row >= 0
+  for b in (1, 4):
+    predicted = 4 * (base + pad_row * b)
+    assert predicted == pytest.approx(extra[(ks == 4) & (bs == b)][0], rel=0.2)  # (old: 1.77)
+  # Falling with the batch size: no negative per-row cost, and the base is the fit through
+  # the data rather than the line's intercept at zero rows.
+  base, pad_row = column_fit(ks, bs, ks * (0.5 - 0.05 * bs))
+  assert pad_row == 0 and 0.3 < base < 0.45
+  # One batch size: the whole cost is the base.
+  assert column_fit(ks[:3], bs[:3], ks[:3] * 0.3) == (pytest.approx(0.3), 0.0)
+  assert column_fit(ks[:0], bs[:0], ks[:0] * 0.0) == (0.0, 0.0)
+  # Per drafted token: the big blocks set it; a one-row block's noise does not, and a cost that
+  # comes out negative (noise around zero) is zero.
+  assert token_fit(ks, bs, 0.01 * ks * bs) == pytest.approx(0.01)
+  noisy = 0.01 * ks * bs + np.array([0.08, 0, 0, 0, 0, 0])  # a one-row, one-column blip
+  assert token_fit(ks, bs, noisy) < 0.012 < np.mean(noisy / (ks * bs))
+  assert token_fit(ks, bs, -0.01 * ks * bs) == 0.0 and token_fit(ks[:0], bs[:0], ks[:0]) == 0.0

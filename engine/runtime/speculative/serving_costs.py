@@ -6,9 +6,9 @@ call's time into a fixed and a per-iteration part), the verify forward with ever
 and with only the first, and each model drafter's step (`probes.forward_probes`,
 `probes.time_interleaved`), then fits the goodput model's step time in plain-loop iterations:
 T = 1 + [K > 0] overhead + K (base + pad_row B + drafters) + per_token sum_b k_b
-(`goodput.plan`), plus the speculative call's fixed cost beyond a plain call's
-(`SpecRuntime.call_cost`, `call_policy`). What live traffic then measures corrects it
-(`SpecRuntime.live_costs`).
+(`goodput.plan`; least squares of the times it predicts, `column_fit`, `token_fit`), plus
+the speculative call's fixed cost beyond a plain call's (`SpecRuntime.call_cost`,
+`call_policy`). What live traffic then measures corrects it (`SpecRuntime.live_costs`).
 """
 
 from __future__ import annotations
@@ -108,24 +108,20 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
   caches = {w: c if c is None else clear_null_page(c) for w, c in caches.items()}
   cache, spec.draft_cache = caches["target"], caches["draft"]
   # All relative to a plain decode-loop iteration t_plain(B). Overhead: the speculative
-  # loop's k = 0 iteration beyond it. Per block column: least squares of r(B, k) / k =
-  # base + pad_row B over k > 0, r = (t_loop(B, k) - t_loop(B, 0)) / t_plain(B) (a padded
-  # block). Per real drafted token: the mean of (t_verify,full - t_verify,padded) / t_plain
-  # / (B k).
-  xs, ys, tok = [], [], []
+  # loop's k = 0 iteration beyond it. Per block column: `column_fit` of r(B, k) = (t_loop(B, k)
+  # - t_loop(B, 0)) / t_plain(B) over k > 0 (a padded block). Per real drafted token:
+  # `token_fit` of (t_verify,full - t_verify,padded) / t_plain(B).
+  ks, bs, extra, tok = [], [], [], []
   for b, row in loop.items():
     for k, t in row.items():
       if k > 0:
-        xs.append(b)
-        ys.append((t - row[0]) / plain[b] / k)
-        tok.append((table[b][k] - padded[b][k]) / plain[b] / (b * k))
-  xs, ys = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
-  if len(set(xs.tolist())) > 1:
-    pad_row, base = np.polyfit(xs, ys, 1)
-  else:
-    pad_row, base = 0.0, float(ys.mean()) if len(ys) else 0.0
-  base, pad_row = max(float(base), MIN_BASE), max(float(pad_row), 0.0)
-  per_token = max(float(np.mean(tok)) if tok else 0.0, 0.0)
+        ks.append(k)
+        bs.append(b)
+        extra.append((t - row[0]) / plain[b])
+        tok.append((table[b][k] - padded[b][k]) / plain[b])
+  base, pad_row = column_fit(np.asarray(ks), np.asarray(bs), np.asarray(extra))
+  base = max(base, MIN_BASE)
+  per_token = token_fit(np.asarray(ks), np.asarray(bs), np.asarray(tok))
   costs = spec.costs.copy()
   for d, rs in drafter_s.items():
     if rs:
@@ -145,6 +141,42 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
                                    for b, row in loop.items()},
                        plain_loop={b: round(t * 1e3, 4) for b, t in plain.items()})
   return cache
+
+
+def column_fit(k: np.ndarray, b: np.ndarray, r: np.ndarray) -> tuple[float, float]:
+  """(base, pad_row) >= 0 minimising sum (r - k (base + pad_row b))^2: the block's cost per
+  column from the loop probes' extra time r [N] (plain iterations) at block widths k [N] and
+  batch sizes b [N].
+
+  Fitted to the loop times the goodput model predicts, not to r / k: so the wide blocks, where
+  most of the time goes, weigh most, and a first column dearer than the rest (at one row the
+  k = 0 forward gathers its experts' weights, a wider block runs every expert) does not set
+  the price of every column. Where the unconstrained optimum has a negative term, the best fit
+  with that term 0 (an intercept extrapolated from a falling line would over-price every
+  batch); with one batch size, pad_row is 0."""
+  k, b, r = (np.asarray(x, np.float64) for x in (k, b, r))
+  if not len(r):
+    return 0.0, 0.0
+  a = np.stack([k, k * b], axis=1)
+  best, best_err = (0.0, 0.0), float(np.sum(r * r))
+  for cols in ([0, 1], [0], [1]) if len(set(b.tolist())) > 1 else ([0],):
+    x = np.zeros(2)
+    x[cols] = np.linalg.lstsq(a[:, cols], r, rcond=None)[0]
+    err = float(np.sum((a @ x - r) ** 2))
+    if (x >= 0).all() and err < best_err - 1e-12:
+      best, best_err = (float(x[0]), float(x[1])), err
+  return best
+
+
+def token_fit(k: np.ndarray, b: np.ndarray, r: np.ndarray) -> float:
+  """per_token >= 0 minimising sum (r - per_token b k)^2: the cost of a real drafted token
+  from the verify forward's extra time r [N] (plain iterations) with all b k drafts [N] real
+  over all padded. Weighted like `column_fit` by the block's size: the mean of r / (b k) let a
+  one-row block's noise, which the model then multiplies by every drafted token of a block,
+  price every block (0.0 to 0.08 across warm-ups on the 2-core CPU, where the reference MoE
+  runs every expert on every position, so a real token costs what a padded one does)."""
+  x = np.asarray(k, np.float64) * np.asarray(b, np.float64)
+  return max(float(np.dot(x, np.asarray(r, np.float64)) / np.dot(x, x)), 0.0) if len(x) else 0.0
 
 
 def _probe_rows(spec, b: int, max_pages: int, stop_width: int) -> tuple:
