@@ -556,6 +556,17 @@ def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkey
     t_live = 1 + live[-4] + k * (live[-3] + 4 * live[-2])
     assert t_live == pytest.approx(2 * t)
   assert live[-1] == pytest.approx(0.04)
+  # Calls that keep a model drafter current (draft model, MTP) are corrected apart: their
+  # catch-up made them ~3x dearer than predicted on the CPU demo, and with one correction for
+  # all calls that priced ngram's calls out for good (none ran again to bring it back).
+  eng.spec.cost_scale = 1.0
+  for _ in range(20):
+    eng.spec._learn_cost_scale(10.0, 30.0, models=True)
+  assert eng.spec.model_cost_scale == 2.0 and eng.spec.cost_scale == 1.0
+  np.testing.assert_allclose(eng.spec.live_costs(), eng.spec.costs)
+  assert eng.spec.live_costs(models=True)[-3] == pytest.approx(2 * eng.spec.costs[-3])
+  assert eng.spec.stats()["spec_cost_scale_model_drafters"] == 2.0
+  eng.spec.model_cost_scale, eng.spec._model_cost_evidence = 1.0, np.zeros(2)
   # Live traffic, with drafting priced free so that every call drafts (no rest). The unit, a
   # plain iteration, made absurdly slow: the calls look far cheaper than predicted, and the
   # correction hits its floor; absurdly fast: its ceiling.
@@ -571,6 +582,7 @@ def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkey
     assert eng.stats()["spec_model_predicted_cost"] - before > 32
     assert eng.spec.cost_scale == scale
     assert eng.stats()["spec_cost_scale"] == scale
+    assert eng.spec.model_cost_scale == 1.0  # (ngram calls feed no model drafter)
   # A call that compiled (here: every call, as patched) is timed for neither the calibration
   # nor the correction: its seconds would be a compile's.
   from engine.runtime.speculative import runtime

@@ -25,25 +25,34 @@ from engine.runtime.speculative.serving import AUTO, DETERMINISTIC, DRAFTER_IDS,
 
 
 def first_iteration_speedup(spec: Any, reqs: Sequence[Any], n: int) -> float:
+  """`first_iteration`'s speedup."""
+  return first_iteration(spec, reqs, n)[0]
+
+
+def first_iteration(spec: Any, reqs: Sequence[Any], n: int) -> tuple[float, bool]:
   """Tokens per unit of step time of the plan the loop would start `reqs` with, over plain
   decoding's (one token per row per iteration): 1 when nothing would draft, <= 1 never pays.
   The loop's own choices (`goodput.row_drafters`, `goodput.plan`) on the rows' current
   estimates (`goodput.row_gains`); "auto" rows may take the deterministic drafters and the
   model drafters the loop call would be offered (`SpecRuntime.model_drafters_for_auto`,
-  uncommitted). `spec`: the `SpecRuntime`; n: the call's budget per row."""
+  uncommitted). `spec`: the `SpecRuntime`; n: the call's budget per row. Also whether the
+  call would keep a model drafter current (its costs carry that kind of call's correction,
+  `SpecRuntime.live_costs`)."""
   if not any(r.drafter for r in reqs):
-    return 1.0
+    return 1.0, False
   b, k = len(reqs), spec.k
   row_accept = np.stack([r.spec_accept if r.spec_accept is not None
                          else np.zeros(spec.accept_seen.shape, np.float32) for r in reqs])
   gains = goodput.row_gains(row_accept, spec.accept_seen, xp=np)  # [B, D, J]
-  costs = spec.live_costs()
   row_auto = np.asarray([r.drafter == AUTO for r in reqs])
   models = set()
   if row_auto.any():  # (a row without evidence has the engine-wide gains: `row_gains`)
     engine_wide = goodput.drafter_gains(spec.accept_seen, xp=np)[None]
     models = spec.model_drafters_for_auto(
         reqs, commit=False, gains=np.concatenate([engine_wide, gains[row_auto]]))
+  fed = bool(models) or any(r.drafter not in (None, AUTO) and r.drafter not in DETERMINISTIC
+                            for r in reqs)
+  costs = spec.live_costs(fed)
   allowed = np.asarray([d in spec.enabled and (d in DETERMINISTIC or d in models)
                         for d in DRAFTER_IDS])
   row_drafter = np.asarray([0 if r.drafter in (None, AUTO) else drafter_id(r.drafter)
@@ -56,7 +65,7 @@ def first_iteration_speedup(spec: Any, reqs: Sequence[Any], n: int) -> float:
   _, _, rate = goodput.plan(gain, ids > 0, live, np.maximum(room, 0), spec.choices,
                             np.float32(block_cost), np.float32(costs[-1]),
                             np.float32(costs[-4]), xp=np)
-  return float(rate) / b
+  return float(rate) / b, fed
 
 
 def call_saving(speedup: float, n: int, fixed_cost: float) -> float:

@@ -166,6 +166,11 @@ class SpecRuntime:
     self.replay_budget = REPLAY_BUDGET
     self._cost_evidence = np.zeros((2,), np.float64)  # the same, decayed per call
     self.cost_scale = 1.0  # measured / predicted: the live correction (`live_costs`)
+    # The same for calls that keep a model drafter current (draft model, MTP): their catch-up
+    # and upkeep make them dearer than predicted (~3x on the CPU demo), which must not price
+    # the deterministic drafters' calls out for good (none would run again to correct it).
+    self._model_cost_evidence = np.zeros((2,), np.float64)
+    self.model_cost_scale = 1.0
 
   @property
   def observes(self) -> bool:
@@ -210,7 +215,7 @@ class SpecRuntime:
       rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
       if rows:  # (numpy, all rows at once: this runs on the host before every loop call)
         gains = np.concatenate([gains, goodput.row_gains(np.stack(rows), counts, xp=np)])
-    costs = self.live_costs()
+    costs = self.live_costs(models=True)
     k, base = self.k, float(costs[-3])
     hopeless = self.hopeless()
     out = set()
@@ -239,17 +244,22 @@ class SpecRuntime:
     calls = self._auto_calls + 1 if calls is None else calls
     return calls - self._offered.get(drafter, -10**9) >= EXPLORE_EVERY
 
-  def live_costs(self) -> np.ndarray:
+  def live_costs(self, models: bool = False) -> np.ndarray:
     """`costs` corrected by what speculative calls measured on live traffic: with
-    r = `cost_scale` (measured / predicted time of the calls, decayed), every speculative
+    r = `cost_scale` (measured / predicted time of the calls, decayed; `model_cost_scale`, of
+    the calls that kept a model drafter current, for such a call: `models`), every speculative
     iteration's T(k) becomes r T(k) (overhead r (1 + overhead) - 1, the per-column and
     per-token costs times r); plain decoding's unit stays 1. So drafting must beat plain
     decoding by what the warm-up's probes leave out: the calls' fixed costs, the draft
     model's catch-up, host work, and iterations dearer on real rows than on the probes'."""
-    r = self.cost_scale
+    r = self.scale_for(models)
     costs = self.costs.astype(np.float32) * np.float32(r)
     costs[-4] = r * (1.0 + float(self.costs[-4])) - 1.0
     return costs
+
+  def scale_for(self, models: bool) -> float:
+    """The live correction for a call that keeps a model drafter current (`models`) or not."""
+    return self.model_cost_scale if models else self.cost_scale
 
   def adaptive_state(self) -> dict[str, Any]:
     """What the adaptive policy has learned, for a later engine of the same configuration
@@ -260,7 +270,9 @@ class SpecRuntime:
     return dict(costs=self.costs.copy(), cost_fit=dict(self.cost_fit),
                 call_cost=self.call_cost,
                 plain_iter_s=dict(self.plain_iter_s), cost_scale=self.cost_scale,
-                cost_evidence=self._cost_evidence.copy(), accept=np.array(self.accept_seen),
+                cost_evidence=self._cost_evidence.copy(), model_cost_scale=self.model_cost_scale,
+                model_cost_evidence=self._model_cost_evidence.copy(),
+                accept=np.array(self.accept_seen),
                 rest=self.rest.left, rest_len=self.rest.length, probe=self._probe,
                 auto_calls=self._auto_calls, offered=dict(self._offered))
 
@@ -269,18 +281,25 @@ class SpecRuntime:
     self.call_cost = state["call_cost"]
     self.plain_iter_s, self.cost_scale = dict(state["plain_iter_s"]), state["cost_scale"]
     self._cost_evidence = state["cost_evidence"].copy()
+    self.model_cost_scale = state["model_cost_scale"]
+    self._model_cost_evidence = state["model_cost_evidence"].copy()
     self.accept_seen = np.array(state["accept"])
     self.accept = self._place_state(jnp.asarray(self.accept_seen))
     self.rest, self._probe = Rest(state["rest"], state["rest_len"]), state["probe"]
     self._auto_calls, self._offered = state["auto_calls"], dict(state["offered"])
 
-  def _learn_cost_scale(self, predicted: float, measured: float) -> None:
+  def _learn_cost_scale(self, predicted: float, measured: float, models: bool = False) -> None:
     """Folds one speculative call's predicted (by the uncorrected model) and measured time
-    into `cost_scale`."""
-    self._cost_evidence = COST_DECAY * self._cost_evidence + (predicted, measured)
-    if self._cost_evidence[0] >= COST_MIN_EVIDENCE:
-      self.cost_scale = float(np.clip(self._cost_evidence[1] / self._cost_evidence[0],
-                                      *COST_SCALE_RANGE))
+    into `cost_scale` (`model_cost_scale` for a call that kept a model drafter current)."""
+    ev = COST_DECAY * (self._model_cost_evidence if models else self._cost_evidence)
+    ev += (predicted, measured)
+    scale = self.scale_for(models)
+    if ev[0] >= COST_MIN_EVIDENCE:
+      scale = float(np.clip(ev[1] / ev[0], *COST_SCALE_RANGE))
+    if models:
+      self._model_cost_evidence, self.model_cost_scale = ev, scale
+    else:
+      self._cost_evidence, self.cost_scale = ev, scale
 
   def hopeless(self) -> set[str]:
     """Model drafters that could not pay for themselves even if every draft were accepted:
@@ -288,7 +307,7 @@ class SpecRuntime:
     j > 0, by the measured costs (adaptive k; e.g. the MTP layer of the CPU demo model)."""
     if not self.config.adaptive_k:
       return set()
-    costs = self.live_costs()
+    costs = self.live_costs(models=True)
     overhead, base = float(costs[-4]), float(costs[-3])
     out = set()
     for d in self.enabled:
@@ -354,16 +373,17 @@ class SpecRuntime:
     if n <= 1 or (n <= self.k and not self.pays(reqs, self.k + 1)):
       return False  # (fewer tokens, and fewer drafts each: it pays less than a full block)
     room = min(n, self.k + 1)  # (the plan depends on n only through the drafts it allows)
-    key = (room, self.cost_scale, self.costs.tobytes(), self.accept_seen.tobytes(),
+    key = (room, self.cost_scale, self.model_cost_scale, self.costs.tobytes(),
+           self.accept_seen.tobytes(),
            tuple((r.drafter, r.sampling.max_draft_tokens, None if r.spec_accept is None
                   else r.spec_accept.tobytes()) for r in reqs),
            tuple(self.exploration_due(d) for d in self.enabled if d not in DETERMINISTIC))
     if key not in self._speedups:
       if len(self._speedups) >= 16:
         self._speedups.clear()
-      self._speedups[key] = call_policy.first_iteration_speedup(self, reqs, room)
-    return call_policy.call_saving(self._speedups[key], n,
-                                   self.call_cost * self.cost_scale) > 0
+      self._speedups[key] = call_policy.first_iteration(self, reqs, room)
+    speedup, models = self._speedups[key]
+    return call_policy.call_saving(speedup, n, self.call_cost * self.scale_for(models)) > 0
 
   @staticmethod
   def _may_rest(reqs: Sequence[Any]) -> bool:
@@ -488,7 +508,6 @@ class SpecRuntime:
     """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
     logprobs as `steps.decode_loop`'s, cache)."""
     started, compiles = time.perf_counter(), CompileCounter()  # (a call that compiled: untimed)
-    live, scale = self.live_costs(), self.cost_scale
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
     row_drafter = np.zeros((b,), np.int32)
@@ -507,6 +526,8 @@ class SpecRuntime:
     draft_rows = np.zeros((b,), bool)
     draft_rows[:len(reqs)] = [r.drafter == "draft" or (r.drafter == AUTO and "draft" in models)
                               for r in reqs]
+    fed = any(feed[drafter_id(d)] for d in self.enabled if d not in DETERMINISTIC)
+    live, scale = self.live_costs(fed), self.scale_for(fed)
     if draft_rows.any():
       with compiles:
         self.catch_up_draft(reqs, draft_rows, table, impl=impl)
@@ -546,7 +567,7 @@ class SpecRuntime:
       measured = (time.perf_counter() - started) / self.plain_iter_s[b]
       self.cost_seen += predicted, measured
       if self.force_k < 0:
-        self._learn_cost_scale(predicted, measured)
+        self._learn_cost_scale(predicted, measured, fed)
     self.k_steps += k_steps
     if not self.gated(reqs):  # (gated calls are decided by `pays`: the rests are not theirs)
       if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():

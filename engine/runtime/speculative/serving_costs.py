@@ -129,6 +129,7 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
   costs[-4:] = overhead, base, pad_row, per_token
   spec.costs = costs.astype(np.float32)
   spec.cost_scale, spec._cost_evidence = 1.0, np.zeros((2,), np.float64)  # a new model
+  spec.model_cost_scale, spec._model_cost_evidence = 1.0, np.zeros((2,), np.float64)
   spec.cost_fit = dict(overhead=overhead, base=base, pad_row=pad_row, per_token=per_token,
                        call=spec.call_cost,
                        **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()

@@ -25,6 +25,7 @@ class SpecSnapshot:
   calibration: np.ndarray
   cost_seen: np.ndarray
   cost_scale: float
+  model_cost_scale: float
   cost_fit: dict[str, Any]
 
   @staticmethod
@@ -32,7 +33,7 @@ class SpecSnapshot:
     return SpecSnapshot(spec.choices, spec.enabled, spec.k_steps.copy(), dict(spec.per_drafter),
                         spec.per_position.copy(), np.array(spec.accept_seen),
                         spec.calibration.copy(), spec.cost_seen.copy(), spec.cost_scale,
-                        dict(spec.cost_fit))
+                        spec.model_cost_scale, dict(spec.cost_fit))
 
 
 def spec_stats(spec: SpecSnapshot) -> dict[str, Any]:
@@ -60,6 +61,7 @@ def spec_stats(spec: SpecSnapshot) -> dict[str, Any]:
   s["spec_model_predicted_cost"], s["spec_model_measured_cost"] = (
       float(x) for x in spec.cost_seen)
   s["spec_cost_scale"] = spec.cost_scale  # the live correction applied (`live_costs`)
+  s["spec_cost_scale_model_drafters"] = spec.model_cost_scale  # (calls feeding one)
   for d in spec.enabled:  # tokens per target forward of rows drafting with d
     steps_ = spec.per_drafter[f"spec_steps_{d}"]
     if steps_:
