@@ -18,6 +18,7 @@ from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import catch_up
+from engine.runtime.speculative.live_correction import LiveCorrection
 from engine.runtime.speculative.rest import Rest
 from engine.runtime.speculative.serving import DRAFTER_IDS, drafter_id
 from model_configs import CONFIGS, perturbed
@@ -549,7 +550,7 @@ def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkey
   eng.spec.costs[-4:] = 0.25, 0.1, 0.01, 0.02  # overhead, base, pad_row, per_token
   eng.spec.replay_budget = 0.0  # every call runs the speculative loop (no `pays` per call)
   np.testing.assert_allclose(eng.spec.live_costs(), eng.spec.costs)
-  eng.spec.cost_scale = 2.0  # every speculative T(k) doubles; plain decoding stays 1
+  eng.spec.correction.scale[0] = 2.0  # every speculative T(k) doubles; plain stays 1
   live = eng.spec.live_costs()
   for k in (1, 3):
     t = 1 + eng.spec.costs[-4] + k * (eng.spec.costs[-3] + 4 * eng.spec.costs[-2])
@@ -559,14 +560,14 @@ def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkey
   # Calls that keep a model drafter current (draft model, MTP) are corrected apart: their
   # catch-up made them ~3x dearer than predicted on the CPU demo, and with one correction for
   # all calls that priced ngram's calls out for good (none ran again to bring it back).
-  eng.spec.cost_scale = 1.0
+  eng.spec.correction.scale[0] = 1.0
   for _ in range(20):
-    eng.spec._learn_cost_scale(10.0, 30.0, models=True)
+    eng.spec.correction.learn(10.0, 30.0, models=True)
   assert eng.spec.model_cost_scale == 2.0 and eng.spec.cost_scale == 1.0
   np.testing.assert_allclose(eng.spec.live_costs(), eng.spec.costs)
   assert eng.spec.live_costs(models=True)[-3] == pytest.approx(2 * eng.spec.costs[-3])
   assert eng.spec.stats()["spec_cost_scale_model_drafters"] == 2.0
-  eng.spec.model_cost_scale, eng.spec._model_cost_evidence = 1.0, np.zeros(2)
+  eng.spec.correction = LiveCorrection()
   # Live traffic, with drafting priced free so that every call drafts (no rest). The unit, a
   # plain iteration, made absurdly slow: the calls look far cheaper than predicted, and the
   # correction hits its floor; absurdly fast: its ceiling.
@@ -574,7 +575,7 @@ def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkey
   ps = [[1] + [5, 6, 7, 8, 9] * 5, [1] + [9, 3, 4] * 8]
   want = plain(model, ps, 60)
   for unit, scale in ((1e3, 0.5), (1e-9, 2.0)):
-    eng.spec.cost_scale, eng.spec._cost_evidence = 1.0, np.zeros(2)
+    eng.spec.correction = LiveCorrection()
     eng.spec.plain_iter_s = {b: unit for b in eng.buckets.decode}
     before = eng.stats()["spec_model_predicted_cost"]
     got = eng.generate(ps, stop=StopParams(max_tokens=60))

@@ -227,3 +227,32 @@ def test_cost_fits_price_the_loop_times_they_predict():
   noisy = 0.01 * ks * bs + np.array([0.08, 0, 0, 0, 0, 0])  # a one-row, one-column blip
   assert token_fit(ks, bs, noisy) < 0.012 < np.mean(noisy / (ks * bs))
   assert token_fit(ks, bs, -0.01 * ks * bs) == 0.0 and token_fit(ks[:0], bs[:0], ks[:0]) == 0.0
+
+
+def test_live_correction_waits_for_evidence_and_keeps_kinds_of_call_apart():
+  """`LiveCorrection`: measured / predicted time of speculative calls, decayed; it applies
+  once COST_MIN_EVIDENCE predicted iterations stand behind it, within its range, and calls
+  that keep a model drafter current never move the other calls' correction."""
+  from engine.runtime.speculative.live_correction import (COST_MIN_EVIDENCE, COST_SCALE_RANGE,
+                                                          LiveCorrection)
+  c = LiveCorrection()
+  c.learn(COST_MIN_EVIDENCE / 2, COST_MIN_EVIDENCE, models=False)  # too little evidence yet
+  assert c.of(False) == 1.0
+  for _ in range(30):
+    c.learn(10.0, 13.0, models=False)
+  assert c.of(False) == pytest.approx(1.3, rel=0.02) and c.of(True) == 1.0
+  for _ in range(60):  # recent calls outweigh old ones (decay)
+    c.learn(10.0, 8.0, models=False)
+  assert c.of(False) == pytest.approx(0.8, rel=0.02)
+  for _ in range(30):
+    c.learn(10.0, 100.0, models=True)
+  assert c.of(True) == COST_SCALE_RANGE[1] and c.of(False) == pytest.approx(0.8, rel=0.02)
+  # Corrected costs: every speculative T(k) = 1 + overhead + k (base + ...) scales by r.
+  costs = np.array([0.0, 0.0, 0.0, 0.1, 0.2, 0.0, 0.25, 0.1, 0.01, 0.02], np.float32)
+  live = c.costs(costs, models=True)
+  t = lambda x, k: 1 + x[-4] + k * (x[-3] + 4 * x[-2] + x[4])
+  assert t(live, 3) == pytest.approx(2.0 * t(costs, 3))
+  assert t(c.costs(costs, models=False), 1) == pytest.approx(0.8 * t(costs, 1), rel=0.02)
+  snapshot = c.copy()
+  c.learn(10.0, 5.0, models=False)
+  assert snapshot.evidence[0, 1] != c.evidence[0, 1]

@@ -45,6 +45,7 @@ from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative import (call_policy, catch_up, drafters as dr, goodput,
                                         plain_calls, serving_costs, serving_stats)
 from engine.runtime.speculative.learned import NgramTable
+from engine.runtime.speculative.live_correction import LiveCorrection
 from engine.runtime.speculative.rest import Rest
 from engine.runtime.speculative.serving import (AUTO, DETERMINISTIC, DRAFTER_IDS, drafter_id,
                                                 speculative_decode_loop)
@@ -67,9 +68,6 @@ EXPLORE_EVERY = 32
 # `pays` priced a speculative call's fixed cost, replayed estimates made the engine's short
 # calls draft where they lose: CPU demo 0.69-0.85x.)
 REPLAY_BUDGET = 0.02
-# The live correction of the cost model (`live_costs`): decay of its evidence per speculative
-# call, the predicted plain-loop iterations it needs before it applies, and its range.
-COST_DECAY, COST_MIN_EVIDENCE, COST_SCALE_RANGE = 0.9, 32.0, (0.5, 2.0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -164,13 +162,7 @@ class SpecRuntime:
     self._last_plain_s = 0.0  # the last plain call's time (`record_plain`)
     self._replay_s, self._replay_credit = 0.0, 0.0  # a replay's cost (moving average), budget
     self.replay_budget = REPLAY_BUDGET
-    self._cost_evidence = np.zeros((2,), np.float64)  # the same, decayed per call
-    self.cost_scale = 1.0  # measured / predicted: the live correction (`live_costs`)
-    # The same for calls that keep a model drafter current (draft model, MTP): their catch-up
-    # and upkeep make them dearer than predicted (~3x on the CPU demo), which must not price
-    # the deterministic drafters' calls out for good (none would run again to correct it).
-    self._model_cost_evidence = np.zeros((2,), np.float64)
-    self.model_cost_scale = 1.0
+    self.correction = LiveCorrection()  # measured / predicted, per kind of call (`live_costs`)
 
   @property
   def observes(self) -> bool:
@@ -245,21 +237,20 @@ class SpecRuntime:
     return calls - self._offered.get(drafter, -10**9) >= EXPLORE_EVERY
 
   def live_costs(self, models: bool = False) -> np.ndarray:
-    """`costs` corrected by what speculative calls measured on live traffic: with
-    r = `cost_scale` (measured / predicted time of the calls, decayed; `model_cost_scale`, of
-    the calls that kept a model drafter current, for such a call: `models`), every speculative
-    iteration's T(k) becomes r T(k) (overhead r (1 + overhead) - 1, the per-column and
-    per-token costs times r); plain decoding's unit stays 1. So drafting must beat plain
-    decoding by what the warm-up's probes leave out: the calls' fixed costs, the draft
-    model's catch-up, host work, and iterations dearer on real rows than on the probes'."""
-    r = self.scale_for(models)
-    costs = self.costs.astype(np.float32) * np.float32(r)
-    costs[-4] = r * (1.0 + float(self.costs[-4])) - 1.0
-    return costs
+    """`costs` corrected by what speculative calls measured on live traffic
+    (`live_correction.py`), for a call that keeps a model drafter current (`models`) or not.
+    So drafting must beat plain decoding by what the warm-up's probes leave out."""
+    return self.correction.costs(self.costs, models)
 
-  def scale_for(self, models: bool) -> float:
-    """The live correction for a call that keeps a model drafter current (`models`) or not."""
-    return self.model_cost_scale if models else self.cost_scale
+  @property
+  def cost_scale(self) -> float:
+    """The live correction of calls that keep no model drafter current (stats, tests)."""
+    return self.correction.of(False)
+
+  @property
+  def model_cost_scale(self) -> float:
+    """The live correction of calls that keep a model drafter current."""
+    return self.correction.of(True)
 
   def adaptive_state(self) -> dict[str, Any]:
     """What the adaptive policy has learned, for a later engine of the same configuration
@@ -269,9 +260,7 @@ class SpecRuntime:
     and the exploration schedule of model drafters."""
     return dict(costs=self.costs.copy(), cost_fit=dict(self.cost_fit),
                 call_cost=self.call_cost,
-                plain_iter_s=dict(self.plain_iter_s), cost_scale=self.cost_scale,
-                cost_evidence=self._cost_evidence.copy(), model_cost_scale=self.model_cost_scale,
-                model_cost_evidence=self._model_cost_evidence.copy(),
+                plain_iter_s=dict(self.plain_iter_s), correction=self.correction.copy(),
                 accept=np.array(self.accept_seen),
                 rest=self.rest.left, rest_len=self.rest.length, probe=self._probe,
                 auto_calls=self._auto_calls, offered=dict(self._offered))
@@ -279,27 +268,12 @@ class SpecRuntime:
   def set_adaptive_state(self, state: dict[str, Any]) -> None:
     self.costs, self.cost_fit = state["costs"].copy(), dict(state["cost_fit"])
     self.call_cost = state["call_cost"]
-    self.plain_iter_s, self.cost_scale = dict(state["plain_iter_s"]), state["cost_scale"]
-    self._cost_evidence = state["cost_evidence"].copy()
-    self.model_cost_scale = state["model_cost_scale"]
-    self._model_cost_evidence = state["model_cost_evidence"].copy()
+    self.plain_iter_s = dict(state["plain_iter_s"])
+    self.correction = state["correction"].copy()
     self.accept_seen = np.array(state["accept"])
     self.accept = self._place_state(jnp.asarray(self.accept_seen))
     self.rest, self._probe = Rest(state["rest"], state["rest_len"]), state["probe"]
     self._auto_calls, self._offered = state["auto_calls"], dict(state["offered"])
-
-  def _learn_cost_scale(self, predicted: float, measured: float, models: bool = False) -> None:
-    """Folds one speculative call's predicted (by the uncorrected model) and measured time
-    into `cost_scale` (`model_cost_scale` for a call that kept a model drafter current)."""
-    ev = COST_DECAY * (self._model_cost_evidence if models else self._cost_evidence)
-    ev += (predicted, measured)
-    scale = self.scale_for(models)
-    if ev[0] >= COST_MIN_EVIDENCE:
-      scale = float(np.clip(ev[1] / ev[0], *COST_SCALE_RANGE))
-    if models:
-      self._model_cost_evidence, self.model_cost_scale = ev, scale
-    else:
-      self._cost_evidence, self.cost_scale = ev, scale
 
   def hopeless(self) -> set[str]:
     """Model drafters that could not pay for themselves even if every draft were accepted:
@@ -373,7 +347,7 @@ class SpecRuntime:
     if n <= 1 or (n <= self.k and not self.pays(reqs, self.k + 1)):
       return False  # (fewer tokens, and fewer drafts each: it pays less than a full block)
     room = min(n, self.k + 1)  # (the plan depends on n only through the drafts it allows)
-    key = (room, self.cost_scale, self.model_cost_scale, self.costs.tobytes(),
+    key = (room, self.correction.scale.tobytes(), self.costs.tobytes(),
            self.accept_seen.tobytes(),
            tuple((r.drafter, r.sampling.max_draft_tokens, None if r.spec_accept is None
                   else r.spec_accept.tobytes()) for r in reqs),
@@ -383,7 +357,7 @@ class SpecRuntime:
         self._speedups.clear()
       self._speedups[key] = call_policy.first_iteration(self, reqs, room)
     speedup, models = self._speedups[key]
-    return call_policy.call_saving(speedup, n, self.call_cost * self.scale_for(models)) > 0
+    return call_policy.call_saving(speedup, n, self.call_cost * self.correction.of(models)) > 0
 
   @staticmethod
   def _may_rest(reqs: Sequence[Any]) -> bool:
@@ -527,7 +501,7 @@ class SpecRuntime:
     draft_rows[:len(reqs)] = [r.drafter == "draft" or (r.drafter == AUTO and "draft" in models)
                               for r in reqs]
     fed = any(feed[drafter_id(d)] for d in self.enabled if d not in DETERMINISTIC)
-    live, scale = self.live_costs(fed), self.scale_for(fed)
+    live, scale = self.live_costs(fed), self.correction.of(fed)
     if draft_rows.any():
       with compiles:
         self.catch_up_draft(reqs, draft_rows, table, impl=impl)
@@ -567,7 +541,7 @@ class SpecRuntime:
       measured = (time.perf_counter() - started) / self.plain_iter_s[b]
       self.cost_seen += predicted, measured
       if self.force_k < 0:
-        self._learn_cost_scale(predicted, measured, fed)
+        self.correction.learn(predicted, measured, fed)
     self.k_steps += k_steps
     if not self.gated(reqs):  # (gated calls are decided by `pays`: the rests are not theirs)
       if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():

@@ -28,6 +28,7 @@ from engine.model.transformer import Cache
 from engine.runtime import steps
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.speculative import plain_calls
+from engine.runtime.speculative.live_correction import LiveCorrection
 from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page,
                                                forward_probes, time_interleaved)
 from engine.runtime.speculative.serving import drafter_id
@@ -128,8 +129,7 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
       costs[drafter_id(d)] = float(np.mean(rs))
   costs[-4:] = overhead, base, pad_row, per_token
   spec.costs = costs.astype(np.float32)
-  spec.cost_scale, spec._cost_evidence = 1.0, np.zeros((2,), np.float64)  # a new model
-  spec.model_cost_scale, spec._model_cost_evidence = 1.0, np.zeros((2,), np.float64)
+  spec.correction = LiveCorrection()  # (a new model: what live calls measured is void)
   spec.cost_fit = dict(overhead=overhead, base=base, pad_row=pad_row, per_token=per_token,
                        call=spec.call_cost,
                        **{f"draft_{d}": float(np.mean(rs)) for d, rs in drafter_s.items()
