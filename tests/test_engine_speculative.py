@@ -1,53 +1,26 @@
 """Speculative decoding in the serving engine: adaptive draft length with a measured cost model,
 drafters chosen per request, MTP and draft-model drafting over the paged cache."""
 
-import random
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from engine.model.cache import init_cache
-from engine.model.config import config_from_dict
-from engine.model.params import init_params
 from engine.model.transformer import forward, forward_mtp
 from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import catch_up
-from engine.runtime.speculative.live_correction import LiveCorrection
-from engine.runtime.speculative.rest import Rest
 from engine.runtime.speculative.serving import DRAFTER_IDS, drafter_id
-from model_configs import CONFIGS, perturbed
-
-SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
-             max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32)
+from engine_spec_helpers import SMALL, assert_pool_full, fresh_prompts, plain, spec_model
+from model_configs import perturbed
 
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
-  return cfg, init_params(cfg, seed=11, scale=2.0)
-
-
-def fresh_prompts(n, seed=0, lo=6, hi=30):
-  rng = random.Random(seed)
-  return [[1] + [rng.randrange(3, 320) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-def plain(model, ps, n, sampling=SamplingParams()):
-  cfg, params = model
-  return [c.token_ids for c in generate_tokens(params, cfg, ps, max_new_tokens=n,
-                                               sampling=sampling)]
-
-
-def assert_pool_full(e):
-  e.pool.check_invariants()
-  assert e.pool.num_free == e.pool.num_pages - 1
-  assert not e.scheduler.running and not e.scheduler.waiting
+  return spec_model()
 
 
 def test_adaptive_k_backs_off_on_fresh_prompts_and_drafts_what_it_learned(model):
@@ -374,8 +347,8 @@ def test_rest_after_fruitless_probes_doubles_and_probes_are_short(model):
   calls = []  # per decode-only step: (speculative?, token budget)
   real_speculates, real_decode = eng.spec.speculates, eng.spec.decode
 
-  def speculates(reqs, num_steps):
-    calls.append([real_speculates(reqs, num_steps), None])
+  def speculates(reqs, num_steps, time=None):
+    calls.append([real_speculates(reqs, num_steps, time), None])
     return calls[-1][0]
 
   def decode(*args, **kwargs):
@@ -424,48 +397,6 @@ def test_with_the_replay_calls_speculate_where_replayed_evidence_says_they_pay(m
   assert "spec_rest_calls" not in stats  # no rest, no probe: the evidence decided
   assert eng.spec.accept_seen[drafter_id("learned"), :, 0].min() > 0
   assert got.usage().spec_accepted_tokens > 10  # drafting resumed and paid
-
-
-def test_a_speculative_call_must_save_more_than_its_fixed_cost(model):
-  """`pays`: a call of n tokens per row at a predicted speedup s saves n (1 - 1 / s) plain
-  iterations; it speculates only when that exceeds the call's fixed cost (`call_cost`), so
-  short calls (the engine's first calls after its batch changes) decode plainly where the
-  fixed cost is large, and no call speculates where it exceeds what any call could save."""
-  from engine.runtime.speculative import call_policy
-  assert call_policy.call_saving(1.0, 16, 2.0) == -2.0
-  assert call_policy.call_saving(2.0, 16, 2.0) == pytest.approx(6.0)
-  cfg, params = model
-  ps = fresh_prompts(2, seed=56, lo=8, hi=12)
-  want = plain(model, ps, 48)
-  budgets = {}
-  for call_cost in (0.0, 3.0, 1e3):
-    eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=128),
-                                           speculative="learned", num_draft_tokens=3,
-                                           adaptive_k=True))
-    eng.spec.costs[-4:] = 0.05, 0.05, 0.0, 0.0
-    eng.spec.call_cost = call_cost
-    # The table learns the answers; the learned drafter is known to be right.
-    eng.generate(ps, SamplingParams(drafter="off"), StopParams(max_tokens=48))
-    eng.spec.accept_seen[drafter_id("learned")] = (20.0, 0.0)
-    eng.spec.accept = eng.spec._place_state(jnp.asarray(eng.spec.accept_seen))
-    rows = [eng.requests[eng.add_request(q, stop=StopParams(max_tokens=48))] for q in ps]
-    assert call_policy.first_iteration_speedup(eng.spec, rows, 4) > 2.5
-    real_decode, steps = eng.spec.decode, []
-
-    def decode(*args, real_decode=real_decode, steps=steps, **kwargs):
-      steps.append(args[10])  # num_steps
-      return real_decode(*args, **kwargs)
-    eng.spec.decode = decode
-    while eng.has_unfinished():
-      eng.step()
-    assert [r.output_ids for r in rows] == want
-    budgets[call_cost] = steps
-  # Free calls speculate from the first (the ramp's 1-token budget becomes a block's, 4);
-  # a fixed cost of 3 plain iterations leaves the 4-token calls plain (at most 3 saved) and
-  # keeps the 8-token ones; an absurd one leaves every call plain.
-  assert budgets[0.0][:3] == [4, 4, 4], budgets
-  assert budgets[3.0] and min(budgets[3.0]) >= 8, budgets
-  assert budgets[1e3] == [], budgets
 
 
 def test_auto_never_offers_a_model_drafter_that_cannot_pay(model, monkeypatch):
@@ -541,65 +472,3 @@ def test_mtp_rows_give_mtp_up_where_it_cannot_pay(model):
     else:
       assert "spec_mtp_given_up" not in stats and stats["spec_fed_calls_mtp"] >= 1
       assert all(r.drafter_steps.get("mtp", 0) > 0 for r in got)
-
-
-def test_cost_model_is_corrected_by_what_speculative_calls_measure(model, monkeypatch):
-  cfg, params = model
-  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=128), speculative="ngram",
-                                         num_draft_tokens=3, adaptive_k=True))
-  eng.spec.costs[-4:] = 0.25, 0.1, 0.01, 0.02  # overhead, base, pad_row, per_token
-  eng.spec.replay_budget = 0.0  # every call runs the speculative loop (no `pays` per call)
-  np.testing.assert_allclose(eng.spec.live_costs(), eng.spec.costs)
-  eng.spec.correction.scale[0] = 2.0  # every speculative T(k) doubles; plain stays 1
-  live = eng.spec.live_costs()
-  for k in (1, 3):
-    t = 1 + eng.spec.costs[-4] + k * (eng.spec.costs[-3] + 4 * eng.spec.costs[-2])
-    t_live = 1 + live[-4] + k * (live[-3] + 4 * live[-2])
-    assert t_live == pytest.approx(2 * t)
-  assert live[-1] == pytest.approx(0.04)
-  # Calls that keep a model drafter current (draft model, MTP) are corrected apart: their
-  # catch-up made them ~3x dearer than predicted on the CPU demo, and with one correction for
-  # all calls that priced ngram's calls out for good (none ran again to bring it back).
-  eng.spec.correction.scale[0] = 1.0
-  for _ in range(20):
-    eng.spec.correction.learn(10.0, 30.0, models=True)
-  assert eng.spec.model_cost_scale == 2.0 and eng.spec.cost_scale == 1.0
-  np.testing.assert_allclose(eng.spec.live_costs(), eng.spec.costs)
-  assert eng.spec.live_costs(models=True)[-3] == pytest.approx(2 * eng.spec.costs[-3])
-  assert eng.spec.stats()["spec_cost_scale_model_drafters"] == 2.0
-  eng.spec.correction = LiveCorrection()
-  # Live traffic, with drafting priced free so that every call drafts (no rest). The unit, a
-  # plain iteration, made absurdly slow: the calls look far cheaper than predicted, and the
-  # correction hits its floor; absurdly fast: its ceiling.
-  eng.spec.costs[-4:] = 0.0
-  ps = [[1] + [5, 6, 7, 8, 9] * 5, [1] + [9, 3, 4] * 8]
-  want = plain(model, ps, 60)
-  for unit, scale in ((1e3, 0.5), (1e-9, 2.0)):
-    eng.spec.correction = LiveCorrection()
-    eng.spec.plain_iter_s = {b: unit for b in eng.buckets.decode}
-    before = eng.stats()["spec_model_predicted_cost"]
-    got = eng.generate(ps, stop=StopParams(max_tokens=60))
-    assert [r.output_ids for r in got] == want
-    assert eng.stats()["spec_model_predicted_cost"] - before > 32
-    assert eng.spec.cost_scale == scale
-    assert eng.stats()["spec_cost_scale"] == scale
-    assert eng.spec.model_cost_scale == 1.0  # (ngram calls feed no model drafter)
-  # A call that compiled (here: every call, as patched) is timed for neither the calibration
-  # nor the correction: its seconds would be a compile's.
-  from engine.runtime.speculative import runtime
-
-  class Compiling:  # a CompileCounter that saw a compile in every call
-    count = 1
-    def __enter__(self):
-      return self
-    def __exit__(self, *exc):
-      pass
-  monkeypatch.setattr(runtime, "CompileCounter", Compiling)
-  before = eng.stats()
-  got = eng.generate(ps, stop=StopParams(max_tokens=60))
-  assert [r.output_ids for r in got] == want
-  after = eng.stats()
-  loops = lambda st: sum(v for k, v in st.items() if k.startswith("spec_k"))
-  assert loops(after) > loops(before)  # it ran the speculative loop
-  for key in ("spec_model_predicted_cost", "spec_model_measured_cost", "spec_cost_scale"):
-    assert after[key] == before[key], key

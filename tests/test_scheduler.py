@@ -97,6 +97,28 @@ def test_scheduler_chunks_prefill_within_the_budget():
       ("long", 3, True), ("short", 3, True)]
 
 
+def test_decode_loop_budget_falls_back_to_what_the_pages_hold():
+  """A decode loop takes pages for its whole token budget up front; a speculative call's
+  budget (several plain calls' tokens) that the free pages cannot hold falls back to the plain
+  budget, still one device loop, rather than to a one-token step."""
+  pool = PagePool(8, page_size=4)  # 7 usable pages
+  s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64),
+                pool)
+  a, b = make_request("a", range(1, 7), max_tokens=40), make_request("b", range(1, 7), 40, 1)
+  for r in (a, b):
+    s.add(r)
+  s.schedule()
+  for r in (a, b):
+    s.record_computed(r, 6)
+    r.output_ids.append(7)  # both decoding: 7 tokens, 6 cached, 2 pages each
+  plan = s.schedule(20, 4)  # 20 more tokens each: 12 pages; 4 more: 1 page each
+  assert plan.decode_only and plan.num_steps == 4
+  assert [len(r.pages) for r in (a, b)] == [3, 3] and pool.num_free == 1
+  plan = s.schedule(6, 4)  # 6 tokens (to 12) fit the 3 pages each holds
+  assert plan.num_steps == 6 and pool.num_free == 1
+  assert s.schedule(30, 30).num_steps == 1  # neither fits: a one-token mixed step
+
+
 def test_random_workload_keeps_pages_accounted():
   """Adds, aborts, finishes and preemptions in random order: every page comes back."""
   rng = random.Random(0)

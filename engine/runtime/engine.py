@@ -58,7 +58,9 @@ class EngineConfig:
   max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
   enable_prefix_cache: bool = True
   row_widths: tuple[int, ...] = DEFAULT_ROW_WIDTHS
-  max_decode_steps: int = 16  # most decode iterations per device loop (1 disables the loop)
+  # Most plain decode iterations per device loop (1 disables the loop); a speculative loop gets
+  # as much time by the cost model, up to num_draft_tokens + 1 tokens per iteration of it.
+  max_decode_steps: int = 16
   # Speculative decoding (`speculative/runtime.py`): the drafter of requests that choose none
   # (None: off, "ngram", "learned", "mtp", "draft" (`Engine(draft=...)`), "auto"), `drafters`
   # more that they may choose; up to `num_draft_tokens` per iteration, or with `adaptive_k`
@@ -288,7 +290,7 @@ class Engine:
       self._apply_inbox()
       with self._inbox_lock:
         outputs, self._pending = self._pending, []
-      plan = self.scheduler.schedule(self._next_decode_steps())
+      plan = self.scheduler.schedule(self._next_decode_steps(), self._decode_steps)
       if not plan.segments:
         return outputs
       now = time.monotonic()
@@ -385,23 +387,28 @@ class Engine:
     stop_ids = np.full((b, MAX_STOP_IDS), -1, np.int32)
     remaining = np.zeros((b,), np.int32)
     min_before = np.zeros((b,), np.int32)
+    # The plan's tokens are a speculative call's (`SpecRuntime.budget`); a plain call spends
+    # the engine's budget of iterations on as many tokens.
+    speculates = self.spec.speculates(reqs, plan.num_steps, self._decode_steps)
+    num_steps = plan.num_steps if speculates else min(plan.num_steps, self._decode_steps)
     for i, req in enumerate(reqs):
       tokens[i], n_cached[i], table[i] = req.output_ids[-1], req.num_computed, \
           self._page_table_row(req)
       stop_ids[i, :len(req.stop_ids)] = req.stop_ids
-      remaining[i] = min(self.scheduler.remaining_tokens(req), plan.num_steps)
+      remaining[i] = min(self.scheduler.remaining_tokens(req), num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    if self.spec.speculates(reqs, plan.num_steps):  # logprobs come from the verify logits
+    if speculates:  # logprobs come from the verify logits
       with self._on_mesh():
         out, counts, lps, self.cache = self.spec.decode(
             self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-            remaining, min_before, plan.num_steps, self.counters, impl=self.config.kernels)
+            remaining, min_before, num_steps, self.counters, impl=self.config.kernels,
+            time_budget=self._decode_steps)
     else:  # (its tokens teach the learned table; some are replayed through the drafters)
       with self._on_mesh():
         out, counts, lps, self.cache = self.spec.plain_decode(
             self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-            remaining, min_before, plan.num_steps, impl=self.config.kernels)
+            remaining, min_before, num_steps, impl=self.config.kernels)
     for i, req in enumerate(reqs):
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],

@@ -96,13 +96,16 @@ class Scheduler:
 
   # ---- the step ------------------------------------------------------------------------------
 
-  def schedule(self, max_decode_steps: int = 1) -> SchedulerOutput:
-    """Chooses this step's work. `max_decode_steps` caps a decode-only device loop."""
+  def schedule(self, max_decode_steps: int = 1, fallback_steps: int = 1) -> SchedulerOutput:
+    """Chooses this step's work. `max_decode_steps` caps a decode-only device loop's tokens
+    per row; `fallback_steps`, a smaller cap to try when the free pages cannot hold those (a
+    speculative call's budget, `SpecRuntime.budget`, may be several plain calls' tokens)."""
     if max_decode_steps > 1 and not self.waiting and self.running and all(
         r.is_decoding for r in self.running):
-      out = self._schedule_decode_loop(max_decode_steps)
-      if out is not None:
-        return out
+      for steps_ in dict.fromkeys((max_decode_steps, min(fallback_steps, max_decode_steps))):
+        out = self._schedule_decode_loop(steps_) if steps_ > 1 else None
+        if out is not None:
+          return out
 
     budget = self.config.max_num_batched_tokens
     segments: list[Segment] = []

@@ -68,9 +68,12 @@ def first_iteration(spec: Any, reqs: Sequence[Any], n: int) -> tuple[float, bool
   return float(rate) / b, fed
 
 
-def call_saving(speedup: float, n: int, fixed_cost: float) -> float:
-  """Plain-loop iterations a speculative call of n tokens per row saves at `speedup` (tokens
-  per unit of time over plain decoding's) after its fixed cost (negative: it loses)."""
+def call_saving(speedup: float, n: int, fixed_cost: float, time: float | None = None) -> float:
+  """Plain-loop iterations a speculative call of n tokens per row at most, in `time` plain-loop
+  iterations (None: no limit), saves at `speedup` (tokens per unit of time over plain
+  decoding's) after its fixed cost (negative: it loses). Its tokens would take plain decoding
+  as many iterations, and take it 1 / speedup of them."""
   if speedup <= 1.0:
     return -fixed_cost
-  return n * (1.0 - 1.0 / speedup) - fixed_cost
+  tokens = n if time is None else min(n, time * speedup)
+  return tokens * (1.0 - 1.0 / speedup) - fixed_cost

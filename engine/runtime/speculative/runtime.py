@@ -122,6 +122,9 @@ class SpecRuntime:
       raise ValueError("EngineConfig: num_draft_tokens must be >= 1 and max_decode_steps >= "
                        "num_draft_tokens + 1 with speculative decoding")
     self.k = k
+    # A speculative call's tokens per row at most: its budget is time (`budget`), in which
+    # max_decode_steps iterations could each emit k + 1 tokens.
+    self.max_call_tokens = config.max_decode_steps * (k + 1)
     self.choices = goodput.k_choices(k) if config.adaptive_k else (k,)
     self.force_k = -1 if config.adaptive_k else 0
     # Device state is committed where the weights are from the start (like the cache): a
@@ -291,9 +294,9 @@ class SpecRuntime:
         out.add(d)
     return out
 
-  def speculates(self, reqs: Sequence[Any], num_steps: int) -> bool:
-    """Whether a decode-only step of `reqs` (`num_steps` tokens per row at most, `budget`)
-    runs the speculative loop (else the plain one).
+  def speculates(self, reqs: Sequence[Any], num_steps: int, time: float | None = None) -> bool:
+    """Whether a decode-only step of `reqs` (`num_steps` tokens per row at most, in `time`
+    plain-loop iterations: `budget`) runs the speculative loop (else the plain one).
 
     Where the replay keeps every estimate the batch drafts from current (`gated`), the call
     speculates when its predicted saving covers the speculative call's fixed cost (`pays`).
@@ -319,7 +322,7 @@ class SpecRuntime:
     if not any(r.drafter for r in reqs):
       return False
     if self.gated(reqs):
-      if self.pays(reqs, num_steps):
+      if self.pays(reqs, num_steps, time):
         return True
       self.per_drafter["spec_gated_calls"] = self.per_drafter.get("spec_gated_calls", 0) + 1
       return False
@@ -338,9 +341,10 @@ class SpecRuntime:
     return (self.force_k < 0 and self.replay_budget > 0
             and all(r.drafter in (None, AUTO) or r.drafter in DETERMINISTIC for r in reqs))
 
-  def pays(self, reqs: Sequence[Any], n: int) -> bool:
-    """Whether a speculative call of n tokens per row is predicted to beat a plain one,
-    its fixed cost included (`call_policy`). The predicted speedup is kept with what it was
+  def pays(self, reqs: Sequence[Any], n: int, time: float | None = None) -> bool:
+    """Whether a speculative call of n tokens per row at most, in `time` plain-loop
+    iterations (None: no limit), is predicted to beat plain decoding, its fixed cost included
+    (`call_policy`). The predicted speedup is kept with what it was
     computed from (the rows' drafters and estimates, the costs): a batch decoding plainly asks
     every step (`budget`, `speculates`), and its estimates move only when the replay runs
     (computing it costs ~0.5 ms on the host, 2-3% of a CPU demo call)."""
@@ -357,7 +361,8 @@ class SpecRuntime:
         self._speedups.clear()
       self._speedups[key] = call_policy.first_iteration(self, reqs, room)
     speedup, models = self._speedups[key]
-    return call_policy.call_saving(speedup, n, self.call_cost * self.correction.of(models)) > 0
+    return call_policy.call_saving(speedup, n, self.call_cost * self.correction.of(models),
+                                   time) > 0
 
   @staticmethod
   def _may_rest(reqs: Sequence[Any]) -> bool:
@@ -427,19 +432,24 @@ class SpecRuntime:
       self.plain_iter_s[b] = t if old is None else 0.8 * old + 0.2 * t
 
   def budget(self, steps_: int, running: Sequence[Any]) -> int:
-    """One speculative iteration may emit k + 1 tokens: the loop's budget is at least that.
-    A call that probes after a rest gets exactly that (if it drafts nothing, little was spent
-    on the speculative loop's overhead). A resting call (`speculates`) keeps the plain loop's
-    budget (its short first calls after the batch changes), as a call without drafters does,
-    and so does a `gated` call that would not pay."""
+    """The tokens per row a decode call of `running` may emit, for the scheduler's pages.
+    `steps_`: the engine's budget, plain-loop iterations (`Engine._next_decode_steps`), which a
+    plain call spends on as many tokens. A speculative call gets the same time (`decode`'s
+    `time_budget`; its loop stops when the cost model says it is spent) and up to k + 1
+    tokens per iteration of it: it lasts about as long as a plain call would, and its fixed
+    cost is spread over as much time. (A budget of `steps_` tokens ran ~6 iterations at ~3
+    tokens each on the CPU demo, paying the call's fixed cost every ~12 plain iterations.)
+    A call that probes after a rest gets k + 1 tokens (if it drafts nothing, little was
+    spent on the speculative loop's overhead). A resting call (`speculates`) keeps the plain
+    budget, as a call without drafters does, and so does a `gated` call that would not pay."""
     if not any(r.drafter for r in running):
       return steps_
+    n = steps_ * (self.k + 1)
     if self.gated(running):  # (the plain budget where a speculative call would not pay)
-      n = max(steps_, self.k + 1)
-      return n if self.pays(running, n) else steps_
+      return n if self.pays(running, n, steps_) else steps_
     if self.rest.left > 0 and self._may_rest(running):
       return steps_
-    return self.k + 1 if self._probe and self.rest.left == 0 else max(steps_, self.k + 1)
+    return self.k + 1 if self._probe and self.rest.left == 0 else n
 
   # ---- programs ------------------------------------------------------------------------------
 
@@ -472,15 +482,16 @@ class SpecRuntime:
     self.pool.mark_draft_valid(req.pages[:upto // self.pool.page_size])
 
   def histories(self, reqs: Sequence[Any], b: int) -> tuple[np.ndarray, np.ndarray]:
-    """[b, window + max_decode_steps] each request's last `ngram_window` tokens, and counts."""
+    """[b, window + max_call_tokens] each request's last `ngram_window` tokens, and counts."""
     window = self.config.ngram_window
-    return plain_calls.last_tokens(reqs, b, window, window + self.config.max_decode_steps)
+    return plain_calls.last_tokens(reqs, b, window, window + self.max_call_tokens)
 
   def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
              min_before, num_steps, counters: dict, *, impl: KernelChoice = REFERENCE,
-             force_k: int | None = None):
-    """A decode-only step of `reqs` (rows past them are padding). Returns (out, counts,
-    logprobs as `steps.decode_loop`'s, cache)."""
+             force_k: int | None = None, time_budget: float | None = None):
+    """A decode-only step of `reqs` (rows past them are padding): up to num_steps tokens per
+    row in about `time_budget` plain-loop iterations (None: the tokens alone bound it;
+    `budget`). Returns (out, counts, logprobs as `steps.decode_loop`'s, cache)."""
     started, compiles = time.perf_counter(), CompileCounter()  # (a call that compiled: untimed)
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
@@ -520,11 +531,12 @@ class SpecRuntime:
     with compiles:
       res, cache = speculative_decode_loop(
           params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
-          np.int32(num_steps), history, history_len, row_drafter, row_auto, row_max_draft,
+          np.int32(num_steps), np.float32(np.inf if time_budget is None else time_budget),
+          history, history_len, row_drafter, row_auto, row_max_draft,
           row_accept, auto_allowed, feed, draft_rows, self.accept, live,
           np.int32(self.force_k if force_k is None else force_k),
           wants_logprobs(reqs), self.table, mtp_hidden,
-          self.draft_params, self.draft_cache, max_steps=self.config.max_decode_steps,
+          self.draft_params, self.draft_cache, max_steps=self.max_call_tokens,
           choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
           impl=impl)
     self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache

@@ -126,7 +126,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             n_cached: jax.Array, page_table: jax.Array,
                             sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
                             min_before_stop: jax.Array, num_steps: jax.Array,
-                            history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
+                            time_budget: jax.Array, history: jax.Array, history_len: jax.Array, row_drafter: jax.Array,
                             row_auto: jax.Array, row_max_draft: jax.Array, row_accept: jax.Array,
                             auto_allowed: jax.Array, feed: jax.Array,
                             draft_rows: jax.Array, accept: jax.Array, costs: jax.Array,
@@ -138,11 +138,15 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             choices: tuple[int, ...], drafters: tuple[str, ...],
                             cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
                             impl: KernelChoice = REFERENCE) -> tuple[LoopResult, Cache]:
-  """Up to `num_steps` (<= max_steps) new tokens per row.
+  """Up to `num_steps` (<= max_steps) new tokens per row, in about `time_budget`.
 
   Args:
     tokens, n_cached, page_table, sampling, stop_ids, remaining, min_before_stop, num_steps:
       as in `steps.decode_loop` (num_steps counts tokens, not iterations).
+    time_budget: float32 scalar, the call's time in plain-loop iterations by the cost model
+      (`costs`): no iteration starts once the predicted time of those run reaches it (inf:
+      the tokens alone bound the call). So a speculative call lasts about as long as a plain
+      call of `time_budget` tokens, however many tokens its iterations emit.
     history: [B, W] int32 the row's most recent tokens, oldest first, ending with `tokens`;
       W >= history_len + max_steps (the loop appends what it emits).
     history_len: [B] int32 tokens in `history` (>= 1 for real rows).
@@ -358,7 +362,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     s["mtp_hidden"] = mtp_hidden
   if "draft" in drafters:
     s.update(draft_cache=draft_cache, pending=jnp.zeros((b, k_max), jnp.int32), n_pending=zeros)
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s["done"]), body, s)
+  s = jax.lax.while_loop(
+      lambda s: ~jnp.all(s["done"]) & (s["calibration"][2] < time_budget), body, s)
   dcache = None
   if "draft" in drafters:  # flush: fed rows' draft cache holds every position < n_cached
     dcache = run_if(
