@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import inspect
 import json
 import os
 import re
@@ -51,6 +52,8 @@ flags.DEFINE_integer("force_k", 0, "Speculative loop: index into the compiled k 
                      "(-1: the goodput model chooses).")
 flags.DEFINE_enum("rows", "off", list(DRAFTER_IDS), "Speculative loop: every row's drafter.")
 flags.DEFINE_integer("batch", 4, "Requests.")
+flags.DEFINE_list("drafters", ["ngram", "learned", "mtp", "draft"], "The engine's drafters "
+                  "(its speculative loop carries every one, used or not).")
 flags.DEFINE_integer("num_draft_tokens", 4, "K.")
 flags.DEFINE_enum("depth", "outer", ["outer", "inner"], "Frame an op is charged to.")
 flags.DEFINE_integer("top", 30, "Rows printed.")
@@ -136,19 +139,20 @@ def main(argv):
   del argv
   model = moejax.load(os.path.join(ROOT, "checkpoints", "demo", "target"), progress=False,
                       dtype=FLAGS.dtype)
-  drafters = ["ngram", "learned"] + (["mtp"] if model.config.num_nextn_predict_layers else [])
-  draft = moejax.load(os.path.join(ROOT, "checkpoints", "demo", "draft"), progress=False,
-                      dtype=FLAGS.dtype)
+  drafters = [d for d in FLAGS.drafters
+              if d != "mtp" or model.config.num_nextn_predict_layers]
+  draft = (moejax.load(os.path.join(ROOT, "checkpoints", "demo", "draft"), progress=False,
+                       dtype=FLAGS.dtype) if "draft" in drafters else None)
   eng = Engine.from_model(model, EngineConfig(
       max_num_seqs=FLAGS.batch, max_num_batched_tokens=512, max_model_len=512,
-      max_decode_steps=16, drafters=tuple(drafters + ["draft"]),
+      max_decode_steps=16, drafters=tuple(drafters),
       num_draft_tokens=FLAGS.num_draft_tokens, adaptive_k=True), draft_model=draft)
   module = spec_runtime if FLAGS.program == "speculative_decode_loop" else steps
   real = getattr(module, FLAGS.program)
   captured = []
 
   def capture(*args, **kwargs):
-    if int(args[9]) >= 16 and not captured:  # a full call (num_steps is argument 9 in both)
+    if int(args[9]) >= 16 and not captured:  # a full call (num_steps: argument 9 in both)
       captured.append(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
                                    (list(args), kwargs)))
     return real(*args, **kwargs)
@@ -160,14 +164,18 @@ def main(argv):
   eng.generate(ids, SamplingParams(drafter=drafter), StopParams(max_tokens=64, ignore_eos=True))
   setattr(module, FLAGS.program, real)
   args, kwargs = captured[0]
-  b = args[2].shape[0]
-  args[7] = np.full((b,), 16, np.int32)  # every row runs the whole call
+  bound = inspect.signature(real).bind(*args, **kwargs)
+  named = bound.arguments
+  b = named["tokens"].shape[0]
+  named["remaining"] = np.full((b,), 16, np.int32)  # every row runs 16 tokens
   if FLAGS.program == "speculative_decode_loop":
-    args[12] = np.full((b,), DRAFTER_IDS.index(FLAGS.rows), np.int32)  # row_drafter
-    args[13] = np.zeros((b,), bool)  # row_auto
-    args[17] = np.asarray([d == FLAGS.rows for d in DRAFTER_IDS])  # feed
-    args[18] = np.full((b,), FLAGS.rows == "draft")  # draft_rows (fed by the draft model)
-    args[21] = np.int32(FLAGS.force_k)
+    named["time_budget"] = np.float32(np.inf)  # (the tokens alone bound the call)
+    named["row_drafter"] = np.full((b,), DRAFTER_IDS.index(FLAGS.rows), np.int32)
+    named["row_auto"] = np.zeros((b,), bool)
+    named["feed"] = np.asarray([d == FLAGS.rows for d in DRAFTER_IDS])
+    named["draft_rows"] = np.full((b,), FLAGS.rows == "draft")  # (fed by the draft model)
+    named["force_k"] = np.int32(FLAGS.force_k)
+  args, kwargs = list(bound.args), dict(bound.kwargs)
   fresh = lambda: jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
                                (args, kwargs))
   best = float("inf")

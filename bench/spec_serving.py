@@ -11,8 +11,10 @@ acceptance). Workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EO
 * agent: a later turn that resends the conversation (prompt, the model's answer, the prompt
   again), so the answer repeats earlier context;
 * mixed: half fresh, half agent in one batch (rows that should draft differently).
-For each: output tok/s (best of `--repeats` after a warm-up pass), tokens per target forward of
-drafting rows, speedup over "off" on the same engine, the goodput model's calibration (tokens it
+For each: output tok/s (median over `--repeats` rounds after a warm-up pass; every round runs
+each mode once, in a shuffled order, so that load from elsewhere on the machine slows all modes
+alike), tokens per target forward of drafting rows, speedup over "off" on the same engine (the
+ratio of medians, and the range of the per-round ratios), the goodput model's calibration (tokens it
 expected over tokens emitted in iterations that drafted: above 1, its acceptance estimates run
 ahead of what is accepted) and of its costs (speculative calls' wall time over the time it
 predicted for them, both in plain-loop iterations: above 1, T(k) or the calls' fixed costs are
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import statistics
 import sys
 import time
 
@@ -44,13 +48,13 @@ flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "tar
 flags.DEFINE_string("draft_checkpoint", os.path.join(ROOT, "checkpoints", "demo", "draft"),
                     "Draft model (drafter 'draft'); empty: no draft model.")
 flags.DEFINE_list("modes", ["off", "ngram", "learned", "mtp", "draft", "auto"],
-                  "Per-request drafters to compare ('off' first: the baseline).")
+                  "Per-request drafters to compare ('off': the baseline).")
 flags.DEFINE_integer("batch", 4, "Prompts per workload.")
 flags.DEFINE_integer("max_new_tokens", 64, "Generated tokens per prompt.")
 flags.DEFINE_integer("num_draft_tokens", 4, "K: the most drafts per iteration.")
 flags.DEFINE_bool("adaptive_k", True, "Choose the block width and per-row drafts every "
                   "iteration from the goodput model (costs measured at warm-up).")
-flags.DEFINE_integer("repeats", 2, "Timed passes per mode (best kept).")
+flags.DEFINE_integer("repeats", 3, "Timed rounds (each runs every mode once; medians kept).")
 flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "Parameter dtype (float32: "
                   "greedy outputs comparable token for token on CPU).")
 flags.DEFINE_string("out", "", "Write the results as JSON here.")
@@ -75,7 +79,7 @@ def _pass(eng: Engine, ids, drafter: str, max_new: int):
   stats1 = eng.stats()
   delta = {k: stats1[k] - stats0.get(k, 0) for k in stats1
            if k.startswith("spec_") and isinstance(stats1[k], (int, float))}
-  return [r.output_ids for r in got], dt, delta
+  return dt, [r.output_ids for r in got], delta
 
 
 def main(argv):
@@ -100,26 +104,32 @@ def main(argv):
         f"{ {k: v for k, v in eng.stats().items() if k.startswith('spec_cost')} }",
         file=sys.stderr)
   loads = _workloads(eng, model, FLAGS.batch, FLAGS.max_new_tokens)
+  rng = random.Random(0)
   rows = []
   for name, ids in loads.items():
-    ref = None
-    base_t = None
+    passes = {m: [] for m in modes}  # (seconds, outputs, stats delta) per timed round
     for mode in modes:
       _pass(eng, ids, mode, FLAGS.max_new_tokens)  # warm (first execution of each branch)
-      best, out, spec = float("inf"), None, {}
-      for _ in range(FLAGS.repeats):
-        out, dt, delta = _pass(eng, ids, mode, FLAGS.max_new_tokens)
-        if dt < best:
-          best, spec = dt, delta
-      n_tokens = sum(map(len, out))
-      if mode == "off":
-        ref, base_t = out, best
+    for _ in range(FLAGS.repeats):
+      for mode in rng.sample(modes, len(modes)):
+        passes[mode].append(_pass(eng, ids, mode, FLAGS.max_new_tokens))
+    ref = passes["off"][0][1] if "off" in passes else None
+    base = [dt for dt, _, _ in passes["off"]] if "off" in passes else None
+    for mode in modes:
+      times = [dt for dt, _, _ in passes[mode]]
+      spec = {}
+      for _, _, delta in passes[mode]:  # (summed over the rounds)
+        for k, v in delta.items():
+          spec[k] = spec.get(k, 0) + v
+      n_tokens = sum(map(len, passes[mode][0][1]))
+      ratios = [b / t for b, t in zip(base, times)] if base else None
       steps = spec.get("spec_steps", 0)
       rows.append(dict(
-          workload=name, mode=mode, tok_s=n_tokens / best,
-          speedup=(base_t / best) if base_t else None,
+          workload=name, mode=mode, tok_s=n_tokens / statistics.median(times),
+          speedup=statistics.median(base) / statistics.median(times) if base else None,
+          speedup_range=(min(ratios), max(ratios)) if ratios else None,
           tokens_per_forward=(1 + spec.get("spec_accepted", 0) / steps) if steps else 1.0,
-          identical=out == ref if ref is not None else None,
+          identical=all(out == ref for _, out, _ in passes[mode]) if ref is not None else None,
           k_loops={k: v for k, v in spec.items() if k.startswith("spec_k")},
           auto_choice={k[len("spec_auto_choice_"):]: v for k, v in spec.items()
                        if k.startswith("spec_auto_choice_") and v},
@@ -132,14 +142,16 @@ def main(argv):
           measured_over_predicted=(spec["spec_model_measured_cost"]
                                    / spec["spec_model_predicted_cost"])
           if spec.get("spec_model_predicted_cost") else None))
-      print(f"  {name} {mode} done", file=sys.stderr)
+    print(f"  {name} done", file=sys.stderr)
 
-  header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'tok/fwd':>7} "
+  header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'(rounds)':>11} {'tok/fwd':>7} "
             f"{'exp/emit':>8} {'T meas/pred':>11} identical  auto chose (row iterations)")
   print(header)
   print("-" * len(header))
   for r in rows:
     sp = f"{r['speedup']:7.2f}" if r["speedup"] is not None else f"{'-':>7}"
+    lo_hi = r["speedup_range"]
+    sp += f" {lo_hi[0]:5.2f}-{lo_hi[1]:4.2f}" if lo_hi else f" {'-':>10}"
     cal = r["expected_over_emitted"]
     cal = f"{cal:8.2f}" if cal is not None else f"{'-':>8}"
     cost = r["measured_over_predicted"]
