@@ -2,7 +2,7 @@
 # The GPU check: one script for a developer who draws a GPU, run as a single device call from
 # the repository root:
 #     OUT=/tmp/out bash bench/gpu_check.sh          (the device tool sets $OUT)
-# Sized to finish in under 8 minutes on one H200, compilation included; each stage has its own
+# Sized to finish in about 10 minutes on one H200, compilation included; each stage has its own
 # time limit and a failing stage does not stop the others. Writes JSON per stage and
 # $OUT/summary.md (a markdown table per stage) for BENCHMARKS.md.
 #   1. compiled kernels vs references (bench.kernel_check)        exit status = correctness
@@ -13,6 +13,9 @@
 #      reference at batch 8
 #   4. the demo model with and without speculation
 #   5. token-dispatch expert parallelism compiled on the device (ragged_all_to_all exchange)
+#   6. the serving engine's speculative calls on the demo model (bench.spec_serving, no draft
+#      model; last: its warm-up compiles and times every bucket, and a stage cut short by its
+#      limit writes nothing)
 set -u
 OUT=${OUT:-/tmp/moejax_gpu_check}
 mkdir -p "$OUT"
@@ -47,6 +50,8 @@ if [ -f bench/speculative.py ]; then
     --rounds=3 --learning_curve=3 --out="$OUT/speculative.json"
 fi
 stage dispatch 60 $PY -m bench.dispatch_check --out="$OUT/dispatch.json"
+stage spec_serving 150 $PY -m bench.spec_serving --modes=off,ngram,learned,auto \
+  --draft_checkpoint= --repeats=2 --out="$OUT/spec_serving.json"
 $PY -m bench.summarize "$OUT" > "$OUT/summary.md" 2>&1 || status=1
 cat "$OUT/summary.md"
 exit $status
