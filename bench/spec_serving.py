@@ -7,7 +7,9 @@ One `Engine` with every drafter enabled (ngram, learned, mtp, draft; `--num_draf
 serves the same batches with each request's drafter set by `SamplingParams(drafter=...)`:
 "off", each drafter, and "auto" (the loop picks per row and iteration from the request's own
 acceptance). Workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EOS ignored):
-* fresh: short code openings (little to copy);
+* novel: 48 tokens of code from modules the demo model never trained on, new ones every pass
+  (first-encounter traffic: nothing learned applies);
+* fresh: short code openings (little to copy; the same every pass, so the table learns them);
 * agent: a later turn that resends the conversation (prompt, the model's answer, the prompt
   again), so the answer repeats earlier context;
 * mixed: half fresh, half agent in one batch (rows that should draft differently).
@@ -25,12 +27,14 @@ what earlier passes taught it (it learns across requests). Prints a table and wr
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
 import statistics
 import sys
 import time
+from typing import Callable
 
 from absl import app, flags
 
@@ -39,7 +43,7 @@ from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 
-from bench.spec_workloads import FRESH, agent_turn
+from bench.spec_workloads import FRESH, agent_turn, novel_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -50,6 +54,7 @@ flags.DEFINE_string("draft_checkpoint", os.path.join(ROOT, "checkpoints", "demo"
 flags.DEFINE_list("modes", ["off", "ngram", "learned", "mtp", "draft", "auto"],
                   "Per-request drafters to compare ('off': the baseline).")
 flags.DEFINE_integer("batch", 4, "Prompts per workload.")
+flags.DEFINE_list("workloads", ["novel", "fresh", "agent", "mixed"], "Workloads to run.")
 flags.DEFINE_integer("max_new_tokens", 64, "Generated tokens per prompt.")
 flags.DEFINE_integer("num_draft_tokens", 4, "K: the most drafts per iteration.")
 flags.DEFINE_bool("adaptive_k", True, "Choose the block width and per-row drafts every "
@@ -60,14 +65,17 @@ flags.DEFINE_enum("dtype", "float32", ["bfloat16", "float32"], "Parameter dtype 
 flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
 
-def _workloads(eng: Engine, model, n: int, max_new: int) -> dict[str, list[list[int]]]:
+def _workloads(eng: Engine, model, n: int, max_new: int) -> dict[str, Callable[[int], list]]:
+  """name -> the prompts of pass i (the same every pass but for "novel")."""
   fresh = [model.encode(p) for p in (FRESH * 4)[:n]]
   answers = eng.generate(fresh, SamplingParams(drafter="off"),
                          StopParams(max_tokens=max_new, ignore_eos=True))
   agent = [agent_turn(model, p, ids, r.output_ids)
            for ids, r, p in zip(fresh, answers, (FRESH * 4)[:n])]
   half = n // 2
-  return {"fresh": fresh, "agent": agent, "mixed": fresh[:half] + agent[half:n]}
+  loads = {"novel": lambda i: novel_prompts(model, n, i), "fresh": lambda i: fresh,
+           "agent": lambda i: agent, "mixed": lambda i: fresh[:half] + agent[half:n]}
+  return {name: loads[name] for name in FLAGS.workloads}
 
 
 def _pass(eng: Engine, ids, drafter: str, max_new: int):
@@ -106,14 +114,16 @@ def main(argv):
   loads = _workloads(eng, model, FLAGS.batch, FLAGS.max_new_tokens)
   rng = random.Random(0)
   rows = []
-  for name, ids in loads.items():
+  for name, prompts in loads.items():
     passes = {m: [] for m in modes}  # (seconds, outputs, stats delta) per timed round
-    for mode in modes:
-      _pass(eng, ids, mode, FLAGS.max_new_tokens)  # warm (first execution of each branch)
+    n_pass = itertools.count()
+    for mode in modes:  # warm (first execution of each branch)
+      _pass(eng, prompts(next(n_pass)), mode, FLAGS.max_new_tokens)
     for _ in range(FLAGS.repeats):
       for mode in rng.sample(modes, len(modes)):
-        passes[mode].append(_pass(eng, ids, mode, FLAGS.max_new_tokens))
-    ref = passes["off"][0][1] if "off" in passes else None
+        passes[mode].append(_pass(eng, prompts(next(n_pass)), mode, FLAGS.max_new_tokens))
+    # (novel prompts differ every pass: no output to compare)
+    ref = passes["off"][0][1] if "off" in passes and name != "novel" else None
     base = [dt for dt, _, _ in passes["off"]] if "off" in passes else None
     for mode in modes:
       times = [dt for dt, _, _ in passes[mode]]
@@ -144,8 +154,8 @@ def main(argv):
           if spec.get("spec_model_predicted_cost") else None))
     print(f"  {name} done", file=sys.stderr)
 
-  header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'(rounds)':>11} {'tok/fwd':>7} "
-            f"{'exp/emit':>8} {'T meas/pred':>11} identical  auto chose (row iterations)")
+  header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'(rounds)':>11} "
+            f"{'tok/fwd':>7} {'exp/emit':>8} {'T meas/pred':>11} identical  auto chose (row iterations)")
   print(header)
   print("-" * len(header))
   for r in rows:

@@ -2,11 +2,16 @@
 
 * FRESH: short code openings the model continues freely (little to copy);
 * `agent_turn`: a later turn that resends the conversation (the prompt, the model's answer, a
-  blank line, the prompt again), so the answer repeats earlier context.
+  blank line, the prompt again), so the answer repeats earlier context;
+* `novel_prompts`: a new batch of code from modules the demo model never trained on (the demo
+  corpus's held-out side) for every pass: traffic neither the model nor a learned table has
+  seen, where FRESH repeated across passes becomes draftable.
 """
 
 from __future__ import annotations
 
+import functools
+import random
 from typing import Any, Sequence
 
 FRESH = ["def read_config(path):\n", "class Point:\n    def __init__(self, x, y):\n",
@@ -19,3 +24,28 @@ def agent_turn(model: Any, prompt: str, prompt_ids: Sequence[int],
                answer_ids: Sequence[int]) -> list[int]:
   """The token ids of the turn that resends `prompt` after its answer."""
   return list(prompt_ids) + list(answer_ids) + model.encode("\n\n" + prompt)
+
+
+@functools.lru_cache(maxsize=1)
+def _heldout_lines() -> tuple[str, ...]:
+  """The lines of the demo corpus's held-out modules (the running interpreter's stdlib)."""
+  from checkpoints import demo_corpus
+  _, heldout = demo_corpus.split(demo_corpus.stdlib_files())
+  return tuple(line for text in demo_corpus.read_texts(heldout) for line in text.split("\n"))
+
+
+def novel_prompts(model: Any, n: int, batch: int, tokens: int = 48) -> list[list[int]]:
+  """n prompts of `tokens` token ids each (BOS first), the batch-th of a seeded sequence of
+  batches: windows of held-out stdlib code starting at a non-blank line drawn at random (a
+  window shared by two batches is rare: ~20k lines)."""
+  lines = _heldout_lines()
+  rng = random.Random(batch)
+  out = []
+  while len(out) < n:
+    start = rng.randrange(len(lines) - 64)
+    if not lines[start].strip():
+      continue
+    ids = model.encode("\n".join(lines[start:start + 64]))[:tokens]
+    if len(ids) == tokens:
+      out.append(ids)
+  return out
