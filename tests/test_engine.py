@@ -76,6 +76,46 @@ def test_batch_invariance_greedy_and_seeded(eng):
   assert_pool_full(eng)
 
 
+def test_decode_loop_length_restarts_when_requests_join_not_when_they_leave(eng, model):
+  """The loop length ramps 1, 2, 4, 8 after the batch forms; a request that finishes does
+  not restart the ramp (nothing waits), so the one left runs full calls, not 1, 2, 4 again;
+  a request that joins does restart it."""
+  calls = []  # (token budget, rows) of every decode-loop call
+  real = eng.spec.plain_decode
+
+  def spy(*args, **kwargs):
+    calls.append((args[10], len(args[2])))
+    return real(*args, **kwargs)
+  eng.spec.plain_decode = spy
+  try:
+    ps = prompts(2, seed=71)
+    got = eng.generate(ps, stop=[StopParams(max_tokens=16), StopParams(max_tokens=40)])
+  finally:
+    eng.spec.plain_decode = real
+  assert [r.output_ids for r in got] == [c.token_ids[:n] for c, n in zip(
+      generate_tokens(model[1], model[0], ps, max_new_tokens=40), (16, 40))]
+  two = [n for n, rows in calls if rows == 2]
+  one = [n for n, rows in calls if rows == 1]
+  assert two == [1, 2, 4, 8], calls  # 15 tokens after the prefill's first
+  assert one and one[0] == 8 and all(n == 8 for n in one[:-1]), calls
+  # A request that joins a running one restarts the ramp.
+  a = eng.add_request(ps[0], stop=StopParams(max_tokens=40))
+  for _ in range(4):
+    eng.step()
+  calls.clear()
+  eng.spec.plain_decode = spy
+  try:
+    b = eng.add_request(ps[1], stop=StopParams(max_tokens=20))
+    while eng.has_unfinished():
+      eng.step()
+  finally:
+    eng.spec.plain_decode = real
+  assert [n for n, rows in calls if rows == 2][:2] == [1, 2], calls
+  for i in (a, b):
+    eng.release(i)
+  assert_pool_full(eng)
+
+
 def test_no_compilation_after_warmup(eng):
   rng = random.Random(3)
   with CompileCounter() as counter:
