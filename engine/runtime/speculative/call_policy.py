@@ -9,7 +9,7 @@ per row whose first iteration's plan emits R tokens per unit of step time agains
 plain decoding saves about n (1 - rows / R) plain iterations; it pays when that exceeds F.
 
 On the 2-core CPU F is several plain iterations, so short calls (the engine's first calls
-after its batch changes, a probe's K + 1 tokens) lose there even at high acceptance, which the
+after a request joins, a probe's K + 1 tokens) lose there even at high acceptance, which the
 per-iteration model alone could not see; on a GPU, where an iteration is the weights' read
 time, F is a fraction of one.
 """
