@@ -432,16 +432,13 @@ class SpecRuntime:
       self.plain_iter_s[b] = t if old is None else 0.8 * old + 0.2 * t
 
   def budget(self, steps_: int, running: Sequence[Any]) -> int:
-    """The tokens per row a decode call of `running` may emit, for the scheduler's pages.
-    `steps_`: the engine's budget, plain-loop iterations (`Engine._next_decode_steps`), which a
-    plain call spends on as many tokens. A speculative call gets the same time (`decode`'s
-    `time_budget`; its loop stops when the cost model says it is spent) and up to k + 1
-    tokens per iteration of it: it lasts about as long as a plain call would, and its fixed
-    cost is spread over as much time. (A budget of `steps_` tokens ran ~6 iterations at ~3
-    tokens each on the CPU demo, paying the call's fixed cost every ~12 plain iterations.)
-    A call that probes after a rest gets k + 1 tokens (if it drafts nothing, little was
-    spent on the speculative loop's overhead). A resting call (`speculates`) keeps the plain
-    budget, as a call without drafters does, and so does a `gated` call that would not pay."""
+    """The tokens per row a decode call of `running` may emit (the scheduler's pages).
+    `steps_`: the engine's budget in plain-loop iterations, which a plain call spends on as
+    many tokens. A speculative call gets the same time (`decode`'s `time_budget`) and up to
+    k + 1 tokens per iteration: it lasts as long as a plain call, its fixed cost spread over
+    as much time (16 tokens ran ~6 iterations on the CPU demo). A probe after a rest gets
+    k + 1 tokens; a resting call, one without drafters and a `gated` one that would not pay
+    keep the plain budget."""
     if not any(r.drafter for r in running):
       return steps_
     n = steps_ * (self.k + 1)
