@@ -155,7 +155,8 @@ def main(argv):
     print(f"  {name} done", file=sys.stderr)
 
   header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'(rounds)':>11} "
-            f"{'tok/fwd':>7} {'exp/emit':>8} {'T meas/pred':>11} identical  auto chose (row iterations)")
+            f"{'tok/fwd':>7} {'exp/emit':>8} {'T meas/pred':>11} identical  "
+            "auto chose (row iterations)")
   print(header)
   print("-" * len(header))
   for r in rows:

@@ -102,10 +102,11 @@ class Scheduler:
     speculative call's budget, `SpecRuntime.budget`, may be several plain calls' tokens)."""
     if max_decode_steps > 1 and not self.waiting and self.running and all(
         r.is_decoding for r in self.running):
-      for steps_ in dict.fromkeys((max_decode_steps, min(fallback_steps, max_decode_steps))):
-        out = self._schedule_decode_loop(steps_) if steps_ > 1 else None
-        if out is not None:
-          return out
+      out = self._schedule_decode_loop(max_decode_steps)
+      if out is None and 1 < fallback_steps < max_decode_steps:
+        out = self._schedule_decode_loop(fallback_steps)
+      if out is not None:
+        return out
 
     budget = self.config.max_num_batched_tokens
     segments: list[Segment] = []
