@@ -167,6 +167,9 @@ def stop_ids_for(stop: StopParams, eos_ids: Sequence[int]) -> tuple[int, ...]:
   return tuple(stop.stop_token_ids) + (() if stop.ignore_eos else tuple(eos_ids))
 
 
-def wants_logprobs(reqs: Sequence[Request]) -> np.bool_:
-  """Whether a decode program over `reqs` must compute logprobs (a device scalar argument)."""
+def wants_logprobs(reqs: Sequence[Request], forced: bool | None = None) -> np.bool_:
+  """Whether a decode program over `reqs` must compute logprobs (a device scalar argument):
+  `forced` if not None (warm-up), else whether a request asks for them."""
+  if forced is not None:
+    return np.bool_(forced)
   return np.bool_(any(r.sampling.logprobs is not None for r in reqs))

@@ -1,11 +1,12 @@
 """`Engine.warmup`'s work: compile every bucket before traffic arrives, then (adaptive draft
 length) measure the speculative cost model.
 
-Each program runs once on the null page (writes at positions past the page table are dropped),
-so no real cache entry changes: mixed prefill/decode shapes (and the draft model's catch-up
+Each program runs on the null page (writes at positions past the page table are dropped), so
+no real cache entry changes: mixed prefill/decode shapes (and the draft model's catch-up
 forward at each), the plain decode loop per decode batch size (and the learned table's update
 from its tokens), the speculative loop per decode batch size when the engine has drafters, then
-`SpecRuntime.measure_costs`. Where the measured costs make the MTP layer `hopeless`, prefill
+`SpecRuntime.measure_costs`. The decode loops run every branch once (block widths, logprobs,
+model drafters): a branch's first run is slow (`_spec_branches`). Where the measured costs make the MTP layer `hopeless`, prefill
 chunks stop feeding it: the mixed shapes are compiled again without it.
 """
 
@@ -20,6 +21,8 @@ import numpy as np
 from engine.runtime import steps
 from engine.runtime.page_pool import NULL_PAGE
 from engine.runtime.speculative import catch_up
+from engine.runtime.speculative.probes import learning_kept
+from engine.runtime.speculative.serving import DETERMINISTIC
 
 
 def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, *,
@@ -49,13 +52,12 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
     elif kind == "step":
       _plain_step(eng, b, w)
     elif kind == "spec":
-      *_, eng.cache = eng.spec.decode(
-          eng.params, eng.cache, [], zeros, zeros, table, samp, stop_ids, zeros, zeros,
-          1, collections.Counter(), impl=eng.config.kernels)
-    else:
-      *_, eng.cache = eng.spec.plain_decode(
-          eng.params, eng.cache, [], zeros, past, table, samp, stop_ids, ones, zeros, 1,
-          impl=eng.config.kernels)
+      _spec_branches(eng, zeros, past, table, samp, stop_ids)
+    else:  # (once with logprobs: `steps.decode_loop`'s conditional)
+      for logprobs in (False, True):
+        *_, eng.cache = eng.spec.plain_decode(
+            eng.params, eng.cache, [], zeros, past, table, samp, stop_ids, ones, zeros, 1,
+            impl=eng.config.kernels, logprobs=logprobs)
     if progress is not None:
       progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
   observed = eng.spec.observes
@@ -70,6 +72,25 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
       n += 1
   jax.block_until_ready(eng.cache)
   return n
+
+
+def _spec_branches(eng: Any, tokens: np.ndarray, past: np.ndarray, table: np.ndarray,
+                   samp: Any, stop_ids: np.ndarray) -> None:
+  """The speculative loop for len(tokens) rows, one iteration at each compiled block width
+  (writes past the page table, dropped): with logprobs and rows drafting with each model
+  drafter in turn, and with neither. The first run of a branch (`lax.switch`, `lax.cond`)
+  costs ~30-50 ms more than later runs on the CPU demo (XLA:CPU), which otherwise fell on the
+  first calls of a batch size the cost probes had not run (`measure_costs`: the smallest and
+  largest). The table and counters the calls move are set back."""
+  passes = [((d,), True) for d in eng.spec.enabled if d not in DETERMINISTIC] or [((), True)]
+  passes.append(((), False))  # (rows, logprobs)
+  with learning_kept(eng.spec):
+    for i in range(len(eng.spec.choices)):
+      for rows, logprobs in passes:
+        *_, eng.cache = eng.spec.decode(
+            eng.params, eng.cache, [], tokens, past, table, samp, stop_ids,
+            np.ones_like(tokens), np.zeros_like(tokens), 1, collections.Counter(),
+            impl=eng.config.kernels, force_k=i, logprobs=logprobs, warm_rows=rows)
 
 
 def _plain_step(eng: Any, b: int, w: int) -> None:

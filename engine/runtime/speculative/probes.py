@@ -8,16 +8,20 @@
   fastest time, so load from elsewhere on the machine slows all probes alike;
 * `loop_costs`: the fixed-batch loop's time per iteration at each compiled k
   (`loop.speculative_decode`'s step_costs), timed on the loop itself once per process and
-  shape.
+  shape;
+* `learning_kept`: what the serving loop learns (table, acceptance counts, statistics) set
+  back after probes and warm-up calls that ran it on junk rows.
 
 The serving engine fits its own model from the same probes (`SpecRuntime.measure_costs`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,23 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
+
+
+@contextlib.contextmanager
+def learning_kept(spec: Any) -> Iterator[None]:
+  """Sets `spec`'s (a `SpecRuntime`) learned state back on exit: calls of the serving loop on
+  the null page (probes, warm-up) would teach the table junk and move the acceptance counts,
+  the rest schedule and the statistics."""
+  names = ("accept", "accept_seen", "k_steps", "rest", "_probe", "per_position", "calibration",
+           "per_drafter")
+  saved = {n: copy.copy(getattr(spec, n)) for n in names}  # (numpy arrays: copies)
+  table = None if spec.table is None else jax.tree.map(jnp.copy, spec.table)
+  try:
+    yield
+  finally:
+    for n, v in saved.items():
+      setattr(spec, n, v)
+    spec.table = table
 
 
 # Forwards per timed probe call: one call's dispatch and transfers (~1 ms on the CPU demo,

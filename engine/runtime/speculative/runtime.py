@@ -370,17 +370,18 @@ class SpecRuntime:
     return all(r.drafter != "mtp" for r in reqs)
 
   def plain_decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-                   remaining, min_before, num_steps, *, impl: KernelChoice = REFERENCE):
+                   remaining, min_before, num_steps, *, impl: KernelChoice = REFERENCE,
+                   logprobs: bool | None = None):
     """A decode-only step of `reqs` on the plain loop (`speculates` said no). Its tokens teach
     the learned table, in the loop's own program unless the call is replayed (`plain_calls`);
     with `adaptive_k`, rows with a drafter get what the deterministic drafters would have
     achieved on them when the replay's budget allows (`_replay_due`); its time is the cost
     model's unit (`record_plain`). Returns (out, counts, logprobs, cache) as `decode`.
-    `reqs` empty: compiles every program a plain call may run (warm-up)."""
+    `reqs` empty: runs every program a plain call may run (warm-up); `logprobs` as `decode`'s."""
     b, warm_up = tokens.shape[0], not reqs
     replaying = warm_up or self._replay_due(reqs)
     args = (tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
-            np.int32(num_steps), wants_logprobs(reqs))
+            np.int32(num_steps), wants_logprobs(reqs, logprobs))
     kw = dict(max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=impl)
     started = time.perf_counter()
     with CompileCounter() as compiles:
@@ -485,15 +486,21 @@ class SpecRuntime:
 
   def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
              min_before, num_steps, counters: dict, *, impl: KernelChoice = REFERENCE,
-             force_k: int | None = None, time_budget: float | None = None):
+             force_k: int | None = None, time_budget: float | None = None,
+             logprobs: bool | None = None, warm_rows: Sequence[str] = ()):
     """A decode-only step of `reqs` (rows past them are padding): up to num_steps tokens per
     row in about `time_budget` plain-loop iterations (None: the tokens alone bound it;
-    `budget`). Returns (out, counts, logprobs as `steps.decode_loop`'s, cache)."""
+    `budget`). `logprobs`: compute them (None: if a request wants them). `warm_rows` (reqs
+    empty, warm-up): the drafters the rows take in turn. Returns (out, counts, logprobs as
+    `steps.decode_loop`'s, cache)."""
     started, compiles = time.perf_counter(), CompileCounter()  # (a call that compiled: untimed)
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     history, history_len = self.histories(reqs, b)
-    row_drafter = np.zeros((b,), np.int32)
-    row_auto = np.zeros((b,), bool)
+    pad = [None] * (b - len(reqs))
+    row_auto = np.asarray([r.drafter == AUTO for r in reqs] + [False] * len(pad))
+    drafters = ([None if r.drafter == AUTO else r.drafter for r in reqs] + pad if reqs
+                else [warm_rows[i % len(warm_rows)] if warm_rows else None for i in range(b)])
+    row_drafter = np.asarray([drafter_id(d) for d in drafters], np.int32)
     row_max_draft = np.zeros((b,), np.int32)
     row_accept = np.zeros((b, n_ids, self.k, 2), np.float32)
     mtp_hidden = None
@@ -504,10 +511,9 @@ class SpecRuntime:
     auto_allowed = np.asarray([d in DETERMINISTIC or d in models for d in DRAFTER_IDS])
     # Model drafters kept current in this call: those a row uses or "auto" may take; the
     # draft model only for those rows (`draft_rows`), each first caught up.
-    feed = np.asarray([d in models or any(r.drafter == d for r in reqs) for d in DRAFTER_IDS])
-    draft_rows = np.zeros((b,), bool)
-    draft_rows[:len(reqs)] = [r.drafter == "draft" or (r.drafter == AUTO and "draft" in models)
-                              for r in reqs]
+    feed = np.asarray([i > 0 and (d in models or bool((row_drafter == i).any()))
+                       for i, d in enumerate(DRAFTER_IDS)])
+    draft_rows = (row_drafter == drafter_id("draft")) | (row_auto & ("draft" in models))
     fed = any(feed[drafter_id(d)] for d in self.enabled if d not in DETERMINISTIC)
     live, scale = self.live_costs(fed), self.correction.of(fed)
     if draft_rows.any():
@@ -518,8 +524,6 @@ class SpecRuntime:
         self.per_drafter[f"spec_fed_calls_{d}"] = self.per_drafter.get(
             f"spec_fed_calls_{d}", 0) + 1
     for i, req in enumerate(reqs):
-      row_auto[i] = req.drafter == AUTO
-      row_drafter[i] = 0 if row_auto[i] else drafter_id(req.drafter)
       row_max_draft[i] = req.sampling.max_draft_tokens or self.k
       if req.spec_accept is not None:
         row_accept[i] = req.spec_accept
@@ -532,7 +536,7 @@ class SpecRuntime:
           history, history_len, row_drafter, row_auto, row_max_draft,
           row_accept, auto_allowed, feed, draft_rows, self.accept, live,
           np.int32(self.force_k if force_k is None else force_k),
-          wants_logprobs(reqs), self.table, mtp_hidden,
+          wants_logprobs(reqs, logprobs), self.table, mtp_hidden,
           self.draft_params, self.draft_cache, max_steps=self.max_call_tokens,
           choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
           impl=impl)

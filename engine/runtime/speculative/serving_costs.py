@@ -14,12 +14,10 @@ the speculative call's fixed cost beyond a plain call's (`SpecRuntime.call_cost`
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from engine.model.kernels import KernelChoice, REFERENCE
@@ -30,7 +28,8 @@ from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.speculative import plain_calls
 from engine.runtime.speculative.live_correction import LiveCorrection
 from engine.runtime.speculative.probes import (PROBE_REPEATS, clear_null_page,
-                                               forward_probes, time_interleaved)
+                                               forward_probes, learning_kept,
+                                               time_interleaved)
 from engine.runtime.speculative.serving import drafter_id
 
 # Floor of the fitted base cost per verified position: timings within noise of each other must
@@ -73,13 +72,8 @@ def measure_serving_costs(spec: Any, params: Params, cache: Cache, batch_sizes: 
             _loop_probe, spec, params, caches=caches, b=b, n_steps=n_steps, force_k=i,
             max_pages=max_pages, stop_width=stop_width, impl=impl, tokens=rng.integers(
                 0, spec.cfg.vocab_size, (b,), dtype=np.int32))))
-  # The loop probes teach the table junk and move the counters: kept aside, restored after.
-  saved = (None if spec.table is None else jax.tree.map(jnp.copy, spec.table), spec.accept,
-           spec.accept_seen, spec.k_steps.copy(), dataclasses.replace(spec.rest), spec._probe,
-           spec.per_position.copy(), spec.calibration.copy())
-  best = time_interleaved(probes, caches, rounds)
-  (spec.table, spec.accept, spec.accept_seen, spec.k_steps, spec.rest,
-   spec._probe, spec.per_position, spec.calibration) = saved
+  with learning_kept(spec):  # (the loop probes teach the table junk, move the counters)
+    best = time_interleaved(probes, caches, rounds)
   best = {key: t if key[0] in ("loop", "plain") else t / PROBE_REPEATS
           for key, t in best.items()}  # seconds per loop call, per forward
   table = {b: {k: best[("verify", b, k, k + 1)] for k in sorted(set(spec.choices) | {0})}
