@@ -349,8 +349,8 @@ def test_rest_after_fruitless_probes_doubles_and_probes_are_short(model):
   calls = []  # per decode-only step: (speculative?, token budget)
   real_speculates, real_decode = eng.spec.speculates, eng.spec.decode
 
-  def speculates(reqs, num_steps, time=None):
-    calls.append([real_speculates(reqs, num_steps, time), None])
+  def speculates(reqs, num_steps, time=None, left=None):
+    calls.append([real_speculates(reqs, num_steps, time, left), None])
     return calls[-1][0]
 
   def decode(*args, **kwargs):

@@ -69,16 +69,32 @@ def test_a_speculative_call_gets_a_plain_calls_time(model, monkeypatch):
   assert_pool_full(eng)
 
 
+def test_a_call_whose_rows_must_finish_is_as_fast_as_its_slowest_row():
+  """Rows ride every iteration: one that drafts nothing goes at 1 / T. Where every row keeps
+  going for the call's time, the batch's tokens per unit time decide; where rows have to
+  finish (a request's last tokens) the call lasts until its slowest row has, and the rows
+  done before it idle: the same rows then lose against plain decoding."""
+  t = 1.3  # an iteration's time; rows 1 and 2 accept nothing
+  rates = [2.1 / t, 1 / t, 1 / t, 1.8 / t]
+  assert call_policy.call_saving(rates, [64] * 4, 0.5, time=16) > 1.0  # time-bound: pays
+  assert call_policy.call_saving(rates, [16] * 4, 0.5, time=16) < -1.0  # 12.3 of 16 tokens
+  assert call_policy.call_saving(rates, [16] * 4, 0.5) < -1.0  # 20.8 iterations for 16
+  # (the batch's mean rate over every row would have said it pays)
+  assert call_policy.call_saving([np.mean(rates)] * 4, [16] * 4, 0.5, time=16) > 0
+  # Rows that finish early anyway cost nothing: only the slow row's own limit binds.
+  assert call_policy.call_saving([3.0, 1 / t], [64, 4], 0.5, time=16) > 4.0
+
+
 def test_a_speculative_call_must_save_more_than_its_fixed_cost(model):
   """`pays`: a call of n tokens per row at a predicted speedup s saves n (1 - 1 / s) plain
   iterations (with a time budget t, n = min(n, t s)); it speculates only when that exceeds the
   call's fixed cost (`call_cost`), so short calls (the engine's first calls after its batch
   changes) decode plainly where the fixed cost is large, and no call speculates where it
   exceeds what any call could save."""
-  assert call_policy.call_saving(1.0, 16, 2.0) == -2.0
-  assert call_policy.call_saving(2.0, 16, 2.0) == pytest.approx(6.0)
-  assert call_policy.call_saving(2.0, 64, 2.0, time=16) == pytest.approx(14.0)  # 32 tokens
-  assert call_policy.call_saving(2.0, 16, 2.0, time=16) == pytest.approx(6.0)
+  assert call_policy.call_saving([1.0], [16], 2.0) == -2.0
+  assert call_policy.call_saving([2.0, 2.0], [16, 16], 2.0) == pytest.approx(6.0)
+  assert call_policy.call_saving([2.0], [64], 2.0, time=16) == pytest.approx(14.0)  # 32 tokens
+  assert call_policy.call_saving([2.0], [16], 2.0, time=16) == pytest.approx(6.0)
   ps = fresh_prompts(2, seed=56, lo=8, hi=12)
   want = plain(model, ps, 48)
   budgets = {}

@@ -323,7 +323,9 @@ class Engine:
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
     self._last_batch = batch
-    return self.spec.budget(self._decode_steps, self.scheduler.running)
+    running = self.scheduler.running
+    return self.spec.budget(self._decode_steps, running,
+                            [self.scheduler.remaining_tokens(r) for r in running])
 
   def _page_table_row(self, req: Request) -> np.ndarray:
     row = np.full((self.max_pages_per_seq,), NULL_PAGE, np.int32)
@@ -392,7 +394,8 @@ class Engine:
     min_before = np.zeros((b,), np.int32)
     # The plan's tokens are a speculative call's (`SpecRuntime.budget`); a plain call spends
     # the engine's budget of iterations on as many tokens.
-    speculates = self.spec.speculates(reqs, plan.num_steps, self._decode_steps)
+    speculates = self.spec.speculates(reqs, plan.num_steps, self._decode_steps,
+                                      [self.scheduler.remaining_tokens(r) for r in reqs])
     num_steps = plan.num_steps if speculates else min(plan.num_steps, self._decode_steps)
     for i, req in enumerate(reqs):
       tokens[i], n_cached[i], table[i] = req.output_ids[-1], req.num_computed, \

@@ -144,7 +144,7 @@ class SpecRuntime:
     # A speculative call's fixed cost beyond a plain call's, in plain-loop iterations (measured
     # at warm-up; 0 until then, as on a GPU where it is a fraction of one): `call_policy`.
     self.call_cost = 0.0
-    self._speedups: dict[tuple, float] = {}  # `pays`' predictions, by what they came from
+    self._speedups: dict[tuple, tuple] = {}  # `pays`' predictions, by what they came from
     self.rest = Rest()  # plain-loop calls left before the speculative loop probes again
     self._probe = False  # the next speculative call follows a rest: a short one
     self._auto_calls = 0  # loop calls with "auto" rows, and when each model drafter was
@@ -294,9 +294,11 @@ class SpecRuntime:
         out.add(d)
     return out
 
-  def speculates(self, reqs: Sequence[Any], num_steps: int, time: float | None = None) -> bool:
+  def speculates(self, reqs: Sequence[Any], num_steps: int, time: float | None = None,
+                 left: Sequence[int] | None = None) -> bool:
     """Whether a decode-only step of `reqs` (`num_steps` tokens per row at most, in `time`
-    plain-loop iterations: `budget`) runs the speculative loop (else the plain one).
+    plain-loop iterations: `budget`; `left` as `pays`') runs the speculative loop (else the
+    plain one).
 
     Where the replay keeps every estimate the batch drafts from current (`gated`), the call
     speculates when its predicted saving covers the speculative call's fixed cost (`pays`).
@@ -322,7 +324,7 @@ class SpecRuntime:
     if not any(r.drafter for r in reqs):
       return False
     if self.gated(reqs):
-      if self.pays(reqs, num_steps, time):
+      if self.pays(reqs, num_steps, time, left):
         return True
       self.per_drafter["spec_gated_calls"] = self.per_drafter.get("spec_gated_calls", 0) + 1
       return False
@@ -341,27 +343,28 @@ class SpecRuntime:
     return (self.force_k < 0 and self.replay_budget > 0
             and all(r.drafter in (None, AUTO) or r.drafter in DETERMINISTIC for r in reqs))
 
-  def pays(self, reqs: Sequence[Any], n: int, time: float | None = None) -> bool:
-    """Whether a speculative call of n tokens per row at most, in `time` plain-loop
-    iterations (None: no limit), is predicted to beat plain decoding, its fixed cost included
-    (`call_policy`). The predicted speedup is kept with what it was
-    computed from (the rows' drafters and estimates, the costs): a batch decoding plainly asks
-    every step (`budget`, `speculates`), and its estimates move only when the replay runs
-    (computing it costs ~0.5 ms on the host, 2-3% of a CPU demo call)."""
-    if n <= 1 or (n <= self.k and not self.pays(reqs, self.k + 1)):
-      return False  # (fewer tokens, and fewer drafts each: it pays less than a full block)
-    room = min(n, self.k + 1)  # (the plan depends on n only through the drafts it allows)
-    key = (room, self.correction.scale.tobytes(), self.costs.tobytes(),
-           self.accept_seen.tobytes(),
+  def pays(self, reqs: Sequence[Any], n: int, time: float | None = None,
+           left: Sequence[int] | None = None) -> bool:
+    """Whether a speculative call of n tokens per row at most (and each row's `left`, the
+    tokens its request may still emit), in `time` plain-loop iterations (None: no limit),
+    is predicted to beat plain decoding, its fixed cost included (`call_policy`). The
+    prediction is kept with what it was computed from (the rows' drafters, estimates and
+    room, the costs): a batch decoding plainly asks every step (`budget`, `speculates`), and
+    its estimates move only when the replay runs (~0.5 ms on the host, 2-3% of a CPU call)."""
+    limits = np.minimum(n, np.asarray(left if left is not None else [n] * len(reqs)))
+    if limits.max(initial=0) <= 1:
+      return False
+    key = (tuple(np.minimum(limits, self.k + 1).tolist()), self.correction.scale.tobytes(),
+           self.costs.tobytes(), self.accept_seen.tobytes(),
            tuple((r.drafter, r.sampling.max_draft_tokens, None if r.spec_accept is None
                   else r.spec_accept.tobytes()) for r in reqs),
            tuple(self.exploration_due(d) for d in self.enabled if d not in DETERMINISTIC))
-    if key not in self._speedups:
+    if key not in self._speedups:  # (the plan depends on limits only through the room)
       if len(self._speedups) >= 16:
         self._speedups.clear()
-      self._speedups[key] = call_policy.first_iteration(self, reqs, room)
-    speedup, models = self._speedups[key]
-    return call_policy.call_saving(speedup, n, self.call_cost * self.correction.of(models),
+      self._speedups[key] = call_policy.first_iteration(self, reqs, limits)
+    rates, models = self._speedups[key]
+    return call_policy.call_saving(rates, limits, self.call_cost * self.correction.of(models),
                                    time) > 0
 
   @staticmethod
@@ -432,19 +435,20 @@ class SpecRuntime:
       t = seconds / iterations
       self.plain_iter_s[b] = t if old is None else 0.8 * old + 0.2 * t
 
-  def budget(self, steps_: int, running: Sequence[Any]) -> int:
+  def budget(self, steps_: int, running: Sequence[Any], left: Sequence[int] | None = None
+             ) -> int:
     """The tokens per row a decode call of `running` may emit (the scheduler's pages).
     `steps_`: the engine's budget in plain-loop iterations, which a plain call spends on as
     many tokens. A speculative call gets the same time (`decode`'s `time_budget`) and up to
     k + 1 tokens per iteration: it lasts as long as a plain call, its fixed cost spread over
     as much time (16 tokens ran ~6 iterations on the CPU demo). A probe after a rest gets
     k + 1 tokens; a resting call, one without drafters and a `gated` one that would not pay
-    keep the plain budget."""
+    keep the plain budget. `left`: as `pays`'."""
     if not any(r.drafter for r in running):
       return steps_
     n = steps_ * (self.k + 1)
     if self.gated(running):  # (the plain budget where a speculative call would not pay)
-      return n if self.pays(running, n, steps_) else steps_
+      return n if self.pays(running, n, steps_, left) else steps_
     if self.rest.left > 0 and self._may_rest(running):
       return steps_
     return self.k + 1 if self._probe and self.rest.left == 0 else n
