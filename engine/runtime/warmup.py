@@ -6,8 +6,9 @@ no real cache entry changes: mixed prefill/decode shapes (and the draft model's 
 forward at each), the plain decode loop per decode batch size (and the learned table's update
 from its tokens), the speculative loop per decode batch size when the engine has drafters, then
 `SpecRuntime.measure_costs`. The decode loops run every branch once (block widths, logprobs,
-model drafters): a branch's first run is slow (`_spec_branches`). Where the measured costs make the MTP layer `hopeless`, prefill
-chunks stop feeding it: the mixed shapes are compiled again without it.
+model drafters): a branch's first run is slow (`_spec_branches`). Where the measured costs
+make the MTP layer `hopeless`, prefill chunks stop feeding it: the mixed shapes are compiled
+again without it.
 """
 
 from __future__ import annotations
