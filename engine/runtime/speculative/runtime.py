@@ -297,24 +297,17 @@ class SpecRuntime:
   def speculates(self, reqs: Sequence[Any], num_steps: int, time: float | None = None,
                  left: Sequence[int] | None = None) -> bool:
     """Whether a decode-only step of `reqs` (`num_steps` tokens per row at most, in `time`
-    plain-loop iterations: `budget`; `left` as `pays`') runs the speculative loop (else the
-    plain one).
+    plain-loop iterations: `budget`; `left` as `pays`') runs the speculative loop.
 
-    Where the replay keeps every estimate the batch drafts from current (`gated`), the call
-    speculates when its predicted saving covers the speculative call's fixed cost (`pays`).
-    Otherwise, with `adaptive_k`, after a call that chose k = 0 in every iteration (nothing paid), the
-    next REST_CALLS calls of batches without an MTP row decode plainly (their tokens still
-    teach the learned table and are replayed through the deterministic drafters,
-    `plain_decode`);
-    then the speculative loop probes again, its rows' estimates up to date. (Ending a rest as
-    soon as that evidence said drafting paid lost on the CPU demo: 0.70-0.80x against
-    0.93-0.99x, see the issue notes.) Draft-model
-    rows rest too and are caught up when they return (`catch_up_draft`); MTP rows always take
-    the speculative loop: the MTP layer must observe every verified block (catching it up
-    would need the target's hidden states again). Unless MTP is `hopeless`: then its rows
-    give it up for good and decode plainly (their MTP state goes stale; `spec_mtp_given_up`
-    counts them), as nothing it could draft would pay for its upkeep.
-    """
+    Where the replay keeps every estimate the batch drafts from current (`gated`): when its
+    predicted saving covers the call's fixed cost (`pays`). Otherwise, with `adaptive_k`,
+    after a call that chose k = 0 throughout, the next REST_CALLS calls of batches without an
+    MTP row decode plainly (their tokens still teach the table and are replayed, `plain_decode`),
+    then the loop probes again (ending a rest as soon as the evidence said drafting paid lost
+    on the CPU demo: 0.70-0.80x against 0.93-0.99x). Draft-model rows rest too and are caught
+    up when they return (`catch_up_draft`); MTP rows always take the speculative loop (the
+    MTP layer must observe every verified block) unless MTP is `hopeless`: then they give it
+    up for good and decode plainly (`spec_mtp_given_up`)."""
     if any(r.drafter == "mtp" for r in reqs) and "mtp" in self.hopeless():
       for r in reqs:
         if r.drafter == "mtp":
