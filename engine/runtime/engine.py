@@ -390,18 +390,19 @@ class Engine:
     n_cached = np.zeros((b,), np.int32)
     table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
     stop_ids = np.full((b, MAX_STOP_IDS), -1, np.int32)
-    remaining = np.zeros((b,), np.int32)
+    left = np.zeros((b,), np.int32)  # tokens each request may still emit
+    left[:len(reqs)] = [self.scheduler.remaining_tokens(r) for r in reqs]
     min_before = np.zeros((b,), np.int32)
     # The plan's tokens are a speculative call's (`SpecRuntime.budget`); a plain call spends
     # the engine's budget of iterations on as many tokens.
     speculates = self.spec.speculates(reqs, plan.num_steps, self._decode_steps,
-                                      [self.scheduler.remaining_tokens(r) for r in reqs])
+                                      left[:len(reqs)])
     num_steps = plan.num_steps if speculates else min(plan.num_steps, self._decode_steps)
+    remaining = np.minimum(left, num_steps)
     for i, req in enumerate(reqs):
       tokens[i], n_cached[i], table[i] = req.output_ids[-1], req.num_computed, \
           self._page_table_row(req)
       stop_ids[i, :len(req.stop_ids)] = req.stop_ids
-      remaining[i] = min(self.scheduler.remaining_tokens(req), num_steps)
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
     if speculates:  # logprobs come from the verify logits

@@ -338,12 +338,11 @@ class SpecRuntime:
 
   def pays(self, reqs: Sequence[Any], n: int, time: float | None = None,
            left: Sequence[int] | None = None) -> bool:
-    """Whether a speculative call of n tokens per row at most (and each row's `left`, the
-    tokens its request may still emit), in `time` plain-loop iterations (None: no limit),
-    is predicted to beat plain decoding, its fixed cost included (`call_policy`). The
-    prediction is kept with what it was computed from (the rows' drafters, estimates and
-    room, the costs): a batch decoding plainly asks every step (`budget`, `speculates`), and
-    its estimates move only when the replay runs (~0.5 ms on the host, 2-3% of a CPU call)."""
+    """Whether a speculative call of n tokens per row at most (each row's `left`: tokens its
+    request may still emit) in `time` plain-loop iterations (None: no limit) beats plain
+    decoding, fixed cost included (`call_policy`). The prediction is kept with what it came
+    from (drafters, estimates, room, costs): a plainly decoding batch asks every step, and its
+    estimates move only when the replay runs (~0.5 ms on the host, 2-3% of a CPU call)."""
     limits = np.minimum(n, np.asarray(left if left is not None else [n] * len(reqs)))
     if limits.max(initial=0) <= 1:
       return False
