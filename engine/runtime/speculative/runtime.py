@@ -12,6 +12,8 @@
 * `decode`: a decode-only engine step through `serving.speculative_decode_loop`. The draft
   model is fed lazily (`catch_up.py`): only rows that may draft with it, each first caught up
   over the positions its draft entries lack;
+* per call, whether it speculates and for how many tokens, and what "auto" rows are offered:
+  `call_policy.CallPolicy`, which `SpecRuntime` extends;
 * the cost model: measured at `Engine.warmup` (`measure_costs`, `serving_costs.py`: the
   goodput model's step time T(B, k) in plain-loop iterations), then corrected by what live
   speculative calls take (`live_costs`); `adaptive_state` carries it, with the acceptance
@@ -53,8 +55,6 @@ from engine.runtime.speculative.serving import (AUTO, DETERMINISTIC, DRAFTER_IDS
 # Cost per drafted token relative to a plain decode step until measured (adaptive mode).
 DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
 DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN = 0.03, 0.02, 0.0
-# "auto" rows get a model drafter that does not look worth its upkeep once per this many calls.
-EXPLORE_EVERY = 32
 # Rests (`SpecRuntime.rest`, the schedule of `generate_tokens`' rests too: `rest.py`): after a
 # loop call in which the adaptive policy chose k = 0 throughout, REST_CALLS calls run the plain
 # loop (cheaper per token than the speculative loop at k = 0) before a short call (`budget`:
@@ -85,7 +85,7 @@ def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.
   return sampled, lps, mtp_hidden.astype(jnp.float32), cache
 
 
-class SpecRuntime:
+class SpecRuntime(call_policy.CallPolicy):
   """Speculative decoding state and programs of one `Engine` (see the module docstring)."""
 
   def __init__(self, cfg: ModelConfig, config: Any, num_pages: int, dtype: Any,
@@ -188,57 +188,6 @@ class SpecRuntime:
                        f"{', '.join(self.enabled) or 'none'})")
     return drafter
 
-  def model_drafters_for_auto(self, reqs: Sequence[Any], *, commit: bool = True,
-                              gains: np.ndarray | None = None) -> set[str]:
-    """The model drafters (mtp, draft) "auto" rows may take in the next loop call.
-
-    Keeping one usable costs every iteration a forward (the MTP layer observes the verified
-    block, the draft model is fed), so it is offered only while an estimate says it can beat
-    the best free choice: E[tau](K; g_d) / (1 + K (base + c_d) + c_d) > the best deterministic
-    drafter's E[tau](K; g) / (1 + K base), or plain decoding's 1 (adaptive k), with the gains g
-    from the engine-wide counts or from any auto row's own (`goodput.row_gains`). Every
-    EXPLORE_EVERY calls with auto rows, a drafter not offered meanwhile is offered once (and at
-    the first such call), so fresh evidence can bring it back. A `hopeless` one never is.
-    `commit`: the loop call is made (counts it and the offers); False: what the next call
-    would be offered, changing nothing (`call_policy` predicts that call). `gains`: those
-    gains [R, D, K] when the caller has them (the engine-wide ones and the auto rows').
-    """
-    calls = self._auto_calls + 1
-    counts = self.accept_seen
-    if gains is None:
-      gains = goodput.drafter_gains(counts, xp=np)[None]  # [1 + auto rows with evidence, D, K]
-      rows = [r.spec_accept for r in reqs if r.drafter == AUTO and r.spec_accept is not None]
-      if rows:  # (numpy, all rows at once: this runs on the host before every loop call)
-        gains = np.concatenate([gains, goodput.row_gains(np.stack(rows), counts, xp=np)])
-    costs = self.live_costs(models=True)
-    k, base = self.k, float(costs[-3])
-    hopeless = self.hopeless()
-    out = set()
-    for tokens in goodput.expected_tokens(gains, k, xp=np):
-      free = max([1.0 if self.config.adaptive_k else 1.0 / (1.0 + k * base)]
-                 + [tokens[drafter_id(d)] / (1.0 + k * base) for d in self.enabled
-                    if d in DETERMINISTIC])
-      for d in self.enabled:
-        c = float(costs[drafter_id(d)])
-        if d not in DETERMINISTIC and tokens[drafter_id(d)] / (1 + k * (base + c) + c) > free:
-          out.add(d)
-    for d in self.enabled:
-      if d in hopeless:
-        out.discard(d)
-      elif d not in DETERMINISTIC and (d in out or self.exploration_due(d, calls)):
-        out.add(d)
-        if commit:
-          self._offered[d] = calls
-    if commit:
-      self._auto_calls = calls
-    return out
-
-  def exploration_due(self, drafter: str, calls: int | None = None) -> bool:
-    """Whether the loop call numbered `calls` (default: the next) with "auto" rows offers
-    `drafter` to explore it (EXPLORE_EVERY, `model_drafters_for_auto`)."""
-    calls = self._auto_calls + 1 if calls is None else calls
-    return calls - self._offered.get(drafter, -10**9) >= EXPLORE_EVERY
-
   def live_costs(self, models: bool = False) -> np.ndarray:
     """`costs` corrected by what speculative calls measured on live traffic
     (`live_correction.py`), for a call that keeps a model drafter current (`models`) or not.
@@ -277,92 +226,6 @@ class SpecRuntime:
     self.accept = self._place_state(jnp.asarray(self.accept_seen))
     self.rest, self._probe = Rest(state["rest"], state["rest_len"]), state["probe"]
     self._auto_calls, self._offered = state["auto_calls"], dict(state["offered"])
-
-  def hopeless(self) -> set[str]:
-    """Model drafters that could not pay for themselves even if every draft were accepted:
-    (1 + j) / (1 + overhead + j (base + c_d) + c_d) <= 1 (plain decoding) at every compiled
-    j > 0, by the measured costs (adaptive k; e.g. the MTP layer of the CPU demo model)."""
-    if not self.config.adaptive_k:
-      return set()
-    costs = self.live_costs(models=True)
-    overhead, base = float(costs[-4]), float(costs[-3])
-    out = set()
-    for d in self.enabled:
-      c = float(costs[drafter_id(d)])
-      if d not in DETERMINISTIC and all((1 + j) / (1 + overhead + j * (base + c) + c) <= 1.0
-                                        for j in self.choices if j):
-        out.add(d)
-    return out
-
-  def speculates(self, reqs: Sequence[Any], num_steps: int, time: float | None = None,
-                 left: Sequence[int] | None = None) -> bool:
-    """Whether a decode-only step of `reqs` (`num_steps` tokens per row at most, in `time`
-    plain-loop iterations: `budget`; `left` as `pays`') runs the speculative loop.
-
-    Where the replay keeps every estimate the batch drafts from current (`gated`): when its
-    predicted saving covers the call's fixed cost (`pays`). Otherwise, with `adaptive_k`,
-    after a call that chose k = 0 throughout, the next REST_CALLS calls of batches without an
-    MTP row decode plainly (their tokens still teach the table and are replayed, `plain_decode`),
-    then the loop probes again (ending a rest as soon as the evidence said drafting paid lost
-    on the CPU demo: 0.70-0.80x against 0.93-0.99x). Draft-model rows rest too and are caught
-    up when they return (`catch_up_draft`); MTP rows always take the speculative loop (the
-    MTP layer must observe every verified block) unless MTP is `hopeless`: then they give it
-    up for good and decode plainly (`spec_mtp_given_up`)."""
-    if any(r.drafter == "mtp" for r in reqs) and "mtp" in self.hopeless():
-      for r in reqs:
-        if r.drafter == "mtp":
-          r.drafter = None
-          self.per_drafter["spec_mtp_given_up"] = (
-              self.per_drafter.get("spec_mtp_given_up", 0) + 1)
-    if not any(r.drafter for r in reqs):
-      return False
-    if self.gated(reqs):
-      if self.pays(reqs, num_steps, time, left):
-        return True
-      self.per_drafter["spec_gated_calls"] = self.per_drafter.get("spec_gated_calls", 0) + 1
-      return False
-    if self._may_rest(reqs) and self.rest.take():
-      self._probe = True
-      self.per_drafter["spec_rest_calls"] = self.per_drafter.get("spec_rest_calls", 0) + 1
-      return False
-    return True
-
-  def gated(self, reqs: Sequence[Any]) -> bool:
-    """Whether `pays` decides `reqs`' calls (instead of the rest schedule): adaptive k with
-    the replay on (`replay_budget`), and every row's drafter one the replay evaluates on plain
-    calls (ngram, learned; "auto" rows too, whose model drafters are explored in the calls
-    that speculate), so estimates move while the batch decodes plainly and no probe is
-    needed to find out that drafting pays again."""
-    return (self.force_k < 0 and self.replay_budget > 0
-            and all(r.drafter in (None, AUTO) or r.drafter in DETERMINISTIC for r in reqs))
-
-  def pays(self, reqs: Sequence[Any], n: int, time: float | None = None,
-           left: Sequence[int] | None = None) -> bool:
-    """Whether a speculative call of n tokens per row at most (each row's `left`: tokens its
-    request may still emit) in `time` plain-loop iterations (None: no limit) beats plain
-    decoding, fixed cost included (`call_policy`). The prediction is kept with what it came
-    from (drafters, estimates, room, costs): a plainly decoding batch asks every step, and its
-    estimates move only when the replay runs (~0.5 ms on the host, 2-3% of a CPU call)."""
-    limits = np.minimum(n, np.asarray(left if left is not None else [n] * len(reqs)))
-    if limits.max(initial=0) <= 1:
-      return False
-    key = (tuple(np.minimum(limits, self.k + 1).tolist()), self.correction.scale.tobytes(),
-           self.costs.tobytes(), self.accept_seen.tobytes(),
-           tuple((r.drafter, r.sampling.max_draft_tokens, None if r.spec_accept is None
-                  else r.spec_accept.tobytes()) for r in reqs),
-           tuple(self.exploration_due(d) for d in self.enabled if d not in DETERMINISTIC))
-    if key not in self._speedups:  # (the plan depends on limits only through the room)
-      if len(self._speedups) >= 16:
-        self._speedups.clear()
-      self._speedups[key] = call_policy.first_iteration(self, reqs, limits)
-    rates, models = self._speedups[key]
-    return call_policy.call_saving(rates, limits, self.call_cost * self.correction.of(models),
-                                   time) > 0
-
-  @staticmethod
-  def _may_rest(reqs: Sequence[Any]) -> bool:
-    """MTP rows never rest: the MTP layer must observe every verified block."""
-    return all(r.drafter != "mtp" for r in reqs)
 
   def plain_decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
                    remaining, min_before, num_steps, *, impl: KernelChoice = REFERENCE,
@@ -426,24 +289,6 @@ class SpecRuntime:
       old = self.plain_iter_s.get(b)
       t = seconds / iterations
       self.plain_iter_s[b] = t if old is None else 0.8 * old + 0.2 * t
-
-  def budget(self, steps_: int, running: Sequence[Any], left: Sequence[int] | None = None
-             ) -> int:
-    """The tokens per row a decode call of `running` may emit (the scheduler's pages).
-    `steps_`: the engine's budget in plain-loop iterations, which a plain call spends on as
-    many tokens. A speculative call gets the same time (`decode`'s `time_budget`) and up to
-    k + 1 tokens per iteration: it lasts as long as a plain call, its fixed cost spread over
-    as much time (16 tokens ran ~6 iterations on the CPU demo). A probe after a rest gets
-    k + 1 tokens; a resting call, one without drafters and a `gated` one that would not pay
-    keep the plain budget. `left`: as `pays`'."""
-    if not any(r.drafter for r in running):
-      return steps_
-    n = steps_ * (self.k + 1)
-    if self.gated(running):  # (the plain budget where a speculative call would not pay)
-      return n if self.pays(running, n, steps_, left) else steps_
-    if self.rest.left > 0 and self._may_rest(running):
-      return steps_
-    return self.k + 1 if self._probe and self.rest.left == 0 else n
 
   # ---- programs ------------------------------------------------------------------------------
 
