@@ -233,8 +233,7 @@ class CallPolicy:
         self._speedups.clear()
       self._speedups[key] = first_iteration(self, reqs, limits)
     rates, models = self._speedups[key]
-    return call_saving(rates, limits, self.call_cost * self.correction.of(models),
-                                   time) > 0
+    return call_saving(rates, limits, self.call_cost * self.correction.of(models), time) > 0
 
   @staticmethod
   def _may_rest(reqs: Sequence[Any]) -> bool:
