@@ -110,9 +110,18 @@ def main(argv):
   eng = Engine.from_model(model, config, draft_model=draft)
   t0 = time.perf_counter()
   eng.warmup()
-  print(f"warm-up {time.perf_counter() - t0:.0f}s; costs: "
-        f"{ {k: v for k, v in eng.stats().items() if k.startswith('spec_cost')} }",
-        file=sys.stderr)
+  warmup_s = time.perf_counter() - t0
+  costs = {k: v for k, v in eng.stats().items() if k.startswith("spec_cost")}
+  print(f"warm-up {warmup_s:.0f}s; costs: {costs}", file=sys.stderr)
+
+  def write(rows, complete):
+    # After every workload, so that a run cut short by a time limit keeps what it measured.
+    if FLAGS.out:
+      with open(FLAGS.out, "w") as fh:
+        json.dump(dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, drafters=drafters,
+                       num_draft_tokens=FLAGS.num_draft_tokens, adaptive_k=FLAGS.adaptive_k,
+                       warmup_s=warmup_s, complete=complete, **costs, rows=rows), fh, indent=1)
+
   loads = _workloads(eng, model, FLAGS.batch, FLAGS.max_new_tokens)
   rng = random.Random(0)
   rows = []
@@ -155,6 +164,7 @@ def main(argv):
                                    / spec["spec_model_predicted_cost"])
           if spec.get("spec_model_predicted_cost") else None))
     print(f"  {name} done", file=sys.stderr)
+    write(rows, complete=False)
 
   header = (f"{'workload':8} {'mode':8} {'tok/s':>8} {'speedup':>7} {'(rounds)':>11} "
             f"{'tok/fwd':>7} {'exp/emit':>8} {'T meas/pred':>11} identical  "
@@ -172,11 +182,7 @@ def main(argv):
     print(f"{r['workload']:8} {r['mode']:8} {r['tok_s']:8.1f} {sp} "
           f"{r['tokens_per_forward']:7.2f} {cal} {cost} {str(r['identical']):9}  "
           f"{r['auto_choice'] or ''}")
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as fh:
-      json.dump(dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, drafters=drafters,
-                     num_draft_tokens=FLAGS.num_draft_tokens, adaptive_k=FLAGS.adaptive_k,
-                     rows=rows), fh, indent=1)
+  write(rows, complete=True)
   return 0
 
 
