@@ -1,0 +1,114 @@
+"""The serving engine's programs lower for NVIDIA GPUs, checked on this CPU machine.
+
+A GPU session has minutes: a program that fails to lower there (a CPU-only construct, a Mosaic
+kernel that does not compose with the speculative loop's `while_loop` / `switch` / `run_if`
+nesting, a block width a kernel cannot tile) would spend them. So the engine serves a few
+requests on the CPU with every drafter enabled, the arguments of each program it runs are
+captured, and each program is exported for "cuda" (`jax.export`, under an abstract H200 mesh):
+with the plain-JAX kernels (what the GPU benchmarks run on the demo model, whose head dims the
+Mosaic kernels do not take) and with the Mosaic GPU attention and MoE kernels on a
+configuration they take (hidden and expert width multiples of 64; MLA latent 32 + rope 32 with
+32-token pages; bf16).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from engine.model.config import config_from_dict
+from engine.model.kernels import REFERENCE, KernelChoice
+from engine.model.params import init_params
+from engine.runtime import engine as engine_mod
+from engine.runtime import steps
+from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.request import StopParams
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative import catch_up, runtime, serving
+from model_configs import CONFIGS
+
+H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H200", platform="gpu", num_cores=132))
+MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
+MOSAIC = KernelChoice(attention="mosaic_gpu", moe="mosaic_gpu")
+
+# The programs and where the engine looks each up (module, attribute).
+PROGRAMS = {
+    "speculative_decode_loop": (serving.speculative_decode_loop, [(runtime,
+                                                                   "speculative_decode_loop")]),
+    "decode_loop": (steps.decode_loop, [(steps, "decode_loop")]),
+    "spec_model_step": (runtime.spec_model_step, [(runtime, "spec_model_step")]),
+    "draft_forward": (catch_up.draft_forward, [(catch_up, "draft_forward")]),
+}
+
+
+@pytest.fixture(scope="module")
+def captured():
+  """program name -> (args, kwargs) of its first call while the engine served requests."""
+  # Two layers, dense then MoE (the CPU compiles what it serves). The draft model has two as
+  # well: `draft_forward` returns only the cache, so a last layer's attention is dead code.
+  base = dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=32,
+              qk_rope_head_dim=32, num_hidden_layers=2)
+  cfg = config_from_dict(dict(base, num_nextn_predict_layers=1))
+  draft_cfg = config_from_dict(base)
+  params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
+  calls = {}
+  patch = pytest.MonkeyPatch()
+  for name, (fn, sites) in PROGRAMS.items():
+    def recorder(*args, _fn=fn, _name=name, **kwargs):
+      calls.setdefault(_name, (args, kwargs))
+      return _fn(*args, **kwargs)
+    for module, attr in sites:
+      patch.setattr(module, attr, recorder)
+  assert engine_mod.steps is steps  # (the engine calls steps.<program> through the module)
+  try:
+    eng = Engine(cfg, params, EngineConfig(
+        page_size=32, max_num_seqs=2, max_num_batched_tokens=32, row_widths=(16,),
+        max_model_len=128, max_decode_steps=8, speculative="auto",
+        drafters=("ngram", "learned", "mtp", "draft"), num_draft_tokens=2,
+        adaptive_k=True),
+        draft=(draft_cfg, init_params(draft_cfg, seed=4, dtype=jnp.bfloat16)))
+    prompts = [[1] + list(range(5, 30)), [1] + list(range(7, 19))]
+    for drafter in ("off", "draft"):
+      eng.generate(prompts, SamplingParams(drafter=drafter),
+                   StopParams(max_tokens=6, ignore_eos=True))
+  finally:
+    patch.undo()
+  assert set(calls) == set(PROGRAMS), f"programs not run: {set(PROGRAMS) - set(calls)}"
+  return cfg, calls
+
+
+def _export(fn, args, kwargs):
+  with jax.sharding.use_abstract_mesh(H200):
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(MOSAIC_CUSTOM_CALL)])(
+            *args, **kwargs)
+  assert exported.platforms == ("cuda",)
+  return exported.mlir_module()
+
+
+@pytest.mark.parametrize("kernels", ["reference", "mosaic_gpu"])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_engine_program_lowers_for_cuda(captured, name, kernels):
+  _, calls = captured
+  args, kwargs = calls[name]
+  impl = REFERENCE if kernels == "reference" else MOSAIC
+  kwargs = dict(kwargs, impl=impl)
+  # (the captured arrays are concrete: only their shapes and dtypes matter to the export)
+  args, kwargs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x,
+      (args, kwargs))
+  text = _export(PROGRAMS[name][0], args, kwargs)
+  targets = set(re.findall(r"custom_call @([\w.]+)", text))
+  mosaic = len(re.findall(rf"custom_call @{MOSAIC_CUSTOM_CALL}\b", text))
+  if kernels == "reference":
+    assert mosaic == 0
+  else:
+    assert mosaic >= 1, "no Mosaic GPU kernel in the lowered program"
+    if name == "speculative_decode_loop":  # a verify forward per compiled width, and drafters
+      assert len(kwargs["choices"]) > 1 and mosaic > 2 * len(kwargs["choices"]), mosaic
+  # Nothing that exists only on the host (callbacks, LAPACK) in a program the GPU runs.
+  assert not {t for t in targets if "callback" in t or t.startswith("lapack")}, targets
