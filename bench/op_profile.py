@@ -152,7 +152,10 @@ def main(argv):
   captured = []
 
   def capture(*args, **kwargs):
-    if int(args[9]) >= 16 and not captured:  # a full call (num_steps: argument 9 in both)
+    # A full call (num_steps: argument 9 in both), made from the host: an engine that keeps
+    # the learned table runs decode_loop inside its own jitted `decode_loop_learning`.
+    if (not isinstance(args[9], jax.core.Tracer) and int(args[9]) >= 16
+        and not captured):
       captured.append(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
                                    (list(args), kwargs)))
     return real(*args, **kwargs)
@@ -163,6 +166,10 @@ def main(argv):
   ids = [model.encode(p) for p in (FRESH * 4)[:FLAGS.batch]]
   eng.generate(ids, SamplingParams(drafter=drafter), StopParams(max_tokens=64, ignore_eos=True))
   setattr(module, FLAGS.program, real)
+  if not captured:
+    raise SystemExit(f"no full call of {FLAGS.program} from the host (with the learned drafter "
+                     "enabled, plain calls run inside decode_loop_learning: pass --drafters "
+                     "without 'learned' to profile decode_loop)")
   args, kwargs = captured[0]
   bound = inspect.signature(real).bind(*args, **kwargs)
   named = bound.arguments
