@@ -104,7 +104,10 @@ def main(argv):
     drafters.append("draft")
   modes = [m for m in FLAGS.modes if m in ("off", "auto") or m in drafters]
   max_len = 4 * FLAGS.max_new_tokens + 256
+  # Pages for every row at full length (the CPU default) on any device: left to itself, the
+  # engine would give a GPU's free memory to the demo model's cache (millions of pages).
   config = EngineConfig(max_num_seqs=max(FLAGS.batch, 1), max_num_batched_tokens=512,
+                        num_pages=max(FLAGS.batch, 1) * -(-max_len // 16) + 1,
                         max_model_len=max_len, max_decode_steps=16, drafters=tuple(drafters),
                         num_draft_tokens=FLAGS.num_draft_tokens, adaptive_k=FLAGS.adaptive_k)
   eng = Engine.from_model(model, config, draft_model=draft)
