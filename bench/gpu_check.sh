@@ -14,8 +14,8 @@
 #   4. the demo model with and without speculation
 #   5. token-dispatch expert parallelism compiled on the device (ragged_all_to_all exchange)
 #   6. the serving engine's speculative calls on the demo model (bench.spec_serving, no draft
-#      model; last: its warm-up compiles and times every bucket, and a stage cut short by its
-#      limit writes nothing)
+#      model; last: its warm-up compiles and times every bucket; its JSON is written after
+#      each workload, so a stage cut short by its limit keeps the workloads it finished)
 # The stage limits add up to more than one device call may run (600 s), so the script keeps a
 # deadline: each stage gets min(its limit, what is left of BUDGET_S less a reserve for the
 # summary) and a stage with under 30 s left is skipped (named in summary.md). STAGES picks
