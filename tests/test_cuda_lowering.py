@@ -26,7 +26,7 @@ from engine.runtime import steps
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import catch_up, runtime, serving
+from engine.runtime.speculative import catch_up, plain_calls, runtime, serving
 from model_configs import CONFIGS
 
 H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
@@ -34,20 +34,27 @@ H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
 MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
 MOSAIC = KernelChoice(attention="mosaic_gpu", moe="mosaic_gpu")
 
-# The programs and where the engine looks each up (module, attribute).
+# The programs and where the engine looks each up (module, attribute). The engine serves
+# requests on the CPU to reach each with real arguments, up to the speculative loop's call.
 PROGRAMS = {
     "speculative_decode_loop": (serving.speculative_decode_loop, [(runtime,
                                                                    "speculative_decode_loop")]),
     "decode_loop": (steps.decode_loop, [(steps, "decode_loop")]),
+    "decode_loop_learning": (plain_calls.decode_loop_learning,
+                             [(plain_calls, "decode_loop_learning")]),
     "spec_model_step": (runtime.spec_model_step, [(runtime, "spec_model_step")]),
     "draft_forward": (catch_up.draft_forward, [(catch_up, "draft_forward")]),
 }
 
 
+class _Captured(Exception):
+  """Raised by the speculative loop's recorder, so the CPU never compiles that program."""
+
+
 @pytest.fixture(scope="module")
 def captured():
   """program name -> (args, kwargs) of its first call while the engine served requests."""
-  # Two layers, dense then MoE (the CPU compiles what it serves). The draft model has two as
+  # Two layers, dense then MoE (the CPU compiles what it runs). The draft model has two as
   # well: `draft_forward` returns only the cache, so a last layer's attention is dead code.
   base = dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=32,
               qk_rope_head_dim=32, num_hidden_layers=2)
@@ -58,7 +65,13 @@ def captured():
   patch = pytest.MonkeyPatch()
   for name, (fn, sites) in PROGRAMS.items():
     def recorder(*args, _fn=fn, _name=name, **kwargs):
-      calls.setdefault(_name, (args, kwargs))
+      # (shapes and dtypes are all an export needs; a call made while an outer program
+      # traces, e.g. decode_loop inside decode_loop_learning, passes tracers)
+      calls.setdefault(_name, jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x,
+          (args, kwargs)))
+      if _name == "speculative_decode_loop":  # the last program needed: not compiled here
+        raise _Captured
       return _fn(*args, **kwargs)
     for module, attr in sites:
       patch.setattr(module, attr, recorder)
@@ -71,8 +84,10 @@ def captured():
         adaptive_k=True),
         draft=(draft_cfg, init_params(draft_cfg, seed=4, dtype=jnp.bfloat16)))
     prompts = [[1] + list(range(5, 30)), [1] + list(range(7, 19))]
-    for drafter in ("off", "draft"):
-      eng.generate(prompts, SamplingParams(drafter=drafter),
+    eng.generate(prompts, SamplingParams(drafter="off"),
+                 StopParams(max_tokens=6, ignore_eos=True))
+    with pytest.raises(_Captured):  # (catch-up first: draft_forward)
+      eng.generate(prompts, SamplingParams(drafter="draft"),
                    StopParams(max_tokens=6, ignore_eos=True))
   finally:
     patch.undo()
@@ -95,12 +110,7 @@ def _export(fn, args, kwargs):
 def test_engine_program_lowers_for_cuda(captured, name, kernels):
   _, calls = captured
   args, kwargs = calls[name]
-  impl = REFERENCE if kernels == "reference" else MOSAIC
-  kwargs = dict(kwargs, impl=impl)
-  # (the captured arrays are concrete: only their shapes and dtypes matter to the export)
-  args, kwargs = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x,
-      (args, kwargs))
+  kwargs = dict(kwargs, impl=REFERENCE if kernels == "reference" else MOSAIC)
   text = _export(PROGRAMS[name][0], args, kwargs)
   targets = set(re.findall(r"custom_call @([\w.]+)", text))
   mosaic = len(re.findall(rf"custom_call @{MOSAIC_CUSTOM_CALL}\b", text))
