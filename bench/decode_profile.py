@@ -11,6 +11,9 @@ Per batch size B (one new token per row, `--context` cached tokens per row):
   shared experts, LM head, sampling). Fusion across the removed op makes this approximate;
 * `host`: per-token wall time of the serving `Engine` decoding the same batch one step per
   host round trip, minus the device step: scheduling, packing, transfers, detokenisation;
+* `--verify=2,3,5,9`: a speculative verify forward over T positions per row (K + 1 for K
+  drafts, logits at every position) in decode steps, and over its own floor (more distinct
+  experts for B T tokens): how close to free verification is on this device;
 * `floor`: bytes a step must read (weights of the non-expert layers, the experts the batch
   actually routes to in expectation, the KV cache of every row) over the measured copy
   bandwidth; `step / floor` is how far from memory-bound roofline the step is.
@@ -49,6 +52,9 @@ flags.DEFINE_string("kernels", "reference", "Kernel choice for attention and MoE
 flags.DEFINE_integer("iters", 10, "Timed iterations per measurement.")
 flags.DEFINE_bool("host", True, "Also measure the serving engine's per-token host overhead.")
 flags.DEFINE_list("ablate", None, "Batch sizes to break down by ablation (default: all).")
+flags.DEFINE_list("verify", [], "Speculative verify widths T (positions per row, K + 1) to "
+                  "time like the step, e.g. 2,3,5,9: what verifying K drafts costs in decode "
+                  "steps (1.0: free; more distinct experts are read as T grows).")
 flags.DEFINE_string("out", "", "Write JSON here.")
 
 DSV2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -107,26 +113,29 @@ def _median_time(fn, iters: int) -> float:
   return statistics.median(samples)
 
 
-def step_time(cfg, params, batch: int, context: int, impl: KernelChoice, iters: int) -> float:
-  """Device seconds of one decode step (T=1) for `batch` rows with `context` cached tokens."""
+def step_time(cfg, params, batch: int, context: int, impl: KernelChoice, iters: int,
+              t: int = 1) -> float:
+  """Device seconds of one decode step (t = 1) for `batch` rows with `context` cached tokens,
+  or of a speculative verify forward over t positions per row (logits at every position)."""
   page = 64
-  table = jnp.asarray(contiguous_page_table(batch, context + 1, page))
+  table = jnp.asarray(contiguous_page_table(batch, context + t, page))
   cache = init_cache(cfg, int(table.size), page, params["embed"].dtype)
-  tokens = jnp.ones((batch, 1), jnp.int32)
+  tokens = jnp.ones((batch, t), jnp.int32)
   start = jnp.full((batch,), context, jnp.int32)
-  n_new = jnp.ones((batch,), jnp.int32)
+  n_new = jnp.full((batch,), t, jnp.int32)
 
   @jax.jit
   def step(params, cache):
     hidden, _ = forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=impl)
-    return jnp.argmax(compute_logits(params, hidden[:, 0], cfg), axis=-1)
+    return jnp.argmax(compute_logits(params, hidden, cfg), axis=-1)
 
   return _median_time(lambda: step(params, cache), iters)
 
 
-def bytes_floor(cfg: ModelConfig, params, batch: int, context: int) -> int:
-  """Bytes one decode step must read: all non-expert weights (less the unused embedding
-  rows), the expected number of distinct experts the batch routes to, and the KV cache."""
+def bytes_floor(cfg: ModelConfig, params, batch: int, context: int, t: int = 1) -> int:
+  """Bytes one decode step (or a verify forward of t positions per row) must read: all
+  non-expert weights (less the unused embedding rows), the expected number of distinct
+  experts the batch's tokens route to, and the KV cache."""
   expert_bytes = 0
   other = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -136,7 +145,7 @@ def bytes_floor(cfg: ModelConfig, params, batch: int, context: int) -> int:
     elif name != "embed":
       other += leaf.nbytes
   e, k = max(cfg.num_experts, 1), cfg.num_experts_per_tok
-  touched = e * (1 - (1 - k / e) ** batch) if cfg.num_experts else 0
+  touched = e * (1 - (1 - k / e) ** (batch * t)) if cfg.num_experts else 0
   kv = batch * context * cache_bytes_per_token(cfg, params["embed"].dtype)
   return int(other + expert_bytes * touched / e + kv)
 
@@ -193,6 +202,11 @@ def main(argv):
                moe_s=t["step"] - t.get("no_moe", nan), other_s=t.get("no_attention_no_moe", nan),
                floor_bytes=floor_bytes, floor_s=floor_bytes / bw,
                step_over_floor=t["step"] / (floor_bytes / bw))
+    for width in (int(x) for x in FLAGS.verify):
+      tv = step_time(cfg, params, b, FLAGS.context, impl, FLAGS.iters, t=width)
+      row[f"verify{width}_over_step"] = tv / t["step"]
+      row[f"verify{width}_over_floor"] = tv / (
+          bytes_floor(cfg, params, b, FLAGS.context, width) / bw)
     if FLAGS.host:
       row["engine_step_s"] = host_overhead(cfg, params, b, FLAGS.context, impl)
       row["host_s"] = row["engine_step_s"] - t["step"]
@@ -209,6 +223,13 @@ def main(argv):
           f"{1e3 * r['moe_s']:>8.3f} {1e3 * r['other_s']:>9.3f} "
           f"{1e3 * r.get('host_s', float('nan')):>8.3f} {1e3 * r['floor_s']:>9.3f} "
           f"{r['step_over_floor']:>10.1f}")
+  if FLAGS.verify:
+    print("verify forward over T positions per row, in decode steps (and over its own floor):")
+    print(f"{'batch':>5} " + " ".join(f"{'T=' + w:>14}" for w in FLAGS.verify))
+    for r in rows:
+      print(f"{r['batch']:>5} " + " ".join(
+          f"{r[f'verify{w}_over_step']:>7.2f} ({r[f'verify{w}_over_floor']:>4.1f})"
+          for w in FLAGS.verify))
   if FLAGS.out:
     with open(FLAGS.out, "w") as fh:
       json.dump(result, fh, indent=1)
