@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from typing import Any, Callable
@@ -56,6 +57,7 @@ from engine.api import generate_on_engine
 from engine.runtime.generate import SpeculativeConfig, generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
 
+from bench import spec_workloads
 from bench.spec_workloads import FRESH, agent_turn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +73,9 @@ flags.DEFINE_bool("auto", True, "Also run method 'auto' on the serving engine pa
 flags.DEFINE_integer("learning_curve", 0, "Repetitions of the agent workload with one learned "
                      "table kept across them (0: skip).", lower_bound=0)
 flags.DEFINE_integer("batch", 4, "Prompts per workload.")
+flags.DEFINE_integer("agent_context", 0, "Tokens of a held-out document in front of each agent "
+                     "turn (a long conversation: attention reads more cache per step, so "
+                     "verifying drafts costs relatively less).")
 flags.DEFINE_integer("max_new_tokens", 64, "Generated tokens per prompt.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
                   "checkpoint's). In bfloat16 on CPU, a (k+1)-token verify forward can round "
@@ -163,8 +168,28 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: li
 
 # ---- the workloads ---------------------------------------------------------------------------
 
-def agent_turns(model, prompts: list[str], max_new: int) -> list[list[int]]:
+def document(model, i: int, n: int) -> list[int]:
+  """About n token ids of held-out stdlib code (whole lines from a seeded random line), the
+  i-th of a seeded sequence: the long context an agent's turn carries."""
+  lines = spec_workloads._heldout_lines()
+  rng = random.Random(1000 + i)
+  start, text = rng.randrange(len(lines) // 2), ""
+  ids: list[int] = []
+  while len(ids) < n and start < len(lines):
+    text += lines[start] + "\n"
+    start += 1
+    if start % 16 == 0:  # (encoding the whole text every line would be quadratic)
+      ids = model.encode(text)
+  return model.encode(text)[:n] if len(ids) >= n else model.encode(text)
+
+
+def agent_turns(model, prompts: list[str], max_new: int, context: int = 0
+                ) -> list[list[int]]:
+  """Each prompt's second turn: the first (after `context` tokens of a document, when asked)
+  with its greedy answer, then the prompt again."""
   first = [model.encode(p) for p in prompts]
+  if context:  # (the document's BOS starts the sequence: the prompt's is dropped)
+    first = [document(model, i, context) + ids[1:] for i, ids in enumerate(first)]
   answers = generate_tokens(model.params, model.config, first, max_new_tokens=max_new,
                             ignore_eos=True)
   return [agent_turn(model, p, ids, a.token_ids) for ids, a, p in
@@ -317,7 +342,7 @@ def main(argv):
   ks = sorted({int(k) for k in FLAGS.num_draft})
   fresh = FRESH[:FLAGS.batch]
   workloads = {"fresh": [model.encode(p) for p in fresh],
-               "agent": agent_turns(model, fresh, FLAGS.max_new_tokens)}
+               "agent": agent_turns(model, fresh, FLAGS.max_new_tokens, FLAGS.agent_context)}
   rows, curve = [], []
 
   def write(**extra):  # after every stage: a crash late in a long run keeps what it measured
