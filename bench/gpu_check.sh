@@ -11,7 +11,9 @@
 #   3. end-to-end decode of a DeepSeek-V2-Lite-shaped random model at batch 1, 8, 64 against
 #      the bandwidth floor, Mosaic GPU kernels (breakdown by ablation at batch 8), and the XLA
 #      reference at batch 8
-#   4. the demo model with and without speculation
+#   4. what a speculative verify forward over T = 2, 3, 5, 9 positions per row costs in decode
+#      steps on the same model and kernels (bench.decode_profile --verify); the demo model
+#      with and without speculation
 #   5. token-dispatch expert parallelism compiled on the device (ragged_all_to_all exchange)
 #   6. the serving engine's speculative calls on the demo model (bench.spec_serving, no draft
 #      model; last: its warm-up compiles and times every bucket; its JSON is written after
@@ -21,7 +23,7 @@
 # summary) and a stage with under 30 s left is skipped (named in summary.md). STAGES picks
 # stages by name for a session that needs only some (they then share the whole budget, each
 # keeping at least its limit for those after it), e.g. the speculative issue's:
-#     STAGES=speculative,spec_serving OUT=/tmp/out bash bench/gpu_check.sh
+#     STAGES=verify_cost,speculative,spec_serving OUT=/tmp/out bash bench/gpu_check.sh
 set -u
 OUT=${OUT:-/tmp/moejax_gpu_check}
 mkdir -p "$OUT"
@@ -35,7 +37,7 @@ BUDGET_S=${BUDGET_S:-570}   # whole script, summary included; the device tool st
 STAGES=${STAGES:-}          # comma-separated stage names; empty = every stage
 # Every stage in order with its limit when all run (keep in step with the calls below).
 ORDER="kernel_check:120 attention:90 moe:90 sampling:30 e2e_kernels:150 e2e_reference:60
-speculative:120 dispatch:60 spec_serving:150"
+verify_cost:90 speculative:120 dispatch:60 spec_serving:150"
 status=0
 selected() { [ -z "$STAGES" ] || [[ ",$STAGES," == *",$1,"* ]]; }
 later_limits() {  # the limits of the selected stages after $1
@@ -79,6 +81,8 @@ stage e2e_kernels 150 $PY -m bench.decode_profile --model=$MODEL --batch=1,8,64 
   --kernels=$KERNELS --nohost --iters=5 --out="$OUT/e2e_kernels.json"
 stage e2e_reference 60 $PY -m bench.decode_profile --model=$MODEL --batch=8 --ablate= \
   --kernels=reference --nohost --iters=5 --out="$OUT/e2e_reference.json"
+stage verify_cost 90 $PY -m bench.decode_profile --model=$MODEL --batch=1,8 --ablate= \
+  --verify=2,3,5,9 --kernels=$KERNELS --nohost --iters=5 --out="$OUT/verify_cost.json"
 if [ -f bench/speculative.py ]; then
   stage speculative 120 $PY -m bench.speculative --methods=ngram,learned,mtp --num_draft=4 \
     --rounds=3 --learning_curve=3 --out="$OUT/speculative.json"
