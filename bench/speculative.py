@@ -180,7 +180,7 @@ def document(model, i: int, n: int) -> list[int]:
     start += 1
     if start % 16 == 0:  # (encoding the whole text every line would be quadratic)
       ids = model.encode(text)
-  return model.encode(text)[:n] if len(ids) >= n else model.encode(text)
+  return model.encode(text)[:n]
 
 
 def agent_turns(model, prompts: list[str], max_new: int, context: int = 0

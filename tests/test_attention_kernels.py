@@ -4,7 +4,6 @@ float64, the in-place cache write, and the engine's kernel switch."""
 
 import contextlib
 import json
-import re
 
 import jax
 import jax.numpy as jnp
@@ -12,20 +11,17 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.sharding import AbstractDevice, AbstractMesh
 
 from engine.model import kernels
 from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward
+from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
 from model_configs import CONFIGS
 from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import paged_flash_mgpu, reference
 
-H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", platform="gpu", num_cores=132))
-MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
 
 
 @contextlib.contextmanager
@@ -171,12 +167,7 @@ def test_float32_cache_is_rejected():
 # ---- CUDA lowering at Kimi-K2.5 shapes (no GPU needed) ----
 
 def _export_for_cuda(fn, shapes):
-  args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-  with jax.sharding.use_abstract_mesh(H200):
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(MOSAIC_CUSTOM_CALL)])(*args)
-  return exported.mlir_module()
+  return export_cuda_calls(fn, *[jax.ShapeDtypeStruct(s, d) for s, d in shapes])
 
 
 @pytest.mark.parametrize("b,t,nh,max_pages", [
@@ -186,21 +177,21 @@ def _export_for_cuda(fn, shapes):
 ])
 def test_mla_lowers_for_cuda(b, t, nh, max_pages):
   bf16, i32 = jnp.bfloat16, jnp.int32
-  text = _export_for_cuda(
+  calls = _export_for_cuda(
       lambda *a: mla_paged_attention_mgpu.mla_paged_attention(*a, softmax_scale=576 ** -0.5),
       [((b, t, nh, 512), bf16), ((b, t, nh, 64), bf16), ((4096, 64, 576), bf16),
        ((b, max_pages), i32), ((b, t), i32), ((b,), i32)])
-  assert len(re.findall(rf"custom_call @{MOSAIC_CUSTOM_CALL}\b", text)) == 1
+  assert calls.count(MOSAIC_CALL) == 1, calls
 
 
 @pytest.mark.parametrize("b,t,max_pages", [(1, 1, 2048), (32, 1, 64), (4, 64, 32)])
 def test_gqa_lowers_for_cuda(b, t, max_pages):
   bf16, i32 = jnp.bfloat16, jnp.int32
-  text = _export_for_cuda(
+  calls = _export_for_cuda(
       lambda *a: gqa_paged_attention_mgpu.gqa_paged_attention(*a, softmax_scale=128 ** -0.5),
       [((b, t, 32, 128), bf16), ((4096, 64, 8, 128), bf16), ((4096, 64, 8, 128), bf16),
        ((b, max_pages), i32), ((b, t), i32), ((b,), i32)])
-  assert len(re.findall(rf"custom_call @{MOSAIC_CUSTOM_CALL}\b", text)) == 1
+  assert calls.count(MOSAIC_CALL) == 1, calls
 
 
 # ---- The reference against naive dense attention in float64 ----

@@ -11,17 +11,14 @@ configuration they take (hidden and expert width multiples of 64; MLA latent 32 
 32-token pages; bf16).
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh
 
+from cuda_export import MOSAIC_CALL, export_cuda_calls
 from engine.model.config import config_from_dict
 from engine.model.kernels import REFERENCE, KernelChoice
 from engine.model.params import init_params
-from engine.runtime import engine as engine_mod
 from engine.runtime import steps
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
@@ -29,9 +26,6 @@ from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import catch_up, plain_calls, runtime, serving
 from model_configs import CONFIGS
 
-H200 = AbstractMesh((), (), abstract_device=AbstractDevice(
-    device_kind="NVIDIA H200", platform="gpu", num_cores=132))
-MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
 MOSAIC = KernelChoice(attention="mosaic_gpu", moe="mosaic_gpu")
 
 # The programs and where the engine looks each up (module, attribute). The engine serves
@@ -53,7 +47,8 @@ class _Captured(Exception):
 
 @pytest.fixture(scope="module")
 def captured():
-  """program name -> (args, kwargs) of its first call while the engine served requests."""
+  """program name -> (args, kwargs) of its first call while the engine served requests, as
+  shapes and dtypes."""
   # Two layers, dense then MoE (the CPU compiles what it runs). The draft model has two as
   # well: `draft_forward` returns only the cache, so a last layer's attention is dead code.
   base = dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=32,
@@ -75,7 +70,6 @@ def captured():
       return _fn(*args, **kwargs)
     for module, attr in sites:
       patch.setattr(module, attr, recorder)
-  assert engine_mod.steps is steps  # (the engine calls steps.<program> through the module)
   try:
     eng = Engine(cfg, params, EngineConfig(
         page_size=32, max_num_seqs=2, max_num_batched_tokens=32, row_widths=(16,),
@@ -92,28 +86,16 @@ def captured():
   finally:
     patch.undo()
   assert set(calls) == set(PROGRAMS), f"programs not run: {set(PROGRAMS) - set(calls)}"
-  return cfg, calls
-
-
-def _export(fn, args, kwargs):
-  with jax.sharding.use_abstract_mesh(H200):
-    exported = jax.export.export(
-        fn, platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(MOSAIC_CUSTOM_CALL)])(
-            *args, **kwargs)
-  assert exported.platforms == ("cuda",)
-  return exported.mlir_module()
+  return calls
 
 
 @pytest.mark.parametrize("kernels", ["reference", "mosaic_gpu"])
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_engine_program_lowers_for_cuda(captured, name, kernels):
-  _, calls = captured
-  args, kwargs = calls[name]
+  args, kwargs = captured[name]
   kwargs = dict(kwargs, impl=REFERENCE if kernels == "reference" else MOSAIC)
-  text = _export(PROGRAMS[name][0], args, kwargs)
-  targets = set(re.findall(r"custom_call @([\w.]+)", text))
-  mosaic = len(re.findall(rf"custom_call @{MOSAIC_CUSTOM_CALL}\b", text))
+  calls = export_cuda_calls(PROGRAMS[name][0], *args, **kwargs)
+  targets, mosaic = set(calls), calls.count(MOSAIC_CALL)
   if kernels == "reference":
     assert mosaic == 0
   else:

@@ -7,7 +7,6 @@ fails the comparison. Every kernel is also exported for CUDA at Kimi-K2.5 shapes
 
 import contextlib
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -22,34 +21,22 @@ from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward, moe as moe_layer
+from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
 from model_configs import CONFIGS
 from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, moe_mgpu, permute, reference
 from pallas_kernels.moe import routing
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-MOSAIC_CALL = "mosaic_gpu_v2"  # the custom-call target jax 0.11.2 emits for Mosaic GPU kernels
 
 
 @contextlib.contextmanager
 def gpu_interpret(detect_races: bool = False):
   # Reset the interpreter's global state in case an earlier kernel raised.
   interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
-  with jax.sharding.use_abstract_mesh(mesh), plgpu.force_gpu_interpret_mode(
+  with jax.sharding.use_abstract_mesh(H200), plgpu.force_gpu_interpret_mode(
       plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=detect_races)):
     yield
-
-
-def export_cuda_calls(fn, *specs) -> list[str]:
-  """Custom-call targets of fn exported for CUDA (lowers the Mosaic GPU kernels on CPU)."""
-  mesh = jax.sharding.AbstractMesh((), (), abstract_device=H200)
-  with jax.sharding.use_abstract_mesh(mesh):
-    exported = jax.export.export(
-        jax.jit(fn), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(MOSAIC_CALL)])(*specs)
-  return re.findall(r"stablehlo.custom_call @(\w+)", exported.mlir_module())
 
 
 # ---- routing ---------------------------------------------------------------------------------
