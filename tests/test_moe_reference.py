@@ -173,9 +173,16 @@ def test_dispatch_picks_by_shape():
 
 
 @pytest.mark.parametrize("k", [2, 3, 8])
-def test_bf16_token_output_does_not_depend_on_the_formulation_or_token_count(k):
-  """Bitwise: speculative verification runs k+1 tokens per row through the formulation its
-  size picks, plain decoding 1 token through another; greedy identity needs the same bits."""
+def test_bf16_formulations_agree_to_bf16_precision(k):
+  """What holds on any CPU: every formulation, and any token count, gives each token's output
+  to bf16 precision of the others, and almost always the same bits. Not bitwise by
+  construction: each formulation's dots accumulate in float32 in the order of whichever kernel
+  XLA:CPU picks for that dot shape (YNNPACK's bf16 kernels for the batched expert matmuls,
+  dispatched on the CPU's own instructions; an f32 matrix-vector loop for the per-copy
+  matvecs), so a sum next to a bf16 rounding boundary can round either way, and a rounded
+  intermediate carries on into the down projection (seen: 1 of 3,072 elements one ulp apart on
+  an AVX-512 Intel Xeon, none on AMD EPYC; `lax.ragged_dot` ~0.4% of elements). Greedy
+  identity of speculative and plain decoding is therefore asserted in float32."""
   from pallas_kernels.moe import reference as ref
   rng = np.random.default_rng(k)
   e_local, h, i, tokens = 8, 256, 160, 12
@@ -186,12 +193,18 @@ def test_bf16_token_output_does_not_depend_on_the_formulation_or_token_count(k):
   gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.1, jnp.bfloat16)
                     for s in [(e_local, h, i), (e_local, h, i), (e_local, i, h)])
   args = (x, w, ids, gate, up, down)
-  # lax.ragged_dot (the fallback for huge expert weights) rounds some rows differently.
   want = np.asarray(ref.moe_experts_tiled(*args, tile=64), np.float32)
+  scale = np.sqrt(np.mean(want ** 2))
   outs = {"all": ref.moe_experts_all(*args), "tiled16": ref.moe_experts_tiled(*args, tile=16),
-          "gathered": ref.moe_experts_gathered(*args), "picked": ref.moe_experts(*args)}
-  for name, got in outs.items():
-    np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=name)
+          "gathered": ref.moe_experts_gathered(*args), "picked": ref.moe_experts(*args),
+          "ragged": ref.moe_experts_ragged(*args)}
   for n in (1, 3, 5):  # fewer tokens pick other formulations
-    got = ref.moe_experts(x[:n], w[:n], ids[:n], gate, up, down)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), want[:n], err_msg=str(n))
+    outs[f"{n} tokens"] = ref.moe_experts(x[:n], w[:n], ids[:n], gate, up, down)
+  for name, got in outs.items():
+    got = np.asarray(got, np.float32)
+    diff = np.abs(got - want[:got.shape[0]])
+    # bf16 keeps 8 significant bits: 2^-6 of the output's scale is a few roundings.
+    assert diff.max() <= 2.0 ** -6 * scale, (name, float(diff.max() / scale))
+    # Differences are ties broken the other way, rare on random data; many would mean the
+    # formulations compute different things.
+    assert np.mean(diff > 0) < 0.02, (name, float(np.mean(diff > 0)))

@@ -147,26 +147,27 @@ def test_bad_requests_get_invalid_argument_naming_the_field(serve, eng):
     assert client.generate(PROMPT, max_tokens=2, request_id="taken").finish_reason == "length"
 
 
-def test_drafter_per_request(eng, demo):
+def test_drafter_per_request():
   """A server whose engine enables drafters: each request picks one (or none); the output is
   the plain greedy one, with logprobs if asked; a drafter it lacks is INVALID_ARGUMENT."""
   prompt = "import os\nimport sys\nimport re\nimport json\nimport time\nimport"
-  want = eng.generate([prompt], SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))[0]
-  spec = Engine.from_model(demo, dataclasses.replace(ENGINE_CONFIG, drafters=("ngram", "mtp"),
-                                                     num_draft_tokens=3))
+  # float32: in bf16 a (k+1)-token verify may round a near-tie apart from 1-token decoding.
+  spec = Engine.from_model(moejax.load(DEMO, dtype="float32"), dataclasses.replace(
+      ENGINE_CONFIG, drafters=("ngram", "mtp"), num_draft_tokens=3))
   with BackgroundServer(spec, BASE) as bg, InferenceClient(target(bg)) as client:
-    for drafter in ("ngram", "mtp", "auto", "off", ""):
+    want = client.generate(prompt, max_tokens=24, ignore_eos=True, drafter="off")
+    for drafter in ("ngram", "mtp", "auto", ""):
       got = client.generate(prompt, max_tokens=24, ignore_eos=True, drafter=drafter)
-      assert got.token_ids == want.output_ids, drafter
+      assert got.token_ids == want.token_ids, drafter
       if drafter in ("ngram", "mtp", "auto"):
         assert got.spec_accepted_tokens > 0, drafter
       else:
         assert got.spec_draft_tokens == 0
     got = client.generate(prompt, max_tokens=8, drafter="mtp", max_draft_tokens=1)
-    assert got.token_ids == want.output_ids[:8]
+    assert got.token_ids == want.token_ids[:8]
     got = client.generate(prompt, max_tokens=8, ignore_eos=True, drafter="ngram",
                           logprobs=True, top_logprobs=2)
-    assert got.token_ids == want.output_ids[:8] and len(got.logprobs) == 8
+    assert got.token_ids == want.token_ids[:8] and len(got.logprobs) == 8
     assert all(top[0][0] == tok for tok, (_, top) in zip(got.token_ids, got.logprobs))
     code, details = status_of(lambda: client.generate(prompt, max_tokens=4, drafter="learned"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT

@@ -182,8 +182,10 @@ def moe_experts_all(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
 def _combine(y: jax.Array, weights: jax.Array, in_shard: jax.Array, dtype) -> jax.Array:
   """sum_j weights[t, j] * y[t, j] over a token's k copies [T, k, H], in float32 and slot
   order. Every formulation combines through here and computes each copy's MLP row by row in
-  the same dtype, so a token's output does not depend on which formulation the number of tokens
-  picked (greedy speculative verification over k+1 tokens must reproduce 1-token decoding)."""
+  the same dtype, so a token's output depends on the formulation its token count picked only
+  through the dots' float32 accumulation order, which XLA:CPU's kernel for each dot shape (and
+  the CPU's instruction set) decides: equal in float32 to rounding, in bf16 to one rounding
+  of an element now and then (`tests/test_moe_reference.py`)."""
   w = jnp.where(in_shard, weights, 0.0).astype(jnp.float32)
   return jnp.sum(y.astype(jnp.float32) * w[:, :, None], axis=1).astype(dtype)
 
