@@ -2,6 +2,9 @@
 per-request INTERNAL, metrics, reasoning split, the command lines (harness:
 `service_harness.py`)."""
 
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2 as pb_reflection  # v1's messages on the wire
+
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
 
@@ -20,6 +23,16 @@ def test_warmup_drain_health_and_reflection(serve, eng, monkeypatch):
     assert client.health() == "SERVING"
     services = ProtoReflectionDescriptorDatabase(client.channel).get_services()
     assert "moejax.v1.Inference" in services and "grpc.health.v1.Health" in services
+    # The same over reflection v1 (what current grpcurl asks first), describing itself too.
+    v1 = reflection_v1(client.channel, [
+        pb_reflection.ServerReflectionRequest(list_services=""),
+        pb_reflection.ServerReflectionRequest(
+            file_containing_symbol="grpc.reflection.v1.ServerReflection")])
+    names = {s.name for s in v1[0].list_services_response.service}
+    assert {"moejax.v1.Inference", "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection"} <= names
+    (raw,) = v1[1].file_descriptor_response.file_descriptor_proto
+    assert descriptor_pb2.FileDescriptorProto.FromString(raw).package == "grpc.reflection.v1"
     with gated_engine(monkeypatch, eng) as step_gate:
       in_flight = client.stream(PROMPT, max_tokens=12, ignore_eos=True)
       wait_until(lambda: eng.queue_load().requests == 1, what="admission")
@@ -32,6 +45,15 @@ def test_warmup_drain_health_and_reflection(serve, eng, monkeypatch):
       assert chunks[-1].final.finish_reason == 2
       drained.result(30)
     assert bg.server.state == "stopped"
+
+
+def reflection_v1(channel, requests):
+  """The responses of grpc.reflection.v1's ServerReflectionInfo to `requests`."""
+  call = channel.stream_stream(
+      "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+      request_serializer=pb_reflection.ServerReflectionRequest.SerializeToString,
+      response_deserializer=pb_reflection.ServerReflectionResponse.FromString)
+  return list(call(iter(requests), timeout=30))
 
 
 def test_drain_timeout_ends_late_streams_unavailable(serve, eng, monkeypatch):
@@ -113,11 +135,15 @@ def test_internal_errors_fail_only_their_request(serve, eng, monkeypatch):
 
 
 def test_metrics_endpoint(serve, eng):
-  bg = serve(metrics_port=0)
+  bg = serve(metrics_port=0, model_name="demo")
   hits = eng.pool.prefix_hits
   with InferenceClient(target(bg)) as client:
     for _ in range(2):  # the second run finds the first's full page (16 tokens) cached
       client.generate(list(range(100, 120)), max_tokens=8, ignore_eos=True)
+  # The listener follows the server's host (127.0.0.1 here), not every interface.
+  assert bg.server.metrics_address == "127.0.0.1"
+  with pytest.raises(OSError):
+    urllib.request.urlopen(f"http://127.0.0.2:{bg.server.metrics_port}/metrics", timeout=10)
   url = f"http://127.0.0.1:{bg.server.metrics_port}/metrics"
   text = urllib.request.urlopen(url, timeout=10).read().decode()
   for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -125,13 +151,24 @@ def test_metrics_endpoint(serve, eng):
                "prefix_cache_queries_total", "prefix_cache_hits_total",
                "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count",
                "e2e_request_latency_seconds_sum", "request_queue_time_seconds_count",
-               "spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total"):
+               "spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total",
+               "request_prefill_time_seconds_count", "request_decode_time_seconds_sum",
+               "request_prompt_tokens_bucket", "request_generation_tokens_sum"):
     assert f"moejax:{name}" in text, name
-  assert 'moejax:request_success_total{finished_reason="length"} 2.0' in text
-  assert "moejax:e2e_request_latency_seconds_count 2.0" in text
+  # Every sample carries the model's name (vLLM's label).
+  samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+  assert samples and all('model_name="demo"' in line for line in samples)
+  assert ('moejax:request_success_total{finished_reason="length",model_name="demo"} 2.0'
+          in text)
+  assert 'moejax:e2e_request_latency_seconds_count{model_name="demo"} 2.0' in text
+  assert 'moejax:request_prompt_tokens_sum{model_name="demo"} 40.0' in text
+  assert 'moejax:request_generation_tokens_sum{model_name="demo"} 16.0' in text
+  assert ('moejax:request_generation_tokens_bucket{le="10.0",model_name="demo"} 2.0' in text)
+  assert 'moejax:request_decode_time_seconds_count{model_name="demo"} 2.0' in text
   assert "running=0 waiting=0" in bg.server.stats_line()
   assert eng.pool.prefix_hits - hits == 1
-  assert f"moejax:prefix_cache_hits_total {16.0 * eng.pool.prefix_hits}" in text  # tokens
+  assert (f'moejax:prefix_cache_hits_total{{model_name="demo"}} {16.0 * eng.pool.prefix_hits}'
+          in text)  # tokens
 
 
 def test_speculative_metrics_by_drafter_and_k():
@@ -148,7 +185,12 @@ def test_speculative_metrics_by_drafter_and_k():
                spec_pos1_estimate_ngram=0.55, spec_model_expected_tokens=40.5,
                spec_model_emitted_tokens=38.0, spec_model_predicted_cost=12.0,
                spec_model_measured_cost=15.0, spec_cost_scale=1.25)
-  text = ServingMetrics(lambda: stats, page_size=16).text()
+  text = ServingMetrics(lambda: stats, page_size=16, model_name="m").text()
+  samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+  assert samples and all('model_name="m"' in line for line in samples)
+  # Label names print sorted: drop model_name wherever it stands.
+  for label in ('{model_name="m"}', 'model_name="m",', ',model_name="m"'):
+    text = text.replace(label, "")
   for line in ('moejax:spec_decode_num_drafts_total 10.0',
                'moejax:spec_decode_num_accepted_tokens_by_drafter_total{drafter="ngram"} 15.0',
                'moejax:spec_decode_num_draft_tokens_by_drafter_total{drafter="mtp"} 12.0',

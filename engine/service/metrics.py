@@ -1,10 +1,11 @@
 """Prometheus metrics for the server (vLLM's names with the `moejax:` prefix).
 
 Engine gauges and counters are read from `Engine.stats()` at scrape time (one source of truth,
-no double counting); per-request histograms (TTFT, inter-token latency, end-to-end, queue time)
-and finish-reason counts are observed by the stream handlers, which see each request's whole
-life. Everything lives in the server's own registry, so several servers in one process (tests)
-do not collide in the global one.
+no double counting); per-request histograms (TTFT, inter-token latency, end-to-end, queue,
+prefill and decode time, prompt and generation tokens) and finish-reason counts are observed by
+the stream handlers, which see each request's whole life. Every sample carries vLLM's
+`model_name` label. Everything lives in the server's own registry, so several servers in one
+process (tests) do not collide in the global one.
 """
 
 from __future__ import annotations
@@ -47,11 +48,18 @@ SPEC_COUNTERS = {
 class _EngineCollector:
   """Reads the engine's gauges and counters at scrape time."""
 
-  def __init__(self, stats: Callable[[], dict[str, Any]], page_size: int):
+  def __init__(self, stats: Callable[[], dict[str, Any]], page_size: int, model_name: str):
     self._stats = stats
     self._page_size = page_size
+    self._model_name = model_name
 
   def collect(self) -> Iterator[Any]:
+    for family in self._families():
+      family.samples = [sample._replace(labels={"model_name": self._model_name, **sample.labels})
+                        for sample in family.samples]
+      yield family
+
+  def _families(self) -> Iterator[Any]:
     s = self._stats()
     for key, (name, doc) in ENGINE_GAUGES.items():
       yield GaugeMetricFamily(PREFIX + name, doc, value=float(s[key]))
@@ -116,39 +124,83 @@ class _EngineCollector:
                               "model's speculative step times.", value=float(s["spec_cost_scale"]))
 
 
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+  """1, 2, 5, 10, 20, 50, ... up to max_tokens (vLLM's build_1_2_5_buckets)."""
+  out, scale = [], 1
+  while True:
+    for m in (1, 2, 5):
+      if m * scale > max_tokens:
+        return tuple(out)
+      out.append(m * scale)
+    scale *= 10
+
+
+class _ModelLabelled:
+  """A labelled metric whose `model_name` label is already set."""
+
+  def __init__(self, metric: Any, model_name: str):
+    self._metric, self._model_name = metric, model_name
+
+  def labels(self, **labels: str) -> Any:
+    return self._metric.labels(model_name=self._model_name, **labels)
+
+
 class ServingMetrics:
   """The server's metric registry."""
 
-  def __init__(self, engine_stats: Callable[[], dict[str, Any]], page_size: int):
+  def __init__(self, engine_stats: Callable[[], dict[str, Any]], page_size: int,
+               model_name: str = "", max_model_len: int = 1 << 17):
     self.registry = CollectorRegistry()
-    self.registry.register(_EngineCollector(engine_stats, page_size))
-    r = self.registry
-    self.request_success = Counter(PREFIX + "request_success", "Finished requests by reason.",
-                                   ["finished_reason"], registry=r)
-    self.request_rejected = Counter(PREFIX + "request_rejected", "Requests refused before "
-                                    "admission, by gRPC status code.", ["code"], registry=r)
-    self.client_aborts = Counter(PREFIX + "client_aborts", "Requests aborted because the "
-                                 "client cancelled or its deadline passed.", registry=r)
-    self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
-                          buckets=LATENCY_BUCKETS, registry=r)
-    self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Gap between streamed chunks "
-                         "divided by their tokens.", buckets=LATENCY_BUCKETS, registry=r)
-    self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
-                         buckets=LATENCY_BUCKETS, registry=r)
-    self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first "
-                                "scheduled.", buckets=LATENCY_BUCKETS, registry=r)
+    self.registry.register(_EngineCollector(engine_stats, page_size, model_name))
+    r, m = self.registry, ["model_name"]
 
-  def observe_finished(self, reason: str, timings: Any) -> None:
+    def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+      return Histogram(PREFIX + name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+    self.request_success = _ModelLabelled(Counter(
+        PREFIX + "request_success", "Finished requests by reason.", m + ["finished_reason"],
+        registry=r), model_name)
+    self.request_rejected = _ModelLabelled(Counter(
+        PREFIX + "request_rejected", "Requests refused before admission, by gRPC status code.",
+        m + ["code"], registry=r), model_name)
+    self.client_aborts = Counter(PREFIX + "client_aborts", "Requests aborted because the "
+                                 "client cancelled or its deadline passed.", m,
+                                 registry=r).labels(model_name)
+    self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                          LATENCY_BUCKETS)
+    self.itl = histogram("inter_token_latency_seconds", "Gap between streamed chunks divided "
+                         "by their tokens.", LATENCY_BUCKETS)
+    self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+    self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                LATENCY_BUCKETS)
+    self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first "
+                                  "token.", LATENCY_BUCKETS)
+    self.decode_time = histogram("request_decode_time_seconds", "First token to finish.",
+                                 LATENCY_BUCKETS)
+    tokens = token_buckets(max_model_len)
+    self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of finished "
+                                   "requests.", tokens)
+    self.generation_tokens = histogram("request_generation_tokens", "Tokens generated by "
+                                       "finished requests.", tokens)
+
+  def observe_finished(self, reason: str, timings: Any, usage: Any = None) -> None:
     self.request_success.labels(finished_reason=reason).inc()
-    for hist, value in ((self.ttft, timings.ttft_s), (self.e2e, timings.e2e_s),
-                        (self.queue_time, timings.queue_s)):
+    t = timings
+    prefill = (None if t.first_token is None or t.first_scheduled is None
+               else t.first_token - t.first_scheduled)
+    decode = None if t.finished is None or t.first_token is None else t.finished - t.first_token
+    for hist, value in ((self.ttft, t.ttft_s), (self.e2e, t.e2e_s), (self.queue_time, t.queue_s),
+                        (self.prefill_time, prefill), (self.decode_time, decode)):
       if value is not None:
         hist.observe(value)
+    if usage is not None:
+      self.prompt_tokens.observe(usage.prompt_tokens)
+      self.generation_tokens.observe(usage.completion_tokens)
 
   def text(self) -> str:
     return generate_latest(self.registry).decode()
 
-  def serve_http(self, port: int, addr: str = "0.0.0.0") -> Any:
+  def serve_http(self, port: int, addr: str = "127.0.0.1") -> Any:
     """Starts the /metrics endpoint in a daemon thread; returns the HTTP server."""
     httpd, _ = start_http_server(port, addr=addr, registry=self.registry)
     return httpd

@@ -70,6 +70,8 @@ flags.DEFINE_string("api_keys_file", None, "File with one API key per line: clie
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain (with --tls_key).")
 flags.DEFINE_string("tls_key", None, "PEM private key (with --tls_cert).")
 flags.DEFINE_integer("metrics_port", None, "Prometheus /metrics port (default: off).")
+flags.DEFINE_string("metrics_host", None, "Address the /metrics listener binds (default: "
+                    "--host).")
 flags.DEFINE_float("drain_timeout_s", 30.0, "Time in-flight requests get on shutdown.")
 flags.DEFINE_integer("max_queue_requests", 256, "Waiting requests before RESOURCE_EXHAUSTED.")
 flags.DEFINE_integer("max_queue_tokens", 1 << 18, "Waiting prompt tokens before "
@@ -103,7 +105,7 @@ def server_config() -> ServerConfig:
     reasoning = ReasoningConfig(FLAGS.think_start_token_id, FLAGS.think_end_token_id,
                                 FLAGS.starts_in_reasoning)
   return ServerConfig(
-      host=FLAGS.host, port=FLAGS.port,
+      host=FLAGS.host, port=FLAGS.port, metrics_host=FLAGS.metrics_host,
       model_name=FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.checkpoint)),
       architecture=_architecture(FLAGS.checkpoint),
       max_queue_requests=FLAGS.max_queue_requests, max_queue_tokens=FLAGS.max_queue_tokens,
@@ -123,7 +125,8 @@ async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> 
   print(f"[moejax] binding {config.host}:{config.port}; compiling (health NOT_SERVING until "
         "ready) ...", file=sys.stderr, flush=True)
   port = await server.start(metrics_port)
-  metrics = f", metrics on :{server.metrics_port}/metrics" if server.metrics_port else ""
+  metrics = (f", metrics on {server.metrics_address}:{server.metrics_port}/metrics"
+             if server.metrics_port else "")
   scheme = "TLS" if config.tls_cert else "plaintext"
   print(f"[moejax] ready: {config.model_name} on {config.host}:{port} ({scheme}"
         f"{', API keys' if config.api_keys else ''}{metrics}) after "

@@ -34,11 +34,10 @@ import grpc
 from absl import logging
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from engine.runtime.engine import Engine
 from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from engine.service import validation
+from engine.service import reflection, validation
 from engine.service.metrics import ServingMetrics
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
@@ -55,6 +54,7 @@ SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
 class ServerConfig:
   host: str = "127.0.0.1"
   port: int = 50051  # 0: any free port (start() returns it)
+  metrics_host: str | None = None  # the /metrics listener's address (None: `host`)
   model_name: str = ""
   architecture: str = ""
   max_queue_requests: int = 256  # waiting (not yet running) requests
@@ -220,7 +220,8 @@ class InferenceServer:
 
   def __init__(self, engine: Engine, config: ServerConfig = ServerConfig()):
     self.engine, self.config = engine, config
-    self.metrics = ServingMetrics(engine.stats, engine.config.page_size)
+    self.metrics = ServingMetrics(engine.stats, engine.config.page_size, config.model_name,
+                                  engine.sched_config.max_model_len)
     self.health = grpc_health.aio.HealthServicer()
     self.engine_loop = EngineLoop(engine)
     self.limits = validation.RequestLimits(
@@ -245,9 +246,8 @@ class InferenceServer:
     server = grpc.aio.server(options=self.config.grpc_options())
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self), server)
     health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+    reflection.enable(server, [SERVICE_NAME,
+                               health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     address = f"{self.config.host}:{self.config.port}"
     if self.config.tls_cert or self.config.tls_key:
       with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:
@@ -260,7 +260,8 @@ class InferenceServer:
     self._server = server
     self.engine_loop.start()
     if metrics_port is not None:
-      self._metrics_http = self.metrics.serve_http(metrics_port)
+      host = self.config.metrics_host or self.config.host
+      self._metrics_http = self.metrics.serve_http(metrics_port, host.strip("[]"))
     if self.config.warmup:
       t0 = time.perf_counter()
       n = await asyncio.to_thread(self.engine.warmup)
@@ -273,6 +274,11 @@ class InferenceServer:
   @property
   def metrics_port(self) -> int | None:
     return None if self._metrics_http is None else self._metrics_http.server_port
+
+  @property
+  def metrics_address(self) -> str | None:
+    """The address the /metrics listener is bound to."""
+    return None if self._metrics_http is None else self._metrics_http.server_address[0]
 
   async def _set_health(self, status: int) -> None:
     for service in ("", SERVICE_NAME):
@@ -494,7 +500,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if item.finished:
           finished = True
           srv.engine_loop.unsubscribe(rid)  # the id is free once the client has the final
-          metrics.observe_finished(item.finish_reason, item.timings)
+          metrics.observe_finished(item.finish_reason, item.timings, item.usage)
         yield response
     finally:
       srv.drain_aborted.discard(rid)
