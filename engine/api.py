@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
+import checkpoints
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
@@ -30,6 +31,8 @@ from engine.runtime.sampling import SamplingParams
 # SpeculativeConfig.method "auto" routes through the serving engine, whose drafter it is too.
 from engine.runtime.speculative.runtime import AUTO
 
+# The bundled demo model (the `checkpoints` package installs beside `engine`).
+DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -90,12 +93,13 @@ def load_tokenizer(path: str) -> Any:
   return Tokenizer.from_file(tok_path)
 
 
-def load(path: str, dtype: str | Any | None = None, shardings: Any = None,
+def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any = None,
          progress: bool = True, mesh: Any = None) -> LoadedModel:
   """Loads an Orbax (moejax) or Hugging Face safetensors checkpoint directory.
 
   Args:
-    path: checkpoint directory.
+    path: checkpoint directory; default: the bundled demo model (`DEMO_CHECKPOINT`,
+      checkpoints/demo/target).
     dtype: parameter dtype ("bfloat16", "float32", or a jnp dtype). Default: the Orbax
       checkpoint's stored dtype, bfloat16 for Hugging Face checkpoints.
     shardings: optional pytree of `jax.sharding.Sharding` matching the params.
@@ -105,6 +109,7 @@ def load(path: str, dtype: str | Any | None = None, shardings: Any = None,
   """
   from engine.model import hf_loader, orbax_io  # deferred: heavy imports (orbax)
 
+  path = DEMO_CHECKPOINT if path is None else path
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
   cfg = load_config(path)

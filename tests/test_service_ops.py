@@ -243,6 +243,20 @@ def test_client_and_bench_command_lines(serve, eng):
   assert out["finish_reason"] == "length"
   bad = _run_module("engine.client", f"--target={target(bg)}", "--prompt_ids=1,99999")
   assert bad.returncode == 1 and "INVALID_ARGUMENT: token_ids.ids" in bad.stderr
+  # --stop's backslash escapes are decoded (a shell passes "\n" as two characters).
+  cut = want.text.index("\n") + 1
+  stopped = _run_module("engine.client", f"--target={target(bg)}", f"--prompt={PROMPT}",
+                        "--max_tokens=12", "--ignore_eos", "--json", "--stop=\\n")
+  out = json.loads(stopped.stdout.strip().splitlines()[-1])
+  assert out["finish_reason"] == "stop" and out["stop"] == "\n"
+  assert out["text"] == want.text[:cut - 1]
+  info = _run_module("engine.client", f"--target={target(bg)}", "--info")
+  _, end = json.JSONDecoder().raw_decode(info.stdout)
+  load = json.loads(info.stdout[end:])
+  assert load["numRequestsRunning"] == 0 and int(load["numPreemptions"]) == 0  # zeros printed
+  listed = _run_module("engine.client", f"--target={target(bg)}", "--list")
+  assert "moejax.v1.Inference\n  moejax.v1.Inference.Generate\n" in listed.stdout
+  assert "  grpc.health.v1.Health.Check" in listed.stdout
   bench = _run_module("engine.bench", f"--target={target(bg)}", "--num_prompts=6",
                       "--concurrency=3", "--dataset=shared_prefix", "--output_len=8",
                       "--input_len=16", "--prefix_len=32", "--num_prefixes=1")
@@ -299,6 +313,8 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
         break
     ready = [l for l in lines if "ready:" in l]
     assert ready, "".join(lines)
+    # No library INFO lines (orbax's, JAX's backend probing: "Failed to open libtpu.so").
+    assert not any("libtpu" in l or "orbax" in l.lower() for l in lines), "".join(lines)
     port = int(ready[0].split("127.0.0.1:")[1].split()[0])
     assert any("binding" in l for l in lines)
     with InferenceClient(f"127.0.0.1:{port}") as client:

@@ -1,12 +1,14 @@
-"""Streams a generation from a running server.
+r"""Streams a generation from a running server.
 
     python -m engine.client --prompt="def fib(n):" --max_tokens=64
     python -m engine.client --target=HOST:PORT --prompt_ids=1,5,6 --json
     python -m engine.client --info                                # model info and server load
+    python -m engine.client --list              # services and methods (server reflection)
 
 Text is printed as it streams; timings go to stderr. `--json` prints one JSON object with ids,
-text, finish reason, matched stop, usage and server timings. The API key comes from
---api_key or $MOEJAX_API_KEY. Errors print the gRPC status and exit 1.
+text, finish reason, matched stop, usage and server timings. `--stop` takes backslash escapes
+(`--stop='\n\n'` is two newlines; `\\` a backslash). The API key comes from --api_key or
+$MOEJAX_API_KEY. Errors print the gRPC status and exit 1.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import time
 
 import grpc
 from absl import flags
-from google.protobuf import json_format
+from google.protobuf import descriptor_pool, json_format
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase)
 
 from engine.service.client import Completion, InferenceClient, build_request
 
@@ -34,7 +38,8 @@ flags.DEFINE_integer("top_k", None, "Keep the k most likely tokens (0: off).")
 flags.DEFINE_float("top_p", None, "Nucleus mass (1: off).")
 flags.DEFINE_float("min_p", None, "Drop tokens below min_p * p(most likely).")
 flags.DEFINE_integer("seed", None, "Sampling seed.")
-flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
+flags.DEFINE_multi_string("stop", [], "Stop string (repeatable); backslash escapes such as "
+                          "\\n, \\t, \\\\ and \\uXXXX are decoded.")
 flags.DEFINE_multi_integer("stop_token_id", [], "Stop token id (repeatable).")
 flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
 flags.DEFINE_string("api_key", None, "API key (default: $MOEJAX_API_KEY).")
@@ -43,6 +48,28 @@ flags.DEFINE_string("ca_cert", None, "PEM root certificate for TLS.")
 flags.DEFINE_float("timeout_s", None, "Deadline for the whole call.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of streaming text.")
 flags.DEFINE_bool("info", False, "Print GetModelInfo and GetServerLoad, then exit.")
+flags.DEFINE_bool("list", False, "List the server's services and their methods (server "
+                  "reflection, as `grpcurl list` does), then exit.")
+
+
+def unescape(text: str) -> str:
+  """Decodes Python-style backslash escapes, leaving other characters (non-ASCII too) as they
+  are: a shell passes `--stop="\\n"` as a backslash and an n."""
+  try:
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+  except UnicodeDecodeError as e:
+    raise SystemExit(f"--stop: bad backslash escape in {text!r} ({e.reason})") from None
+
+
+def list_services(channel: grpc.Channel) -> list[str]:
+  """'service' lines, each followed by its '  service.Method' lines."""
+  db = ProtoReflectionDescriptorDatabase(channel)
+  pool = descriptor_pool.DescriptorPool(db)
+  lines = []
+  for name in sorted(db.get_services()):
+    lines.append(name)
+    lines += [f"  {name}.{m.name}" for m in pool.FindServiceByName(name).methods]
+  return lines
 
 
 def main(argv: list[str]) -> int:
@@ -58,7 +85,11 @@ def main(argv: list[str]) -> int:
   try:
     if FLAGS.info:
       for msg in (client.model_info(), client.server_load()):
-        print(json.dumps(json_format.MessageToDict(msg), indent=1))
+        print(json.dumps(json_format.MessageToDict(
+            msg, always_print_fields_with_no_presence=True), indent=1))
+      return 0
+    if FLAGS.list:
+      print("\n".join(list_services(client.channel)))
       return 0
     if (FLAGS.prompt is None) == (FLAGS.prompt_ids is None):
       raise SystemExit("give exactly one of --prompt or --prompt_ids")
@@ -68,7 +99,7 @@ def main(argv: list[str]) -> int:
     except ValueError:
       raise SystemExit(f"--prompt_ids must be comma-separated integers: {FLAGS.prompt_ids!r}")
     request = build_request(
-        prompt, request_id=FLAGS.request_id, stop=FLAGS.stop,
+        prompt, request_id=FLAGS.request_id, stop=[unescape(x) for x in FLAGS.stop],
         stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos,
         max_tokens=FLAGS.max_tokens, min_tokens=FLAGS.min_tokens,
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,

@@ -32,13 +32,12 @@ import time
 from absl import flags
 from absl import logging
 
-import checkpoints
 import engine
+from engine.api import DEMO_CHECKPOINT
 from engine.service import mesh_flags
 
 # The bundled demo model (checkpoints/demo, trained by checkpoints.train_demo).
-DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
-DEMO_DRAFT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "draft")
+DEMO_DRAFT = os.path.join(os.path.dirname(DEMO_CHECKPOINT), "draft")
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", DEMO_CHECKPOINT,

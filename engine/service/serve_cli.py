@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging as std_logging
 import os
 import signal
 import sys
@@ -21,16 +22,13 @@ import time
 from absl import flags
 from absl import logging
 
-import checkpoints
 import engine
+from engine.api import DEMO_CHECKPOINT
 from engine.runtime.engine import Engine, EngineConfig
 from engine.service import mesh_flags
 from engine.service.reasoning import ReasoningConfig
 from engine.service.server import InferenceServer, ServerConfig, read_api_keys
 
-# The bundled demo model (generate_cli has the same default; importing it would define its
-# flags here too).
-DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
 FLAGS = flags.FLAGS
 flags.DEFINE_string("checkpoint", DEMO_CHECKPOINT, "Orbax (moejax) or Hugging Face checkpoint "
                     "directory (default: the bundled demo model).")
@@ -136,9 +134,21 @@ async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> 
   print("[moejax] stopped", file=sys.stderr, flush=True)
 
 
+class _OwnInfoOnly(std_logging.Filter):
+  """INFO lines from moejax only: libraries' (orbax's restore diary, JAX's backend probing
+  "Unable to initialize backend 'tpu' ... Failed to open libtpu.so") read like errors."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return record.levelno >= std_logging.WARNING or record.pathname.startswith(_ENGINE_DIR)
+
+
+_ENGINE_DIR = os.path.dirname(os.path.abspath(engine.__file__))
+
+
 def main(argv: list[str]) -> int:
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.INFO)  # the periodic stats line
+    logging.get_absl_handler().addFilter(_OwnInfoOnly())
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
   if not os.path.isdir(FLAGS.checkpoint):
