@@ -304,3 +304,115 @@ def test_event_loop_stays_responsive_while_a_step_holds_the_engine(serve, eng, m
 
 
 # ---- lifecycle, auth, errors -------------------------------------------------------------------
+
+
+# ---- undecodable bytes and heavy inputs ------------------------------------------------------
+
+
+def _raw_call(channel, method, data, streaming=False):
+  """Sends `data` as the request bytes of Inference/`method`; (code, details)."""
+  path = f"/moejax.v1.Inference/{method}"
+  try:
+    if streaming:
+      list(channel.unary_stream(path)(data, timeout=30))
+    else:
+      channel.unary_unary(path)(data, timeout=30)
+  except grpc.RpcError as e:
+    return e.code(), e.details()
+  return grpc.StatusCode.OK, ""
+
+
+def _with_bad_utf8(request, placeholder):
+  """`request`'s bytes with the (ASCII) placeholder string turned into invalid UTF-8."""
+  data = request.SerializeToString()
+  assert data.count(placeholder.encode()) == 1
+  return data.replace(placeholder.encode(), b"\xff" * len(placeholder))
+
+
+def test_undecodable_requests_get_invalid_argument(serve, eng, caplog):
+  from engine.service.proto import inference_pb2 as pb
+  bg = serve()
+  valid = build_request(PROMPT, stop=["x", "ZZSTOPZZ"]).SerializeToString()
+  generate = [
+      (_with_bad_utf8(build_request("ZZTEXTZZ"), "ZZTEXTZZ"), "text: not valid UTF-8"),
+      (_with_bad_utf8(build_request(PROMPT, stop=["x", "ZZSTOPZZ"]), "ZZSTOPZZ"),
+       "sampling.stop[1]: not valid UTF-8"),
+      (_with_bad_utf8(build_request(PROMPT, request_id="ZZRIDZZ"), "ZZRIDZZ"),
+       "request_id: not valid UTF-8"),
+      (_with_bad_utf8(build_request(PROMPT, drafter="ZZDRAFTZZ"), "ZZDRAFTZZ"),
+       "speculative.drafter: not valid UTF-8"),
+      (b"\xff\xff\xff\xff\xff", "request is not a valid moejax.v1.GenerateRequest message"),
+      (valid[:-4], "request is not a valid moejax.v1.GenerateRequest message"),  # truncated
+  ]
+  with InferenceClient(target(bg)) as client:
+    for data, want in generate:
+      assert _raw_call(client.channel, "Generate", data, streaming=True) == (
+          grpc.StatusCode.INVALID_ARGUMENT, want)
+    tokenize = _with_bad_utf8(pb.TokenizeRequest(text="ZZTEXTZZ"), "ZZTEXTZZ")
+    assert _raw_call(client.channel, "Tokenize", tokenize) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "text: not valid UTF-8")
+    for method in ("Tokenize", "Detokenize", "Abort", "GetModelInfo", "GetServerLoad"):
+      code, details = _raw_call(client.channel, method, b"\x0a\x05ab")  # truncated field 1
+      assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid" in details, method
+    # The server keeps serving, and counted the rejections.
+    assert client.generate(PROMPT, max_tokens=3).completion_tokens == 3
+  assert 'code="INVALID_ARGUMENT"' in bg.server.metrics.text()
+  assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+class _CountingTokenizer:
+  def __init__(self, tokenizer):
+    self.tokenizer, self.encoded = tokenizer, 0
+
+  def __getattr__(self, name):
+    attr = getattr(self.tokenizer, name)
+    if name.startswith("encode"):
+      def counted(*args, **kwargs):
+        self.encoded += 1
+        return attr(*args, **kwargs)
+      return counted
+    return attr
+
+
+def test_a_huge_prompt_is_bounded_and_tokenised_off_the_event_loop(serve, eng, monkeypatch):
+  counting = _CountingTokenizer(eng.tokenizer)
+  monkeypatch.setattr(eng, "tokenizer", counting)
+  bg = serve(max_prompt_chars=1000)
+  with InferenceClient(target(bg)) as client:
+    code, details = status_of(lambda: client.generate("a " * 600))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("text:") and "1000" in details
+    code, details = status_of(lambda: client.tokenize("a " * 600))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("text:")
+    assert counting.encoded == 0  # refused before tokenising
+  bg.close()
+  # A prompt near the 4 MB message cap takes seconds to tokenise: meanwhile health answers
+  # and a running stream keeps streaming.
+  bg = serve(max_prompt_chars=4 << 20)
+  huge = ("def read_config(path):\n    return open(path).read()\n" * 80_000)[:3_900_000]
+  with InferenceClient(target(bg), timeout=60) as client:
+    running = client.stream(PROMPT, max_tokens=100, ignore_eos=True)
+    next(running)
+    result = {}
+    sender = threading.Thread(target=lambda: result.update(
+        done=status_of(lambda: client.generate(huge)), at=time.monotonic()))
+    sender.start()
+    wait_until(lambda: counting.encoded > 0, what="tokenising")
+    health_s, gaps = [], []
+    last = time.monotonic()
+    for _ in range(4):
+      t0 = time.monotonic()
+      assert client.health() == "SERVING"
+      health_s.append(time.monotonic() - t0)
+      next(running)
+      gaps.append(time.monotonic() - last)
+      last = time.monotonic()
+    window_end = time.monotonic()
+    sender.join(60)
+    # (A tokeniser holding the GIL also ends first: this thread could not run meanwhile.)
+    assert result["at"] > window_end, "tokenising did not overlap the checks"
+    # Bounds for a loaded 2-core machine; a tokeniser holding the GIL stalls both for seconds.
+    assert max(health_s) < 1.0, health_s
+    assert max(gaps) < 1.0, gaps
+    assert result["done"][0] == grpc.StatusCode.INVALID_ARGUMENT  # longer than the context
+    running.cancel()

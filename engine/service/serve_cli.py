@@ -75,6 +75,9 @@ flags.DEFINE_integer("max_queue_requests", 256, "Waiting requests before RESOURC
 flags.DEFINE_integer("max_queue_tokens", 1 << 18, "Waiting prompt tokens before "
                      "RESOURCE_EXHAUSTED.")
 flags.DEFINE_integer("max_message_bytes", 4 << 20, "Largest request message.")
+flags.DEFINE_integer("max_prompt_chars", 1 << 20, "Longest text prompt (Generate, Tokenize), "
+                     "refused before tokenising; ~4 characters per token for English text.",
+                     lower_bound=1)
 flags.DEFINE_integer("keepalive_time_ms", 30_000, "Server keepalive ping period.")
 flags.DEFINE_integer("keepalive_timeout_ms", 10_000, "Close a connection whose ping goes "
                      "unanswered this long.")
@@ -110,6 +113,7 @@ def server_config() -> ServerConfig:
       drain_timeout_s=FLAGS.drain_timeout_s,
       api_keys=read_api_keys(FLAGS.api_keys_file) if FLAGS.api_keys_file else frozenset(),
       tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_message_bytes=FLAGS.max_message_bytes,
+      max_prompt_chars=FLAGS.max_prompt_chars,
       keepalive_time_ms=FLAGS.keepalive_time_ms, keepalive_timeout_ms=FLAGS.keepalive_timeout_ms,
       stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning)
 

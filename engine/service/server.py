@@ -12,10 +12,12 @@ Lifecycle: health is NOT_SERVING until warm-up ends; `drain()` flips it back, re
 requests with UNAVAILABLE, lets in-flight ones finish for `drain_timeout_s`, ends the rest with
 UNAVAILABLE, then stops.
 
+Request bytes are parsed by `wire` (undecodable bytes: INVALID_ARGUMENT naming the field, not
+a traceback). Tokenising (seconds for a multi-megabyte prompt, bounded by `max_prompt_chars`)
+runs on the `tokenize_calls` threads, through the tokenizer's GIL-releasing batch calls.
 `Engine.add_request` and `abort` never wait for a device step (they land in the engine's inbox,
-applied at the next step), but tokenising and validating a prompt is CPU work, so the event
-loop still hands them, in order, to one `engine_calls` thread: being one FIFO thread keeps the
-queue-cap check + add atomic, and an abort after its add.
+applied at the next step); the event loop hands them, in order, to one `engine_calls` thread:
+being one FIFO thread keeps the queue-cap check + add atomic, and an abort after its add.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.runtime.engine import Engine
 from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from engine.service import reflection, validation
+from engine.service import reflection, validation, wire
 from engine.service.metrics import ServingMetrics
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
@@ -65,6 +67,7 @@ class ServerConfig:
   tls_key: str | None = None
   max_message_bytes: int = 4 << 20  # larger requests fail with RESOURCE_EXHAUSTED (gRPC core)
   max_stop_strings: int = 8
+  max_prompt_chars: int = 1 << 20  # longer text prompts are refused before tokenising
   keepalive_time_ms: int = 30_000
   keepalive_timeout_ms: int = 10_000
   min_ping_interval_ms: int = 10_000  # clients pinging more often collect strikes
@@ -227,7 +230,7 @@ class InferenceServer:
     self.limits = validation.RequestLimits(
         vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
         num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings,
-        drafters=engine.spec.enabled)
+        max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled)
     self.state = "created"  # -> starting -> serving -> draining -> stopped
     self.port: int | None = None
     self._server: grpc.aio.Server | None = None
@@ -237,6 +240,10 @@ class InferenceServer:
     self._metrics_http: Any = None
     self.engine_calls = concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="moejax-engine-calls")
+    # Tokenising a multi-megabyte prompt takes seconds: never on the event loop, and not on
+    # the engine-calls thread either, where it would hold up every other admission.
+    self.tokenize_calls = concurrent.futures.ThreadPoolExecutor(
+        max_workers=2, thread_name_prefix="moejax-tokenize")
 
   # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -244,7 +251,9 @@ class InferenceServer:
     """Binds, starts, warms up the engine, then reports SERVING. Returns the bound port."""
     self.state = "starting"
     server = grpc.aio.server(options=self.config.grpc_options())
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(self), server)
+    servicer = InferenceServicer(self)
+    server.add_generic_rpc_handlers([wire.generic_handler(
+        pb.DESCRIPTOR.services_by_name["Inference"], servicer, pb, servicer.reject_bad_bytes)])
     health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
     reflection.enable(server, [SERVICE_NAME,
                                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
@@ -315,6 +324,7 @@ class InferenceServer:
     if self._server is not None:
       await self._server.stop(grace_s)
     await asyncio.to_thread(self.engine_calls.shutdown, True)  # pending aborts run first
+    self.tokenize_calls.shutdown(wait=False, cancel_futures=True)
     self.engine_loop.stop()
     if self._metrics_http is not None:
       self._metrics_http.shutdown()
@@ -324,6 +334,10 @@ class InferenceServer:
       await self._server.wait_for_termination()
 
   # ---- calls into the engine (off the event loop) ----------------------------------------------
+
+  async def tokenize(self, fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs fn(*args) (tokenising, detokenising) on a tokenizer thread."""
+    return await asyncio.get_running_loop().run_in_executor(self.tokenize_calls, fn, *args)
 
   async def call_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
     """Runs fn(*args) on the engine-calls thread, after every call submitted before it."""
@@ -433,11 +447,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     self.srv.metrics.request_rejected.labels(code=e.code.name).inc()
     await context.abort(e.code, str(e))
 
+  async def reject_bad_bytes(self, context: grpc.aio.ServicerContext,
+                             bad: wire.BadRequest) -> None:
+    """A request whose bytes did not decode (`wire.deserializer`)."""
+    await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, bad.message))
+
   async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
     srv, engine = self.srv, self.engine
     try:
       srv.check_api_key(context)
-      parsed = validation.parse_generate(request, engine.tokenizer, srv.limits)
+      parsed = await srv.tokenize(validation.parse_generate, request, engine.tokenizer,
+                                  srv.limits)
     except validation.FieldError as e:
       await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
     except _Rejected as e:
@@ -564,7 +584,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
   async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
     tokenizer = await self._tokenizer(context)
-    return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text).ids)
+    try:
+      validation.check_prompt_chars(request.text, self.srv.limits)
+    except validation.FieldError as e:
+      await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+    ids = await self.srv.tokenize(validation.encode, tokenizer, request.text)
+    return pb.TokenizeResponse(token_ids=ids)
 
   async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
     tokenizer = await self._tokenizer(context)
@@ -573,5 +598,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                        self.engine.cfg.vocab_size)
     except validation.FieldError as e:
       await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
-    return pb.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=True))
+    text = await self.srv.tokenize(validation.decode, tokenizer, ids)
+    return pb.DetokenizeResponse(text=text)
 

@@ -40,6 +40,7 @@ class RequestLimits:
   max_stop_strings: int = 8
   max_stop_string_chars: int = 256
   max_request_id_chars: int = 128
+  max_prompt_chars: int = 1 << 20
   drafters: tuple[str, ...] = ()  # drafters the engine enables (requests may choose them)
 
   @property
@@ -65,6 +66,29 @@ def check_request_id(request_id: str, limits: RequestLimits) -> str:
   return request_id
 
 
+def check_prompt_chars(text: str, limits: RequestLimits) -> None:
+  """Bounds the tokeniser's work before it starts."""
+  if len(text) > limits.max_prompt_chars:
+    raise FieldError("text", f"{len(text)} characters, at most {limits.max_prompt_chars} "
+                     "allowed (the server's --max_prompt_chars)")
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+  """Token ids of `text`. Through `encode_batch` where the tokenizer has it: the `tokenizers`
+  binding's `encode` holds the GIL for the whole call (seconds for megabytes of text, every
+  other thread stalled), its `encode_batch` releases it."""
+  if hasattr(tokenizer, "encode_batch"):
+    return list(tokenizer.encode_batch([text])[0].ids)
+  return list(tokenizer.encode(text).ids)
+
+
+def decode(tokenizer: Any, ids: list[int]) -> str:
+  """Text of `ids` without special tokens (`decode_batch` releases the GIL, as in `encode`)."""
+  if hasattr(tokenizer, "decode_batch"):
+    return tokenizer.decode_batch([ids], skip_special_tokens=True)[0]
+  return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int]:
   for i, t in enumerate(ids):
     if not 0 <= t < vocab_size:
@@ -80,9 +104,10 @@ def prompt_ids(request: Any, tokenizer: Any, limits: RequestLimits) -> list[int]
   if which == "text":
     if not request.text:
       raise FieldError("text", "must not be empty")
+    check_prompt_chars(request.text, limits)
     if tokenizer is None:
       raise FieldError("text", "this model has no tokenizer; send token_ids")
-    ids = list(tokenizer.encode(request.text).ids)
+    ids = encode(tokenizer, request.text)
     if not ids:
       raise FieldError("text", "encodes to no tokens")
     return ids
