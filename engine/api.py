@@ -26,6 +26,7 @@ import checkpoints
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
+from engine.runtime import compile_cache
 from engine.runtime.generate import SpeculativeConfig, bucket, generate_tokens
 from engine.runtime.sampling import SamplingParams
 # SpeculativeConfig.method "auto" routes through the serving engine, whose drafter it is too.
@@ -110,6 +111,7 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   from engine.model import hf_loader, orbax_io  # deferred: heavy imports (orbax)
 
   path = DEMO_CHECKPOINT if path is None else path
+  compile_cache.enable(compile_cache.default_dir())  # before anything compiles
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
   cfg = load_config(path)

@@ -18,8 +18,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 import gc
+import shutil
+import tempfile
+import uuid
 
 import pytest
+
+CACHE_ENV = "MOEJAX_COMPILATION_CACHE_DIR"  # engine.runtime.compile_cache.ENV
+
+
+def pytest_configure(config):
+  """One persistent compilation cache per test run, shared by the xdist workers (they inherit
+  the controller's environment) and the processes tests start: a program compiled once is
+  loaded wherever else it is needed (the demo engine's, for one, in several modules), and
+  nothing is written to the user's own cache."""
+  if CACHE_ENV not in os.environ:
+    path = os.path.join(tempfile.gettempdir(), f"moejax-test-jax-cache-{uuid.uuid4().hex[:12]}")
+    os.environ[CACHE_ENV] = config._moejax_cache_dir = path
+
+
+def pytest_unconfigure(config):
+  path = getattr(config, "_moejax_cache_dir", None)
+  if path:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

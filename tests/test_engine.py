@@ -34,8 +34,22 @@ def eng(model):
   e = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=16, max_num_batched_tokens=64,
                                        row_widths=(16,), max_model_len=128, max_decode_steps=8,
                                        cache_dtype=jnp.float32))
-  e.warmup()
+  e.warmup_programs = e.warmup(progress=lambda done, total, what: WARMUP_PROGRESS.append(
+      (done, total, what)))
   return e
+
+
+WARMUP_PROGRESS = []
+
+
+def test_warmup_reports_progress_program_by_program(eng, capsys):
+  """`warmup`'s progress: each program n of N in order (the default prints it)."""
+  n = eng.warmup_programs
+  assert [(d, t) for d, t, _ in WARMUP_PROGRESS] == [(i, n) for i in range(1, n + 1)]
+  assert {w.split()[0] for _, _, w in WARMUP_PROGRESS} >= {"step", "decode"}
+  eng.warmup()  # compiled already: quick
+  lines = capsys.readouterr().err.splitlines()
+  assert lines[-1].startswith(f"[moejax] warm-up {n}/{n} programs, ")
 
 
 def prompts(n, seed=0, lo=2, hi=40):

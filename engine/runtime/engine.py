@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import sys
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -33,7 +34,7 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
-from engine.runtime import steps
+from engine.runtime import compile_cache, steps
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
@@ -73,7 +74,8 @@ class EngineConfig:
   ngram_window: int = 512
   learned_table_slots: int = 1 << 16
   cache_dtype: Any = None  # default: the parameters' dtype
-  compilation_cache_dir: str | None = None  # JAX's persistent cache: restarts do not recompile
+  # JAX's persistent cache (`compile_cache`): restarts load, not recompile ("" or None: off).
+  compilation_cache_dir: str | None = dataclasses.field(default_factory=compile_cache.default_dir)
   traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
   kernels: KernelChoice = REFERENCE
 
@@ -84,10 +86,14 @@ class QueueLoad:
   tokens: int  # their tokens not yet in the cache
 
 
-def enable_compilation_cache(path: str) -> None:
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def warmup_printer(out: Any = None) -> Callable[[int, int, str], None]:
+  """A warm-up `progress` that prints "warm-up n/N programs, seconds: what" lines."""
+  start = time.perf_counter()
+
+  def progress(done: int, total: int, what: str) -> None:
+    print(f"[moejax] warm-up {done}/{total} programs, {time.perf_counter() - start:.1f}s: "
+          f"{what}", file=out or sys.stderr, flush=True)
+  return progress
 
 
 class Engine:
@@ -102,8 +108,7 @@ class Engine:
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
     self.eos_token_ids = tuple(eos_token_ids)
-    if config.compilation_cache_dir:
-      enable_compilation_cache(config.compilation_cache_dir)
+    compile_cache.enable(config.compilation_cache_dir)
     max_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
     if max_len > cfg.max_position_embeddings:
       raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
@@ -463,12 +468,15 @@ class Engine:
       self.release(i)  # the caller holds the results; the engine need not
     return done
 
-  def warmup(self, progress=None) -> int:
+  def warmup(self, progress: Callable[[int, int, str], None] | bool = True) -> int:
     """Compiles every bucket (mixed shapes, then decode-loop batch sizes, plain and, with
     drafters, speculative); with `adaptive_k`, measures the cost model (`SpecRuntime`).
-    Returns the number of programs. `progress(done, total, what)` is called after each."""
+    Returns the number of programs. `progress(done, total, what)` is called after each
+    (True: a line per program on stderr; False: quiet)."""
+    if progress is True:
+      progress = warmup_printer()
     with self._lock, self._on_mesh():
-      n = compile_buckets(self, progress, stop_width=MAX_STOP_IDS)
+      n = compile_buckets(self, progress or None, stop_width=MAX_STOP_IDS)
     self._take_snapshot()
     return n
 

@@ -34,6 +34,7 @@ from absl import logging
 
 import engine
 from engine.api import DEMO_CHECKPOINT
+from engine.runtime import compile_cache
 from engine.service import mesh_flags
 
 # The bundled demo model (checkpoints/demo, trained by checkpoints.train_demo).
@@ -68,6 +69,9 @@ flags.DEFINE_string("learned_table", None, "With --speculative=learned or auto: 
                     "loaded when it exists and saved after generating.")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory for --speculative=draft "
                     "or auto (default: the demo draft model when running the demo target).")
+flags.DEFINE_string("compilation_cache_dir", compile_cache.default_dir(),
+                    "JAX persistent compilation cache: a second run loads, not recompiles ('' "
+                    f"off; default ${compile_cache.ENV} or ~/.cache/moejax/jax_cache).")
 
 
 def _parse_ids(s: str) -> list[int]:
@@ -115,6 +119,7 @@ def main(argv: list[str]) -> int:
     logging.set_verbosity(logging.WARNING)  # hide JAX's backend-probing INFO lines
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  os.environ[compile_cache.ENV] = FLAGS.compilation_cache_dir  # read by engine.load
   if not os.path.isdir(FLAGS.checkpoint):
     raise SystemExit(f"error: checkpoint directory not found: {FLAGS.checkpoint}")
   if not FLAGS.prompt and not FLAGS.prompt_ids:

@@ -24,6 +24,7 @@ from absl import logging
 
 import engine
 from engine.api import DEMO_CHECKPOINT
+from engine.runtime import compile_cache
 from engine.runtime.engine import Engine, EngineConfig
 from engine.service import mesh_flags
 from engine.service.reasoning import ReasoningConfig
@@ -46,9 +47,9 @@ flags.DEFINE_float("kv_cache_memory_fraction", 0.85, "Fraction of free device me
 flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.", lower_bound=1)
 flags.DEFINE_integer("max_model_len", None, "Context length served (default: min(model, 4096)).")
 flags.DEFINE_integer("max_decode_steps", 16, "Decode iterations per device loop.", lower_bound=1)
-flags.DEFINE_string("compilation_cache_dir",
-                    os.path.join(os.path.expanduser("~"), ".cache", "moejax", "jax_cache"),
-                    "JAX persistent compilation cache: a restart loads, not recompiles ('' off).")
+flags.DEFINE_string("compilation_cache_dir", compile_cache.default_dir(),
+                    "JAX persistent compilation cache: a restart loads, not recompiles ('' off; "
+                    f"default ${compile_cache.ENV} or ~/.cache/moejax/jax_cache).")
 flags.DEFINE_enum("speculative", "off", ["off", "auto", "ngram", "learned", "mtp", "draft"],
                   "Default speculative drafter of decode-only steps (requests may choose "
                   "another, see --drafters): n-gram prompt lookup, a table learned across "
@@ -157,6 +158,7 @@ def main(argv: list[str]) -> int:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
   if not os.path.isdir(FLAGS.checkpoint):
     raise SystemExit(f"error: checkpoint directory not found: {FLAGS.checkpoint}")
+  os.environ[compile_cache.ENV] = FLAGS.compilation_cache_dir  # for engine.load too
   try:
     config = server_config()
     mesh = mesh_flags.setup()
@@ -169,7 +171,7 @@ def main(argv: list[str]) -> int:
         kv_cache_memory_fraction=FLAGS.kv_cache_memory_fraction,
         max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         max_model_len=FLAGS.max_model_len, max_decode_steps=FLAGS.max_decode_steps,
-        compilation_cache_dir=FLAGS.compilation_cache_dir or None,
+        compilation_cache_dir=FLAGS.compilation_cache_dir,
         traffic_stats_path=FLAGS.traffic_stats_path,
         speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
         drafters=tuple(FLAGS.drafters), num_draft_tokens=FLAGS.num_draft_tokens,
