@@ -416,3 +416,42 @@ def test_a_huge_prompt_is_bounded_and_tokenised_off_the_event_loop(serve, eng, m
     assert max(gaps) < 1.0, gaps
     assert result["done"][0] == grpc.StatusCode.INVALID_ARGUMENT  # longer than the context
     running.cancel()
+
+
+class _GatedTokenizer:
+  """Holds every encode until `gate` opens."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer, self.gate, self.waiting = tokenizer, threading.Event(), threading.Event()
+
+  def __getattr__(self, name):
+    attr = getattr(self.tokenizer, name)
+    if not name.startswith("encode"):
+      return attr
+
+    def gated(*args, **kwargs):
+      self.waiting.set()
+      self.gate.wait(30)
+      return attr(*args, **kwargs)
+    return gated
+
+
+def test_abort_of_a_request_still_being_tokenised(serve, eng, monkeypatch):
+  """Tokenising happens before the engine knows the request: an Abort meanwhile still ends
+  it (right after its add), as it did when tokenising held the event loop."""
+  gated = _GatedTokenizer(eng.tokenizer)
+  monkeypatch.setattr(eng, "tokenizer", gated)
+  bg = serve()
+  with InferenceClient(target(bg)) as client:
+    stream = client.stream(PROMPT, max_tokens=50, ignore_eos=True, request_id="early")
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.extend(stream))
+    reader.start()
+    assert gated.waiting.wait(30)
+    assert client.abort("early") is True
+    gated.gate.set()
+    reader.join(30)
+    assert chunks[-1].final.finish_reason == 3  # FINISH_REASON_ABORT
+    assert sum(len(c.token_ids) for c in chunks) < 50
+    assert client.generate(PROMPT, max_tokens=2, request_id="early").completion_tokens == 2
+  assert not bg.server.early_aborts and not bg.server.tokenizing

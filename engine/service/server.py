@@ -27,7 +27,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import hmac
-import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -40,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.runtime.engine import Engine
 from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from engine.service import reflection, validation, wire
+from engine.service.engine_loop import EngineFailure, EngineLoop
 from engine.service.metrics import ServingMetrics
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
@@ -85,85 +85,6 @@ class ServerConfig:
             ("grpc.http2.min_ping_interval_without_data_ms", self.min_ping_interval_ms),
             ("grpc.http2.max_ping_strikes", self.max_ping_strikes),
             ("grpc.so_reuseport", 0)]  # a second server on a busy port must fail, not share
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineFailure:
-  """Delivered to every in-flight stream when a step raises."""
-  message: str
-
-
-class EngineLoop:
-  """The engine's own thread: steps while there is work, waits on an event otherwise."""
-
-  def __init__(self, engine: Engine):
-    self.engine = engine
-    self._subscribers: dict[str, Callable[[Any], None]] = {}
-    self._lock = threading.Lock()
-    self._wake = threading.Event()
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
-
-  def start(self) -> None:
-    self._thread.start()
-
-  def stop(self) -> None:
-    self._stop.set()
-    self._wake.set()
-    self._thread.join()
-
-  def wake(self) -> None:
-    self._wake.set()
-
-  def subscribe(self, request_id: str, deliver: Callable[[Any], None]) -> bool:
-    with self._lock:
-      if request_id in self._subscribers:
-        return False
-      self._subscribers[request_id] = deliver
-      return True
-
-  def unsubscribe(self, request_id: str, deliver: Callable[[Any], None] | None = None) -> bool:
-    """Removes the subscription (only if it is `deliver`'s, when given); True if removed."""
-    with self._lock:
-      if request_id not in self._subscribers or deliver not in (
-          None, self._subscribers[request_id]):
-        return False
-      del self._subscribers[request_id]
-      return True
-
-  def subscribed(self) -> list[str]:
-    with self._lock:
-      return list(self._subscribers)
-
-  def _run(self) -> None:
-    while not self._stop.is_set():
-      self._wake.clear()
-      if not self.engine.has_unfinished():
-        self._wake.wait(0.05)
-        continue
-      try:
-        outputs = self.engine.step()
-      except Exception as e:  # keep serving: fail what was in flight, free its pages
-        logging.exception("engine step failed; failing the in-flight requests")
-        self._fail_all(f"{type(e).__name__}: {e}")
-        continue
-      for out in outputs:
-        if out.finished:  # before delivery: the client may reuse the id as soon as it reads
-          self.engine.release(out.request_id)
-        with self._lock:
-          deliver = self._subscribers.get(out.request_id)
-        if deliver is not None:
-          deliver(out)
-
-  def _fail_all(self, message: str) -> None:
-    with self._lock:
-      subscribers = list(self._subscribers.items())
-    for rid, deliver in subscribers:
-      deliver(EngineFailure(message))
-      try:
-        self.engine.abort(rid)
-      except Exception:
-        logging.exception("request %s: abort after a failed step failed", rid)
 
 
 def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
@@ -244,6 +165,10 @@ class InferenceServer:
     # the engine-calls thread either, where it would hold up every other admission.
     self.tokenize_calls = concurrent.futures.ThreadPoolExecutor(
         max_workers=2, thread_name_prefix="moejax-tokenize")
+    # Request ids being tokenised (not in the engine yet) and those of them an Abort named:
+    # aborted right after their add, as when tokenising held the loop and the Abort waited.
+    self.tokenizing: collections.Counter[str] = collections.Counter()
+    self.early_aborts: set[str] = set()
 
   # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -353,6 +278,8 @@ class InferenceServer:
   def admit(self, parsed: validation.ParsedRequest, rid: str,
             deliver: Callable[[Any], None]) -> None:
     """Queue caps, subscription, `Engine.add_request` (on the engine-calls thread)."""
+    early = rid in self.early_aborts  # an Abort came while it was being tokenised
+    self.early_aborts.discard(rid)
     self.check_capacity(len(parsed.prompt_ids))
     if not self.engine_loop.subscribe(rid, deliver):
       raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in use")
@@ -362,6 +289,8 @@ class InferenceServer:
       self.engine_loop.unsubscribe(rid)
       raise _Rejected(grpc.StatusCode.ALREADY_EXISTS if str(e).startswith("request_id")
                       else grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if early:
+      self.engine.abort(rid)
     self.engine_loop.wake()
 
   def end_stream(self, rid: str, deliver: Callable[[Any], None], client_abort: bool) -> None:
@@ -454,6 +383,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
   async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
     srv, engine = self.srv, self.engine
+    named, parsed = request.request_id, None
+    srv.tokenizing[named] += 1
     try:
       srv.check_api_key(context)
       parsed = await srv.tokenize(validation.parse_generate, request, engine.tokenizer,
@@ -462,6 +393,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
       await self._reject(context, _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
     except _Rejected as e:
       await self._reject(context, e)
+    finally:
+      srv.tokenizing[named] -= 1
+      if not srv.tokenizing[named]:
+        del srv.tokenizing[named]
+        if parsed is None:  # refused or cancelled: nothing left to abort
+          srv.early_aborts.discard(named)
     rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
@@ -532,7 +469,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
       self.srv.check_api_key(context)
     except _Rejected as e:
       await self._reject(context, e)
-    aborted = await self.srv.call_engine(self.engine.abort, request.request_id)
+    rid = request.request_id
+    if rid and rid in self.srv.tokenizing:  # its add comes after this; the abort follows it
+      self.srv.early_aborts.add(rid)
+      return pb.AbortResponse(aborted=True)
+    aborted = await self.srv.call_engine(self.engine.abort, rid)
     self.srv.engine_loop.wake()
     return pb.AbortResponse(aborted=aborted)
 

@@ -1,0 +1,94 @@
+"""The engine's own thread (`EngineLoop`): steps the engine while there is work and hands each
+step's `RequestOutput`s to the subscriber of its request id (an asyncio stream, through
+`loop.call_soon_threadsafe`). A step that raises fails every subscribed request with an
+`EngineFailure` and aborts it (its pages are freed); the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+from absl import logging
+
+from engine.runtime.engine import Engine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFailure:
+  """Delivered to every in-flight stream when a step raises."""
+  message: str
+
+
+class EngineLoop:
+  """The engine's own thread: steps while there is work, waits on an event otherwise."""
+
+  def __init__(self, engine: Engine):
+    self.engine = engine
+    self._subscribers: dict[str, Callable[[Any], None]] = {}
+    self._lock = threading.Lock()
+    self._wake = threading.Event()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="moejax-engine", daemon=True)
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._wake.set()
+    self._thread.join()
+
+  def wake(self) -> None:
+    self._wake.set()
+
+  def subscribe(self, request_id: str, deliver: Callable[[Any], None]) -> bool:
+    with self._lock:
+      if request_id in self._subscribers:
+        return False
+      self._subscribers[request_id] = deliver
+      return True
+
+  def unsubscribe(self, request_id: str, deliver: Callable[[Any], None] | None = None) -> bool:
+    """Removes the subscription (only if it is `deliver`'s, when given); True if removed."""
+    with self._lock:
+      if request_id not in self._subscribers or deliver not in (
+          None, self._subscribers[request_id]):
+        return False
+      del self._subscribers[request_id]
+      return True
+
+  def subscribed(self) -> list[str]:
+    with self._lock:
+      return list(self._subscribers)
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      self._wake.clear()
+      if not self.engine.has_unfinished():
+        self._wake.wait(0.05)
+        continue
+      try:
+        outputs = self.engine.step()
+      except Exception as e:  # keep serving: fail what was in flight, free its pages
+        logging.exception("engine step failed; failing the in-flight requests")
+        self._fail_all(f"{type(e).__name__}: {e}")
+        continue
+      for out in outputs:
+        if out.finished:  # before delivery: the client may reuse the id as soon as it reads
+          self.engine.release(out.request_id)
+        with self._lock:
+          deliver = self._subscribers.get(out.request_id)
+        if deliver is not None:
+          deliver(out)
+
+  def _fail_all(self, message: str) -> None:
+    with self._lock:
+      subscribers = list(self._subscribers.items())
+    for rid, deliver in subscribers:
+      deliver(EngineFailure(message))
+      try:
+        self.engine.abort(rid)
+      except Exception:
+        logging.exception("request %s: abort after a failed step failed", rid)
