@@ -10,6 +10,7 @@ Prints one summary line: parameter count, bytes, time.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -33,8 +34,8 @@ def convert(hf_dir: str, out: str, dtype: str = "bfloat16", overwrite: bool = Fa
   import jax
   import jax.numpy as jnp
 
-  from engine.model.config import load_config
-  from engine.model.hf_loader import CheckpointError, load_hf_params
+  from engine.model.config import config_dict_without_mtp
+  from engine.model.hf_loader import CheckpointError, checkpoint_config, load_hf_params
   from engine.model.orbax_io import save_orbax
 
   start = time.time()
@@ -43,13 +44,17 @@ def convert(hf_dir: str, out: str, dtype: str = "bfloat16", overwrite: bool = Fa
     raise FileExistsError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
   if not os.path.isfile(os.path.join(hf_dir, "config.json")):
     raise CheckpointError(f"--hf_dir {hf_dir}: no config.json")
-  cfg = load_config(hf_dir)
+  cfg = checkpoint_config(hf_dir)
   params = load_hf_params(hf_dir, cfg, dtype=jnp.dtype(dtype), progress=progress)
+  with open(os.path.join(hf_dir, "config.json")) as fh:
+    cfg_dict = json.load(fh)
+  if cfg.mtp_layers_absent:  # the saved config describes the saved params: no MTP layers
+    cfg_dict = config_dict_without_mtp(cfg_dict)
   leaves = jax.tree.leaves(params)
   partial = out.rstrip(os.sep) + ".partial"
   if os.path.exists(partial):
     shutil.rmtree(partial)  # a previous interrupted conversion
-  save_orbax(partial, hf_dir, params)
+  save_orbax(partial, cfg_dict, params, tokenizer_src_dir=hf_dir)
   if os.path.exists(out):
     shutil.rmtree(out)
   os.rename(partial, out)

@@ -115,6 +115,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   if not os.path.isdir(path):
     raise FileNotFoundError(f"checkpoint directory not found: {path}")
   cfg = load_config(path)
+  is_orbax = orbax_io.is_orbax_checkpoint(path)
+  if not is_orbax and orbax_io.is_hf_checkpoint(path):
+    cfg = hf_loader.checkpoint_config(path, cfg)  # without MTP layers whose weights are absent
   if mesh is not None:
     from engine.model import sharding
     if shardings is not None:
@@ -125,7 +128,7 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     dtype = DTYPES[dtype]
-  if orbax_io.is_orbax_checkpoint(path):
+  if is_orbax:
     params = orbax_io.restore_orbax(path, cfg, shardings=shardings, dtype=dtype)
   elif orbax_io.is_hf_checkpoint(path):
     params = hf_loader.load_hf_params(path, cfg, dtype=dtype or jnp.bfloat16,

@@ -91,6 +91,9 @@ class ModelConfig:
   # the decoder layers here (index num_layers + k).
   moe_layers: tuple[bool, ...] = ()
   num_nextn_predict_layers: int = 0
+  # MTP layers config.json declares that the checkpoint holds no weights for (`without_mtp`;
+  # transformers' save_pretrained writes none): the model serves without them.
+  mtp_layers_absent: int = 0
   # Tokens
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
@@ -129,8 +132,35 @@ class ModelConfig:
     return bool(self.moe_layers) and self.moe_layers[i]
 
   @property
+  def no_mtp_reason(self) -> str:
+    """Why the model has no MTP layer to draft with (for errors refusing drafter "mtp")."""
+    if self.mtp_layers_absent:
+      return (f"config.json declares num_nextn_predict_layers={self.mtp_layers_absent} but the "
+              f"checkpoint holds no MTP weights (transformers' save_pretrained saves none)")
+    return "the model has no MTP layer (num_nextn_predict_layers = 0)"
+
+  @property
   def display_name(self) -> str:
     return f"{self.model_type}(L={self.num_layers}, H={self.hidden_size}, E={self.num_experts})"
+
+
+def without_mtp(cfg: ModelConfig) -> ModelConfig:
+  """`cfg` without its MTP layers, for a checkpoint that holds none of their weights."""
+  if not cfg.num_nextn_predict_layers:
+    return cfg
+  return dataclasses.replace(cfg, num_nextn_predict_layers=0,
+                             moe_layers=cfg.moe_layers[:cfg.num_layers],
+                             mtp_layers_absent=cfg.num_nextn_predict_layers)
+
+
+def config_dict_without_mtp(d: dict[str, Any]) -> dict[str, Any]:
+  """A config.json dict with num_nextn_predict_layers 0 (in `text_config` for kimi_k25)."""
+  d = dict(d)
+  if d.get("model_type") == "kimi_k25" and isinstance(d.get("text_config"), dict):
+    d["text_config"] = dict(d["text_config"], num_nextn_predict_layers=0)
+  else:
+    d["num_nextn_predict_layers"] = 0
+  return d
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

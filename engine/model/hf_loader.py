@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.model.config import ModelConfig, load_config
+from engine.model.config import ModelConfig, load_config, without_mtp
 from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
                                  path_str, shape_leaves)
 from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
@@ -369,6 +369,30 @@ def _canonical(name: str, cfg: ModelConfig) -> str | None:
   return name
 
 
+def _mtp_tensor_names(raw_names: Any, cfg: ModelConfig) -> list[str]:
+  """The raw names of the tensors of `cfg`'s MTP layers (stored as layers num_layers + k)."""
+  n, names = cfg.num_layers, []
+  for name in raw_names:
+    c = _canonical(name, cfg)
+    m = re.match(r"model\.layers\.(\d+)\.", c or "")
+    if m and n <= int(m.group(1)) < n + cfg.num_nextn_predict_layers:
+      names.append(name)
+  return names
+
+
+def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None) -> ModelConfig:
+  """The config the checkpoint serves: `cfg` (its config.json by default), `without_mtp` when
+  config.json declares MTP layers but the checkpoint holds none of their tensors (any checkpoint
+  saved by transformers, whose DeepseekV3 classes neither build nor save them). Reads headers."""
+  ckpt_dir = os.fspath(ckpt_dir)
+  cfg = cfg if cfg is not None else load_config(ckpt_dir)
+  if not (cfg.is_mla and cfg.num_nextn_predict_layers):
+    return cfg
+  files, weight_map = _checkpoint_files(ckpt_dir)
+  raw = _read_headers(files, weight_map, ckpt_dir)
+  return cfg if _mtp_tensor_names(raw, cfg) else without_mtp(cfg)
+
+
 def _shown(name: str, cfg: ModelConfig) -> str:
   """The name as the checkpoint would spell it (Kimi-K2.5 prefixes its language model)."""
   return K25_PREFIX + name if cfg.model_type == "kimi_k25" else name
@@ -433,6 +457,10 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
     listed = "\n  ".join(problems[:MAX_LISTED_PROBLEMS])
     more = len(problems) - MAX_LISTED_PROBLEMS
     tail = f"\n  ... and {more} more" if more > 0 else ""
+    if cfg.is_mla and cfg.num_nextn_predict_layers and not _mtp_tensor_names(raw, cfg):
+      tail += (f"\n  (config.json declares num_nextn_predict_layers="
+               f"{cfg.num_nextn_predict_layers} but the checkpoint holds no MTP tensors: load "
+               f"it with the config hf_loader.checkpoint_config returns, or engine.load)")
     raise CheckpointError(f"{ckpt_dir} does not match config {cfg.display_name}: "
                           f"{len(problems)} problem(s):\n  {listed}{tail}")
   return plan, canon, block
@@ -494,13 +522,13 @@ def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = j
                    shardings: Any = None, progress: bool = True) -> Params:
   """Loads a safetensors checkpoint directory into the `param_shapes(cfg)` pytree.
 
-  cfg: the parsed config (read from `ckpt_dir/config.json` when None). dtype: the float dtype of
+  cfg: the parsed config (`checkpoint_config(ckpt_dir)` when None). dtype: the float dtype of
   every leaf except the float32 routing leaves. shardings: optional pytree of
   `jax.sharding.Sharding` matching the params; leaves go to the default device otherwise.
   Raises CheckpointError (names, shapes) before reading any data if the checkpoint does not match.
   """
   ckpt_dir = os.fspath(ckpt_dir)
-  cfg = cfg if cfg is not None else load_config(ckpt_dir)
+  cfg = cfg if cfg is not None else checkpoint_config(ckpt_dir)
   dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a float dtype, got {dtype}")

@@ -180,8 +180,7 @@ class SpeculativeConfig:
     if self.num_draft_tokens < 1:
       raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
     if self.method == "mtp" and cfg.num_nextn_predict_layers < 1:
-      raise ValueError("speculative method 'mtp' needs a checkpoint with an MTP layer "
-                       "(num_nextn_predict_layers >= 1)")
+      raise ValueError(f"speculative method 'mtp' needs an MTP layer: {cfg.no_mtp_reason}")
     if self.method == "draft":
       if self.draft_cfg is None or self.draft_params is None:
         raise ValueError("speculative method 'draft' needs draft_cfg and draft_params")

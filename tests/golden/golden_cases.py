@@ -225,6 +225,27 @@ CASES: dict[str, dict] = {
         ],
         gains=_GAINS,
     ),
+    # No num_mtp_layers: DeepseekV3Config's default (1) is written to config.json, yet
+    # save_pretrained stores no MTP layer (the modeling code builds none).
+    "dsv3_mtp_unsaved": _case(
+        _DSV3,
+        {k: v for k, v in _config(
+            _DSV3_CONFIG,
+            num_hidden_layers=2, first_k_dense_replace=1, intermediate_size=32,
+            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+            n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            moe_intermediate_size=16, n_shared_experts=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, rope_parameters=_rope(),
+        ).items() if k != "num_mtp_layers"},
+        knobs=[
+            "config.json says num_nextn_predict_layers=1 (DeepseekV3Config's default) but the "
+            "checkpoint holds no MTP tensors (transformers never builds or saves the MTP layer)",
+            "tiny: 2 layers (layer 0 dense, layer 1 MoE), 4 experts, top-2, 1 shared expert",
+            "q_lora_rank=32, kv_lora_rank=16, nope=8, rope=8, v=8, default RoPE",
+            "untied embeddings",
+        ],
+        gains=_GAINS,
+    ),
     "dsv2_lite": _case(
         _DSV2,
         _config(

@@ -108,8 +108,7 @@ class SpecRuntime(call_policy.CallPolicy):
                        f" one of {DRAFTER_IDS[1:]}")
     self.enabled = tuple(d for d in DRAFTER_IDS[1:] if d in wanted)
     if "mtp" in wanted and cfg.num_nextn_predict_layers < 1:
-      raise ValueError("EngineConfig: drafter 'mtp' needs a model with an MTP layer "
-                       "(num_nextn_predict_layers > 0)")
+      raise ValueError(f"EngineConfig: drafter 'mtp' needs an MTP layer: {cfg.no_mtp_reason}")
     self.draft_cfg, self.draft_params = draft if draft is not None else (None, None)
     if "draft" in wanted:
       if draft is None:
