@@ -42,7 +42,8 @@ class LoadedModel:
   """A loaded checkpoint. Unpacks as `cfg, params, tokenizer = model`."""
   config: ModelConfig
   params: Params
-  tokenizer: Any  # tokenizers.Tokenizer, or None when the checkpoint has no tokenizer.json
+  # tokenizers.Tokenizer (tokenizer.json), TiktokenTokenizer (tiktoken.model), or None.
+  tokenizer: Any
   path: str = ""
   eos_token_ids: tuple[int, ...] = ()
   kernels: KernelChoice = REFERENCE
@@ -53,7 +54,8 @@ class LoadedModel:
 
   def encode(self, text: str) -> list[int]:
     if self.tokenizer is None:
-      raise ValueError(f"checkpoint {self.path!r} has no tokenizer.json: pass token ids")
+      raise ValueError(f"checkpoint {self.path!r} has no tokenizer (tokenizer.json or "
+                       f"tiktoken.model): pass token ids")
     return list(self.tokenizer.encode(text).ids)
 
   def decode(self, ids: Sequence[int]) -> str:
@@ -78,20 +80,26 @@ def _read_json(path: str) -> dict[str, Any]:
     return json.load(fh)
 
 
-def _eos_ids(path: str, cfg: ModelConfig) -> tuple[int, ...]:
-  """EOS ids from generation_config.json when present (it may list several), else config."""
+def _eos_ids(path: str, cfg: ModelConfig, tokenizer: Any = None) -> tuple[int, ...]:
+  """EOS ids from generation_config.json when present (it may list several), else config;
+  then a tiktoken tokenizer's (Kimi: [EOS] and <|im_end|>, which its files name apart)."""
   gen = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
-  if gen is None:
-    return cfg.eos_token_ids
-  return tuple(int(x) for x in (gen if isinstance(gen, list) else [gen]))
+  ids = cfg.eos_token_ids if gen is None else tuple(
+      int(x) for x in (gen if isinstance(gen, list) else [gen]))
+  return tuple(dict.fromkeys(ids + tuple(getattr(tokenizer, "eos_token_ids", ()))))
 
 
 def load_tokenizer(path: str) -> Any:
+  """`tokenizer.json` as a `tokenizers.Tokenizer`, else `tiktoken.model` (with
+  tokenizer_config.json's special tokens) as a `TiktokenTokenizer`, else None."""
   tok_path = os.path.join(path, "tokenizer.json")
-  if not os.path.exists(tok_path):
-    return None
-  from tokenizers import Tokenizer
-  return Tokenizer.from_file(tok_path)
+  if os.path.exists(tok_path):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(tok_path)
+  from engine.model import tiktoken_tokenizer
+  if os.path.exists(os.path.join(path, tiktoken_tokenizer.RANKS_FILE)):
+    return tiktoken_tokenizer.TiktokenTokenizer.from_dir(path)
+  return None
 
 
 def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any = None,
@@ -136,8 +144,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   else:
     raise ValueError(f"{path} is neither a moejax Orbax checkpoint (moejax.json) nor a Hugging "
                      "Face checkpoint (model.safetensors or model.safetensors.index.json)")
-  return LoadedModel(config=cfg, params=params, tokenizer=load_tokenizer(path), path=path,
-                     eos_token_ids=_eos_ids(path, cfg), mesh=mesh)
+  tokenizer = load_tokenizer(path)
+  return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
+                     eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh)
 
 
 def _as_prompt_list(prompts: Any) -> tuple[list[Any], bool]:
