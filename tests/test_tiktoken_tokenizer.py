@@ -12,12 +12,15 @@ TikTokenTokenizer is remote code (not in transformers), so tiktoken is the refer
 import base64
 import collections
 import json
+import os
 import re
+import shutil
 import threading
 
 import pytest
 import tiktoken
 
+import engine
 from engine.api import _eos_ids, load_tokenizer
 from engine.model.config import config_from_dict
 from engine.model.tiktoken_tokenizer import (TiktokenTokenizer, TokenizerError, load_ranks,
@@ -280,3 +283,23 @@ def test_bad_tokenizer_config_is_named(tmp_path, config, match):
   d = _write_dir(tmp_path / "bad", config=config)
   with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: added_tokens_decoder" + match):
     TiktokenTokenizer.from_dir(str(d))
+
+
+def test_engine_load_encodes_and_decodes_through_it(tmp_path):
+  # A model of vocabulary 320 (a golden fixture) with a byte-only tiktoken tokenizer: text
+  # ids < 256, specials 256..511 (a generated id among them is skipped by decode).
+  src = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "dsv3_mtp_unsaved")
+  d = tmp_path / "kimi_like"
+  d.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    shutil.copyfile(os.path.join(src, name), d / name)
+  _write_dir(d, ranks={bytes([b]): b for b in range(256)}, config={
+      "added_tokens_decoder": {"257": {"content": "[EOS]"}, "258": {"content": "<|im_end|>"}},
+      "eos_token": "[EOS]"})
+  model = engine.load(str(d), dtype="float32", progress=False)
+  assert isinstance(model.tokenizer, TiktokenTokenizer)
+  assert model.eos_token_ids == (2, 257, 258)  # config.json's, then the tokenizer's
+  assert model.encode("hi<|im_end|>") == list(b"hi<|im_end|>")
+  out = engine.generate(model, "hello", max_new_tokens=4, ignore_eos=True)
+  assert out.prompt_tokens == 5 and len(out.token_ids) == 4
+  assert out.text == model.tokenizer.decode(out.token_ids)
