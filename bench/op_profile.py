@@ -40,7 +40,7 @@ from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import runtime as spec_runtime
-from engine.runtime.speculative.serving import DRAFTER_IDS
+from engine.runtime.speculative.loop import DRAFTER_IDS
 
 from bench.spec_workloads import FRESH
 

@@ -11,9 +11,10 @@ Two workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EOS ignored
   answer repeats earlier context (as re-sent tool calls and code edits do).
 
 Rows, for each K of `--num_draft`:
-* path "loop" (`generate_tokens`, one fixed batch in one jitted while loop): every method with a
-  fixed draft length and, with `--adaptive`, with adaptive draft length (goodput model, default
-  costs); their speedup is over plain decoding on the same path (`off`, loop);
+* path "loop" (`generate_tokens`: plain decoding is one fixed batch in one jitted while loop,
+  speculation runs the batch as requests of a kept engine): every method with a fixed draft
+  length and, with `--adaptive`, with adaptive draft length; their speedup is over plain
+  `generate_tokens` (`off`, loop), what a caller of it gains by asking for speculation;
 * path "engine" (`--auto`): method "auto" through `engine.generate` (the serving `Engine`: every
   drafter the model supports, chosen per decode loop, adaptive k); its speedup is over plain
   decoding through the same engine path (`off`, engine), which has its own scheduling, so the
@@ -22,9 +23,7 @@ Rows, for each K of `--num_draft`:
   computes its prompts anew) and gets an empty learned table of its own.
 Each row: one warm-up call of it and of its path's `off` (compiles), then `--rounds` rounds
 that time a call of each in turn; speedup = the mean times' ratio, so load from elsewhere on the
-machine (which moved separately timed rows by up to 0.3x on CPU) slows both alike, and every
-call counts: an adaptive model drafter's rests (`speculative.rest`: calls that decode plainly
-after one gave speculation up, column "rested") and the calls that probe again. Counters are
+machine (which moved separately timed rows by up to 0.3x on CPU) slows both alike. Counters are
 summed over the timed calls: mean accepted length = tokens per target forward; identical =
 every call's tokens equal plain greedy on the loop path. The learned table starts empty in
 every call (no credit for the warm-up having seen the prompts).
@@ -52,9 +51,10 @@ import jax
 from absl import app, flags
 
 import engine as moejax
-from engine import api
 from engine.api import generate_on_engine
-from engine.runtime.generate import SpeculativeConfig, generate_tokens
+from engine.runtime import batch
+from engine.runtime.batch import SpeculativeConfig
+from engine.runtime.generate import generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
 
 from bench import spec_workloads
@@ -89,7 +89,9 @@ flags.DEFINE_string("out", "", "Write the results as JSON here.")
 # ---- one call, timed -------------------------------------------------------------------------
 
 def loop_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple[list, dict]]:
-  """The fixed-batch path: [(token ids, spec counters or None)] per prompt."""
+  """`generate_tokens`: [(token ids, spec counters or None)] per prompt (plain: the fixed-batch
+  loop; speculative: requests of a kept engine, its prefix cache emptied first)."""
+  batch.reset_prefix_caches()
   out = generate_tokens(model.params, model.config, ids, max_new_tokens=max_new,
                         ignore_eos=True, speculative=spec)
   return [(c.token_ids, c.spec) for c in out]
@@ -97,7 +99,7 @@ def loop_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple
 
 def engine_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple[list, dict]]:
   """The serving engine path (`engine.generate`'s route for method "auto")."""
-  api.reset_prefix_caches()
+  batch.reset_prefix_caches()
   out = generate_on_engine(model, ids, max_new_tokens=max_new, ignore_eos=True,
                            speculative=spec)
   return [(r.token_ids, r.spec) for r in out]
@@ -154,9 +156,7 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: li
            acceptance_rate=sum(s["accepted"] for s in specs) / drafted if drafted else 0.0,
            tok_s=n_tokens / seconds, seconds=seconds, speedup=base_seconds / seconds,
            identical=all([t for t, _ in call] == plain_ids for call in calls),
-           prompt_tokens=prompt_tokens, calls=len(calls),
-           rested_calls=sum(any(s is not None and s.get("rested") for _, s in call)
-                            for call in calls))
+           prompt_tokens=prompt_tokens, calls=len(calls))
   if specs and "auto_choices" in specs[0]:  # row iterations per drafter, all requests
     r["auto_choices"] = {}
     for s in specs:
@@ -295,7 +295,7 @@ def learning_curve(model, draft, ids: list[list[int]], max_new: int, k: int, rep
 def print_table(rows: list[dict], repetition: bool = False) -> None:
   first = f"{'rep':>3} " if repetition else ""
   header = (f"{first}{'workload':8} {'path':6} {'method':8} {'K':>2} {'adapt':5} {'acc.len':>7} "
-            f"{'acc.rate':>8} {'tok/s':>8} {'speedup':>7} {'rested':>6} identical")
+            f"{'acc.rate':>8} {'tok/s':>8} {'speedup':>7} {'calls':>5} identical")
   print(header)
   print("-" * len(header))
   for r in rows:
@@ -303,7 +303,7 @@ def print_table(rows: list[dict], repetition: bool = False) -> None:
     print(f"{lead}{r['workload']:8} {r['path']:6} {r['method']:8} {r['k']:>2} "
           f"{'yes' if r['adaptive'] else 'no':5} {r['mean_accepted_length']:7.2f} "
           f"{r['acceptance_rate']:8.2f} {r['tok_s']:8.1f} {r['speedup']:7.2f} "
-          f"{r['rested_calls']:>2}/{r['calls']:<3} {r['identical']}")
+          f"{r['calls']:>5} {r['identical']}")
 
 
 def targets(rows: list[dict]) -> dict:

@@ -36,7 +36,8 @@ from checkpoints.demo_models import MODELS
 from engine.model.cache import init_cache
 from engine.model.config import ModelConfig, config_from_dict
 from engine.model.params import init_params
-from engine.model.transformer import compute_logits, forward, forward_mtp
+from engine.model.transformer import (compute_logits, forward_counting_experts,
+                                      forward_mtp_counting_experts)
 
 FLAGS = flags.FLAGS
 
@@ -83,13 +84,13 @@ def model_losses(params: Any, windows: jax.Array, cfg: ModelConfig) -> dict[str,
   cache = init_cache(cfg, num_pages=b, page_size=t, dtype=jnp.float32)
   page_table = jnp.arange(b, dtype=jnp.int32)[:, None]
   zeros, full = jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32)
-  hidden, cache, counts = forward(params, cache, tokens, zeros, full, page_table, cfg=cfg,
-                                  router_counts=True)
+  hidden, cache, counts = forward_counting_experts(params, cache, tokens, zeros, full,
+                                                   page_table, cfg=cfg)
   logits = compute_logits(params, hidden, cfg)
   out = {"ce": _cross_entropy(logits, targets), "counts": counts, "logits": logits}
   if cfg.num_nextn_predict_layers:
-    m, _, mcounts = forward_mtp(params, cache, hidden, targets, zeros, full, page_table,
-                                cfg=cfg, router_counts=True)
+    m, _, mcounts = forward_mtp_counting_experts(params, cache, hidden, targets, zeros, full,
+                                                 page_table, cfg=cfg)
     mlogits = compute_logits(params, m, cfg)
     out["mtp_ce"] = _cross_entropy(mlogits, windows[:, 2:t + 2])
     out["mtp_logits"] = mlogits

@@ -8,7 +8,7 @@ thin script that is never imported as `engine.generate`: that name is the functi
 
 from engine.api import GenerationResult, LoadedModel, generate, load
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.generate import SpeculativeConfig
+from engine.runtime.batch import SpeculativeConfig
 from engine.runtime.request import RequestOutput, StopParams
 from engine.runtime.sampling import SamplingParams
 

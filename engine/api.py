@@ -12,7 +12,6 @@ The jitted building blocks (`engine.model.transformer.forward_logits`,
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -27,10 +26,10 @@ from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
 from engine.runtime import compile_cache
-from engine.runtime.generate import SpeculativeConfig, bucket, generate_tokens
+from engine.runtime import batch
+from engine.runtime.batch import SpeculativeConfig
+from engine.runtime.generate import generate_tokens
 from engine.runtime.sampling import SamplingParams
-# SpeculativeConfig.method "auto" routes through the serving engine, whose drafter it is too.
-from engine.runtime.speculative.runtime import AUTO
 
 # The bundled demo model (the `checkpoints` package installs beside `engine`).
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
@@ -169,10 +168,10 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
              ) -> GenerationResult | list[GenerationResult]:
   """Generates from one prompt or a batch (text or token ids, mixed lengths allowed).
 
-  `speculative` (e.g. `SpeculativeConfig("mtp", num_draft_tokens=2)`) drafts and verifies
-  several tokens per target forward without changing the output distribution. Method "auto"
-  runs the batch through the serving `Engine` instead (`generate_on_engine`): every drafter
-  the model supports, the drafter and draft length chosen as it goes.
+  `speculative` (e.g. `SpeculativeConfig("ngram", num_draft_tokens=4)`, or "auto": every
+  drafter the model supports, chosen per row as it goes) drafts and verifies several tokens
+  per target forward without changing the output distribution; the batch then runs on a kept
+  serving engine (`generate_on_engine`).
 
   A single prompt returns one `GenerationResult`, a list returns a list. With an int `seed`,
   row i uses `seed + i`; pass a list to set each row's seed.
@@ -187,7 +186,7 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
   seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
   sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              seed=s) for s in seeds]
-  if speculative is not None and speculative.method == AUTO:
+  if speculative is not None:
     results = generate_on_engine(
         model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_new_tokens=min_new_tokens,
@@ -198,8 +197,11 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
     completions = generate_tokens(
         model.params, model.config, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         eos_ids=model.eos_token_ids, stop_token_ids=[list(stop_token_ids)] * len(ids),
-        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels,
-        speculative=speculative)
+        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels)
+  return _results(model, completions, single)
+
+
+def _results(model: LoadedModel, completions: Sequence[Any], single: bool) -> Any:
   results = [GenerationResult(token_ids=c.token_ids, text=model.decode(c.token_ids),
                               finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
                               spec=c.spec)
@@ -207,183 +209,38 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
   return results[0] if single else results
 
 
-def auto_drafters(cfg: ModelConfig, speculative: SpeculativeConfig) -> tuple[str, ...]:
-  """Every drafter `cfg` (and the config's draft model, if any) supports, for method "auto"."""
-  drafters = ["ngram", "learned"]
-  if cfg.num_nextn_predict_layers > 0:
-    drafters.append("mtp")
-  if speculative.draft_cfg is not None and speculative.draft_params is not None:
-    drafters.append("draft")
-  return tuple(drafters)
-
-
 def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
                        max_new_tokens: int | Sequence[int] = 64,
                        sampling: Sequence[SamplingParams] | None = None,
                        stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                        min_new_tokens: int = 0, speculative: SpeculativeConfig | None = None,
-                       measure_costs: bool = True, warmup: bool = False
-                       ) -> list[GenerationResult]:
-  """Runs token-id prompts to completion through a serving `Engine` sized for the batch.
-
-  The engine is kept for later calls of the same configuration (model, batch size, bucketed
-  length, drafters; the KEPT_ENGINES most recently used, as vLLM's `LLM` keeps its engine):
-  its KV pages and prefix cache (a later turn's shared context is not computed again), its
-  learned table and its adaptive state live on. `release_engines` drops them; an engine whose
-  call raised is dropped.
-
-  With `speculative` (method "auto") the engine enables every drafter the model supports
-  (`auto_drafters`) with adaptive draft length up to `num_draft_tokens`; each request's drafter
-  is "auto" (the engine re-chooses it every decode loop from measured acceptance and costs).
-  `speculative.memory` (an `NgramMemory`), when given, is the learned drafter's table: it is
-  installed in the engine and replaced by the updated table afterwards, as the fixed path does;
-  without one the kept engine's own table goes on learning across calls.
-  None: plain decoding on the same path (the baseline the auto mode is timed against).
-  `measure_costs`: the adaptive draft length needs the verify forward's and drafters' real
-  costs (their defaults suit a memory-bound GPU step; on CPU verifying k tokens costs far more),
-  so the first call per (model, engine config) measures them as `Engine.warmup` does (timed
-  verify forwards per compiled k, MTP layer, draft model) and later calls reuse them
-  (`_MEASURED_COSTS`), with what each call's adaptive policy learned (`SpecRuntime.
-  adaptive_state`: the live cost correction, acceptance counts, rest and exploration).
-  `warmup`: run the whole `Engine.warmup` (every bucket compiled) first.
-  """
-  # The serving engine: only for this path.
-  from engine.runtime.engine import MAX_STOP_IDS, Engine, EngineConfig
-  from engine.runtime.request import StopParams
-
-  cfg, b = model.config, len(ids)
+                       warmup: bool = False) -> list[GenerationResult]:
+  """Token-id prompts to completion as requests of a kept serving `Engine` sized for the batch
+  (`engine.runtime.batch`: its prefix cache, learned table and estimates live on across calls;
+  `release_engines` drops them). `speculative` None: plain decoding on the same path (the
+  baseline speculation is timed against). `warmup`: `Engine.warmup` first on a new engine."""
+  b = len(ids)
   if b == 0:
     return []
   max_new = ([int(max_new_tokens)] * b if isinstance(max_new_tokens, int)
              else [int(m) for m in max_new_tokens])
   if len(max_new) != b or min(max_new) < 1:
     raise ValueError("max_new_tokens must be >= 1 for every prompt")
-  if sampling is None:
-    sampling = [SamplingParams()] * b
   total = max(len(p) + m for p, m in zip(ids, max_new))
-  if total > cfg.max_position_embeddings:
+  if total > model.config.max_position_embeddings:
     raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's "
-                     f"max_position_embeddings ({cfg.max_position_embeddings})")
-  drafters: tuple[str, ...] = ()
-  k, slots = 4, 1 << 16
-  if speculative is not None:
-    if speculative.method != AUTO:
-      raise ValueError(f"generate_on_engine runs method 'auto' (or None), got "
-                       f"{speculative.method!r}")
-    if speculative.num_draft_tokens < 1:
-      raise ValueError(f"num_draft_tokens must be >= 1, got {speculative.num_draft_tokens}")
-    drafters, k = auto_drafters(cfg, speculative), speculative.num_draft_tokens
-    if speculative.memory is not None:
-      slots = int(speculative.memory.table.tags.shape[0])
-  # Bucketed limits: calls of similar sizes reuse the compiled programs (static shapes) and the
-  # kept engine. Pages: the batch at full length, as many again for cached prefixes (not the
-  # serving default, a fraction of the accelerator's free memory).
-  max_len = min(bucket(total + k + 1), cfg.max_position_embeddings)
-  page_size = EngineConfig.page_size
-  config = EngineConfig(
-      max_num_seqs=b, max_model_len=max_len, page_size=page_size,
-      num_pages=2 * b * -(-max_len // page_size) + 1,
-      max_decode_steps=max(16, k + 1), speculative=AUTO if drafters else None,
-      drafters=drafters, num_draft_tokens=k, adaptive_k=bool(drafters),
-      learned_table_slots=slots, kernels=model.kernels)
-  draft = ((speculative.draft_cfg, speculative.draft_params) if "draft" in drafters else None)
-  costs_key = (cfg, config, draft[0] if draft else None, str(model.params["embed"].dtype))
-  # (ids of what the engine holds, so they cannot be reused while it is kept)
-  engine_key = (costs_key, measure_costs, id(model.params), id(model.tokenizer),
-                model.eos_token_ids, id(model.mesh), id(draft[1]) if draft else None)
-  eng = _ENGINES.pop(engine_key, None)
-  if eng is None:
-    eng = Engine(cfg, model.params, config, model.tokenizer, model.eos_token_ids,
-                 mesh=model.mesh, draft=draft)
-    if drafters and measure_costs and costs_key in _MEASURED_COSTS and not warmup:
-      eng.spec.set_adaptive_state(_MEASURED_COSTS[costs_key])
-  memory = speculative.memory if speculative is not None else None
-  if memory is not None:
-    eng.spec.table = _committed_like(memory.table, model.params)
-  if warmup:
-    eng.warmup()  # compiles every bucket; with drafters, measures the goodput model's costs
-  elif drafters and measure_costs and costs_key not in _MEASURED_COSTS:
-    # What `Engine.warmup` ends with, without compiling every other bucket first (a one-shot
-    # command line would spend minutes on CPU compiling shapes it never uses).
-    sizes = (min(eng.buckets.decode), max(eng.buckets.decode))
-    on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
-    with on_mesh:
-      eng.cache = eng.spec.measure_costs(model.params, eng.cache, sizes, eng.max_pages_per_seq,
-                                         stop_width=MAX_STOP_IDS, impl=config.kernels)
-  stops = [StopParams(max_tokens=m, min_tokens=min(min_new_tokens, m),
-                      stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
-           for m in max_new]
-  samp = [dataclasses.replace(s, drafter=AUTO if drafters else "off") for s in sampling]
-  before = _k_steps(eng.stats()) if drafters else {}
-  done = eng.generate([list(p) for p in ids], samp, stops)  # (raises: the engine is dropped)
-  _ENGINES[engine_key] = eng  # kept, most recently used last
-  while len(_ENGINES) > KEPT_ENGINES:
-    _ENGINES.popitem(last=False)
-  if drafters and measure_costs:  # with what this call's adaptive policy learned
-    _MEASURED_COSTS[costs_key] = eng.spec.adaptive_state()
-  if memory is not None:
-    memory.table = eng.spec.table
-  k_steps = ({n: c - before.get(n, 0) for n, c in _k_steps(eng.stats()).items()} if drafters
-             else {})
-  return [GenerationResult(token_ids=list(r.output_ids), text=model.decode(r.output_ids),
-                           finish_reason=r.finish_reason or "length",
-                           prompt_tokens=len(r.prompt_ids),
-                           spec=_engine_spec_summary(r, k_steps, drafters, k) if drafters
-                           else None)
-          for r in done]
+                     f"max_position_embeddings ({model.config.max_position_embeddings})")
+  on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
+  with on_mesh:
+    completions = batch.run_on_engine(
+        model.params, model.config, ids, max_new_tokens=max_new,
+        sampling=sampling or [SamplingParams()] * b, eos_ids=model.eos_token_ids,
+        stop_token_ids=[list(stop_token_ids)] * b, ignore_eos=ignore_eos,
+        min_new_tokens=min_new_tokens, speculative=speculative, impl=model.kernels,
+        tokenizer=model.tokenizer, mesh=model.mesh, warmup=warmup)
+  return _results(model, completions, False)
 
 
-# (model config, engine config, draft config, dtype) -> `SpecRuntime.adaptive_state()`: the
-# costs measured as `Engine.warmup` does and what the adaptive policy learned since, so that
-# repeated `generate` calls measure once per process and go on from the earlier calls (an
-# engine built after another was dropped starts from there too).
-_MEASURED_COSTS: dict[Any, dict] = {}
-# The engines `generate_on_engine` keeps, by configuration and what they hold; most recently
-# used last.
-KEPT_ENGINES = 2
-_ENGINES: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
+release_engines = batch.release_engines
+reset_prefix_caches = batch.reset_prefix_caches
 
-
-def release_engines() -> None:
-  """Drops the engines `generate_on_engine` keeps, and with them their caches' memory."""
-  _ENGINES.clear()
-
-
-def reset_prefix_caches() -> None:
-  """Every kept engine forgets its cached prefixes (e.g. to time prompts as never seen)."""
-  for eng in _ENGINES.values():
-    eng.pool.reset_prefix_cache()
-
-
-def _k_steps(stats: dict[str, Any]) -> dict[int, int]:
-  """The engine's loop iterations per block width, from its `stats()`."""
-  return {int(n[len("spec_k"):-len("_loops")]): v for n, v in stats.items()
-          if n.startswith("spec_k") and n.endswith("_loops")}
-
-
-def _committed_like(tree: Any, params: Params) -> Any:
-  """`tree` committed to the parameters' device when they live on one (as the engine commits
-  its own state): an uncommitted table would compile the engine's loop a second time."""
-  devices = jax.tree.leaves(params)[0].sharding.device_set
-  return jax.device_put(tree, next(iter(devices))) if len(devices) == 1 else tree
-
-
-def _engine_spec_summary(req: Any, k_steps: dict[int, int], drafters: tuple[str, ...],
-                         k: int) -> dict[str, Any]:
-  """A request's counters in the keys of `generate.spec_summary`, plus the engine's choices.
-
-  The engine counts drafts, drafted and accepted tokens per request but not target forwards;
-  every forward after the first token emits one token plus the drafts it accepted, so
-  steps = (tokens - 1) - accepted. `auto_choices`: this request's speculative iterations per
-  drafter the engine chose for it; `k_steps` (this call's loop iterations per block width) is
-  the whole batch's: rows share a loop.
-  """
-  drafts, drafted, accepted = req.spec
-  emitted = max(len(req.output_ids) - 1, 0)
-  steps = max(emitted - accepted, 0)
-  return {"steps": steps, "drafts": drafts, "drafted": drafted, "accepted": accepted,
-          "acceptance_rate": accepted / drafted if drafted else 0.0,
-          "mean_accepted_length": emitted / steps if steps else 0.0,
-          "method": AUTO, "drafters": list(drafters),
-          "auto_choices": dict(req.drafter_steps),
-          "k_steps": k_steps, "num_draft_tokens": k}

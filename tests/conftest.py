@@ -56,9 +56,10 @@ def _release_compiled_programs():
 
 
 @pytest.fixture(autouse=True)
-def _forget_loop_rests():
-  """Each test starts without `generate_tokens`' rest schedules (`speculative.rest`): process
-  state keyed by the model's identity, which another test's call on a shared fixture would set."""
-  from engine.runtime.speculative.rest import forget_loop_rests
-  forget_loop_rests()
+def _fresh_kept_engines():
+  """Each test starts without the engines `generate_tokens(speculative=...)` keeps (keyed by
+  the model's identity: another test's call on a shared fixture would hand its learned table
+  and estimates on)."""
+  from engine.runtime import batch
+  batch.release_engines()
   yield

@@ -35,6 +35,7 @@ from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.service import bench
 from engine.service import server as server_module
+from engine.service import servicer as servicer_module
 from engine.service.client import AsyncInferenceClient, InferenceClient, build_request
 from engine.service.reasoning import ReasoningConfig
 from engine.service.background import BackgroundServer

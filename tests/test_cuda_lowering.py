@@ -23,7 +23,7 @@ from engine.runtime import steps
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import catch_up, plain_calls, runtime, serving
+from engine.runtime.speculative import catch_up, loop, runtime
 from model_configs import CONFIGS
 
 MOSAIC = KernelChoice(attention="mosaic_gpu", moe="mosaic_gpu")
@@ -31,11 +31,11 @@ MOSAIC = KernelChoice(attention="mosaic_gpu", moe="mosaic_gpu")
 # The programs and where the engine looks each up (module, attribute). The engine serves
 # requests on the CPU to reach each with real arguments, up to the speculative loop's call.
 PROGRAMS = {
-    "speculative_decode_loop": (serving.speculative_decode_loop, [(runtime,
-                                                                   "speculative_decode_loop")]),
+    "speculative_decode_loop": (loop.speculative_decode_loop, [(runtime,
+                                                                "speculative_decode_loop")]),
     "decode_loop": (steps.decode_loop, [(steps, "decode_loop")]),
-    "decode_loop_learning": (plain_calls.decode_loop_learning,
-                             [(plain_calls, "decode_loop_learning")]),
+    "decode_loop_learning": (runtime.decode_loop_learning,
+                             [(runtime, "decode_loop_learning")]),
     "spec_model_step": (runtime.spec_model_step, [(runtime, "spec_model_step")]),
     "draft_forward": (catch_up.draft_forward, [(catch_up, "draft_forward")]),
 }
@@ -77,6 +77,8 @@ def captured():
         drafters=("ngram", "learned", "mtp", "draft"), num_draft_tokens=2,
         adaptive_k=True),
         draft=(draft_cfg, init_params(draft_cfg, seed=4, dtype=jnp.bfloat16)))
+    # (priced as a draft model a tenth of the target's size: one as large never pays)
+    eng.spec.costs.drafter[:, runtime.drafter_id("draft")] = 0.1
     prompts = [[1] + list(range(5, 30)), [1] + list(range(7, 19))]
     eng.generate(prompts, SamplingParams(drafter="off"),
                  StopParams(max_tokens=6, ignore_eos=True))

@@ -95,17 +95,17 @@ def test_decode_loop_length_restarts_when_requests_join_not_when_they_leave(eng,
   not restart the ramp (nothing waits), so the one left runs full calls, not 1, 2, 4 again;
   a request that joins does restart it."""
   calls = []  # (token budget, rows) of every decode-loop call
-  real = eng.spec.plain_decode
+  real = eng.spec.decode
 
   def spy(*args, **kwargs):
     calls.append((args[10], len(args[2])))
     return real(*args, **kwargs)
-  eng.spec.plain_decode = spy
+  eng.spec.decode = spy
   try:
     ps = prompts(2, seed=71)
     got = eng.generate(ps, stop=[StopParams(max_tokens=16), StopParams(max_tokens=40)])
   finally:
-    eng.spec.plain_decode = real
+    eng.spec.decode = real
   assert [r.output_ids for r in got] == [c.token_ids[:n] for c, n in zip(
       generate_tokens(model[1], model[0], ps, max_new_tokens=40), (16, 40))]
   two = [n for n, rows in calls if rows == 2]
@@ -117,13 +117,13 @@ def test_decode_loop_length_restarts_when_requests_join_not_when_they_leave(eng,
   for _ in range(4):
     eng.step()
   calls.clear()
-  eng.spec.plain_decode = spy
+  eng.spec.decode = spy
   try:
     b = eng.add_request(ps[1], stop=StopParams(max_tokens=20))
     while eng.has_unfinished():
       eng.step()
   finally:
-    eng.spec.plain_decode = real
+    eng.spec.decode = real
   assert [n for n, rows in calls if rows == 2][:2] == [1, 2], calls
   for i in (a, b):
     eng.release(i)

@@ -1,16 +1,16 @@
-"""`engine.generate(..., speculative=SpeculativeConfig("auto"))`: the batch runs through the
-serving engine with every drafter the model supports; greedy output equals plain decoding."""
+"""`engine.generate(..., speculative=...)`: the batch runs as requests of a kept serving engine
+(with "auto": every drafter the model supports); greedy output equals plain decoding."""
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import engine
-from engine import api
-from engine.api import LoadedModel, auto_drafters, generate_on_engine
+from engine.api import LoadedModel, generate_on_engine
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
-from engine.runtime.generate import SpeculativeConfig, generate_tokens
+from engine.runtime import batch
+from engine.runtime.batch import SpeculativeConfig
+from engine.runtime.generate import generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
 from model_configs import CONFIGS, perturbed
 
@@ -38,11 +38,11 @@ def draft(model):
 
 
 def test_auto_uses_every_drafter_and_keeps_greedy_output(model, want, draft):
-  spec = SpeculativeConfig("auto", 3, model.config, draft)
-  assert auto_drafters(model.config, spec) == ("ngram", "learned", "mtp", "draft")
-  # Default costs (no measurement): the goodput model drafts, whatever this CPU's timings.
+  spec = SpeculativeConfig("auto", 3, model.config, draft, measure_costs=False)
+  assert spec.drafters(model.config) == ("ngram", "learned", "mtp", "draft")
+  # The roofline table (no measurement): it drafts, whatever this CPU's timings.
   got = generate_on_engine(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
-                           speculative=spec, measure_costs=False)
+                           speculative=spec)
   assert [r.token_ids for r in got] == want
   for r, p, n in zip(got, PROMPTS, NEW):
     assert r.finish_reason == "length" and r.prompt_tokens == len(p)
@@ -61,52 +61,45 @@ def test_the_engine_is_kept_between_calls(model, want, monkeypatch):
   the least recently used beyond KEPT_ENGINES is dropped, and so is an engine whose call
   failed."""
   from engine.runtime.engine import Engine
-  api.release_engines()
+  batch.release_engines()
   for i in range(2):
     off = generate_on_engine(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True)
     assert [r.token_ids for r in off] == want
-    (eng,) = api._ENGINES.values()
+    (eng,) = batch._ENGINES.values()
     if i == 0:
       first, hits = eng, eng.pool.prefix_hits
   assert eng is first and eng.pool.prefix_hits > hits  # the first prompt's full page
   for n in (2, 1):  # other batch sizes: other engines
     got = generate_on_engine(model, PROMPTS[:n], max_new_tokens=NEW[:n], ignore_eos=True)
     assert [r.token_ids for r in got] == want[:n]
-  assert len(api._ENGINES) == api.KEPT_ENGINES == 2 and first not in api._ENGINES.values()
+  assert len(batch._ENGINES) == batch.KEPT_ENGINES == 2 and first not in batch._ENGINES.values()
 
   def fail(*args, **kwargs):
     raise RuntimeError("out of memory")
   monkeypatch.setattr(Engine, "generate", fail)
   with pytest.raises(RuntimeError, match="out of memory"):
     generate_on_engine(model, PROMPTS[:1], max_new_tokens=NEW[:1], ignore_eos=True)
-  assert len(api._ENGINES) == 1
-  api.release_engines()
-  assert not api._ENGINES
+  assert len(batch._ENGINES) == 1
+  batch.release_engines()
+  assert not batch._ENGINES
 
 
 def test_auto_keeps_the_learned_table_in_the_callers_memory(model, want, draft):
   memory = NgramMemory()  # the engine's default size: the first test's programs are reused
   before = memory.table
   spec = SpeculativeConfig("auto", 3, model.config, draft, memory=memory)
-  # engine.generate measures the costs on its first call (then k may well be 0 on CPU).
-  states = []
+  # engine.generate times the cost table when it builds the engine (on this CPU drafting
+  # may well not pay: the table learns from plain calls too).
+  counts = []
   for _ in range(2):  # the second call starts from the table the first one left
     got = engine.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
                           speculative=spec)
     assert [r.token_ids for r in got] == want
     assert memory.table is not before and int(jnp.sum(memory.table.used)) > 0
     before = memory.table
-    states.append([v for k, v in api._MEASURED_COSTS.items() if k[2] is not None
-                   and k[1].num_draft_tokens == 3])
-  # The costs were measured once, and each call left what its adaptive policy learned (the
-  # acceptance counts, from its speculative calls and the replay of its plain ones; the live
-  # correction's evidence and the exploration schedule where it speculated) for the next.
-  (first,), (second,) = states
-  assert np.array_equal(first["costs"], second["costs"]) and first["call_cost"] >= 0
-  assert first["plain_iter_s"] and second["plain_iter_s"]
-  assert first["accept"].sum() > 0 and second["accept"].sum() > 0
-  assert second["auto_calls"] >= first["auto_calls"]
-  with pytest.raises(ValueError, match="serving engine"):
-    generate_tokens(model.params, model.config, PROMPTS, speculative=spec)
+    (eng,) = batch._ENGINES.values()
+    counts.append(eng.spec.costs)
+  assert counts[0] is counts[1] and counts[0].measured  # timed once, for the kept engine
+  assert counts[0].step.shape == (len(counts[0].batch_sizes), len(counts[0].choices))
   # Without a draft model "auto" leaves the draft drafter out.
-  assert auto_drafters(model.config, SpeculativeConfig("auto")) == ("ngram", "learned", "mtp")
+  assert SpeculativeConfig("auto").drafters(model.config) == ("ngram", "learned", "mtp")

@@ -15,12 +15,11 @@ import pytest
 
 import engine
 from checkpoints.convert import convert
-from engine.api import auto_drafters
 from engine.model.config import config_from_dict, load_config
 from engine.model.hf_loader import CheckpointError, checkpoint_config, load_hf_params
 from engine.model.params import init_params
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.generate import SpeculativeConfig
+from engine.runtime.batch import SpeculativeConfig
 from tests import hf_fixtures as fx
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "dsv3_mtp_unsaved")
@@ -52,7 +51,7 @@ def test_mtp_drafter_refused_with_the_reason(model):
   with pytest.raises(ValueError, match=REASON):
     engine.generate(model, [1, 5, 6], max_new_tokens=2,
                     speculative=SpeculativeConfig("mtp", num_draft_tokens=2))
-  assert "mtp" not in auto_drafters(cfg, SpeculativeConfig("auto"))
+  assert "mtp" not in SpeculativeConfig("auto").drafters(cfg)
 
 
 def test_explicit_config_with_mtp_names_the_cause():

@@ -42,31 +42,35 @@ def test_pool_refcounts_and_lru_eviction():
     pool.release([got[0]])
 
 
-def test_pool_tracks_which_pages_hold_draft_model_entries():
+def test_draft_entries_follow_pages_through_prefix_sharing_and_reallocation():
+  """Which pages hold draft-model entries (`catch_up.DraftEntries`, keyed by the pool's page
+  epochs): a shared prefix keeps them, a page handed out again loses them."""
+  from engine.runtime.speculative.catch_up import DraftEntries
   pool = PagePool(6, page_size=4)
+  entries = DraftEntries(pool.epoch, pool.page_size)
   sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32),
                     pool)
-  a = make_request("a", range(1, 14))  # 13 tokens: 3 full pages
+  a = make_request("a", range(1, 14))  # 13 tokens: 3 full pages and one more
   sched.add(a)
   sched.schedule()
   sched.record_computed(a, 13)
-  assert a.draft_computed == 0
-  pool.mark_draft_valid(a.pages[:2])  # the draft model saw the first 8 tokens only
-  assert pool.draft_valid_pages(a.pages) == 2
+  assert entries.computed(a.pages) == 0
+  entries.written(a.pages, 10)  # the draft model saw the first 10 tokens only
+  assert entries.computed(a.pages) == 10
   sched.finish(a, "stop")
-  # A request on the same prefix shares 3 pages, of which the first 2 hold draft entries.
+  # A request on the same prefix shares 3 pages: its first 2 and a half hold draft entries.
   b = make_request("b", list(range(1, 14)) + [50, 51], order=1)
   sched.add(b)
   sched.schedule()
-  assert b.num_computed == 12 and b.draft_computed == 8
+  assert b.num_computed == 12 and entries.computed(b.pages) == 10
   sched.finish(b, "stop")
-  # Pages handed out again lose the mark.
+  # Pages handed out again lose them.
   got = pool.allocate(5)
-  assert pool.draft_valid_pages(got) == 0 and pool.stats().cached == 0
+  assert entries.computed(got) == 0 and pool.stats().cached == 0
+  entries.written(got, 20)
+  assert entries.computed(got) == 20
   pool.release(got)
-  pool.mark_draft_valid(got)
-  pool.reset_prefix_cache()
-  assert pool.draft_valid_pages(got) == 0
+  assert entries.computed(pool.allocate(5)) == 0
 
 
 def test_page_keys_chain_over_the_prefix():
@@ -97,10 +101,10 @@ def test_scheduler_chunks_prefill_within_the_budget():
       ("long", 3, True), ("short", 3, True)]
 
 
-def test_decode_loop_budget_falls_back_to_what_the_pages_hold():
-  """A decode loop takes pages for its whole token budget up front; a speculative call's
-  budget (several plain calls' tokens) that the free pages cannot hold falls back to the plain
-  budget, still one device loop, rather than to a one-token step."""
+def test_decode_loop_budget_halves_to_what_the_pages_hold():
+  """A decode loop takes pages for its whole token budget up front; a budget (a speculative
+  call's: several plain calls' tokens) that the free pages cannot hold is halved until they
+  can, still one device loop, rather than falling to a one-token step."""
   pool = PagePool(8, page_size=4)  # 7 usable pages
   s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64),
                 pool)
@@ -111,12 +115,12 @@ def test_decode_loop_budget_falls_back_to_what_the_pages_hold():
   for r in (a, b):
     s.record_computed(r, 6)
     r.output_ids.append(7)  # both decoding: 7 tokens, 6 cached, 2 pages each
-  plan = s.schedule(20, 4)  # 20 more tokens each: 12 pages; 4 more: 1 page each
-  assert plan.decode_only and plan.num_steps == 4
+  plan = s.schedule(20)  # 3 pages free; 20 or 10 more tokens each need too many, 5 fit
+  assert plan.decode_only and plan.num_steps == 5
   assert [len(r.pages) for r in (a, b)] == [3, 3] and pool.num_free == 1
-  plan = s.schedule(6, 4)  # 6 tokens (to 12) fit the 3 pages each holds
+  plan = s.schedule(6)  # 6 tokens (to 12) fit the pages each holds
   assert plan.num_steps == 6 and pool.num_free == 1
-  assert s.schedule(30, 30).num_steps == 1  # neither fits: a one-token mixed step
+  assert s.schedule(30).num_steps == 3  # 30, 15, 7: too many pages; 3 (to 9) fit
 
 
 def test_random_workload_keeps_pages_accounted():

@@ -92,14 +92,14 @@ def test_api_keys(serve, eng, tmp_path):
 
 def test_internal_errors_fail_only_their_request(serve, eng, monkeypatch):
   bg = serve()
-  convert = server_module.response_from_output
+  convert = servicer_module.response_from_output
 
   def flaky(out, *args):
     if out.request_id == "boom" and out.new_token_ids:
       raise RuntimeError("injected")
     return convert(out, *args)
 
-  monkeypatch.setattr(server_module, "response_from_output", flaky)
+  monkeypatch.setattr(servicer_module, "response_from_output", flaky)
 
   async def run():
     async with AsyncInferenceClient(target(bg)) as client:
@@ -183,8 +183,8 @@ def test_speculative_metrics_by_drafter_and_k():
                spec_pos0_drafted=10, spec_pos0_accepted=8, spec_pos1_drafted=9,
                spec_pos1_accepted=5, spec_pos0_estimate_ngram=0.8,
                spec_pos1_estimate_ngram=0.55, spec_model_expected_tokens=40.5,
-               spec_model_emitted_tokens=38.0, spec_model_predicted_cost=12.0,
-               spec_model_measured_cost=15.0, spec_cost_scale=1.25)
+               spec_model_emitted_tokens=38.0, spec_cost_break_even=8,
+               spec_cost_table={"measured": True, "b1": {0: 1.0}})
   text = ServingMetrics(lambda: stats, page_size=16, model_name="m").text()
   samples = [line for line in text.splitlines() if line and not line.startswith("#")]
   assert samples and all('model_name="m"' in line for line in samples)
@@ -199,8 +199,8 @@ def test_speculative_metrics_by_drafter_and_k():
                'moejax:spec_decode_num_draft_tokens_per_pos_total{position="0"} 10.0',
                'moejax:spec_decode_acceptance_estimate{drafter="ngram",position="1"} 0.55',
                'moejax:spec_decode_model_total{quantity="expected_tokens"} 40.5',
-               'moejax:spec_decode_model_total{quantity="measured_cost"} 15.0',
-               'moejax:spec_decode_cost_scale 1.25'):
+               'moejax:spec_decode_model_total{quantity="emitted_tokens"} 38.0',
+               'moejax:spec_decode_break_even_batch 8.0'):
     assert line in text, line
   # Per-position keys are not mistaken for drafters.
   assert 'drafter="pos' not in text

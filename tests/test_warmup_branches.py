@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.speculative import runtime
-from engine.runtime.speculative.serving import DRAFTER_IDS
+from engine.runtime.speculative.loop import DRAFTER_IDS
 from engine_spec_helpers import SMALL, spec_model
 
 
@@ -31,15 +31,19 @@ def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(monkeyp
   table = jax.tree.map(np.asarray, eng.spec.table)
   stats = eng.stats()
   real_loop, runs = runtime.speculative_decode_loop, set()
-  real_plain, plain_runs = runtime.steps.decode_loop, set()
+  plain_runs = set()
 
-  def plain_loop(*args, **kwargs):
-    a = inspect.signature(real_plain).bind(*args, **kwargs).arguments
-    if (not isinstance(a["remaining"], jax.core.Tracer)  # (not inside another program)
-        and (np.asarray(a["remaining"]) > 0).all()):
-      plain_runs.add((len(a["remaining"]), bool(a["want_logprobs"])))
-    return real_plain(*args, **kwargs)
-  monkeypatch.setattr(runtime.steps, "decode_loop", plain_loop)
+  def recorded(real):
+    def plain_loop(*args, **kwargs):
+      a = inspect.signature(real).bind(*args, **kwargs).arguments
+      if (not isinstance(a["remaining"], jax.core.Tracer)  # (not inside another program)
+          and (np.asarray(a["remaining"]) > 0).all()):
+        plain_runs.add((len(a["remaining"]), bool(a["want_logprobs"])))
+      return real(*args, **kwargs)
+    return plain_loop
+  # (with a learned table, plain calls run the loop that also learns their tokens)
+  monkeypatch.setattr(runtime.steps, "decode_loop", recorded(runtime.steps.decode_loop))
+  monkeypatch.setattr(runtime, "decode_loop_learning", recorded(runtime.decode_loop_learning))
 
   def loop(*args, **kwargs):
     a = inspect.signature(real_loop).bind(*args, **kwargs).arguments

@@ -19,6 +19,7 @@ W_UV. Per-head K/V are never materialised.
 from __future__ import annotations
 
 import functools
+from typing import Any
 import jax
 import jax.numpy as jnp
 
@@ -174,8 +175,27 @@ class _Ctx:
 
 def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
             n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-            impl: KernelChoice = REFERENCE, router_counts: bool = False
-            ) -> tuple[jax.Array, Cache] | tuple[jax.Array, Cache, jax.Array]:
+            impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+  """Runs the decoder over a block of new tokens: `forward_counting_experts` without the counts.
+  Returns (hidden [B, T, H] after the final norm, updated cache)."""
+  hidden, cache, _ = _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg,
+                              impl=impl, router_counts=False)
+  return hidden, cache
+
+
+def forward_counting_experts(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                             n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
+                             impl: KernelChoice = REFERENCE
+                             ) -> tuple[jax.Array, Cache, jax.Array]:
+  """`forward`, also returning [n_moe_layers, E] int32 tokens routed to each expert (load
+  statistics, DeepSeek's auxiliary-loss-free balancing in training)."""
+  return _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
+                  router_counts=True)
+
+
+def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+             n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
+             impl: KernelChoice, router_counts: bool) -> tuple[jax.Array, Cache, Any]:
   """Runs the decoder over a block of new tokens.
 
   Args:
@@ -185,10 +205,9 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
     start: [B] int32 tokens already in the cache for each row.
     n_new: [B] int32 real tokens in this block (0 for an idle row).
     page_table: [B, max_pages] int32.
-    router_counts: also return [n_moe_layers, E] int32 tokens routed to each expert (for
-      load statistics and DeepSeek's auxiliary-loss-free balancing in training).
+    router_counts: count the tokens routed to each expert ([n_moe_layers, E] int32).
   Returns:
-    (hidden [B, T, H] after the final norm, updated cache[, router counts]).
+    (hidden [B, T, H] after the final norm, updated cache, router counts or None).
   """
   ctx = _Ctx(start, n_new, tokens.shape[1], page_table, router_counts)
   x = split_batch_over_data(params["embed"][tokens])
@@ -199,13 +218,33 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
   # MTP layers' cache entries (after the decoder layers) pass through untouched.
   new_cache += list(cache[len(new_cache):])
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-  return (hidden, new_cache, ctx.stacked_counts(cfg)) if router_counts else (hidden, new_cache)
+  return hidden, new_cache, ctx.stacked_counts(cfg) if router_counts else None
 
 
 def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
                 start: jax.Array, n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-                depth: int = 0, impl: KernelChoice = REFERENCE, router_counts: bool = False
-                ) -> tuple[jax.Array, Cache] | tuple[jax.Array, Cache, jax.Array]:
+                depth: int = 0, impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+  """The MTP layer (`forward_mtp_counting_experts` without the counts). Returns (hidden
+  [B, T, H] to feed `compute_logits`, updated cache)."""
+  out, cache, _ = _forward_mtp(params, cache, hidden, next_tokens, start, n_new, page_table,
+                               cfg=cfg, depth=depth, impl=impl, router_counts=False)
+  return out, cache
+
+
+def forward_mtp_counting_experts(params: Params, cache: Cache, hidden: jax.Array,
+                                 next_tokens: jax.Array, start: jax.Array, n_new: jax.Array,
+                                 page_table: jax.Array, *, cfg: ModelConfig, depth: int = 0,
+                                 impl: KernelChoice = REFERENCE
+                                 ) -> tuple[jax.Array, Cache, jax.Array]:
+  """`forward_mtp`, also returning [1, E] tokens per expert of the MTP layer (if a MoE)."""
+  return _forward_mtp(params, cache, hidden, next_tokens, start, n_new, page_table, cfg=cfg,
+                      depth=depth, impl=impl, router_counts=True)
+
+
+def _forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
+                 start: jax.Array, n_new: jax.Array, page_table: jax.Array, *,
+                 cfg: ModelConfig, depth: int, impl: KernelChoice, router_counts: bool
+                 ) -> tuple[jax.Array, Cache, Any]:
   """DeepSeek multi-token prediction: one MTP layer on top of the main model.
 
   For each position i, combines the main model's final (normalised) hidden state h_i with the
@@ -218,9 +257,9 @@ def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: ja
     hidden: [B, T, H] main-model output of `forward` for the same block.
     next_tokens: [B, T] token i+1 for every position i of the block.
     start, n_new, page_table: as in `forward`.
-    router_counts: also return [1, E] tokens per expert of the MTP layer (if it is a MoE).
+    router_counts: count tokens per expert of the MTP layer ([1, E], if it is a MoE).
   Returns:
-    (hidden [B, T, H] to feed `compute_logits`, updated cache[, router counts]).
+    (hidden [B, T, H] to feed `compute_logits`, updated cache, router counts or None).
   """
   p = params["mtp"][depth]
   ctx = _Ctx(start, n_new, next_tokens.shape[1], page_table, router_counts)
@@ -232,7 +271,7 @@ def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: ja
   cache = list(cache)
   cache[i] = layer_cache
   out = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
-  return (out, cache, ctx.stacked_counts(cfg)) if router_counts else (out, cache)
+  return out, cache, ctx.stacked_counts(cfg) if router_counts else None
 
 
 def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -32,6 +32,11 @@ DEFAULT_ROW_WIDTHS = (16, 64)
 ROW_OVERHEAD = 8
 
 
+def bucket(n: int, minimum: int = 16) -> int:
+  """Next power of two >= n (and >= minimum): bounds the number of compiled shapes."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
 def powers_of_two_upto(n: int) -> tuple[int, ...]:
   """1, 2, 4, ... up to and including the first power of two >= n."""
   out = [1]

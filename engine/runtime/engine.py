@@ -42,7 +42,6 @@ from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopPa
                                     TokenLogprob, stop_ids_for)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
-from engine.runtime.speculative import serving_stats
 from engine.runtime.speculative.runtime import SpecRuntime
 from engine.runtime.warmup import compile_buckets
 
@@ -154,9 +153,9 @@ class Engine:
     self._lock = threading.RLock()
     self._inbox_lock = threading.Lock()
     self._snapshot: dict[str, Any] = {}
-    self._spec_snapshot: serving_stats.SpecSnapshot | None = None
     self._order = itertools.count()
     self._decode_steps = 1
+    self._speculates = False  # whether the next decode-only call speculates
     self._last_batch: tuple[str, ...] = ()
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
@@ -193,7 +192,7 @@ class Engine:
     """Queues a request; raises ValueError naming the offending field on bad input."""
     ids = self._encode(prompt)
     sampling.validate()
-    drafter = self.spec.resolve(sampling.drafter)
+    spec = self.spec.request_state(self.spec.resolve(sampling.drafter))
     stop.validate()
     stop_ids = stop_ids_for(stop, self.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
@@ -216,7 +215,7 @@ class Engine:
       if rid in self.requests:
         raise ValueError(f"request_id: {rid!r} is already in use")
       req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
-                    stop_ids=stop_ids, arrival_order=next(self._order), drafter=drafter)
+                    stop_ids=stop_ids, arrival_order=next(self._order), spec=spec)
       self.requests[rid] = req
       self._inbox.append(req)
     self._apply_inbox_if_idle()
@@ -295,7 +294,7 @@ class Engine:
       self._apply_inbox()
       with self._inbox_lock:
         outputs, self._pending = self._pending, []
-      plan = self.scheduler.schedule(self._next_decode_steps(), self._decode_steps)
+      plan = self.scheduler.schedule(self._next_decode_steps())
       if not plan.segments:
         return outputs
       now = time.monotonic()
@@ -321,16 +320,16 @@ class Engine:
     while none does. Requests that leave do not restart it: nothing waits to be let in, and the
     rows left (often speculative ones, whose lengths drift apart) would finish in a ramp of
     short calls, each paying a call's fixed cost (the CPU demo: 1- and 2-token calls for the
-    last row). Returns the call's token budget (`SpecRuntime.budget`)."""
+    last row). Returns the call's token budget: a speculative call gets the plain call's time
+    and up to num_draft_tokens + 1 tokens per iteration of it."""
     batch = tuple(r.request_id for r in self.scheduler.running)
     if self.scheduler.waiting or not set(batch) <= set(self._last_batch):
       self._decode_steps = 1
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
     self._last_batch = batch
-    running = self.scheduler.running
-    return self.spec.budget(self._decode_steps, running,
-                            [self.scheduler.remaining_tokens(r) for r in running])
+    self._speculates = self.spec.speculates(self.scheduler.running, self._decode_steps)
+    return self._decode_steps * ((self.spec.k + 1) if self._speculates else 1)
 
   def _page_table_row(self, req: Request) -> np.ndarray:
     row = np.full((self.max_pages_per_seq,), NULL_PAGE, np.int32)
@@ -378,8 +377,8 @@ class Engine:
             self._sampling_arrays(row_req), cfg=self.cfg, impl=self.config.kernels)
     sampled, lps, mtp_hidden = jax.device_get((sampled, lps, mtp_hidden))
     for seg, row in zip(plan.segments, sampling_rows):
-      if mtp_hidden is not None and row is not None:
-        seg.request.mtp_hidden = mtp_hidden[row]
+      if mtp_hidden is not None and row is not None and seg.request.spec is not None:
+        seg.request.spec.mtp_hidden = mtp_hidden[row]
       if row is None:
         self._advance(seg.request, seg.start + seg.num_tokens, [])
       else:
@@ -398,11 +397,7 @@ class Engine:
     left = np.zeros((b,), np.int32)  # tokens each request may still emit
     left[:len(reqs)] = [self.scheduler.remaining_tokens(r) for r in reqs]
     min_before = np.zeros((b,), np.int32)
-    # The plan's tokens are a speculative call's (`SpecRuntime.budget`); a plain call spends
-    # the engine's budget of iterations on as many tokens.
-    speculates = self.spec.speculates(reqs, plan.num_steps, self._decode_steps,
-                                      left[:len(reqs)])
-    num_steps = plan.num_steps if speculates else min(plan.num_steps, self._decode_steps)
+    num_steps = plan.num_steps
     remaining = np.minimum(left, num_steps)
     for i, req in enumerate(reqs):
       tokens[i], n_cached[i], table[i] = req.output_ids[-1], req.num_computed, \
@@ -410,17 +405,11 @@ class Engine:
       stop_ids[i, :len(req.stop_ids)] = req.stop_ids
       min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
     sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    if speculates:  # logprobs come from the verify logits
-      with self._on_mesh():
-        out, counts, lps, self.cache = self.spec.decode(
-            self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-            remaining, min_before, num_steps, self.counters, impl=self.config.kernels,
-            time_budget=self._decode_steps)
-    else:  # (its tokens teach the learned table; some are replayed through the drafters)
-      with self._on_mesh():
-        out, counts, lps, self.cache = self.spec.plain_decode(
-            self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-            remaining, min_before, num_steps, impl=self.config.kernels)
+    with self._on_mesh():  # (speculating: logprobs come from the verify logits)
+      out, counts, lps, self.cache = self.spec.decode(
+          self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+          remaining, min_before, num_steps, self.counters, speculate=self._speculates,
+          time_budget=self._decode_steps, impl=self.config.kernels)
     for i, req in enumerate(reqs):
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
@@ -493,9 +482,10 @@ class Engine:
                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
                 num_preemptions=self.scheduler.num_preemptions,
                 waiting_tokens=sum(r.num_uncomputed for r in waiting))
-    spec = self.spec.snapshot()  # (its stats are built when read: `stats`)
+    if self.spec.enabled:
+      snap.update(self.spec.stats())
     with self._inbox_lock:
-      self._snapshot, self._spec_snapshot = snap, spec
+      self._snapshot = snap
 
   def queue_load(self) -> QueueLoad:
     """The waiting queue's size (as of the last step, plus requests added since), for
@@ -509,7 +499,7 @@ class Engine:
   def stats(self) -> dict[str, Any]:
     """Gauges and counters for metrics endpoints (as of the last step; never waits)."""
     with self._inbox_lock:
-      snap, spec, inbox = dict(self._snapshot), self._spec_snapshot, len(self._inbox)
+      snap, inbox = dict(self._snapshot), len(self._inbox)
     snap.pop("waiting_tokens")
     snap["num_requests_waiting"] += inbox
-    return dict(snap, **serving_stats.spec_stats(spec))  # (built here, not every step)
+    return snap

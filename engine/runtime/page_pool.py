@@ -12,11 +12,8 @@ follow-up turn computes only its new tokens. A page whose reference count drops 
 the free queue but keeps its key (and contents) until the allocator reuses it: pages without a
 key are reused first, then keyed pages in least-recently-freed order (LRU eviction).
 
-Side caches on the same page ids (the draft model's, `engine.runtime.speculative`) are filled
-lazily, for the requests that use them, so a shared prefix page may hold target entries but no
-valid draft entries: `mark_draft_valid` records the pages whose draft entries were written for
-their current tokens, `draft_valid_pages` counts a matched prefix's leading such pages, and a
-page handed out again (`allocate`) loses the mark.
+Every allocation of a page bumps its `epoch`: whoever keeps side entries on the same page ids
+(the draft model's cache) can tell a page handed out again from one still holding its tokens.
 """
 
 from __future__ import annotations
@@ -78,7 +75,7 @@ class PagePool:
         (p, None) for p in range(1, num_pages))
     self.prefix_queries = 0
     self.prefix_hits = 0
-    self._draft_valid = [False] * num_pages  # draft-model entries written for these tokens
+    self.epoch = [0] * num_pages  # allocations of each page so far
 
   # ---- allocation ----------------------------------------------------------------------------
 
@@ -100,7 +97,7 @@ class PagePool:
       if key is not None:
         del self._page_of[key]
       self._refs[page] = 1
-      self._draft_valid[page] = False
+      self.epoch[page] += 1
       pages.append(page)
     return pages
 
@@ -157,22 +154,6 @@ class PagePool:
     """Forgets every prefix key (e.g. after the weights change)."""
     self._key_of.clear()
     self._page_of.clear()
-    self._draft_valid = [False] * self.num_pages
-
-  # ---- the draft model's entries -------------------------------------------------------------
-
-  def mark_draft_valid(self, pages: Sequence[int]) -> None:
-    """Records that these (full, referenced) pages hold draft-model entries for their tokens."""
-    for page in pages:
-      if page != NULL_PAGE:
-        self._draft_valid[page] = True
-
-  def draft_valid_pages(self, pages: Sequence[int]) -> int:
-    """How many of `pages`, from the first, hold valid draft-model entries."""
-    n = 0
-    while n < len(pages) and self._draft_valid[pages[n]]:
-      n += 1
-    return n
 
   def stats(self) -> PoolStats:
     return PoolStats(num_pages=self.num_pages - 1, free=len(self._free),

@@ -102,18 +102,9 @@ class Request:
   num_cached_pages: int = 0  # leading pages already registered in the prefix cache
   cached_tokens: int | None = None
   num_preemptions: int = 0
-  # Speculative decoding: [steps with a draft, drafted tokens, accepted drafted tokens].
-  spec: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
-  drafter: str | None = None  # resolved at admission (None: plain decoding)
-  mtp_hidden: Any = None  # [H] MTP output at position num_computed - 1 (drafter "mtp")
-  # Leading positions whose draft-model cache entries are valid (<= num_computed): the draft
-  # model is fed lazily, only for rows that may draft with it (`SpecRuntime.catch_up`).
-  draft_computed: int = 0
-  # Decayed (accepted, ended) draft counts per drafter and draft position
-  # [len(DRAFTER_IDS), num_draft_tokens, 2] of this request (None until its first speculative
-  # step), and its verify steps per drafter.
-  spec_accept: Any = None
-  drafter_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+  # Speculative decoding: its drafter, estimates and counters (`speculative.runtime.
+  # RequestSpec`, set at admission; None: the request drafts nothing).
+  spec: Any = None
   finish_reason: str | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))
@@ -144,9 +135,12 @@ class Request:
     return self.status is Status.FINISHED
 
   def usage(self) -> Usage:
+    spec = self.spec
     return Usage(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens or 0,
-                 completion_tokens=len(self.output_ids), spec_drafts=self.spec[0],
-                 spec_draft_tokens=self.spec[1], spec_accepted_tokens=self.spec[2])
+                 completion_tokens=len(self.output_ids),
+                 spec_drafts=spec.drafts if spec is not None else 0,
+                 spec_draft_tokens=spec.drafted if spec is not None else 0,
+                 spec_accepted_tokens=spec.accepted if spec is not None else 0)
 
 
 @dataclasses.dataclass

@@ -96,17 +96,16 @@ class Scheduler:
 
   # ---- the step ------------------------------------------------------------------------------
 
-  def schedule(self, max_decode_steps: int = 1, fallback_steps: int = 1) -> SchedulerOutput:
+  def schedule(self, max_decode_steps: int = 1) -> SchedulerOutput:
     """Chooses this step's work. `max_decode_steps` caps a decode-only device loop's tokens
-    per row; `fallback_steps`, a smaller cap to try when the free pages cannot hold those (a
-    speculative call's budget, `SpecRuntime.budget`, may be several plain calls' tokens)."""
-    if max_decode_steps > 1 and not self.waiting and self.running and all(
+    per row; where the free pages cannot hold them, the loop gets half as many, and so on."""
+    steps = max_decode_steps
+    while steps > 1 and not self.waiting and self.running and all(
         r.is_decoding for r in self.running):
-      out = self._schedule_decode_loop(max_decode_steps)
-      if out is None and 1 < fallback_steps < max_decode_steps:
-        out = self._schedule_decode_loop(fallback_steps)
+      out = self._schedule_decode_loop(steps)
       if out is not None:
         return out
+      steps //= 2
 
     budget = self.config.max_num_batched_tokens
     segments: list[Segment] = []
@@ -195,7 +194,6 @@ class Scheduler:
     req.page_keys = keys[:len(hits)]
     req.num_cached_pages = len(hits)
     req.num_computed = len(hits) * self.pool.page_size
-    req.draft_computed = self.pool.draft_valid_pages(hits) * self.pool.page_size
 
   def _grow(self, req: Request, num_tokens: int) -> bool:
     """Gives `req` pages for `num_tokens` tokens; False (and nothing taken) if the pool is dry."""
@@ -213,7 +211,7 @@ class Scheduler:
     req.pages = []
     req.page_keys = []
     req.num_cached_pages = 0
-    req.num_computed = req.draft_computed = 0
+    req.num_computed = 0
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)

@@ -1,19 +1,16 @@
-"""`Engine.warmup`'s work: compile every bucket before traffic arrives, then (adaptive draft
-length) measure the speculative cost model.
+"""`Engine.warmup`'s work: compile every bucket before traffic arrives, then (with drafters)
+time the speculative cost table.
 
 Each program runs on the null page (writes at positions past the page table are dropped), so
 no real cache entry changes: mixed prefill/decode shapes (and the draft model's catch-up
 forward at each), the plain decode loop per decode batch size (and the learned table's update
 from its tokens), the speculative loop per decode batch size when the engine has drafters, then
 `SpecRuntime.measure_costs`. The decode loops run every branch once (block widths, logprobs,
-model drafters): a branch's first run is slow (`_spec_branches`). Where the measured costs
-make the MTP layer `hopeless`, prefill chunks stop feeding it: the mixed shapes are compiled
-again without it.
+model drafters): a branch's first run is slow (`_spec_branches`).
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Callable
 
 import jax
@@ -22,8 +19,7 @@ import numpy as np
 from engine.runtime import steps
 from engine.runtime.page_pool import NULL_PAGE
 from engine.runtime.speculative import catch_up
-from engine.runtime.speculative.probes import learning_kept
-from engine.runtime.speculative.serving import DETERMINISTIC
+from engine.runtime.speculative.loop import DETERMINISTIC
 
 
 def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, *,
@@ -56,23 +52,16 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
       _spec_branches(eng, zeros, past, table, samp, stop_ids)
     else:  # (once with logprobs: `steps.decode_loop`'s conditional)
       for logprobs in (False, True):
-        *_, eng.cache = eng.spec.plain_decode(
-            eng.params, eng.cache, [], zeros, past, table, samp, stop_ids, ones, zeros, 1,
-            impl=eng.config.kernels, logprobs=logprobs)
+        *_, eng.cache = eng.spec.decode(
+            eng.params, eng.cache, [], zeros, past, table, samp, stop_ids, ones, zeros, 1, {},
+            speculate=False, impl=eng.config.kernels, logprobs=logprobs)
     if progress is not None:
       progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
-  observed = eng.spec.observes
-  if eng.spec.enabled and eng.config.adaptive_k:
-    sizes = (min(eng.buckets.decode), max(eng.buckets.decode))
-    eng.cache = eng.spec.measure_costs(eng.params, eng.cache, sizes, eng.max_pages_per_seq,
+  if eng.spec.enabled:
+    eng.cache = eng.spec.measure_costs(eng.params, eng.cache, eng.max_pages_per_seq,
                                        stop_width=stop_width, impl=eng.config.kernels)
-  n = len(shapes)
-  if observed and not eng.spec.observes:  # MTP turned out hopeless: plain mixed steps
-    for b, w in eng.buckets.mixed_shapes():
-      _plain_step(eng, b, w)
-      n += 1
   jax.block_until_ready(eng.cache)
-  return n
+  return len(shapes)
 
 
 def _spec_branches(eng: Any, tokens: np.ndarray, past: np.ndarray, table: np.ndarray,
@@ -80,18 +69,16 @@ def _spec_branches(eng: Any, tokens: np.ndarray, past: np.ndarray, table: np.nda
   """The speculative loop for len(tokens) rows, one iteration at each compiled block width
   (writes past the page table, dropped): with logprobs and rows drafting with each model
   drafter in turn, and with neither. The first run of a branch (`lax.switch`, `lax.cond`)
-  costs ~30-50 ms more than later runs on the CPU demo (XLA:CPU), which otherwise fell on the
-  first calls of a batch size the cost probes had not run (`measure_costs`: the smallest and
-  largest). The table and counters the calls move are set back."""
+  costs ~30-50 ms more than later runs on the CPU demo (XLA:CPU). Rows of junk teach the
+  table and counters nothing (`SpecRuntime.decode` with no requests)."""
   passes = [((d,), True) for d in eng.spec.enabled if d not in DETERMINISTIC] or [((), True)]
   passes.append(((), False))  # (rows, logprobs)
-  with learning_kept(eng.spec):
-    for i in range(len(eng.spec.choices)):
-      for rows, logprobs in passes:
-        *_, eng.cache = eng.spec.decode(
-            eng.params, eng.cache, [], tokens, past, table, samp, stop_ids,
-            np.ones_like(tokens), np.zeros_like(tokens), 1, collections.Counter(),
-            impl=eng.config.kernels, force_k=i, logprobs=logprobs, warm_rows=rows)
+  for i in range(len(eng.spec.choices)):
+    for rows, logprobs in passes:
+      *_, eng.cache = eng.spec.decode(
+          eng.params, eng.cache, [], tokens, past, table, samp, stop_ids, np.ones_like(tokens),
+          np.zeros_like(tokens), 1, {}, speculate=True, impl=eng.config.kernels, force_k=i,
+          logprobs=logprobs, warm_rows=rows)
 
 
 def _plain_step(eng: Any, b: int, w: int) -> None:

@@ -107,21 +107,19 @@ class _EngineCollector:
         loops.add_metric([k[len("spec_k"):-len("_loops")]], float(v))
     if loops.samples:
       yield loops
-    # The goodput model's calibration (tokens expected vs emitted when drafting; speculative
-    # calls' time predicted vs measured, in plain-loop iterations) and the live cost correction.
+    # The acceptance estimates' calibration: tokens expected vs emitted when drafting.
     model = CounterMetricFamily(PREFIX + "spec_decode_model", "The adaptive draft length's "
-                                "model against what happened: tokens expected / emitted in "
-                                "iterations that drafted; speculative calls' time predicted / "
-                                "measured (plain-loop iterations).", labels=["quantity"])
-    for q in ("expected_tokens", "emitted_tokens", "predicted_cost", "measured_cost"):
+                                "estimates against what happened: tokens expected / emitted "
+                                "in iterations that drafted.", labels=["quantity"])
+    for q in ("expected_tokens", "emitted_tokens"):
       if "spec_model_" + q in s:
         model.add_metric([q], float(s["spec_model_" + q]))
     if model.samples:
       yield model
-    if "spec_cost_scale" in s:
-      yield GaugeMetricFamily(PREFIX + "spec_decode_cost_scale", "Measured over predicted time "
-                              "of speculative calls (decayed): the factor applied to the cost "
-                              "model's speculative step times.", value=float(s["spec_cost_scale"]))
+    if "spec_cost_break_even" in s:
+      yield GaugeMetricFamily(PREFIX + "spec_decode_break_even_batch", "The smallest decode "
+                              "batch at which speculation cannot pay by the cost table (0: "
+                              "none).", value=float(s["spec_cost_break_even"]))
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:

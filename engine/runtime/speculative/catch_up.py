@@ -6,9 +6,9 @@ not the request ever drafts with it (on the CPU demo that upkeep took engine "au
 prompts from 0.92x to 0.67x of plain decoding). Instead the serving loop feeds only the rows
 that may draft with it (`draft_rows`: drafter "draft", or "auto" while the engine offers the
 draft model), and before a loop call each such row whose draft entries stop short of its target
-entries (`Request.draft_computed < num_computed`: its prompt, tokens decoded while it was not
-fed, or a shared prefix whose pages were computed without the draft model, see
-`PagePool.draft_valid_pages`) runs a draft-only forward over the missing positions.
+entries (its prompt, tokens decoded while it was not fed, or a shared prefix whose pages were
+computed without the draft model; `DraftEntries` knows which pages hold them) runs a draft-only
+forward over the missing positions.
 
 The missing spans are cut like the scheduler cuts prefill: groups of at most the step token
 budget and `max_num_seqs` spans, each packed into a compiled mixed-step shape `[B, W]`
@@ -78,3 +78,32 @@ def pack(group: Sequence[Span], ids: Sequence[Sequence[int]], page_table: np.nda
       start[r], n_new[r], table[r] = first + off, len(chunk), page_table[row]
       r += 1
   return tokens, start, n_new, table
+
+
+class DraftEntries:
+  """Which cache pages hold draft-model entries for their tokens: page -> (the page's epoch
+  when they were written, positions filled). A page handed out again has a new epoch
+  (`PagePool.epoch`), so its entries lapse; a shared prefix page keeps them for every request
+  that matches it."""
+
+  def __init__(self, epoch: Sequence[int], page_size: int):
+    self._epoch, self.page_size = epoch, page_size
+    self._marks: dict[int, tuple[int, int]] = {}
+
+  def computed(self, pages: Sequence[int]) -> int:
+    """Leading positions of a sequence on `pages` whose draft entries are valid."""
+    n = 0
+    for page in pages:
+      mark = self._marks.get(page)
+      if mark is None or mark[0] != self._epoch[page]:
+        break
+      n += mark[1]
+      if mark[1] < self.page_size:
+        break
+    return n
+
+  def written(self, pages: Sequence[int], upto: int) -> None:
+    """The sequence on `pages` has valid draft entries at every position below `upto`."""
+    for j, page in enumerate(pages[:-(-upto // self.page_size)]):
+      if page != NULL_PAGE:
+        self._marks[page] = (self._epoch[page], min(self.page_size, upto - j * self.page_size))

@@ -12,9 +12,8 @@ draft j (1-based) is the token at position `n_cached + j`.
   verification it runs over the verified block (filling its cache entries, which live after the
   decoder layers in the target cache) and keeps its output hidden state at the last cached
   position, which predicts d_1; for K > 1 the layer is chained on its own output hidden state.
-* Draft model (`draft_model_propose`): a small model with the same tokenizer and its own paged
-  cache decodes K tokens autoregressively. Its cache lags by one token when all K drafts were
-  accepted (d_K was never fed); the first forward of the next proposal feeds it.
+* Draft model (`loop._draft_feed`, `loop._draft_chain`): a small model with the same tokenizer
+  and its own paged cache decodes K tokens autoregressively.
 
 Sampled rows draw drafts from the drafter's transformed distribution q (same temperature/top-k/
 top-p/min-p as the target) and return q for the acceptance rule; greedy rows take the argmax.
@@ -100,35 +99,3 @@ def mtp_propose(params: Params, cache: Cache, mtp_hidden: jax.Array, n_cached: j
     drafts.append(tok)
     qs.append(q)
   return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), cache
-
-
-def draft_model_propose(draft_params: Params, draft_cache: Cache, tok: jax.Array,
-                        n_cached: jax.Array, lag: jax.Array, lag_tok: jax.Array,
-                        live: jax.Array, page_table: jax.Array, sampling: SamplingArrays, *,
-                        k: int, draft_cfg: ModelConfig, impl: KernelChoice
-                        ) -> tuple[jax.Array, jax.Array, Cache]:
-  """K drafts from a small model decoding autoregressively in its own cache.
-
-  Args:
-    tok: [B] the newest token (position n_cached).
-    lag: [B] bool: the draft cache lacks position n_cached - 1 (holding `lag_tok` [B]).
-  Returns:
-    (draft [B, K], q [B, K, V], draft cache holding positions < n_cached + K - 1).
-  """
-  lag_i = lag.astype(jnp.int32)
-  first = jnp.where(lag[:, None], jnp.stack([lag_tok, tok], axis=1),
-                    jnp.stack([tok, jnp.zeros_like(tok)], axis=1))
-  hidden, draft_cache = forward(draft_params, draft_cache, first, n_cached - lag_i,
-                                (1 + lag_i) * live, page_table, cfg=draft_cfg, impl=impl)
-  h = jnp.take_along_axis(hidden, lag_i[:, None, None], axis=1)[:, 0]
-  drafts, qs = [], []
-  for j in range(1, k + 1):
-    if j > 1:
-      hidden, draft_cache = forward(draft_params, draft_cache, drafts[-1][:, None],
-                                    n_cached + j - 1, live.astype(jnp.int32), page_table,
-                                    cfg=draft_cfg, impl=impl)
-      h = hidden[:, 0]
-    tok_j, q = draft_sample(compute_logits(draft_params, h, draft_cfg), sampling, n_cached + j)
-    drafts.append(tok_j)
-    qs.append(q)
-  return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), draft_cache

@@ -1,4 +1,4 @@
-"""Adaptive draft length: choose K per loop step from a goodput model (all on the device).
+"""Adaptive draft length: acceptance estimates per draft position, and the block width they buy.
 
 Acceptance is measured per draft position: c_j = P(draft j accepted | drafts 1 .. j-1 were),
 so a step drafting k tokens emits E[tau](k) = 1 + sum_{j <= k} g_j tokens per row, with
@@ -15,12 +15,9 @@ nothing. Each position's estimate has a weak prior: the estimate one position sh
 (`conditional_acceptance`), so where deep evidence is missing the model is the geometric
 one, and a drafter that stopped paying is retried once its evidence has decayed.
 
-The fixed-batch loop (`loop.py`) picks the k that finishes its batch soonest,
-argmin_k T(k) max_b remaining_b / E_b[tau](k), over the compiled choices (k = 0 is plain
-decoding) (`choose`), with each row's own gains and T(k) an iteration's time at each choice:
-measured on the loop itself (`probes.loop_costs`) or T = 1 + k (draft_cost + verify_cost B)
-(`step_costs`). The serving loop sizes the
-block and every row's drafts together (`plan`), with each row's own gains (`row_gains`).
+Each loop iteration (`plan`) takes the block width k among the compiled choices with the most
+expected tokens per unit of time, (sum_b E_b[tau](min(k, room_b))) / T(B, k), T from the cost
+table (`costs.py`); an "auto" row first takes its drafter (`row_drafters`).
 """
 
 from __future__ import annotations
@@ -108,112 +105,48 @@ def expected_tokens(gain: jnp.ndarray, k: int, *, xp=jnp) -> jnp.ndarray:
   return 1.0 + xp.sum(gain[..., :k], axis=-1)
 
 
-def row_drafters(gain_rows: jnp.ndarray, costs: jnp.ndarray, allowed: jnp.ndarray,
-                 row_auto: jnp.ndarray, row_drafter: jnp.ndarray, live: jnp.ndarray, k: int,
-                 *, xp=jnp) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-  """Each row's drafter for an iteration, its gains, and the block's cost per column.
+def row_drafters(gain_rows: jnp.ndarray, step_cost: jnp.ndarray, drafter_cost: jnp.ndarray,
+                 allowed: jnp.ndarray, row_auto: jnp.ndarray, row_drafter: jnp.ndarray,
+                 live: jnp.ndarray, k: int, *, xp=jnp
+                 ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """Each row's drafter for an iteration, its gains, and the model drafters' cost per column.
 
-  gain_rows [B, D, J]: every row's gains per drafter (`row_gains`); costs [D + 4]: the
-  serving cost model (`plan`'s terms: per-drafter column costs, then overhead, base, per row,
-  per token); allowed [B, D] bool: drafters an "auto" row (`row_auto` [B] bool) may take;
-  row_drafter [B] int32: the others' own (0: off); live [B] bool. An "auto" row takes the
-  allowed drafter with the most expected tokens per unit of step time at the widest block,
-  E[tau](k) / (1 + k (base + c_d)) (a model drafter's cost as if the row alone paid for it).
-  The block's cost per column is the base, the per-row cost over live rows, and the column
-  cost of every drafter a live row uses. Returns (ids [B] int32, gain [B, J], block_cost).
-  The serving loop runs this every iteration; the host runs it in numpy (`xp`) to predict a
-  call's first iteration (`call_policy`)."""
+  gain_rows [B, D, J]: every row's gains per drafter (`row_gains`); step_cost: T(B, k) at the
+  widest block k; drafter_cost [D]: each drafter's cost per drafted column; allowed [B, D]
+  bool: what an "auto" row (`row_auto` [B]) may take; row_drafter [B] int32: the others' own
+  (0: off). An "auto" row takes the allowed drafter with the most expected tokens per unit of
+  time at the widest block, E[tau](k) / (T + k c_d). Returns (ids [B] int32, gain [B, J],
+  column cost: the sum of c_d over the drafters live rows use). `xp`: numpy on the host."""
   n_ids = gain_rows.shape[1]
-  score = expected_tokens(gain_rows, k, xp=xp) / (1.0 + k * (costs[-3] + costs[:n_ids]))[None]
+  score = expected_tokens(gain_rows, k, xp=xp) / (step_cost + k * drafter_cost)[None]
   best = xp.argmax(xp.where(allowed, score, -xp.inf), axis=1).astype(xp.int32)
   ids = xp.where(row_auto, best, row_drafter.astype(xp.int32))
   gain = xp.take_along_axis(gain_rows, ids[:, None, None], axis=1)[:, 0]  # [B, J]
   present = xp.any((ids[:, None] == xp.arange(n_ids)[None, :]) & live[:, None], axis=0)
-  rows = xp.sum(live).astype(xp.float32)
-  block_cost = (costs[-3] + costs[-2] * rows
-                + xp.sum(xp.where(present, costs[:n_ids], xp.float32(0.0))))
-  return ids, gain, block_cost
-
-
-def step_costs(choices: tuple[int, ...], batch: int, draft_cost: float = 0.0,
-               verify_cost: float = 0.02) -> jnp.ndarray:
-  """[C] T(B, k) = 1 + k (draft_cost + verify_cost B) per choice: a step's time relative to a
-  plain decode step, from a drafted token's cost and a verified position's per row."""
-  ks = jnp.asarray(choices, jnp.float32)
-  return 1.0 + ks * (draft_cost + verify_cost * batch)
-
-
-def choose(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
-           remaining: jnp.ndarray) -> jnp.ndarray:
-  """Index into `choices` of the k that finishes a fixed batch soonest: gain [B, J] each row's
-  gains (`gains`), costs [C] each choice's step time (any common unit; the batch's shape is
-  fixed, so a step costs the same whichever rows are live), remaining [B] tokens each row
-  still has to emit (0: done). The batch takes as many steps as its slowest row needs,
-  remaining_b / E_b[tau](k), so k minimises T(k) max_b remaining_b / E_b[tau](k): drafts
-  that only speed up rows which finish early anyway do not pay, and a batch whose slowest
-  row accepts nothing decodes plainly. (With equal rows this is the most tokens per unit of
-  step time.)"""
-  return jnp.argmin(finish_times(gain, costs, choices, remaining)).astype(jnp.int32)
-
-
-def finish_times(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
-                 remaining: jnp.ndarray) -> jnp.ndarray:
-  """[C] T(k) max_b remaining_b / E_b[tau](k): the time the batch needs at each choice (see
-  `choose`)."""
-  tokens = jnp.stack([expected_tokens(gain, k) for k in choices])  # [C, B]
-  steps = jnp.max(remaining.astype(jnp.float32)[None, :] / tokens, axis=1)
-  return costs * steps
-
-
-def plain_wins(gain: jnp.ndarray, costs: jnp.ndarray, choices: tuple[int, ...],
-               remaining: jnp.ndarray, plain_cost: jnp.ndarray, margin: float) -> jnp.ndarray:
-  """Whether plain decoding (an iteration costing `plain_cost`, without the drafter's upkeep,
-  one token per row) would finish the batch at least `margin` (a fraction) sooner than the best
-  choice: a bool scalar. Same arguments as `choose`."""
-  best = jnp.min(finish_times(gain, costs, choices, remaining))
-  plain = plain_cost * jnp.max(remaining).astype(jnp.float32)
-  return plain < (1.0 - margin) * best
+  return ids, gain, xp.sum(xp.where(present, drafter_cost, xp.float32(0.0)))
 
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
-         choices: tuple[int, ...], block_cost: jnp.ndarray, token_cost: jnp.ndarray,
-         overhead: jnp.ndarray | float = 0.0, refinements: int = 2, *, xp=jnp
-         ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-  """The iteration's block width K (index into `choices`), each row's draft count k_b <= K,
-  and the rate R at that plan (expected tokens per unit of step time; `rows` at plain decoding).
+         choices: tuple[int, ...], step_cost: jnp.ndarray, column_cost: jnp.ndarray, *,
+         xp=jnp) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """The iteration's block width (index into `choices`), each row's draft count, its time.
 
-  gain [B, J >= max(choices)]: each row's gains for its drafter (`gains`); drafting [B] bool:
-  live rows with a drafter (the others emit one token whatever K is); live [B] bool; room [B]
-  int32: the most drafts a row may verify (its budget, its request's cap). Step time, relative
-  to a plain decode step:  T = 1 + [K > 0] overhead + K block_cost + token_cost sum_b k_b.
-  `overhead` is what a speculative iteration costs beyond a plain one before it verifies
-  anything (its bookkeeping; K = 0 is priced as plain decoding, which the engine falls back to
-  after a call that drafted nothing). `block_cost` is paid per column of the [B, K + 1] verify
-  block whatever rows put in it (drafter forwards, dense layers over padding); `token_cost`
-  per real drafted token (a padded position routes to no expert, so a real one streams more
-  expert weights). Row b's j-th draft adds g_bj expected tokens at cost token_cost, so at rate
-  R it pays iff g_bj >= token_cost R: rows that rarely accept draft fewer tokens, and with
-  token_cost = 0 every drafting row fills the block. R is found by a few fixed-point steps
-  (Dinkelbach) per K; K maximises R. (Gains fall with j, so the drafts taken are a prefix.)
-  `xp`: the array module (numpy for the engine's host-side per-call decision, `call_policy`).
-  """
-  ks = xp.asarray(choices, xp.int32)  # [C]
+  gain [B, J >= max(choices)]: each row's gains for its drafter; drafting [B] bool: live rows
+  with a drafter (the others emit one token whatever the width); live [B] bool; room [B]: the
+  most drafts a row may verify; step_cost [C]: T(B, k) per choice; column_cost: the model
+  drafters' cost per column. Width k emits sum_b (1 + g_b1 + ... + g_b,min(k, room_b)) in
+  T(B, k) + k column_cost; the width with the most tokens per unit of time wins, and every
+  drafting row drafts min(k, room_b) (the block's cost does not depend on what fills it).
+  Returns (index, draft counts [B] int32, the iteration's time)."""
+  ks = xp.asarray(choices, xp.int32)
   k_max = max(choices)
-  j = xp.arange(1, k_max + 1, dtype=xp.int32)  # [J]
-  gain = xp.clip(gain[:, :k_max].astype(xp.float32), 0.0, _MAX_ACCEPT)  # [B, J]
+  j = xp.arange(1, k_max + 1, dtype=xp.int32)
+  gain = xp.clip(gain[:, :k_max].astype(xp.float32), 0.0, _MAX_ACCEPT)
   room = xp.where(drafting, room, 0)
-  allowed = (j[None, None, :] <= ks[:, None, None]) & (j[None, None, :] <= room[None, :, None])
-  emitted = xp.sum(live).astype(xp.float32)  # one token per live row at least
-
-  def rate(take):  # [C, B, J] -> [C]
-    tokens = emitted + xp.sum(xp.where(take, gain[None], 0.0), axis=(1, 2))
-    drafted = xp.sum(take, axis=(1, 2)).astype(xp.float32)
-    return tokens / (1.0 + xp.where(ks > 0, overhead, 0.0)
-                     + ks.astype(xp.float32) * block_cost + token_cost * drafted)
-
-  take = allowed
-  for _ in range(refinements):
-    take = allowed & (gain[None] >= token_cost * rate(take)[:, None, None])
-  rates = rate(take)
-  index = xp.argmax(rates).astype(xp.int32)
-  return index, xp.sum(take[index], axis=-1).astype(xp.int32), rates[index]
+  rows = xp.minimum(ks[:, None], room[None, :])  # [C, B]
+  taken = j[None, None, :] <= rows[:, :, None]
+  tokens = xp.sum(live).astype(xp.float32) + xp.sum(xp.where(taken, gain[None], 0.0),
+                                                     axis=(1, 2))
+  cost = step_cost + ks.astype(xp.float32) * column_cost
+  index = xp.argmax(tokens / cost).astype(xp.int32)
+  return index, rows[index].astype(xp.int32), cost[index]

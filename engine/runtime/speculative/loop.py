@@ -1,26 +1,26 @@
-"""`speculative_decode`: the speculative counterpart of `generate.decode`, one jitted while loop.
+"""`speculative_decode_loop`: the decode-only device loop with drafting (the only one: the
+serving engine's, which `generate_tokens` and `engine.generate` also run through).
 
-Each iteration, for every live row (B rows, K = num_draft):
-1. the drafter proposes up to K tokens (`drafters`), capped so the row cannot pass its limit;
-2. ONE target forward over `[newest, d_1 .. d_K]` (T = K + 1; positions n_cached .. n_cached+K,
-   the first n_draft + 1 real);
-3. `acceptance.verify` accepts a prefix d_1 .. d_a and chooses the extra token (correction or
-   bonus), so the row emits a + 1 tokens; stop ids inside the block end the row there;
-4. the row advances by length only: n_cached += a + 1. Cache slots of rejected drafts were
-   written but lie past n_cached, so attention never reads them and later steps overwrite them.
+Same contract as `steps.decode_loop` (B rows that only decode; a token budget `num_steps` for
+which the scheduler took pages up front; EOS/stop ids and per-row limits on the device), but
+every iteration drafts up to k tokens per row and verifies them with ONE target forward over
+k + 1 positions (`verify_block`). A row never writes past `n_cached + limit - 1`.
 
-Rows accept different counts and finish independently (EOS/stop ids after min_new_tokens,
-max_new_tokens); finished rows write nothing. No host round trip until every row is done.
-With `adaptive`, each iteration first picks its draft length (`goodput`) and runs the step
-compiled for it (`lax.switch`).
+Drafters per row: `row_drafter[b]` indexes `DRAFTER_IDS` (0 = off: one token per iteration);
+`row_auto[b]` rows take, every iteration, the drafter with the best expected tokens per unit of
+time by their own estimates. Every enabled drafter proposes for the whole batch and rows take
+their own (`jnp.where`); the model drafters' chained forwards run only when a live row uses
+them (`inplace.run_if`, which keeps their caches in place). "mtp" observes every verified block
+of every row; "draft" is fed only for `draft_rows` (caught up before the call, `catch_up.py`):
+tokens it lacks (`pending`) go in front of its next forward and are flushed at the end, so its
+cache then holds exactly what the target's does. Deterministic drafters' rows are verified
+against the target's own (seed, position) samples, model drafters' by speculative sampling.
 
-Plain phase: given `plain_cost` (a plain iteration's measured time, in the step costs' unit),
-once plain decoding would have finished the batch sooner than every choice (by PLAIN_MARGIN)
-for PLAIN_PATIENCE iterations in a row, the loop ends its speculation and a second while loop
-decodes the rest plainly: one token per row and iteration, without the drafter's upkeep (the
-draft model's or MTP layer's forward, which the k = 0 choice still pays to keep its cache
-current). It does not go back (that upkeep has stopped); the serving engine, which can catch a
-draft cache up, rests and probes instead (`runtime.py`).
+After each verify every drafter that proposed is checked against what each row emitted
+(`matched`): decayed (accepted, ended) counts per draft position, per row (`row_accept`, the
+request's) and over drafting rows (`accept`). The block width comes from the compiled `choices`
+(`lax.switch`): forced (`force_k` >= 0: warm-up and timing) or by `goodput.plan` from the
+estimates and the cost table's T(B, k) (`costs`). The loop's state is `LoopState`.
 """
 
 from __future__ import annotations
@@ -35,26 +35,18 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
-from engine.runtime.generate import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, StopCriteria)
-from engine.runtime.sampling import SamplingArrays, sample
-from engine.runtime.speculative import drafters, goodput, learned
-from engine.runtime.speculative.acceptance import verify
+from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
+from engine.runtime.speculative import drafters as dr, goodput, learned
+from engine.runtime.speculative.acceptance import draft_sample, verify
 from engine.runtime.speculative.inplace import run_if
 
-DRAFTERS = ("ngram", "mtp", "draft", "learned")
-# The plain phase starts once plain decoding wins by this fraction of the best choice's time
-# for this many iterations in a row (the estimates start from a prior and move with evidence;
-# a drafter whose k = 0 costs about what plain decoding does is never given up for noise).
-PLAIN_MARGIN = 0.05
-PLAIN_PATIENCE = 8
-# A drafting choice is taken over k = 0 only when the model says it finishes the batch this
-# fraction sooner. Both sides of the comparison are noisy: the measured step costs (T(1)
-# came out anywhere from 1.11 to 1.47 T(0) between processes on the CPU demo) and the
-# acceptance estimates (the choice picks the iterations where they happen to run high: on
-# fresh text the model expected 16% more tokens than the drafting iterations emitted). Without
-# it, fresh text drafted at k = 2 for 17 of 61 iterations and lost 14%; where drafting pays
-# (repetitive text, 2-3x) the margin costs nothing.
-DRAFT_MARGIN = 0.1
+DRAFTER_IDS = ("off", "ngram", "learned", "mtp", "draft")
+DETERMINISTIC = ("ngram", "learned")
+AUTO = "auto"  # a request's drafter chosen by the loop from measured acceptance and costs
+
+
+def drafter_id(name: str | None) -> int:
+  return DRAFTER_IDS.index(name or "off")
 
 
 @jax.tree_util.register_dataclass
@@ -86,35 +78,6 @@ class SpecStats:
         drafted_at=self.drafted_at + (slot < n_draft[:, None]).astype(jnp.int32))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SpecOutput:
-  tokens: jax.Array  # [B, max_steps] int32, -1 past each row's end
-  num_tokens: jax.Array  # [B] int32
-  finish_reason: jax.Array  # [B] int32 (FINISH_*)
-  cache_lengths: jax.Array  # [B] int32 tokens whose cache entries are valid at the end
-  stats: SpecStats
-  ngram_table: learned.NgramTable | None  # the updated table (drafter "learned")
-  k_steps: jax.Array  # [len(choices)] loop steps run with each draft length (see k_choices)
-  calibration: jax.Array  # [2] float32 over steps that drafted: tokens the goodput model
-  # expected (live rows' E[tau] at their room), tokens emitted
-  plain_steps: jax.Array  # int32 scalar: iterations of the plain phase (see the module doc)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
-def prefill_hidden(params: Params, cache: Cache, tokens: jax.Array, lengths: jax.Array,
-                   page_table: jax.Array, *, cfg: ModelConfig, impl: KernelChoice = REFERENCE
-                   ) -> tuple[jax.Array, jax.Array, Cache]:
-  """`generate.prefill` that also returns every position's hidden state (for MTP).
-
-  Returns (last-token logits [B, V], hidden [B, T, H], cache)."""
-  b = tokens.shape[0]
-  hidden, cache = forward(params, cache, tokens, jnp.zeros((b,), jnp.int32), lengths,
-                          page_table, cfg=cfg, impl=impl)
-  last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-  return compute_logits(params, last, cfg), hidden, cache
-
-
 def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
            ) -> jax.Array:
   """buffer[b, start[b] + i] = values[b, i] for i < count[b]. buffer [B, N], values [B, T]."""
@@ -123,6 +86,7 @@ def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Ar
   cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, buffer.shape[1])
   rows = jnp.arange(buffer.shape[0])[:, None]
   return buffer.at[rows, cols].set(values, mode="drop")
+
 
 
 @jax.tree_util.register_dataclass
@@ -178,261 +142,347 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                   emitted=emitted, n_emit=n_emit * live_i, stopped=stopped, logits=logits)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("max_steps", "num_draft", "drafter", "cfg", "draft_cfg", "impl",
-                              "adaptive"),
-    donate_argnames=("cache", "ngram_table"))
-def speculative_decode(params: Params, cache: Cache, first_logits: jax.Array,
-                       prompt_tokens: jax.Array, lengths: jax.Array, page_table: jax.Array,
-                       sampling: SamplingArrays, stops: StopCriteria,
-                       prompt_hidden: jax.Array | None = None, draft_params: Params | None = None,
-                       draft_cache: Cache | None = None,
-                       ngram_table: learned.NgramTable | None = None, *, max_steps: int,
-                       num_draft: int,
-                       drafter: str, cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
-                       impl: KernelChoice = REFERENCE, adaptive: bool = False,
-                       step_costs: jax.Array | None = None, force_k: jax.Array | int = -1,
-                       plain_cost: jax.Array | float | None = None
-                       ) -> tuple[SpecOutput, Cache]:
-  """Speculative generation of up to `max_steps` tokens per row.
+def matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_emit: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+  """What a drafter's proposal [B, P] (first n_proposed real) achieved against the tokens the
+  row emitted [B, >= P] (first n_emit real): (leading matches [B], ended [B] bool: a mismatch
+  or no proposal before the horizon min(P, n_emit); else censored). Every drafter that
+  proposed is checked, not only the row's own: "auto" rows compare drafters at no cost."""
+  p = proposal.shape[1]
+  slots = jnp.arange(p, dtype=jnp.int32)[None, :]
+  same = (proposal == emitted[:, :p]) & (slots < jnp.minimum(n_proposed, n_emit)[:, None])
+  m = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1)
+  return m, m < jnp.minimum(p, n_emit)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopResult:
+  out: jax.Array  # [B, max_steps] new tokens, -1 past each row's count
+  counts: jax.Array  # [B]
+  stopped: jax.Array  # [B] bool
+  stats: SpecStats
+  k_steps: jax.Array  # [len(choices)] iterations run with each block width
+  calibration: jax.Array  # [3] float32: over iterations that drafted, the tokens the rows'
+  # estimates expected and the tokens emitted; over all, their time by the cost table
+  accept: jax.Array  # [D, J, 2] updated acceptance counts per draft position
+  table: learned.NgramTable | None
+  mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
+  row_accept: jax.Array  # [B, D, J, 2] updated per-row acceptance counts
+  by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
+  draft_cache: Cache | None
+  logprobs: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (zeros unless
+  # `want_logprobs`): chosen [B, max_steps], top ids and logprobs [B, max_steps, 20]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopState:
+  """What one iteration hands the next (B rows, J = max(choices) draft positions)."""
+  cache: Cache
+  tok: jax.Array  # [B] newest token (position n_cached)
+  n_cached: jax.Array  # [B]
+  done: jax.Array  # [B] bool
+  count: jax.Array  # [B] tokens emitted in this call
+  out: jax.Array  # [B, max_steps]
+  stopped: jax.Array  # [B] bool: a stop id ended the row
+  history: jax.Array  # [B, W] recent tokens (ngram), history_len [B] of them
+  history_len: jax.Array
+  stats: SpecStats
+  accept: jax.Array  # [D, J, 2]
+  row_accept: jax.Array  # [B, D, J, 2]
+  ids: jax.Array  # [B] this iteration's drafter per row
+  k_rows: jax.Array  # [B] this iteration's drafts per row
+  by_drafter: jax.Array  # [B, D, 3]
+  k_steps: jax.Array  # [C]
+  calibration: jax.Array  # [3]
+  lps: tuple[jax.Array, jax.Array, jax.Array]
+  table: learned.NgramTable | None = None  # "learned", and its proposal for this iteration
+  learned_proposal: tuple[jax.Array, jax.Array] | None = None
+  mtp_hidden: jax.Array | None = None  # [B, H] "mtp"
+  draft_cache: Cache | None = None  # "draft", and the tokens its fed rows still lack
+  pending: jax.Array | None = None  # [B, J]
+  n_pending: jax.Array | None = None  # [B]
+
+
+def _draft_feed(draft_params, dcache, pending, n_pending, tok, n_cached, live, page_table, *,
+                draft_cfg, impl):
+  """Feeds each row's pending tokens and its newest token to the draft model.
+
+  pending [B, P] tokens at positions n_cached - n_pending .. n_cached - 1 the draft cache lacks.
+  Returns (the draft model's hidden state at the newest token [B, H], draft cache holding
+  positions <= n_cached).
+  """
+  live_i = live.astype(jnp.int32)
+  block = jnp.concatenate([pending, jnp.zeros_like(pending[:, :1])], axis=1)
+  block = _place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
+  hidden, dcache = forward(draft_params, dcache, block, n_cached - n_pending,
+                           (n_pending + 1) * live_i, page_table, cfg=draft_cfg, impl=impl)
+  return jnp.take_along_axis(hidden, n_pending[:, None, None], axis=1)[:, 0], dcache
+
+
+def _draft_chain(draft_params, dcache, h, n_cached, live, page_table, sampling, *, k, draft_cfg,
+                 impl):
+  """k >= 1 drafts from the draft model's state h [B, H] at the newest token. Returns (draft
+  [B, k], q [B, k, V], draft cache holding positions < n_cached + k)."""
+  drafts, qs = [], []
+  for j in range(1, k + 1):
+    if j > 1:
+      hidden, dcache = forward(draft_params, dcache, drafts[-1][:, None], n_cached + j - 1,
+                               live.astype(jnp.int32), page_table, cfg=draft_cfg, impl=impl)
+      h = hidden[:, 0]
+    t, q = draft_sample(compute_logits(draft_params, h, draft_cfg), sampling, n_cached + j)
+    drafts.append(t)
+    qs.append(q)
+  return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), dcache
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("max_steps", "choices", "drafters", "cfg", "draft_cfg",
+                                    "impl"),
+                   donate_argnames=("cache", "table", "draft_cache"))
+def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
+                            n_cached: jax.Array, page_table: jax.Array,
+                            sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
+                            min_before_stop: jax.Array, num_steps: jax.Array,
+                            time_budget: jax.Array, history: jax.Array,
+                            history_len: jax.Array, row_drafter: jax.Array,
+                            row_auto: jax.Array, row_max_draft: jax.Array, row_accept: jax.Array,
+                            auto_allowed: jax.Array, feed: jax.Array,
+                            draft_rows: jax.Array, accept: jax.Array, costs: jax.Array,
+                            force_k: jax.Array,
+                            want_logprobs: jax.Array, table: learned.NgramTable | None = None,
+                            mtp_hidden: jax.Array | None = None,
+                            draft_params: Params | None = None,
+                            draft_cache: Cache | None = None, *, max_steps: int,
+                            choices: tuple[int, ...], drafters: tuple[str, ...],
+                            cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
+                            impl: KernelChoice = REFERENCE) -> tuple[LoopResult, Cache]:
+  """Up to `num_steps` (<= max_steps) new tokens per row, in about `time_budget`.
 
   Args:
-    first_logits: [B, V] logits of each row's last prompt token (from prefill).
-    prompt_tokens: [B, Tp] right-padded prompts (the n-gram history starts from them).
-    lengths: [B] prompt lengths (tokens in the cache).
-    prompt_hidden: [B, Tp, H] target hidden states of the prompt (drafter "mtp").
-    draft_params, draft_cache: the draft model and its cache holding the prompts ("draft");
-      its cache uses the same page table.
-    ngram_table: the learned n-gram table ("learned"); donated, the updated one is returned.
-    num_draft: K, drafted tokens per step (>= 1); with `adaptive`, the most per step.
-    drafter: one of DRAFTERS.
-    adaptive: choose the draft length every step from `goodput` (k in `spec_k_choices`);
-      step_costs [len(choices)]: an iteration's time at each choice, relative to the first
-      (`probes.loop_costs` measures them; None: `goodput.step_costs` with draft cost 0 and
-      verify cost 0.02 per row and token); force_k: an index into the choices (the loop
-      probes), or -1 for the goodput choice; len(choices): the plain phase only. At k = 0
-      deterministic drafters still look up one token, compared with the emitted one, so the
-      estimate keeps tracking them.
-    plain_cost: with `adaptive`, a plain-phase iteration's time in step_costs' unit
-      (`probes.loop_costs` measures it): the loop may end its speculation (module doc).
-      None: it speculates to the end.
-  Returns:
-    (SpecOutput, cache).
+    tokens, n_cached, page_table, sampling, stop_ids, remaining, min_before_stop, num_steps:
+      as in `steps.decode_loop` (num_steps counts tokens, not iterations).
+    time_budget: float32 scalar, the call's time in plain-loop iterations by the cost table:
+      no iteration starts once the time of those run reaches it (inf: the tokens alone bound
+      the call). So a speculative call lasts about as long as a plain call of `time_budget`
+      tokens, however many tokens its iterations emit.
+    history: [B, W] int32 the row's most recent tokens, oldest first, ending with `tokens`;
+      W >= history_len + max_steps (the loop appends what it emits).
+    history_len: [B] int32 tokens in `history` (>= 1 for real rows).
+    row_drafter: [B] int32 index into DRAFTER_IDS (0: off); only enabled drafters.
+    row_auto: [B] bool rows whose drafter the loop chooses every iteration (row_drafter unused).
+    row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
+    row_accept: [B, D, J, 2] float32 each row's decayed (accepted, ended) counts per drafter
+      and draft position, J = max(choices) (its request's, carried across calls; zeros for a
+      new request; `goodput.position_evidence`).
+    auto_allowed: [D] bool drafters "auto" rows may take in this call.
+    feed: [D] bool model drafters whose state this call keeps current: "mtp" observes every
+      verified block of every row. A drafter a row uses (its own or "auto"'s choice) must be
+      fed; the others lag (drafts only). ("draft": `draft_rows`.)
+    draft_rows: [B] bool rows the draft model is fed (every token; their draft cache must
+      hold positions < n_cached): drafter "draft" rows, and "auto" rows that may take it.
+    accept: [D, J, 2] float32 the same counts over all drafting rows (the prior of new rows).
+    costs: [C + D] float32 the cost table's row for B (`CostTable.costs`): T(B, k) per choice,
+      then each drafter's cost per drafted column, in plain decode-loop iterations.
+    force_k: int32 scalar, index into `choices`, or -1 for the goodput choice.
+    want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
+    table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
+    draft_params, draft_cache ("draft"; the cache is donated).
   """
-  if drafter not in DRAFTERS:
-    raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
-  b, k = first_logits.shape[0], num_draft
-  history_len = prompt_tokens.shape[1] + max_steps
-  limit = jnp.minimum(stops.max_new_tokens, max_steps)
+  b = tokens.shape[0]
+  n_ids = len(DRAFTER_IDS)
+  k_max = max(choices)
+  limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
+  enabled = jnp.asarray([d in drafters for d in DRAFTER_IDS])
+  step_cost, drafter_cost = costs[:len(choices)], costs[len(choices):]
 
-  # The first token comes from the prefill logits exactly as in `generate.decode`.
-  tok = sample(first_logits, sampling, lengths)
-  out = jnp.full((b, max_steps), -1, jnp.int32).at[:, 0].set(tok)
-  n_out = jnp.ones((b,), jnp.int32)
-  hit_stop = jnp.any(tok[:, None] == stops.stop_ids, axis=-1) & (n_out >= stops.min_new_tokens)
-  reasons = jnp.where(hit_stop, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
-                                                       FINISH_NONE))
-  history = jnp.zeros((b, history_len), jnp.int32).at[:, :prompt_tokens.shape[1]].set(
-      jnp.where(jnp.arange(prompt_tokens.shape[1])[None, :] < lengths[:, None], prompt_tokens, 0))
-  history = _place(history, lengths, tok[:, None], jnp.ones((b,), jnp.int32))
-  n_cached = lengths.astype(jnp.int32)
-
-  aux = {}
-  if drafter == "mtp":
-    # MTP over the prompt: position i combines h_i with token i+1 (the first output at the end).
-    shifted = jnp.take_along_axis(history, jnp.minimum(
-        jnp.arange(prompt_tokens.shape[1])[None, :] + 1, history_len - 1), axis=1)
-    aux["mtp_hidden"], cache = drafters.mtp_observe(
-        params, cache, prompt_hidden, shifted, jnp.zeros((b,), jnp.int32), n_cached,
-        page_table, cfg=cfg, impl=impl)
-  elif drafter == "draft":
-    aux = {"cache": draft_cache, "lag": jnp.zeros((b,), bool), "lag_tok": tok}
-  elif drafter == "learned":  # the table stays out of the steps (see `body`)
-    aux = {"proposal": (jnp.zeros((b, k), jnp.int32), jnp.zeros((b,), jnp.int32))}
-
-  stats = SpecStats.zeros(b, k)
-
-  def step(k, state):
-    """One draft-verify step with k (static) drafts; returns (state, each row's acceptance
-    evidence per draft position [B, num_draft, 2], `goodput.position_evidence`)."""
-    cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
-    live = reasons == FINISH_NONE
-    live_i = live.astype(jnp.int32)
-
-    # 1. Draft.
+  def step(k: int, s: LoopState) -> LoopState:
+    live = ~s.done
+    cache, tok, n_cached, ids = s.cache, s.tok, s.n_cached, s.ids
+    use = {d: ids == drafter_id(d) for d in drafters}
+    model_rows = functools.reduce(jnp.logical_or, [use[d] for d in drafters
+                                                   if d not in DETERMINISTIC],
+                                  jnp.zeros((b,), bool))
+    # Every drafter's proposal of kk = max(k, 1) tokens (with k = 0 they are only compared
+    # with the emitted token afterwards: evidence at no verify cost). Model drafters draft
+    # only when a live row uses them, and are fed (`feed`) whenever a row may switch to them.
+    kk = max(k, 1)
+    props = {}  # drafter -> (tokens [B, kk], proposed [B], computed: bool scalar)
     q = None
-    lookahead = None  # k = 0: a deterministic drafter's next token, checked for the estimate
-    if k == 0:  # plain decoding through the same program
-      draft, n_draft = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
-      if drafter == "ngram":
-        lookahead = drafters.ngram_propose(history, n_cached, 1)
-      elif drafter == "learned":
-        lookahead = (aux["proposal"][0][:, :1], jnp.minimum(aux["proposal"][1], 1))
-    elif drafter == "ngram":
-      draft, n_draft = drafters.ngram_propose(history, n_cached, k)
-    elif drafter == "learned":  # looked up before the switch: the first k of num_draft
-      draft, n_draft = aux["proposal"][0][:, :k], jnp.minimum(aux["proposal"][1], k)
-    elif drafter == "mtp":
-      # (run_if, a loop of one trip here: XLA copied the MTP layer's cache, updated in this
-      # k-switch branch, every iteration; see `inplace.run_if`)
-      draft, q, cache = run_if(jnp.bool_(True), lambda st: drafters.mtp_propose(
-          params, st[2], aux["mtp_hidden"], n_cached, live, page_table, sampling, k=k, cfg=cfg,
-          impl=impl), (jnp.zeros((b, k), jnp.int32),
-                       jnp.zeros((b, k, cfg.vocab_size), jnp.float32), cache))
-      n_draft = jnp.full((b,), k, jnp.int32)
-    else:
-      draft, q, dcache = drafters.draft_model_propose(
-          draft_params, aux["cache"], tok, n_cached, aux["lag"], aux["lag_tok"], live,
-          page_table, sampling, k=k, draft_cfg=draft_cfg, impl=impl)
-      n_draft = jnp.full((b,), k, jnp.int32)
-    # The step emits n_draft + 1 tokens at most: never pass the row's limit (nor the cache).
-    space = jnp.where(live, limit - n_out - 1, 0)  # drafts the row could still take
-    room = jnp.minimum(k, space)
-    n_draft = jnp.minimum(n_draft, room)
+    new = {}
+    full = jnp.full((b,), kk, jnp.int32)
+    nothing = (jnp.zeros((b, kk), jnp.int32), jnp.zeros((b, kk, cfg.vocab_size), jnp.float32))
+    if "ngram" in drafters:
+      props["ngram"] = (*dr.ngram_propose(s.history, s.history_len - 1, kk), True)
+    if "learned" in drafters:  # looked up before the switch (`body`): take the first kk
+      d, n = s.learned_proposal
+      props["learned"] = (d[:, :kk], jnp.minimum(n, kk), True)
+    if "mtp" in drafters:
+      wanted = jnp.any(use["mtp"] & live)
+      dm, q, cache = run_if(
+          wanted, lambda st: dr.mtp_propose(params, st[2], s.mtp_hidden, n_cached, live,
+                                            page_table, sampling, k=kk, cfg=cfg, impl=impl),
+          (*nothing, cache))
+      props["mtp"] = (dm, full, wanted)
+    if "draft" in drafters:  # its rows fed every iteration (k = 0 too)
+      fed_rows = live & draft_rows
 
-    # 2-3. Verify with one target forward, emit d_1 .. d_a and the extra token.
-    v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, n_out,
-                     stops.stop_ids, stops.min_new_tokens, sampling, page_table, cfg=cfg,
-                     impl=impl)
-    cache, hidden, n_acc, emitted, n_emit = v.cache, v.hidden, v.n_accepted, v.emitted, v.n_emit
-    out = _place(out, n_out, emitted, n_emit)
-    history = _place(history, n_cached + 1, emitted, n_emit)
-    n_out = n_out + n_emit
-    reason = jnp.where(v.stopped, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
-                                                         FINISH_NONE))
-    reasons = jnp.where(live, reason, reasons)
-    new_tok = jnp.where(live, v.extra, tok)
-    # Rollback of rejected drafts (and of tokens after a stop): by length only.
-    new_cached = n_cached + n_emit
+      def fed(st):
+        return _draft_feed(draft_params, st[1], s.pending, s.n_pending, tok, n_cached,
+                           fed_rows, page_table, draft_cfg=draft_cfg, impl=impl)
 
-    # 4. Let the drafter see what was verified (MTP: the verified block's hidden states).
-    if drafter == "mtp":
+      wanted = jnp.any(use["draft"] & live)
+      h0 = jax.eval_shape(fed, (None, s.draft_cache))[0]
+      h, dcache = run_if(jnp.any(fed_rows), fed,
+                         (jnp.zeros(h0.shape, h0.dtype), s.draft_cache))
+      dd, qd, new["draft_cache"] = run_if(
+          wanted, lambda st: _draft_chain(draft_params, st[2], h, n_cached, fed_rows,
+                                          page_table, sampling, k=kk, draft_cfg=draft_cfg,
+                                          impl=impl),
+          (*nothing, dcache))
+      props["draft"] = (dd, full, wanted & draft_rows)  # (other rows' drafts: stale context)
+      q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
+    draft = jnp.zeros((b, kk), jnp.int32)
+    n_draft = jnp.zeros((b,), jnp.int32)
+    for d, (t, n, _) in props.items():
+      draft = jnp.where(use[d][:, None], t, draft)
+      n_draft = jnp.where(use[d], n, n_draft)
+    if k == 0:
+      draft, n_draft, q = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), None
+    n_draft = jnp.where(live, jnp.minimum(n_draft, s.k_rows), 0)
+    # Rows of model drafters use their q; the others (deterministic drafters, off) match
+    # the target's own samples, so their sampled output is that of plain decoding.
+    v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, s.count,
+                     stop_ids, min_before_stop, sampling, page_table, cfg=cfg, impl=impl,
+                     q_rows=model_rows)
+    n_acc, n_emit = v.n_accepted, v.n_emit
+
+    def logprobs(_):
+      t, vocab = v.logits.shape[1], v.logits.shape[2]
+      lp = token_logprobs(v.logits.reshape(b * t, vocab), v.emitted.reshape(-1))
+      return tuple(x.reshape((b, t) + x.shape[1:]) for x in lp)
+
+    kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+    lp = jax.lax.cond(want_logprobs, logprobs, lambda _: (
+        jnp.zeros((b, k + 1), jnp.float32), jnp.zeros((b, k + 1, kt), jnp.int32),
+        jnp.zeros((b, k + 1, kt), jnp.float32)), None)
+    mtp_hidden, cache = s.mtp_hidden, v.cache
+    if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
       def observe(st):
-        h, c = drafters.mtp_observe(params, st[1], hidden, emitted, n_cached,
-                                    (n_acc + 1) * live_i, page_table, cfg=cfg, impl=impl)
-        return h.astype(st[0].dtype), c
+        h, c = dr.mtp_observe(params, st[1], v.hidden, v.emitted, n_cached,
+                              (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
+                              impl=impl)
+        return jnp.where(live[:, None], h.astype(st[0].dtype), st[0]), c
 
-      mtp_hidden, cache = run_if(jnp.bool_(True), observe,
-                                 (jnp.zeros_like(aux["mtp_hidden"]), cache))
-      aux = {"mtp_hidden": jnp.where(live[:, None], mtp_hidden, aux["mtp_hidden"])}
-    elif drafter == "draft":
-      all_in = live & (n_acc == k)  # d_K was accepted but never fed to the draft model
-      aux = {"cache": dcache, "lag": jnp.where(live, all_in, aux["lag"]),
-             "lag_tok": jnp.where(live, draft[:, k - 1], aux["lag_tok"])}
+      mtp_hidden, cache = run_if(feed[drafter_id("mtp")], observe, (mtp_hidden, cache))
+    pending, n_pending = s.pending, s.n_pending
+    if "draft" in drafters:
+      # The draft model was fed tok and, in rows drafting with it, its own drafts
+      # d_1 .. d_{k'-1}: those rows that accepted all of them lack the last accepted one,
+      # other rows every accepted token. (After a stop inside the block only the emitted
+      # tokens count.)
+      seen = jnp.where(use["draft"], jnp.minimum(n_acc, max(k, 1) - 1), 0)
+      n_pend = jnp.maximum(n_emit - 1 - seen, 0)
+      pend = jnp.take_along_axis(
+          v.emitted, jnp.minimum(seen[:, None] + jnp.arange(k_max)[None, :], k), axis=1)
+      pending = jnp.where(live[:, None], pend, pending)
+      n_pending = jnp.where(live, n_pend, n_pending)
+    onehot = jax.nn.one_hot(ids, n_ids, dtype=jnp.int32) * live.astype(jnp.int32)[:, None]
+    # Evidence for the acceptance estimates, for every drafter that proposed: how many of its
+    # tokens the row's emitted tokens confirm, and whether its chain ended before the horizon
+    # (the row's own drafter: exactly its accepted drafts and a rejection or missing proposal;
+    # the others: what they would have achieved, so "auto" rows compare drafters at no cost).
+    # Per draft position (`goodput.position_evidence`): accepted at 1 .. m, ended at m + 1.
+    evidence = jnp.zeros((b, n_ids, k_max, 2), jnp.float32)
+    for d, (t, n, computed) in props.items():
+      m, ended = matched(t, n, v.emitted, n_emit)
+      evidence = evidence.at[:, drafter_id(d)].set(
+          goodput.position_evidence(m, ended, k_max, live & computed))
+    drafting = (live & (ids > 0)).astype(jnp.float32)
+    count = s.count + n_emit
+    return dataclasses.replace(
+        s, cache=cache, mtp_hidden=mtp_hidden, pending=pending, n_pending=n_pending,
+        draft_cache=new.get("draft_cache", s.draft_cache),
+        out=_place(s.out, s.count, v.emitted, n_emit),
+        lps=tuple(_place(buf, s.count, x, n_emit) for buf, x in zip(s.lps, lp)),
+        history=_place(s.history, s.history_len, v.emitted, n_emit),
+        count=count, history_len=s.history_len + n_emit, n_cached=n_cached + n_emit,
+        tok=jnp.where(live, v.extra, tok), stopped=s.stopped | v.stopped,
+        done=s.done | v.stopped | (count >= limit), stats=s.stats.add(live, n_draft, n_acc),
+        by_drafter=s.by_drafter + onehot[:, :, None] * jnp.stack(
+            [jnp.ones_like(n_draft), n_draft, n_acc], axis=1)[:, None, :],
+        row_accept=goodput.decay_add(s.row_accept, evidence),
+        accept=goodput.decay_add(s.accept, jnp.einsum("b,bdjc->djc", drafting, evidence)))
 
-    stats = stats.add(live, n_draft, n_acc)
-    # Every row with room: accepted at positions 1 .. n_acc, ended at n_acc + 1 on a rejection
-    # or where the drafter proposed nothing (a row without a proposal gains nothing from the
-    # block it pays for: P(proposed and accepted) is what E[tau] needs); censored past its room.
-    ended = (n_acc < n_draft) | (n_draft < room)
-    evidence = goodput.position_evidence(n_acc, ended, num_draft, room > 0)
-    if lookahead is not None:  # evidence at no verify cost: would the drafter have been right?
-      right = (lookahead[1] > 0) & (lookahead[0][:, 0] == v.emitted[:, 0])
-      evidence = goodput.position_evidence(right, ~right, num_draft, space > 0)
-    return (cache, aux, history, new_tok, new_cached, n_out, out, reasons, stats), evidence
-
-  choices = spec_k_choices(k, drafter) if adaptive else (k,)
-  costs = (goodput.step_costs(choices, b) if step_costs is None
-           else jnp.asarray(step_costs, jnp.float32))
-  plain_only = jnp.asarray(force_k) == len(choices)
-  choice_costs = costs * jnp.where(jnp.asarray(choices) > 0, 1.0 + DRAFT_MARGIN, 1.0)
-
-  def learn(table, state, state_after):  # the learned drafter learns every emitted token
-    slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    return learned.update(table, state_after[2], state[4][:, None] + 1 + slots,
-                          slots < (state_after[4] - state[4])[:, None])
-
-  def body(loop_state):
-    # gain [B, K]: each row's estimates from the counts so far (`row_gains`, computed where
-    # the counts last changed: the plain-phase test needs them too)
-    state, counts, row_counts, gain, k_steps, calibration, table, patience = loop_state
-    n_out, live = state[5], state[7] == FINISH_NONE
-    history, n_cached = state[2], state[4]
-    if adaptive:
-      index = goodput.choose(gain, choice_costs, choices, jnp.where(live, limit - n_out, 0))
-      index = jnp.where(force_k >= 0, force_k, index)
-    else:
-      index = jnp.int32(0)
+  def body(s: LoopState) -> LoopState:
+    live = ~s.done
+    gain_rows = goodput.row_gains(s.row_accept, s.accept)  # [B, D, J]
+    allowed = (enabled & auto_allowed)[None, :] & (
+        (jnp.arange(n_ids) != drafter_id("draft"))[None, :] | draft_rows[:, None])
+    ids, gain, column_cost = goodput.row_drafters(gain_rows, step_cost[-1], drafter_cost,
+                                                  allowed, row_auto, row_drafter, live, k_max)
+    room = jnp.maximum(jnp.minimum(limit - s.count - 1, row_max_draft), 0)
+    index, k_rows, _ = goodput.plan(gain, live & (ids > 0), live, room, choices, step_cost,
+                                    column_cost)
+    forced = force_k >= 0
+    index = jnp.where(forced, force_k, index)
     width = jnp.asarray(choices, jnp.int32)[index]
-    if table is not None:
-      # The learned table stays out of the switch (a buffer that a conditional's branches
-      # update is copied there, the whole table every iteration): num_draft drafts are looked
-      # up before it (a branch takes the first k; k = 0 looks up one) and the emitted tokens
-      # learned after. The barrier keeps XLA from sinking the reads into the branches.
-      proposal = learned.propose_or_one(table, history, n_cached, k, width > 0)
-      proposal, table = jax.lax.optimization_barrier((proposal, table))
-      state = (state[0], {"proposal": proposal}, *state[2:])
-    if adaptive:
-      state_after, evidence = jax.lax.switch(
-          index, [functools.partial(step, kc) for kc in choices], state)
-    else:
-      state_after, evidence = step(k, state)
-    # Calibration: tokens the model expected of this iteration (each live row's E[tau] at the
-    # drafts it had room for) against those emitted, over iterations that drafted.
-    room = jnp.minimum(width, jnp.maximum(limit - n_out - 1, 0))
-    taken = jnp.arange(1, k + 1)[None, :] <= room[:, None]
+    k_rows = jnp.where(forced, jnp.minimum(room, width), k_rows)
+    taken = jnp.arange(1, k_max + 1)[None, :] <= k_rows[:, None]
     expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))
-    emitted = jnp.sum(state_after[5] - n_out).astype(jnp.float32)
-    calibration = calibration + (width > 0) * jnp.stack([expected, emitted])
-    if table is not None:  # learn from every emitted token (history now holds them)
-      table = learn(table, state, state_after)
-    counts = goodput.decay_add(counts, jnp.sum(evidence, axis=0))
-    row_counts = goodput.decay_add(row_counts, evidence)
-    gain = goodput.row_gains(row_counts[:, None], counts[None])[:, 0]
-    if adaptive and plain_cost is not None:  # would plain decoding now finish sooner?
-      after_live = state_after[7] == FINISH_NONE
-      wins = goodput.plain_wins(gain, costs, choices,
-                                jnp.where(after_live, limit - state_after[5], 0), plain_cost,
-                                PLAIN_MARGIN)
-      patience = jnp.where(wins & (force_k < 0), patience + 1, 0)
-    return (state_after, counts, row_counts, gain, k_steps.at[index].add(1), calibration,
-            table, patience)
-
-  def speculating(loop_state):
-    return (jnp.any(loop_state[0][7] == FINISH_NONE) & (loop_state[7] < PLAIN_PATIENCE)
-            & ~plain_only)
-
-  def plain_body(plain_state):
-    """One plain decode step, as lean as `generate.decode`'s (same (seed, position) keys)."""
-    state, table, n = plain_state
-    cache, aux, history, tok, n_cached, n_out, out, reasons, stats = state
-    live = reasons == FINISH_NONE
-    live_i = live.astype(jnp.int32)
-    hidden, cache = forward(params, cache, tok[:, None], n_cached, live_i, page_table, cfg=cfg,
-                            impl=impl)
-    new_tok = sample(compute_logits(params, hidden[:, 0], cfg), sampling, n_cached + 1)
-    out = _place(out, n_out, new_tok[:, None], live_i)
+    seconds = step_cost[index] + width.astype(jnp.float32) * column_cost  # (plain iterations)
+    before_count = jnp.sum(s.count)
+    # The learned table stays out of the switch: a buffer carried through a conditional whose
+    # branches update it is copied there (XLA), a few MB every iteration. Drafts are looked up
+    # before (k_max of them, or one at k = 0; a branch takes the first k) and emitted tokens
+    # learned after.
+    table, before = s.table, s.history_len
+    s = dataclasses.replace(s, ids=ids, k_rows=k_rows, table=None)
+    if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)
+      proposal = learned.propose_or_one(table, s.history, before - 1, k_max, width > 0)
+      proposal, table = jax.lax.optimization_barrier((proposal, table))
+      s = dataclasses.replace(s, learned_proposal=proposal)
+    s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
     if table is not None:
-      history = _place(history, n_cached + 1, new_tok[:, None], live_i)
-    n_out = n_out + live_i
-    stopped = (jnp.any(new_tok[:, None] == stops.stop_ids, axis=-1)
-               & (n_out >= stops.min_new_tokens))
-    reason = jnp.where(stopped, FINISH_STOP, jnp.where(n_out >= limit, FINISH_LENGTH,
-                                                       FINISH_NONE))
-    zeros = jnp.zeros_like(n_out)
-    state_after = (cache, aux, history, jnp.where(live, new_tok, tok), n_cached + live_i, n_out,
-                   out, jnp.where(live, reason, reasons), stats.add(live, zeros, zeros))
-    return state_after, table if table is None else learn(table, state, state_after), n + 1
+      slots = jnp.arange(k_max + 1, dtype=jnp.int32)[None, :]
+      table = learned.update(table, s.history, before[:, None] + slots,
+                             slots < (s.history_len - before)[:, None])
+    drafted = (width > 0).astype(jnp.float32)  # the estimates' calibration (`LoopResult`)
+    emitted = (jnp.sum(s.count) - before_count).astype(jnp.float32)
+    return dataclasses.replace(
+        s, table=table, learned_proposal=None, k_steps=s.k_steps.at[index].add(1),
+        calibration=s.calibration + jnp.stack([drafted * expected, drafted * emitted,
+                                               seconds]))
 
-  state = (cache, aux, history, tok, n_cached, n_out, out, reasons, stats)
-  counts, row_counts = jnp.zeros((k, 2), jnp.float32), jnp.zeros((b, k, 2), jnp.float32)
-  loop_state = (state, counts, row_counts,
-                goodput.row_gains(row_counts[:, None], counts[None])[:, 0],
-                jnp.zeros((len(choices),), jnp.int32), jnp.zeros((2,), jnp.float32),
-                ngram_table if drafter == "learned" else None, jnp.int32(0))
-  state, _, _, _, k_steps, calib, table, _ = jax.lax.while_loop(speculating, body, loop_state)
-  if adaptive and plain_cost is not None:
-    state, table, plain_steps = jax.lax.while_loop(
-        lambda s: jnp.any(s[0][7] == FINISH_NONE), plain_body, (state, table, jnp.int32(0)))
-  else:
-    plain_steps = jnp.int32(0)
-  cache, _, _, _, n_cached, n_out, out, reasons, stats = state
-  return SpecOutput(tokens=out, num_tokens=n_out, finish_reason=reasons,
-                    cache_lengths=n_cached, stats=stats, ngram_table=table,
-                    k_steps=k_steps, calibration=calib, plain_steps=plain_steps), cache
-
-
-def spec_k_choices(num_draft: int, drafter: str) -> tuple[int, ...]:
-  """Draft lengths an adaptive loop compiles. The draft model always drafts (its cache may
-  lag by one token only, which a step without drafts would not feed)."""
-  return goodput.k_choices(num_draft, allow_zero=drafter != "draft")
+  zeros = jnp.zeros((b,), jnp.int32)
+  kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+  s = LoopState(
+      cache=cache, tok=tokens, n_cached=n_cached.astype(jnp.int32), done=limit <= 0,
+      count=zeros, out=jnp.full((b, max_steps), -1, jnp.int32), stopped=jnp.zeros((b,), bool),
+      history=history, history_len=history_len.astype(jnp.int32),
+      stats=SpecStats.zeros(b, k_max), accept=accept.astype(jnp.float32),
+      row_accept=row_accept.astype(jnp.float32), ids=row_drafter.astype(jnp.int32),
+      k_rows=zeros, by_drafter=jnp.zeros((b, n_ids, 3), jnp.int32),
+      k_steps=jnp.zeros((len(choices),), jnp.int32), calibration=jnp.zeros((3,), jnp.float32),
+      lps=(jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
+           jnp.zeros((b, max_steps, kt), jnp.float32)),
+      table=table if "learned" in drafters else None,
+      mtp_hidden=mtp_hidden if "mtp" in drafters else None)
+  if "draft" in drafters:
+    s = dataclasses.replace(s, draft_cache=draft_cache,
+                            pending=jnp.zeros((b, k_max), jnp.int32), n_pending=zeros)
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.calibration[2] < time_budget),
+                         body, s)
+  dcache = None
+  if "draft" in drafters:  # flush: fed rows' draft cache holds every position < n_cached
+    dcache = run_if(
+        jnp.any(draft_rows),
+        lambda c: forward(draft_params, c, s.pending, s.n_cached - s.n_pending,
+                          s.n_pending * draft_rows.astype(jnp.int32), page_table,
+                          cfg=draft_cfg, impl=impl)[1],
+        s.draft_cache)
+  return LoopResult(out=s.out, counts=s.count, stopped=s.stopped, stats=s.stats,
+                    k_steps=s.k_steps, calibration=s.calibration, accept=s.accept,
+                    table=s.table, mtp_hidden=s.mtp_hidden, row_accept=s.row_accept,
+                    by_drafter=s.by_drafter, draft_cache=dcache, logprobs=s.lps), s.cache

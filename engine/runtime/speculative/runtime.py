@@ -1,31 +1,26 @@
-"""The serving engine's speculative decoding: drafters per request, device state, cost model.
+"""The serving engine's speculative decoding: drafters per request, device state, the one rule.
 
-`SpecRuntime` is what `Engine` owns for speculation:
-* the enabled drafters (`EngineConfig.speculative`, the default for requests that do not choose,
-  plus `EngineConfig.drafters`, which requests may pick with `SamplingParams.drafter`);
-* device state carried across engine steps: the learned n-gram table, the per-drafter decayed
-  acceptance counts of the adaptive draft length, the draft model's paged cache (same page
-  table and page ids as the target cache, so page accounting is unchanged);
-* `model_step`: the mixed prefill/decode program plus what the MTP layer must see of every
-  prefill chunk (it observes the chunk, filling its cache entries and giving each sampling row
-  its MTP hidden state);
-* `decode`: a decode-only engine step through `serving.speculative_decode_loop`. The draft
-  model is fed lazily (`catch_up.py`): only rows that may draft with it, each first caught up
-  over the positions its draft entries lack;
-* per call, whether it speculates and for how many tokens, and what "auto" rows are offered:
-  `call_policy.CallPolicy`, which `SpecRuntime` extends;
-* the cost model: measured at `Engine.warmup` (`measure_costs`, `serving_costs.py`: the
-  goodput model's step time T(B, k) in plain-loop iterations), then corrected by what live
-  speculative calls take (`live_costs`); `adaptive_state` carries it, with the acceptance
-  counts, rest and exploration schedule, to a later engine of the same configuration.
+`SpecRuntime` is what `Engine` owns for speculation (`engine.spec`), with or without drafters:
+* the enabled drafters (`EngineConfig.speculative`, the default for requests that choose none,
+  plus `EngineConfig.drafters`, which requests may pick with `SamplingParams.drafter`), each
+  request's own state (`RequestSpec`, `Request.spec`);
+* device state carried across engine steps: the learned n-gram table, the engine-wide decayed
+  acceptance counts per drafter and draft position, the draft model's paged cache (same page
+  ids as the target cache; which pages hold its entries: `catch_up.DraftEntries`);
+* `decode`: every decode-only engine step. It runs the speculative loop (`loop.py`) when
+  `speculates` says so, else the plain decode loop (whose tokens still teach the learned table);
+* the cost table (`costs.py`): the roofline until `measure_costs` (warm-up) times the loops.
 
-Each request keeps its own acceptance counts per drafter and draft position
-(`Request.spec_accept`), so the loop sizes every row's drafts, and picks an "auto" row's
-drafter, from what that request accepts at each depth.
+The rule (`speculates`): a call speculates when some row has a drafter, its batch is below the
+table's break-even, it is long enough to win back a speculative call's fixed cost, and the
+rows' acceptance estimates say the loop's first iteration would draft (or a row drafts with
+the MTP layer, whose cache must see every verified block). A batch kept plain by its estimates
+speculates once every EXPLORE_EVERY calls, so estimates that went stale come back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Sequence
@@ -40,34 +35,34 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, forward
 from engine.runtime import steps
-from engine.runtime.buckets import CompileCounter, ShapeBuckets
+from engine.runtime.buckets import ShapeBuckets
 from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
-from engine.runtime.sampling import SamplingArrays
-from engine.runtime.speculative import (call_policy, catch_up, drafters as dr, goodput,
-                                        plain_calls, serving_costs, serving_stats)
+from engine.runtime.sampling import SamplingArrays, SamplingParams
+from engine.runtime.speculative import catch_up, costs as cost_table, drafters as dr, goodput
+from engine.runtime.speculative import learned
 from engine.runtime.speculative.learned import NgramTable
-from engine.runtime.speculative.live_correction import LiveCorrection
-from engine.runtime.speculative.rest import Rest
-from engine.runtime.speculative.serving import (AUTO, DETERMINISTIC, DRAFTER_IDS, drafter_id,
-                                                speculative_decode_loop)
+from engine.runtime.speculative.loop import (AUTO, DETERMINISTIC, DRAFTER_IDS, drafter_id,
+                                             speculative_decode_loop)
 
-# Cost per drafted token relative to a plain decode step until measured (adaptive mode).
-DEFAULT_COSTS = {"ngram": 0.0, "learned": 0.0, "mtp": 0.1, "draft": 0.2}
-DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN = 0.03, 0.02, 0.0
-# Rests (`SpecRuntime.rest`, the schedule of `generate_tokens`' rests too: `rest.py`): after a
-# loop call in which the adaptive policy chose k = 0 throughout, REST_CALLS calls run the plain
-# loop (cheaper per token than the speculative loop at k = 0) before a short call (`budget`:
-# num_draft_tokens + 1 tokens) probes again; each probe that drafts nothing doubles the rest,
-# up to MAX_REST_CALLS, and a call that drafts resets it.
-# The replay's share of plain calls' time (`SpecRuntime.replay_budget`): a plain call is
-# replayed through the deterministic drafters when the time it and the earlier calls earned
-# covers the replay's measured cost (every few calls on the CPU demo, ~1.4 ms against ~20 ms;
-# every call on a GPU). With it, batches of replayable drafters are decided per call by
-# `SpecRuntime.pays` instead of resting and probing. (Off, 0: the rest schedule alone; before
-# `pays` priced a speculative call's fixed cost, replayed estimates made the engine's short
-# calls draft where they lose: CPU demo 0.69-0.85x.)
-REPLAY_BUDGET = 0.02
+# A batch its estimates keep plain speculates once every this many of its calls: the loop's
+# own evidence is what moves the estimates (an n-gram run that starts mid-request; a drafter
+# whose last requests accepted little). Costs at most 1/8 of a call's overhead at k = 0 on
+# fresh text (BENCHMARKS.md, "Speculative decoding, simplified").
+EXPLORE_EVERY = 8
+
+
+@dataclasses.dataclass
+class RequestSpec:
+  """One request's speculative state (`Request.spec`; None for a request that drafts nothing)."""
+  drafter: str  # ngram, learned, mtp, draft or auto
+  accept: np.ndarray  # [D, J, 2] decayed (accepted, ended) counts per drafter and position
+  drafts: int = 0  # verify steps with a draft
+  drafted: int = 0  # drafted tokens
+  accepted: int = 0  # accepted drafted tokens
+  accepted_at: np.ndarray | None = None  # [J] verify steps whose draft j (0-based) was accepted
+  drafter_steps: dict[str, int] = dataclasses.field(default_factory=dict)  # verify steps per d
+  mtp_hidden: np.ndarray | None = None  # [H] MTP output at position num_computed - 1
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -85,17 +80,47 @@ def spec_model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.
   return sampled, lps, mtp_hidden.astype(jnp.float32), cache
 
 
-class SpecRuntime(call_policy.CallPolicy):
+@functools.partial(jax.jit, static_argnames=("max_steps", "cfg", "impl"),
+                   donate_argnames=("cache", "table"))
+def decode_loop_learning(params: Params, cache: Cache, tokens, n_cached, page_table, sampling,
+                         stop_ids, remaining, min_before_stop, num_steps, want_logprobs,
+                         table: NgramTable, context: jax.Array, learn_rows: jax.Array, *,
+                         max_steps: int, cfg: ModelConfig, impl: KernelChoice = REFERENCE):
+  """`steps.decode_loop`, then the table taught every new token of the rows `learn_rows` [B]
+  after their `context` [B, C] (each row's last tokens before the call), in one program (as a
+  program of its own the update costs a dispatch per call)."""
+  out, count, stopped, lps, cache = steps.decode_loop(
+      params, cache, tokens, n_cached, page_table, sampling, stop_ids, remaining,
+      min_before_stop, num_steps, want_logprobs, max_steps=max_steps, cfg=cfg, impl=impl)
+  cols = jnp.arange(max_steps, dtype=jnp.int32)
+  positions = jnp.broadcast_to(context.shape[1] + cols, out.shape)
+  valid = (cols[None, :] < count[:, None]) & learn_rows[:, None]
+  table = learned.update(table, jnp.concatenate([context, out], axis=1), positions, valid)
+  return out, count, stopped, lps, cache, table
+
+
+def last_tokens(reqs: Sequence[Any], b: int, width: int, columns: int | None = None, *,
+                right_align: bool = False) -> np.ndarray:
+  """[b, columns or width] each request's last `width` tokens, oldest first (from column 0,
+  or ending at column width - 1 with `right_align`), zeros elsewhere."""
+  out = np.zeros((b, columns or width), np.int32)
+  for i, req in enumerate(reqs):
+    last = req.all_ids[-width:]
+    start = width - len(last) if right_align else 0
+    out[i, start:start + len(last)] = last
+  return out
+
+
+class SpecRuntime:
   """Speculative decoding state and programs of one `Engine` (see the module docstring)."""
 
   def __init__(self, cfg: ModelConfig, config: Any, num_pages: int, dtype: Any,
                draft: tuple[ModelConfig, Params] | None = None, place=lambda c: c,
                place_state=lambda x: x, pool: PagePool | None = None,
                buckets: ShapeBuckets | None = None):
-    """`pool`, `buckets`: the engine's page pool (which pages hold draft-model entries) and
-    compiled shapes (the draft model's catch-up forwards); needed with drafter "draft"."""
-    self.cfg, self.config = cfg, config
-    self.pool, self.buckets, self._place_state = pool, buckets, place_state
+    """`pool`, `buckets`: the engine's page pool and compiled shapes (decode batch sizes: the
+    cost table's rows; mixed shapes: the draft model's catch-up)."""
+    self.cfg, self.config, self.pool, self.buckets = cfg, config, pool, buckets
     self.default = config.speculative
     wanted = ({config.speculative} if config.speculative not in (None, AUTO) else set()
               ) | set(config.drafters)
@@ -116,63 +141,53 @@ class SpecRuntime(call_policy.CallPolicy):
       if self.draft_cfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"draft model: vocabulary {self.draft_cfg.vocab_size} differs from "
                          f"the target's {cfg.vocab_size}")
+      if pool is None or buckets is None:
+        raise ValueError("SpecRuntime: drafter 'draft' needs the engine's pool and buckets")
     k = config.num_draft_tokens
     if self.enabled and (k < 1 or config.max_decode_steps < k + 1):
       raise ValueError("EngineConfig: num_draft_tokens must be >= 1 and max_decode_steps >= "
                        "num_draft_tokens + 1 with speculative decoding")
     self.k = k
-    # A speculative call's tokens per row at most: its budget is time (`budget`), in which
+    # A speculative call's tokens per row at most: its budget is time (`decode`), in which
     # max_decode_steps iterations could each emit k + 1 tokens.
     self.max_call_tokens = config.max_decode_steps * (k + 1)
     self.choices = goodput.k_choices(k) if config.adaptive_k else (k,)
-    self.force_k = -1 if config.adaptive_k else 0
     # Device state is committed where the weights are from the start (like the cache): a
     # commitment that changed after the first call would compile the loop twice.
     self.table = (place_state(NgramTable.empty(config.learned_table_slots))
                   if "learned" in self.enabled else None)
-    # Engine-wide decayed (accepted, ended) counts per drafter and draft position.
     self.accept = place_state(jnp.zeros((len(DRAFTER_IDS), k, 2), jnp.float32))
-    self.accept_seen = np.zeros((len(DRAFTER_IDS), k, 2), np.float32)  # host copy (stats)
-    self.costs = np.asarray([0.0] + [DEFAULT_COSTS[d] for d in DRAFTER_IDS[1:]]
-                            + [0.0, DEFAULT_BASE, DEFAULT_PAD_ROW, DEFAULT_PER_TOKEN],
-                            np.float32)
-    self.cost_fit: dict[str, Any] = {}
+    self.accept_seen = np.zeros((len(DRAFTER_IDS), k, 2), np.float32)  # host copy
     self.draft_cache = (place(init_cache(self.draft_cfg, num_pages, config.page_size, dtype))
                         if "draft" in self.enabled else None)
+    self.draft_entries = (catch_up.DraftEntries(pool.epoch, pool.page_size)
+                          if "draft" in self.enabled else None)
+    sizes = tuple(buckets.decode) if buckets is not None else (1,)
+    self.costs = cost_table.roofline(sizes, self.choices, self._roofline_drafter_costs())
+    self._plain_calls = 0  # plain calls in a row of batches with drafters (`speculates`)
     self.k_steps = np.zeros((len(self.choices),), np.int64)
-    # A speculative call's fixed cost beyond a plain call's, in plain-loop iterations (measured
-    # at warm-up; 0 until then, as on a GPU where it is a fraction of one): `call_policy`.
-    self.call_cost = 0.0
-    self._speedups: dict[tuple, tuple] = {}  # `pays`' predictions, by what they came from
-    self.rest = Rest()  # plain-loop calls left before the speculative loop probes again
-    self._probe = False  # the next speculative call follows a rest: a short one
-    self._auto_calls = 0  # loop calls with "auto" rows, and when each model drafter was
-    self._offered: dict[str, int] = {}  # last offered to them (`model_drafters_for_auto`)
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
-                        for n in ("steps", "drafted", "accepted")}
+                        for n in ("steps", "drafted", "accepted", "auto_choice")}
+    self.per_drafter.update(spec_plain_calls=0, spec_loop_calls=0, spec_explore_calls=0)
     if "draft" in self.enabled:
-      if pool is None or buckets is None:
-        raise ValueError("SpecRuntime: drafter 'draft' needs the engine's pool and buckets")
       self.per_drafter.update(spec_draft_catch_up_steps=0, spec_draft_catch_up_tokens=0)
     self.per_position = np.zeros((2, k), np.int64)  # drafted, accepted tokens at each slot
     self.calibration = np.zeros((2,), np.float64)  # tokens expected / emitted when drafting
-    # The cost model's calibration on live traffic: speculative calls' time as it predicts it
-    # and as measured (wall time over a plain-loop iteration's, `record_plain`), in plain-loop
-    # iterations; and that iteration's time per decode batch size (s).
-    self.cost_seen = np.zeros((2,), np.float64)
-    self.plain_iter_s: dict[int, float] = {}
-    self._last_plain_s = 0.0  # the last plain call's time (`record_plain`)
-    self._replay_s, self._replay_credit = 0.0, 0.0  # a replay's cost (moving average), budget
-    self.replay_budget = REPLAY_BUDGET
-    self.correction = LiveCorrection()  # measured / predicted, per kind of call (`live_costs`)
+
+  def _roofline_drafter_costs(self) -> list[float]:
+    """Per drafted column, in plain iterations of the target: the MTP layer is one decoder
+    layer of the target's; a draft model step reads its layers (by hidden size and depth)."""
+    out = [0.0] * len(DRAFTER_IDS)
+    out[drafter_id("mtp")] = 1.0 / max(self.cfg.num_layers, 1)
+    if self.draft_cfg is not None:
+      out[drafter_id("draft")] = (self.draft_cfg.num_layers * self.draft_cfg.hidden_size
+                                  ) / (self.cfg.num_layers * self.cfg.hidden_size)
+    return out
 
   @property
   def observes(self) -> bool:
-    """Prefill chunks must feed the MTP layer: unless it is `hopeless`, when no row drafts
-    with it (auto does not offer it, MTP rows give it up) and its upkeep would be wasted. (Were
-    the live correction to bring it back, rows prefilled meanwhile would draft from stale MTP
-    entries: rejected drafts, the output unchanged.)"""
-    return "mtp" in self.enabled and "mtp" not in self.hopeless()
+    """Prefill chunks feed the MTP layer (its cache entries, each request's MTP hidden)."""
+    return "mtp" in self.enabled
 
   def resolve(self, drafter: str | None) -> str | None:
     """A request's drafter (None: plain decoding); ValueError if the engine lacks it."""
@@ -187,122 +202,194 @@ class SpecRuntime(call_policy.CallPolicy):
                        f"{', '.join(self.enabled) or 'none'})")
     return drafter
 
-  def live_costs(self, models: bool = False) -> np.ndarray:
-    """`costs` corrected by what speculative calls measured on live traffic
-    (`live_correction.py`), for a call that keeps a model drafter current (`models`) or not.
-    So drafting must beat plain decoding by what the warm-up's probes leave out."""
-    return self.correction.costs(self.costs, models)
+  def request_state(self, drafter: str | None) -> RequestSpec | None:
+    """A new request's `Request.spec` for its resolved drafter."""
+    if drafter is None:
+      return None
+    return RequestSpec(drafter, np.zeros(self.accept_seen.shape, np.float32),
+                       accepted_at=np.zeros((self.k,), np.int64))
 
-  @property
-  def cost_scale(self) -> float:
-    """The live correction of calls that keep no model drafter current (stats, tests)."""
-    return self.correction.of(False)
+  # ---- the rule ------------------------------------------------------------------------------
 
-  @property
-  def model_cost_scale(self) -> float:
-    """The live correction of calls that keep a model drafter current."""
-    return self.correction.of(True)
-
-  def adaptive_state(self) -> dict[str, Any]:
-    """What the adaptive policy has learned, for a later engine of the same configuration
-    (`set_adaptive_state`), so that an engine `generate_on_engine` builds again for a
-    configuration whose kept engine was dropped goes on from where it was: the fitted costs, the
-    plain-iteration unit and the live correction; the engine-wide acceptance counts; the rest
-    and the exploration schedule of model drafters."""
-    return dict(costs=self.costs.copy(), cost_fit=dict(self.cost_fit),
-                call_cost=self.call_cost,
-                plain_iter_s=dict(self.plain_iter_s), correction=self.correction.copy(),
-                accept=np.array(self.accept_seen),
-                rest=self.rest.left, rest_len=self.rest.length, probe=self._probe,
-                auto_calls=self._auto_calls, offered=dict(self._offered))
-
-  def set_adaptive_state(self, state: dict[str, Any]) -> None:
-    self.costs, self.cost_fit = state["costs"].copy(), dict(state["cost_fit"])
-    self.call_cost = state["call_cost"]
-    self.plain_iter_s = dict(state["plain_iter_s"])
-    self.correction = state["correction"].copy()
-    self.accept_seen = np.array(state["accept"])
-    self.accept = self._place_state(jnp.asarray(self.accept_seen))
-    self.rest, self._probe = Rest(state["rest"], state["rest_len"]), state["probe"]
-    self._auto_calls, self._offered = state["auto_calls"], dict(state["offered"])
-
-  def plain_decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-                   remaining, min_before, num_steps, *, impl: KernelChoice = REFERENCE,
-                   logprobs: bool | None = None):
-    """A decode-only step of `reqs` on the plain loop (`speculates` said no). Its tokens teach
-    the learned table, in the loop's own program unless the call is replayed (`plain_calls`);
-    with `adaptive_k`, rows with a drafter get what the deterministic drafters would have
-    achieved on them when the replay's budget allows (`_replay_due`); its time is the cost
-    model's unit (`record_plain`). Returns (out, counts, logprobs, cache) as `decode`.
-    `reqs` empty: runs every program a plain call may run (warm-up); `logprobs` as `decode`'s."""
-    b, warm_up = tokens.shape[0], not reqs
-    replaying = warm_up or self._replay_due(reqs)
-    args = (tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
-            np.int32(num_steps), wants_logprobs(reqs, logprobs))
-    kw = dict(max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=impl)
-    started = time.perf_counter()
-    with CompileCounter() as compiles:
-      if self.table is not None and (warm_up or not replaying):
-        context, rows = plain_calls.contexts(reqs, b)
-        out, counts, _, lps, cache, self.table = plain_calls.decode_loop_learning(
-            params, cache, *args, self.table, context, rows, **kw)
-      if warm_up or self.table is None or replaying:
-        out, counts, _, lps, cache = steps.decode_loop(params, cache, *args, **kw)
-      out, counts, lps = jax.device_get((out, counts, lps))
-    if not warm_up and not compiles.count:  # (a call that compiled is not timed)
-      self.record_plain(b, int(counts.max()), time.perf_counter() - started)
-    if replaying and self.config.adaptive_k and self.replay_budget > 0:
-      self._replay(reqs, out, counts)
-    if replaying and self.table is not None:
-      self.table = plain_calls.learn_tokens(self.table, reqs, out, counts)
-    return out, counts, lps, cache
-
-  def _replay_due(self, reqs: Sequence[Any]) -> bool:
-    """Whether this plain call is replayed: the time it and the earlier calls earned at
-    `replay_budget` of their own covers the replay's measured cost (adaptive k, rows with a
-    drafter)."""
-    if not self.config.adaptive_k or self.replay_budget <= 0 or not any(
-        r.drafter for r in reqs):
+  def speculates(self, reqs: Sequence[Any], num_steps: int) -> bool:
+    """Whether a decode-only call of `reqs` with a plain budget of `num_steps` iterations runs
+    the speculative loop (see the module docstring)."""
+    specs = [r.spec for r in reqs if r.spec is not None]
+    if not specs or num_steps < self.costs.min_call_tokens:
       return False
-    self._replay_credit += self.replay_budget * self._last_plain_s
-    return self._replay_credit >= self._replay_s
+    b = self.buckets.decode_rows(len(reqs)) if self.buckets is not None else len(reqs)
+    if not self.costs.pays_at_full_acceptance(b):
+      return False
+    if any(s.drafter == "mtp" for s in specs) or 0 not in self.choices:
+      return True
+    return self.first_iteration_drafts(reqs, b) or self._plain_calls + 1 >= EXPLORE_EVERY
 
-  def _replay(self, reqs: Sequence[Any], out: np.ndarray, counts: np.ndarray) -> None:
-    """`plain_calls.replay`, timed for the replay's budget (`reqs` empty: compiles)."""
-    started = time.perf_counter()
-    with CompileCounter() as compiles:
-      plain_calls.replay(self, reqs, out, counts)
-    if not reqs:
-      return
-    spent = time.perf_counter() - started
-    self.per_drafter["spec_replayed_calls"] = self.per_drafter.get("spec_replayed_calls", 0) + 1
-    if not compiles.count:  # (one that compiled neither sets the cost nor spends)
-      self._replay_s = spent if not self._replay_s else 0.8 * self._replay_s + 0.2 * spent
-      self._replay_credit = max(self._replay_credit - spent, 0.0)
+  def first_iteration_drafts(self, reqs: Sequence[Any], b: int) -> bool:
+    """Whether the loop's plan (`goodput.plan`, here in numpy) would draft in its first
+    iteration over `reqs`, from their current estimates."""
+    accept = np.stack([r.spec.accept if r.spec is not None
+                       else np.zeros(self.accept_seen.shape, np.float32) for r in reqs])
+    gains = goodput.row_gains(accept, self.accept_seen, xp=np)
+    row_auto = np.asarray([r.spec is not None and r.spec.drafter == AUTO for r in reqs])
+    row_drafter = np.asarray([drafter_id(r.spec.drafter) if r.spec is not None and not
+                              row_auto[i] else 0 for i, r in enumerate(reqs)], np.int32)
+    costs = self.costs.costs(b)
+    step_cost, drafter_cost = costs[:len(self.choices)], costs[len(self.choices):]
+    allowed = np.broadcast_to(self._auto_allowed(bool(row_auto.any()), b),
+                              (len(reqs), len(DRAFTER_IDS)))
+    live = np.ones((len(reqs),), bool)
+    ids, gain, column_cost = goodput.row_drafters(gains, step_cost[-1], drafter_cost, allowed,
+                                                  row_auto, row_drafter, live, self.k, xp=np)
+    room = np.asarray([min(self.k, r.sampling.max_draft_tokens or self.k) for r in reqs])
+    index, _, _ = goodput.plan(gain, ids > 0, live, room, self.choices, step_cost,
+                               column_cost, xp=np)
+    return self.choices[int(index)] > 0
 
-  def record_plain(self, b: int, iterations: int, seconds: float) -> None:
-    """A plain decode-loop call of b rows: its time per iteration, the unit of the cost model
-    (a moving average over full calls, `max_decode_steps` iterations, as at warm-up)."""
-    self._last_plain_s = seconds
-    if iterations == self.config.max_decode_steps:
-      old = self.plain_iter_s.get(b)
-      t = seconds / iterations
-      self.plain_iter_s[b] = t if old is None else 0.8 * old + 0.2 * t
+  def _auto_allowed(self, any_auto: bool, b: int) -> np.ndarray:
+    """[D] what "auto" rows of a b-row call may take: the deterministic drafters, and a model
+    drafter that can beat plain decoding at full acceptance (every iteration it is fed pays
+    its upkeep)."""
+    out = np.zeros((len(DRAFTER_IDS),), bool)
+    if any_auto:
+      row = self.costs.index(b)
+      for d in self.enabled:
+        i = drafter_id(d)
+        out[i] = d in DETERMINISTIC or self.costs.pays_at_full_acceptance(
+            b, float(self.costs.drafter[row, i]))
+    return out
 
   # ---- programs ------------------------------------------------------------------------------
 
   def model_step(self, params, cache, tokens, start, n_new, table, sampling, next_tokens, *,
                  impl: KernelChoice = REFERENCE):
-    """Returns (sampled, logprobs, MTP hidden [B, H] numpy or None, cache)."""
+    """Returns (sampled, logprobs, MTP hidden [B, H], cache)."""
     return spec_model_step(params, cache, tokens, start, n_new, table, sampling, next_tokens,
                            cfg=self.cfg, impl=impl)
 
+  def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
+             min_before, num_steps, counters: dict, *, speculate: bool,
+             time_budget: float | None = None, impl: KernelChoice = REFERENCE,
+             force_k: int = -1, logprobs: bool | None = None, warm_rows: Sequence[str] = ()):
+    """A decode-only step of `reqs` (rows past them are padding): the speculative loop when
+    `speculate` (up to num_steps tokens per row in about `time_budget` plain iterations), else
+    the plain loop (num_steps tokens). `force_k`, `warm_rows` (reqs empty: warm-up and the
+    cost table's timing): a forced block width index, the drafters rows take in turn.
+    Returns (out, counts, logprobs as `steps.decode_loop`'s, cache)."""
+    if not speculate:
+      return self._plain(params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+                         remaining, min_before, num_steps, impl=impl, logprobs=logprobs)
+    b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
+    if reqs:
+      self.per_drafter["spec_loop_calls"] += 1
+      if self._plain_calls + 1 >= EXPLORE_EVERY and not self.first_iteration_drafts(
+          reqs, self.buckets.decode_rows(len(reqs)) if self.buckets is not None else b):
+        self.per_drafter["spec_explore_calls"] += 1
+      self._plain_calls = 0
+    window = self.config.ngram_window
+    history = last_tokens(reqs, b, window, window + self.max_call_tokens)
+    history_len = np.asarray([min(len(r.all_ids), window) for r in reqs]
+                             + [0] * (b - len(reqs)), np.int32)
+    specs = [r.spec for r in reqs] + [None] * (b - len(reqs))
+    row_auto = np.asarray([s is not None and s.drafter == AUTO for s in specs])
+    names = ([None if s is None or s.drafter == AUTO else s.drafter for s in specs] if reqs
+             else [warm_rows[i % len(warm_rows)] if warm_rows else None for i in range(b)])
+    row_drafter = np.asarray([drafter_id(d) for d in names], np.int32)
+    row_max_draft = np.asarray([(r.sampling.max_draft_tokens or self.k) for r in reqs]
+                               + [self.k] * (b - len(reqs)), np.int32)
+    row_accept = np.zeros((b, n_ids, self.k, 2), np.float32)
+    mtp_hidden = (np.zeros((b, self.cfg.hidden_size), np.float32) if "mtp" in self.enabled
+                  else None)
+    for i, s in enumerate(specs[:len(reqs)]):
+      if s is not None:
+        row_accept[i] = s.accept
+        if mtp_hidden is not None and s.mtp_hidden is not None:
+          mtp_hidden[i] = s.mtp_hidden
+    auto_allowed = self._auto_allowed(bool(row_auto.any()), b)
+    # Model drafters kept current in this call: those a row uses or "auto" may take; the
+    # draft model only for those rows, each first caught up.
+    feed = np.asarray([i > 0 and d not in DETERMINISTIC and (
+        bool(auto_allowed[i]) or bool((row_drafter == i).any())) for i, d in enumerate(DRAFTER_IDS)])
+    draft_rows = (row_drafter == drafter_id("draft")) | (row_auto & bool(
+        auto_allowed[drafter_id("draft")]))
+    if draft_rows.any() and reqs:
+      self.catch_up_draft(reqs, draft_rows, table, impl=impl)
+    junk = not reqs  # (warm-up, timing: rows of junk must teach nothing)
+    table_in = (jax.tree.map(jnp.copy, self.table) if junk and self.table is not None
+                else self.table)
+    res, cache = speculative_decode_loop(
+        params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
+        np.int32(num_steps), np.float32(np.inf if time_budget is None else time_budget),
+        history, history_len, row_drafter, row_auto, row_max_draft, row_accept, auto_allowed,
+        feed, draft_rows, self.accept, self.costs.costs(b), np.int32(force_k),
+        wants_logprobs(reqs, logprobs), table_in, mtp_hidden, self.draft_params,
+        self.draft_cache, max_steps=self.max_call_tokens, choices=self.choices,
+        drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg, impl=impl)
+    self.draft_cache = res.draft_cache
+    if junk:
+      return (*jax.device_get((res.out, res.counts, res.logprobs)), cache)
+    self.accept, self.table = res.accept, res.table
+    out, counts, st, k_steps, mtp_h, lps, row_accept, by_drafter, accept_seen, calib = (
+        jax.device_get((res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden,
+                        res.logprobs, res.row_accept, res.by_drafter, res.accept,
+                        res.calibration)))
+    self.accept_seen = accept_seen
+    self.calibration += calib[:2]
+    self.k_steps += k_steps
+    counters["spec_steps"] += int(st.steps.sum())
+    counters["spec_drafted"] += int(st.draft_tokens.sum())
+    counters["spec_accepted"] += int(st.accepted_tokens.sum())
+    self.per_position += np.stack([st.drafted_at.sum(0), st.accepted_at.sum(0)])
+    for i, (req, s) in enumerate(zip(reqs, specs)):
+      if draft_rows[i]:  # the loop fed it every token and flushed
+        self.draft_entries.written(req.pages, req.num_computed + int(counts[i]))
+      if s is None:
+        continue
+      s.drafts += int(st.drafted_steps[i])
+      s.drafted += int(st.draft_tokens[i])
+      s.accepted += int(st.accepted_tokens[i])
+      s.accepted_at += st.accepted_at[i]
+      s.accept = row_accept[i]
+      if mtp_h is not None:
+        s.mtp_hidden = mtp_h[i]
+      for d in self.enabled:  # per drafter: verify steps, drafted and accepted tokens
+        steps_, drafted, accepted = (int(x) for x in by_drafter[i, drafter_id(d)])
+        if steps_:
+          s.drafter_steps[d] = s.drafter_steps.get(d, 0) + steps_
+          self.per_drafter[f"spec_steps_{d}"] += steps_
+          self.per_drafter[f"spec_drafted_{d}"] += drafted
+          self.per_drafter[f"spec_accepted_{d}"] += accepted
+          if row_auto[i]:  # row iterations in which "auto" chose d
+            self.per_drafter[f"spec_auto_choice_{d}"] += steps_
+    return out, counts, lps, cache
+
+  def _plain(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+             remaining, min_before, num_steps, *, impl, logprobs):
+    """The plain decode loop; with a learned table, one that also learns the call's tokens."""
+    args = (tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
+            np.int32(num_steps), wants_logprobs(reqs, logprobs))
+    kw = dict(max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=impl)
+    if any(r.spec is not None for r in reqs):
+      self._plain_calls += 1
+      self.per_drafter["spec_plain_calls"] += 1
+    if self.table is None:
+      out, counts, _, lps, cache = steps.decode_loop(params, cache, *args, **kw)
+    else:
+      context = last_tokens(reqs, tokens.shape[0], max(learned.ORDERS), right_align=True)
+      rows = np.arange(tokens.shape[0]) < len(reqs)
+      out, counts, _, lps, cache, self.table = decode_loop_learning(
+          params, cache, *args, self.table, context, rows, **kw)
+    return (*jax.device_get((out, counts, lps)), cache)
+
   def catch_up_draft(self, reqs: Sequence[Any], rows: np.ndarray, table: np.ndarray, *,
                      impl: KernelChoice = REFERENCE) -> None:
-    """Fills the draft model's cache of `reqs[i]` where rows[i], from `draft_computed` to
-    `num_computed` (`catch_up.py`); table [>= len(reqs), P] their page-table rows."""
-    spans = [(i, r.draft_computed, r.num_computed - r.draft_computed)
-             for i, r in enumerate(reqs) if rows[i] and r.draft_computed < r.num_computed]
+    """Fills the draft model's cache of `reqs[i]` where rows[i], from the positions whose
+    entries are valid (`DraftEntries`) to `num_computed` (`catch_up.py`); table
+    [>= len(reqs), P] their page-table rows."""
+    spans = []
+    for i, r in enumerate(reqs):
+      done = min(self.draft_entries.computed(r.pages), r.num_computed)
+      if rows[i] and done < r.num_computed:
+        spans.append((i, done, r.num_computed - done))
     groups = catch_up.plan(spans, self.config.max_num_batched_tokens, self.config.max_num_seqs)
     ids = [r.all_ids for r in reqs]
     for group in groups:
@@ -313,132 +400,64 @@ class SpecRuntime(call_policy.CallPolicy):
     self.per_drafter["spec_draft_catch_up_steps"] += len(groups)
     self.per_drafter["spec_draft_catch_up_tokens"] += sum(n for _, _, n in spans)
 
-  def draft_fed(self, req: Any, upto: int) -> None:
-    """`req`'s draft-model entries are valid below position `upto`: its full pages there are
-    marked for prefix sharing."""
-    req.draft_computed = upto
-    self.pool.mark_draft_valid(req.pages[:upto // self.pool.page_size])
+  # ---- the cost table ------------------------------------------------------------------------
 
-  def histories(self, reqs: Sequence[Any], b: int) -> tuple[np.ndarray, np.ndarray]:
-    """[b, window + max_call_tokens] each request's last `ngram_window` tokens, and counts."""
-    window = self.config.ngram_window
-    return plain_calls.last_tokens(reqs, b, window, window + self.max_call_tokens)
+  def measure_costs(self, params, cache, max_pages: int, *, stop_width: int,
+                    impl: KernelChoice = REFERENCE, rounds: int = 5) -> Cache:
+    """Times the plain and speculative loops at every decode bucket and block width (rows
+    on the null page: nothing real is read or written) and installs the table. Returns the
+    cache (donated through)."""
+    n = self.config.max_decode_steps
+    state = {"cache": cache}
+    rng = np.random.default_rng(0)
+    context = max(max_pages * self.config.page_size // 4 - n * (self.k + 1), 0)
 
-  def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
-             min_before, num_steps, counters: dict, *, impl: KernelChoice = REFERENCE,
-             force_k: int | None = None, time_budget: float | None = None,
-             logprobs: bool | None = None, warm_rows: Sequence[str] = ()):
-    """A decode-only step of `reqs` (rows past them are padding): up to num_steps tokens per
-    row in about `time_budget` plain-loop iterations (None: the tokens alone bound it;
-    `budget`). `logprobs`: compute them (None: if a request wants them). `warm_rows` (reqs
-    empty, warm-up): the drafters the rows take in turn. Returns (out, counts, logprobs as
-    `steps.decode_loop`'s, cache)."""
-    started, compiles = time.perf_counter(), CompileCounter()  # (a call that compiled: untimed)
-    b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
-    history, history_len = self.histories(reqs, b)
-    pad = [None] * (b - len(reqs))
-    row_auto = np.asarray([r.drafter == AUTO for r in reqs] + [False] * len(pad))
-    drafters = ([None if r.drafter == AUTO else r.drafter for r in reqs] + pad if reqs
-                else [warm_rows[i % len(warm_rows)] if warm_rows else None for i in range(b)])
-    row_drafter = np.asarray([drafter_id(d) for d in drafters], np.int32)
-    row_max_draft = np.zeros((b,), np.int32)
-    row_accept = np.zeros((b, n_ids, self.k, 2), np.float32)
-    mtp_hidden = None
-    if "mtp" in self.enabled:
-      mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
-    models = (self.model_drafters_for_auto(reqs) if any(r.drafter == AUTO for r in reqs)
-              else set())
-    auto_allowed = np.asarray([d in DETERMINISTIC or d in models for d in DRAFTER_IDS])
-    # Model drafters kept current in this call: those a row uses or "auto" may take; the
-    # draft model only for those rows (`draft_rows`), each first caught up.
-    feed = np.asarray([i > 0 and (d in models or bool((row_drafter == i).any()))
-                       for i, d in enumerate(DRAFTER_IDS)])
-    draft_rows = (row_drafter == drafter_id("draft")) | (row_auto & ("draft" in models))
-    fed = any(feed[drafter_id(d)] for d in self.enabled if d not in DETERMINISTIC)
-    live, scale = self.live_costs(fed), self.correction.of(fed)
-    if draft_rows.any():
-      with compiles:
-        self.catch_up_draft(reqs, draft_rows, table, impl=impl)
-    for d in self.enabled:  # loop calls that kept a model drafter current (its upkeep)
-      if feed[drafter_id(d)]:
-        self.per_drafter[f"spec_fed_calls_{d}"] = self.per_drafter.get(
-            f"spec_fed_calls_{d}", 0) + 1
-    for i, req in enumerate(reqs):
-      row_max_draft[i] = req.sampling.max_draft_tokens or self.k
-      if req.spec_accept is not None:
-        row_accept[i] = req.spec_accept
-      if mtp_hidden is not None and req.mtp_hidden is not None:
-        mtp_hidden[i] = req.mtp_hidden
-    with compiles:
-      res, cache = speculative_decode_loop(
-          params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
-          np.int32(num_steps), np.float32(np.inf if time_budget is None else time_budget),
-          history, history_len, row_drafter, row_auto, row_max_draft,
-          row_accept, auto_allowed, feed, draft_rows, self.accept, live,
-          np.int32(self.force_k if force_k is None else force_k),
-          wants_logprobs(reqs, logprobs), self.table, mtp_hidden,
-          self.draft_params, self.draft_cache, max_steps=self.max_call_tokens,
-          choices=self.choices, drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg,
-          impl=impl)
-    self.accept, self.table, self.draft_cache = res.accept, res.table, res.draft_cache
-    out, counts, spec, k_steps, mtp_h, lps, row_accept, by_drafter, self.accept_seen, calib = (
-        jax.device_get((res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden,
-                        res.logprobs, res.row_accept, res.by_drafter, res.accept,
-                        res.calibration)))
-    self.calibration += calib[:2]
-    # (catch-up and host work included: real costs; not a call that compiled, whose seconds
-    # would count as hundreds of iterations in the calibration and the live correction)
-    if reqs and b in self.plain_iter_s and not compiles.count:
-      # (the loop priced its iterations with live_costs: T times scale; plus the call's own)
-      predicted = float(calib[2]) / scale + self.call_cost
-      measured = (time.perf_counter() - started) / self.plain_iter_s[b]
-      self.cost_seen += predicted, measured
-      if self.force_k < 0:
-        self.correction.learn(predicted, measured, fed)
-    self.k_steps += k_steps
-    if not self.gated(reqs):  # (gated calls are decided by `pays`: the rests are not theirs)
-      if self.force_k < 0 and k_steps[0] > 0 and not k_steps[1:].any():
-        self.rest.after_speculating(gave_up=True)  # k = 0 throughout: rest
-      elif k_steps[1:].any():
-        self.rest.after_speculating(gave_up=False)
-    self._probe = False
-    counters["spec_steps"] += int(spec.steps.sum())
-    counters["spec_drafted"] += int(spec.draft_tokens.sum())
-    counters["spec_accepted"] += int(spec.accepted_tokens.sum())
-    self.per_position += np.stack([spec.drafted_at.sum(0), spec.accepted_at.sum(0)])
-    for i, req in enumerate(reqs):
-      for j, x in enumerate((spec.drafted_steps, spec.draft_tokens, spec.accepted_tokens)):
-        req.spec[j] += int(x[i])
-      req.spec_accept = row_accept[i]
-      for d in self.enabled:  # per drafter: verify steps, drafted and accepted tokens
-        steps_, drafted, accepted = (int(x) for x in by_drafter[i, drafter_id(d)])
-        if not steps_:
-          continue
-        req.drafter_steps[d] = req.drafter_steps.get(d, 0) + steps_
-        self.per_drafter[f"spec_steps_{d}"] += steps_
-        self.per_drafter[f"spec_drafted_{d}"] += drafted
-        self.per_drafter[f"spec_accepted_{d}"] += accepted
-        if row_auto[i]:  # row iterations in which "auto" chose d
-          key = f"spec_auto_choice_{d}"
-          self.per_drafter[key] = self.per_drafter.get(key, 0) + steps_
-      if mtp_h is not None:
-        req.mtp_hidden = mtp_h[i]
-      if draft_rows[i]:  # the loop fed it every token and flushed
-        self.draft_fed(req, req.num_computed + int(counts[i]))
-    return out, counts, lps, cache
+    def rows(b, n_steps):
+      return (rng.integers(0, self.cfg.vocab_size, (b,), dtype=np.int32),
+              np.full((b,), context, np.int32), np.zeros((b, max_pages), np.int32),
+              SamplingArrays.from_params([SamplingParams()] * b),
+              np.full((b, stop_width), -1, np.int32), np.full((b,), n_steps, np.int32),
+              np.zeros((b,), np.int32))
 
-  def snapshot(self) -> serving_stats.SpecSnapshot:
-    """What `stats` reports, copied as of now (the engine's per-step snapshot)."""
-    return serving_stats.SpecSnapshot.of(self)
+    def run(b, n_steps, speculate, force_k=-1, drafter=None):
+      out, _, _, state["cache"] = self.decode(
+          params, state["cache"], [], *rows(b, n_steps), n_steps, {}, speculate=speculate,
+          impl=impl, force_k=force_k, warm_rows=(drafter,) if drafter else ())
+      return out
+
+    model = [d for d in self.enabled if d not in DETERMINISTIC]
+    self.costs = cost_table.measure(
+        self.costs.batch_sizes, self.choices, model, [drafter_id(d) for d in model],
+        len(DRAFTER_IDS), n, lambda b, m: run(b, m, False),
+        lambda b, m, c, d: run(b, m, True, c, d), rounds=rounds)
+    if self.draft_cache is not None:
+      self.draft_cache = _cleared_null_page(self.draft_cache)
+    return _cleared_null_page(state["cache"])
+
+  # ---- statistics ----------------------------------------------------------------------------
 
   def stats(self) -> dict[str, Any]:
-    return serving_stats.spec_stats(self.snapshot())
+    """Counters per block width, drafter and draft position, the estimates, the cost table."""
+    s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.choices, self.k_steps)}
+    s.update(self.per_drafter)
+    for j, (drafted, accepted) in enumerate(self.per_position.T):  # slot j (0-based)
+      s[f"spec_pos{j}_drafted"], s[f"spec_pos{j}_accepted"] = int(drafted), int(accepted)
+    c = goodput.conditional_acceptance(self.accept_seen, goodput.PRIOR_ACCEPT,
+                                       goodput.PRIOR_WEIGHT, xp=np)
+    for d in self.enabled:
+      for j, x in enumerate(c[drafter_id(d)]):
+        s[f"spec_pos{j}_estimate_{d}"] = round(float(x), 4)
+      steps_ = self.per_drafter[f"spec_steps_{d}"]
+      if steps_:  # tokens per target forward of rows drafting with d
+        s[f"spec_mean_accepted_length_{d}"] = 1 + self.per_drafter[f"spec_accepted_{d}"] / steps_
+    # Over iterations that drafted: tokens the estimates expected, and tokens emitted.
+    s["spec_model_expected_tokens"], s["spec_model_emitted_tokens"] = map(float,
+                                                                          self.calibration)
+    s["spec_cost_table"] = self.costs.summary()
+    s["spec_cost_break_even"] = self.costs.break_even or 0
+    return s
 
-  # ---- the cost model ------------------------------------------------------------------------
 
-  def measure_costs(self, params, cache, batch_sizes: Sequence[int], max_pages: int, *,
-                    stop_width: int, impl: KernelChoice = REFERENCE, rounds: int = 7):
-    """Times the loops and forwards and fits the cost model (`serving_costs.
-    measure_serving_costs`). Returns the cache (donated through)."""
-    return serving_costs.measure_serving_costs(self, params, cache, batch_sizes, max_pages,
-                                               stop_width=stop_width, impl=impl, rounds=rounds)
+def _cleared_null_page(cache: Cache) -> Cache:
+  """The cache with page 0 zeroed again (the timing calls wrote junk there)."""
+  return [{k: v.at[0].set(0) for k, v in layer.items()} for layer in cache]
