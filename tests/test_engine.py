@@ -125,6 +125,16 @@ def test_decode_loop_length_restarts_when_requests_join_not_when_they_leave(eng,
   finally:
     eng.spec.decode = real
   assert [n for n, rows in calls if rows == 2][:2] == [1, 2], calls
+  # A closed batch (`generate(closed=True)`: nothing else joins) takes full calls at once.
+  calls.clear()
+  eng.spec.decode = spy
+  try:
+    again = eng.generate(ps, stop=[StopParams(max_tokens=16), StopParams(max_tokens=40)],
+                         closed=True)
+  finally:
+    eng.spec.decode = real
+  assert [r.output_ids for r in again] == [r.output_ids for r in got]
+  assert [n for n, rows in calls] == [8, 8, 8, 8, 7], calls  # 15 and 39 tokens to go
   for i in (a, b):
     eng.release(i)
   assert_pool_full(eng)

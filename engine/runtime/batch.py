@@ -151,7 +151,8 @@ def run_on_engine(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[i
   drafter = (speculative.method if speculative.method != AUTO else AUTO) if drafters else "off"
   samp = [dataclasses.replace(s, drafter=drafter) for s in sampling]
   before = _k_steps(eng.stats()) if drafters else {}
-  done = eng.generate([list(p) for p in prompts], samp, stops)  # (raises: engine dropped)
+  done = eng.generate([list(p) for p in prompts], samp, stops, closed=True)  # (raises:
+  # the engine is dropped)
   _ENGINES[key] = eng  # kept, most recently used last
   while len(_ENGINES) > KEPT_ENGINES:
     _ENGINES.popitem(last=False)

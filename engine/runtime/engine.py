@@ -157,6 +157,7 @@ class Engine:
     self._decode_steps = 1
     self._speculates = False  # whether the next decode-only call speculates
     self._last_batch: tuple[str, ...] = ()
+    self._closed_batch = False  # `generate` runs a batch no request joins: no ramp
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
     if self.spec.enabled:
@@ -323,7 +324,9 @@ class Engine:
     last row). Returns the call's token budget: a speculative call gets the plain call's time
     and up to num_draft_tokens + 1 tokens per iteration of it."""
     batch = tuple(r.request_id for r in self.scheduler.running)
-    if self.scheduler.waiting or not set(batch) <= set(self._last_batch):
+    if self._closed_batch and not self.scheduler.waiting:
+      self._decode_steps = self.config.max_decode_steps  # nothing else can join (`generate`)
+    elif self.scheduler.waiting or not set(batch) <= set(self._last_batch):
       self._decode_steps = 1
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
@@ -443,15 +446,22 @@ class Engine:
 
   def generate(self, prompts: Sequence[str | Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-               stop: StopParams | Sequence[StopParams] = StopParams()) -> list[Request]:
+               stop: StopParams | Sequence[StopParams] = StopParams(), *,
+               closed: bool = False) -> list[Request]:
     """Runs a batch of prompts to completion through the scheduler; returns the finished
-    requests (and forgets them: `Engine.requests` keeps only what streaming callers release)."""
+    requests (and forgets them: `Engine.requests` keeps only what streaming callers release).
+    `closed`: no other request joins while these run (`batch.py`), so decode calls take
+    `max_decode_steps` from the first (the ramp exists to let arrivals in)."""
     n = len(prompts)
     samp = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
     stops = [stop] * n if isinstance(stop, StopParams) else list(stop)
     ids = [self.add_request(p, s, t) for p, s, t in zip(prompts, samp, stops)]
-    for _ in self.run():
-      pass
+    self._closed_batch = closed
+    try:
+      for _ in self.run():
+        pass
+    finally:
+      self._closed_batch = False
     done = [self.requests[i] for i in ids]
     for i in ids:
       self.release(i)  # the caller holds the results; the engine need not

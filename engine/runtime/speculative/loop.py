@@ -157,34 +157,15 @@ def matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_em
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class LoopResult:
-  out: jax.Array  # [B, max_steps] new tokens, -1 past each row's count
-  counts: jax.Array  # [B]
-  stopped: jax.Array  # [B] bool
-  stats: SpecStats
-  k_steps: jax.Array  # [len(choices)] iterations run with each block width
-  calibration: jax.Array  # [3] float32: over iterations that drafted, the tokens the rows'
-  # estimates expected and the tokens emitted; over all, their time by the cost table
-  accept: jax.Array  # [D, J, 2] updated acceptance counts per draft position
-  table: learned.NgramTable | None
-  mtp_hidden: jax.Array | None  # [B, H] each row's MTP output at position n_cached - 1
-  row_accept: jax.Array  # [B, D, J, 2] updated per-row acceptance counts
-  by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
-  draft_cache: Cache | None
-  logprobs: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (zeros unless
-  # `want_logprobs`): chosen [B, max_steps], top ids and logprobs [B, max_steps, 20]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
 class LoopState:
-  """What one iteration hands the next (B rows, J = max(choices) draft positions)."""
+  """What one iteration hands the next, and the loop returns (B rows, J = max(choices) draft
+  positions, D drafters, C choices)."""
   cache: Cache
   tok: jax.Array  # [B] newest token (position n_cached)
   n_cached: jax.Array  # [B]
   done: jax.Array  # [B] bool
   count: jax.Array  # [B] tokens emitted in this call
-  out: jax.Array  # [B, max_steps]
+  out: jax.Array  # [B, max_steps] new tokens, -1 past each row's count
   stopped: jax.Array  # [B] bool: a stop id ended the row
   history: jax.Array  # [B, W] recent tokens (ngram), history_len [B] of them
   history_len: jax.Array
@@ -193,10 +174,12 @@ class LoopState:
   row_accept: jax.Array  # [B, D, J, 2]
   ids: jax.Array  # [B] this iteration's drafter per row
   k_rows: jax.Array  # [B] this iteration's drafts per row
-  by_drafter: jax.Array  # [B, D, 3]
-  k_steps: jax.Array  # [C]
-  calibration: jax.Array  # [3]
-  lps: tuple[jax.Array, jax.Array, jax.Array]
+  by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
+  k_steps: jax.Array  # [C] iterations run with each block width
+  calibration: jax.Array  # [3] over iterations that drafted, tokens the estimates expected and
+  # tokens emitted; over all, their time by the cost table
+  lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s logprobs (zeros
+  # unless `want_logprobs`)
   table: learned.NgramTable | None = None  # "learned", and its proposal for this iteration
   learned_proposal: tuple[jax.Array, jax.Array] | None = None
   mtp_hidden: jax.Array | None = None  # [B, H] "mtp"
@@ -257,7 +240,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             draft_cache: Cache | None = None, *, max_steps: int,
                             choices: tuple[int, ...], drafters: tuple[str, ...],
                             cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
-                            impl: KernelChoice = REFERENCE) -> tuple[LoopResult, Cache]:
+                            impl: KernelChoice = REFERENCE) -> tuple[LoopState, Cache]:
   """Up to `num_steps` (<= max_steps) new tokens per row, in about `time_budget`.
 
   Args:
@@ -448,7 +431,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       slots = jnp.arange(k_max + 1, dtype=jnp.int32)[None, :]
       table = learned.update(table, s.history, before[:, None] + slots,
                              slots < (s.history_len - before)[:, None])
-    drafted = (width > 0).astype(jnp.float32)  # the estimates' calibration (`LoopResult`)
+    drafted = (width > 0).astype(jnp.float32)  # the estimates' calibration (`LoopState`)
     emitted = (jnp.sum(s.count) - before_count).astype(jnp.float32)
     return dataclasses.replace(
         s, table=table, learned_proposal=None, k_steps=s.k_steps.at[index].add(1),
@@ -474,15 +457,11 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             pending=jnp.zeros((b, k_max), jnp.int32), n_pending=zeros)
   s = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.calibration[2] < time_budget),
                          body, s)
-  dcache = None
   if "draft" in drafters:  # flush: fed rows' draft cache holds every position < n_cached
-    dcache = run_if(
+    s = dataclasses.replace(s, draft_cache=run_if(
         jnp.any(draft_rows),
         lambda c: forward(draft_params, c, s.pending, s.n_cached - s.n_pending,
                           s.n_pending * draft_rows.astype(jnp.int32), page_table,
                           cfg=draft_cfg, impl=impl)[1],
-        s.draft_cache)
-  return LoopResult(out=s.out, counts=s.count, stopped=s.stopped, stats=s.stats,
-                    k_steps=s.k_steps, calibration=s.calibration, accept=s.accept,
-                    table=s.table, mtp_hidden=s.mtp_hidden, row_accept=s.row_accept,
-                    by_drafter=s.by_drafter, draft_cache=dcache, logprobs=s.lps), s.cache
+        s.draft_cache))
+  return dataclasses.replace(s, cache=None), s.cache

@@ -165,6 +165,7 @@ class SpecRuntime:
     sizes = tuple(buckets.decode) if buckets is not None else (1,)
     self.costs = cost_table.roofline(sizes, self.choices, self._roofline_drafter_costs())
     self._plain_calls = 0  # plain calls in a row of batches with drafters (`speculates`)
+    self._exploring = False  # the last `speculates` said yes to explore
     self.k_steps = np.zeros((len(self.choices),), np.int64)
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
                         for n in ("steps", "drafted", "accepted", "auto_choice")}
@@ -220,9 +221,12 @@ class SpecRuntime:
     b = self.buckets.decode_rows(len(reqs)) if self.buckets is not None else len(reqs)
     if not self.costs.pays_at_full_acceptance(b):
       return False
-    if any(s.drafter == "mtp" for s in specs) or 0 not in self.choices:
+    self._exploring = False
+    if (any(s.drafter == "mtp" for s in specs) or 0 not in self.choices
+        or self.first_iteration_drafts(reqs, b)):
       return True
-    return self.first_iteration_drafts(reqs, b) or self._plain_calls + 1 >= EXPLORE_EVERY
+    self._exploring = self._plain_calls + 1 >= EXPLORE_EVERY
+    return self._exploring
 
   def first_iteration_drafts(self, reqs: Sequence[Any], b: int) -> bool:
     """Whether the loop's plan (`goodput.plan`, here in numpy) would draft in its first
@@ -281,9 +285,7 @@ class SpecRuntime:
     b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
     if reqs:
       self.per_drafter["spec_loop_calls"] += 1
-      if self._plain_calls + 1 >= EXPLORE_EVERY and not self.first_iteration_drafts(
-          reqs, self.buckets.decode_rows(len(reqs)) if self.buckets is not None else b):
-        self.per_drafter["spec_explore_calls"] += 1
+      self.per_drafter["spec_explore_calls"] += self._exploring
       self._plain_calls = 0
     window = self.config.ngram_window
     history = last_tokens(reqs, b, window, window + self.max_call_tokens)
@@ -326,12 +328,11 @@ class SpecRuntime:
         drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg, impl=impl)
     self.draft_cache = res.draft_cache
     if junk:
-      return (*jax.device_get((res.out, res.counts, res.logprobs)), cache)
+      return (*jax.device_get((res.out, res.count, res.lps)), cache)
     self.accept, self.table = res.accept, res.table
     out, counts, st, k_steps, mtp_h, lps, row_accept, by_drafter, accept_seen, calib = (
-        jax.device_get((res.out, res.counts, res.stats, res.k_steps, res.mtp_hidden,
-                        res.logprobs, res.row_accept, res.by_drafter, res.accept,
-                        res.calibration)))
+        jax.device_get((res.out, res.count, res.stats, res.k_steps, res.mtp_hidden, res.lps,
+                        res.row_accept, res.by_drafter, res.accept, res.calibration)))
     self.accept_seen = accept_seen
     self.calibration += calib[:2]
     self.k_steps += k_steps
