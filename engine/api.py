@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Iterator, Sequence
 
@@ -143,6 +144,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   else:
     raise ValueError(f"{path} is neither a moejax Orbax checkpoint (moejax.json) nor a Hugging "
                      "Face checkpoint (model.safetensors or model.safetensors.index.json)")
+  from engine.model import sharding as sharding_lib
+  for line in sharding_lib.format_param_bytes(sharding_lib.param_bytes_by_kind(params)):
+    logging.getLogger("moejax").info("engine.load: parameters on %s", line)
   tokenizer = load_tokenizer(path)
   return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
                      eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh)

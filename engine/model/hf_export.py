@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from pallas_kernels.quant import Int4Weight
+
 # Our attention leaf -> HF module under self_attn.
 _ATTN_NAMES = dict(q="q_proj", q_a="q_a_proj", q_b="q_b_proj", kv_a="kv_a_proj_with_mqa",
                    kv_b="kv_b_proj", o="o_proj", k="k_proj", v="v_proj")
@@ -57,6 +59,26 @@ def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
   if "router_bias" in moe:
     out[f"{pre}gate.e_score_correction_bias"] = moe["router_bias"]
   ex = moe["experts"]
+  if isinstance(ex["gate"], Int4Weight):  # compressed-tensors pack-quantized, per expert
+    if layout != "hub":
+      raise ValueError("INT4 experts are written in the hub layout only")
+    for k in ("gate", "up", "down"):
+      w = ex[k]
+      for e in range(w.packed.shape[0]):
+        name = f"{pre}experts.{e}.{k}_proj."
+        # [K/2, N] bytes -> [N, K/2] -> little-endian int32 words [N, K/8]
+        out[name + "weight_packed"] = np.ascontiguousarray(w.packed[e].T).view("<i4")
+        out[name + "weight_scale"] = w.scale[e].T
+        out[name + "weight_shape"] = np.array([w.packed.shape[2], 2 * w.packed.shape[1]],
+                                              np.int64)  # [out, in], as compressed-tensors
+  else:
+    _moe_float(ex, out, pre, layout)
+  if "shared" in moe:
+    out.update(_mlp(moe["shared"], f"{pre}shared_experts."))
+  return out
+
+
+def _moe_float(ex: dict[str, Any], out: dict[str, np.ndarray], pre: str, layout: str) -> None:
   hf = {k: np.swapaxes(ex[k], 1, 2) for k in ("gate", "up", "down")}  # [E, out, in]
   if layout == "hub":
     for e in range(hf["gate"].shape[0]):
@@ -70,9 +92,6 @@ def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
       out[f"{pre}experts.{k}_proj"] = hf[k]
   else:
     raise ValueError(f"layout must be one of {EXPERT_LAYOUTS}")
-  if "shared" in moe:
-    out.update(_mlp(moe["shared"], f"{pre}shared_experts."))
-  return out
 
 
 def _layer(layer: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
@@ -110,7 +129,9 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
     t = {"language_model." + k: v for k, v in t.items()}
   def cast(name: str, x: np.ndarray) -> np.ndarray:
     # Routers stay float32, as transformers keeps them (`_keep_in_fp32_modules_strict`).
-    if dtype is None or name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+    # INT4 tensors keep their stored types.
+    if dtype is None or name.endswith(("mlp.gate.weight", "e_score_correction_bias",
+                                       "weight_packed", "weight_scale", "weight_shape")):
       return x
     return x.astype(np.dtype(dtype))
 
@@ -118,6 +139,8 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
 
 
 def _to_numpy(tree: Any) -> Any:
+  if isinstance(tree, Int4Weight):
+    return Int4Weight(np.asarray(tree.packed), np.asarray(tree.scale))
   if isinstance(tree, dict):
     return {k: _to_numpy(v) for k, v in tree.items()}
   if isinstance(tree, (list, tuple)):

@@ -25,6 +25,9 @@ rules can name it. Layer `i` lives at `params["layers"][i]`.
         router       [H, E]     float32 always (routing is computed in float32)
         router_bias  [E]        float32; `e_score_correction_bias` (noaux_tc only)
         experts:     gate [E, H, Im]   up [E, H, Im]   down [E, Im, H]
+                     or, for compressed-tensors INT4 checkpoints (`cfg.experts_int4(i)`), each
+                     an `Int4Weight` (pallas_kernels/quant.py) of the same logical shape:
+                     packed uint8 [E, K/2, N] and scale bf16 [E, K/group, N]
         shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
     mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer
                  (the keys above, MoE or dense as layer num_layers + k) plus
@@ -43,11 +46,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.model.config import ModelConfig
+from pallas_kernels.quant import Int4Weight
 
 Params = dict[str, Any]
 
 # Leaves kept in float32 whatever the checkpoint dtype (routing decisions are precision-sensitive).
 FLOAT32_LEAVES = ("router", "router_bias")
+# The children of an `Int4Weight` (INT4 routed experts): packed nibbles and bf16 group scales.
+INT4_LEAF_DTYPES = {"packed": jnp.uint8, "scale": jnp.bfloat16}
 
 
 def _attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -80,12 +86,17 @@ def _mlp_shapes(H: int, inter: int) -> dict[str, tuple[int, ...]]:
   return {"gate": (H, inter), "up": (H, inter), "down": (inter, H)}
 
 
-def _moe_shapes(cfg: ModelConfig) -> dict[str, Any]:
+def _int4_shape(e: int, k: int, n: int, group: int) -> Int4Weight:
+  return Int4Weight(packed=(e, k // 2, n), scale=(e, k // group, n))
+
+
+def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, Any]:
   H, E, Im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-  s: dict[str, Any] = {
-      "router": (H, E),
-      "experts": {"gate": (E, H, Im), "up": (E, H, Im), "down": (E, Im, H)},
-  }
+  experts: dict[str, Any] = {"gate": (E, H, Im), "up": (E, H, Im), "down": (E, Im, H)}
+  if cfg.experts_int4(i):
+    g = cfg.int4.group_size
+    experts = {k: _int4_shape(*shape, g) for k, shape in experts.items()}
+  s: dict[str, Any] = {"router": (H, E), "experts": experts}
   if cfg.topk_method == "noaux_tc":
     s["router_bias"] = (E,)
   if cfg.num_shared_experts:
@@ -101,7 +112,7 @@ def param_shapes(cfg: ModelConfig) -> Params:
     shapes: dict[str, Any] = {"input_norm": (H,), "post_attn_norm": (H,),
                               "attn": _attn_shapes(cfg)}
     if cfg.is_moe_layer(i):
-      shapes["moe"] = _moe_shapes(cfg)
+      shapes["moe"] = _moe_shapes(cfg, i)
     else:
       shapes["mlp"] = _mlp_shapes(H, cfg.intermediate_size)
     return shapes
@@ -128,13 +139,19 @@ def shape_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], tuple[int
 
 
 def leaf_dtype(path: tuple[Any, ...], dtype: Any) -> Any:
-  """The dtype a leaf is stored in: float32 for routing leaves, `dtype` otherwise."""
+  """The dtype a leaf is stored in: float32 for routing leaves, uint8 / bf16 for the packed
+  nibbles / scales of INT4 experts, `dtype` otherwise."""
   name = _key_name(path[-1])
+  if name in INT4_LEAF_DTYPES and len(path) >= 3 and _key_name(path[-3]) == "experts":
+    return INT4_LEAF_DTYPES[name]
   return jnp.float32 if name in FLOAT32_LEAVES else dtype
 
 
 def _key_name(k: Any) -> str:
-  return str(getattr(k, "key", getattr(k, "idx", k)))
+  for attr in ("key", "idx", "name"):  # dict, sequence, dataclass (GetAttrKey) entries
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -160,6 +177,13 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
 
   def make(path, shape):
     name = _key_name(path[-1])
+    if leaf_dtype(path, dtype) == jnp.uint8:  # INT4 nibbles, uniformly random
+      return jnp.asarray(rng.integers(0, 256, size=shape), jnp.uint8)
+    if name == "scale" and leaf_dtype(path, dtype) == jnp.bfloat16:
+      # q is ~uniform in [-8, 7] (std ~4.6): weights of std ~sqrt(scale / fan_in).
+      fan_in = shape[1] * cfg.int4.group_size
+      x = 0.5 + 0.5 * np.abs(rng.standard_normal(shape))
+      return jnp.asarray(x * np.sqrt(scale / fan_in) / 4.6, jnp.bfloat16)
     if name.endswith("norm"):
       x = 1.0 + 0.1 * rng.standard_normal(shape)
     elif name == "embed":

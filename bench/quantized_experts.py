@@ -1,0 +1,145 @@
+"""Routed experts as INT4 (kept packed), FP8 and bf16: bytes a decode step reads, and CPU time.
+
+    python -m bench.quantized_experts --batch=1,8,64 --out=quantized_experts.json
+
+Two parts, side by side per expert format:
+* `kimi_k25`: bytes one decode step must read for Kimi K2.5's real shapes (61 layers, 384
+  experts top-8, hidden 7168, expert width 2048; `param_shapes`), per batch size B: every
+  non-expert weight (bf16) plus the expected distinct experts the B tokens route to
+  (E (1 - (1 - k/E)^B) per MoE layer, uniform routing) in INT4 (packed nibbles + bf16 scale per
+  32: 4.5 bits), FP8 (e4m3 + float32 scale per 128 x 128 block) or bf16; no KV cache. On paper:
+  the weights' part of the bandwidth floor.
+* `cpu`: the same step measured on this machine on a small model of the same architecture
+  (random weights; `--hidden`, `--experts`, ...): median device seconds of one jitted decode
+  step (forward + greedy logits, T = 1, `--context` cached tokens), experts as `Int4Weight`
+  (dequantized inside the step) against bf16 arrays, and the bytes that step reads in each.
+  FP8 is bytes only: FP8 weights are dequantized to bf16 at load today (issue 31 item 3).
+Writes JSON with both parts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+from bench.decode_profile import bytes_floor, step_time
+from engine.model.config import config_from_dict
+from engine.model.kernels import REFERENCE
+from engine.model.params import init_params, param_shapes
+from engine.model.quantized import Int4Scheme
+
+# --batch, --context, --iters and --out are bench.decode_profile's flags (imported above).
+flags.DEFINE_integer("hidden", 512, "CPU model: hidden size.")
+flags.DEFINE_integer("experts", 32, "CPU model: routed experts.")
+flags.DEFINE_integer("expert_width", 512, "CPU model: moe_intermediate_size.")
+flags.DEFINE_integer("layers", 4, "CPU model: layers (the first dense).")
+FLAGS = flags.FLAGS
+
+HUB_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+              r"re:.*mlp\.(gate|up|gate_up|down)_proj.*")
+INT4 = Int4Scheme(group_size=32, targets=("Linear",), ignore=HUB_IGNORE)
+FORMATS = ("int4", "fp8", "bf16")
+
+KIMI_K25_TEXT = dict(
+    model_type="kimi_k2", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=1,
+    num_attention_heads=64, n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1,
+    n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, max_position_embeddings=262144, num_nextn_predict_layers=0,
+    rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                      beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    rope_theta=50000.0)
+
+
+def expert_bytes_per_weight(fmt: str, k: int, n: int) -> float:
+  """Bytes per expert weight element of a [K, N] matrix in `fmt` (scales included)."""
+  if fmt == "int4":
+    return 0.5 + 2 / 32
+  if fmt == "fp8":
+    return 1 + 4 * math.ceil(k / 128) * math.ceil(n / 128) / (k * n)
+  return 2.0
+
+
+def step_weight_bytes(cfg, fmt: str, batch: int) -> dict[str, float]:
+  """Weight bytes one decode step of `batch` tokens reads (uniform routing), by part."""
+  shapes = param_shapes(cfg)
+  other = expert = 0.0
+  for path, s in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(
+      x, tuple) and all(isinstance(d, int) for d in x))[0]:
+    name = ".".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+    if ".experts." in name:
+      expert += math.prod(s) * expert_bytes_per_weight(fmt, s[1], s[2])
+    elif name != "embed":  # a step reads only B rows of the embedding
+      other += math.prod(s) * 2
+  e, k = cfg.num_experts, cfg.num_experts_per_tok
+  touched = e * (1 - (1 - k / e) ** batch)
+  return dict(other=other, experts=expert * touched / e, distinct_experts_per_layer=touched)
+
+
+def cpu_model(int4: bool):
+  d = dict(KIMI_K25_TEXT, vocab_size=4096, hidden_size=FLAGS.hidden,
+           intermediate_size=2 * FLAGS.hidden, moe_intermediate_size=FLAGS.expert_width,
+           num_hidden_layers=FLAGS.layers, num_attention_heads=8, n_routed_experts=FLAGS.experts,
+           q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+           v_head_dim=32, max_position_embeddings=4096)
+  cfg = config_from_dict(d)
+  if int4:
+    cfg = dataclasses.replace(cfg, int4=INT4)
+  return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
+
+
+def main(argv):
+  del argv
+  batches = [int(b) for b in FLAGS.batch]
+  k25 = config_from_dict(KIMI_K25_TEXT)
+  paper = []
+  for b in batches:
+    row = {"batch": b}
+    for fmt in FORMATS:
+      parts = step_weight_bytes(k25, fmt, b)
+      row[fmt] = dict(total_gb=(parts["other"] + parts["experts"]) / 1e9,
+                      experts_gb=parts["experts"] / 1e9, other_gb=parts["other"] / 1e9)
+    row["distinct_experts_per_layer"] = step_weight_bytes(k25, "bf16", b)[
+        "distinct_experts_per_layer"]
+    paper.append(row)
+
+  cpu = []
+  models = {fmt: cpu_model(fmt == "int4") for fmt in ("int4", "bf16")}
+  for b in batches:
+    row = {"batch": b}
+    for fmt, (cfg, params) in models.items():
+      row[fmt] = dict(step_s=step_time(cfg, params, b, FLAGS.context, REFERENCE, FLAGS.iters),
+                      bytes_read=bytes_floor(cfg, params, b, FLAGS.context))
+    cfg = models["bf16"][0]
+    fp8 = step_weight_bytes(cfg, "fp8", b)
+    bf16 = step_weight_bytes(cfg, "bf16", b)
+    row["fp8"] = dict(step_s=None, bytes_read=int(row["bf16"]["bytes_read"] - bf16["experts"]
+                                                  + fp8["experts"]))
+    cpu.append(row)
+
+  result = dict(kimi_k25=dict(config=k25.display_name, rows=paper),
+                cpu=dict(config=models["bf16"][0].display_name, context=FLAGS.context,
+                         device=jax.devices()[0].device_kind, rows=cpu))
+  print("Kimi K2.5 weights read per decode step (GB): batch | int4 | fp8 | bf16 | experts hit")
+  for r in paper:
+    print(f"  {r['batch']:4d} | {r['int4']['total_gb']:7.2f} | {r['fp8']['total_gb']:7.2f} | "
+          f"{r['bf16']['total_gb']:7.2f} | {r['distinct_experts_per_layer']:.1f}/layer")
+  print(f"CPU {result['cpu']['config']}, context {FLAGS.context}: batch | int4 ms (MB read) | "
+        f"bf16 ms (MB read) | fp8 MB read")
+  for r in cpu:
+    print(f"  {r['batch']:4d} | {r['int4']['step_s'] * 1e3:7.2f} ({r['int4']['bytes_read'] / 1e6:.1f})"
+          f" | {r['bf16']['step_s'] * 1e3:7.2f} ({r['bf16']['bytes_read'] / 1e6:.1f})"
+          f" | {r['fp8']['bytes_read'] / 1e6:.1f}")
+  if FLAGS.out:
+    with open(FLAGS.out, "w") as fh:
+      json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,102 @@
+"""Quantized weights kept packed in device memory, and their dequantization inside a program.
+
+`Int4Weight` is a stacked [E, K, N] matrix (x @ W layout: K inputs, N outputs per expert) held
+as symmetric INT4 with one scale per group of `group` consecutive inputs, the compressed-tensors
+"pack-quantized" scheme Kimi K2.5 / K2-Thinking ship their routed experts in:
+
+    packed  uint8 [E, K/2, N]          byte [e, j, n] = elements k = 2j (low nibble) and
+                                       k = 2j + 1 (high nibble) of column n, each stored as q + 8
+    scale   bf16 (as stored) [E, K/group, N]
+    W[e, k, n] = (nibble - 8).astype(scale.dtype) * scale[e, k // group, n]
+
+The product is taken in the scale's dtype, as compressed-tensors' `dequantize` does (for bf16
+scales a bf16-rounded product), and only then cast to the compute dtype, so a float32 forward
+sees exactly the weights the library's decompression gives. The expert axis leads: indexing
+or gathering experts (`w[ids]`) keeps the result packed, and sharding splits whole experts, so
+no packed byte is ever split. An `Int4Weight` is a pytree (children `packed`, `scale`) and goes
+through jit, shard_map and device_put like the plain array it replaces; `shape` is the logical
+[E, K, N].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INT4_OFFSET = 8  # stored nibble = q + 8, q in [-8, 7]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+  """Symmetric group-quantized INT4 [..., K, N] (see the module docstring)."""
+  packed: Any  # uint8 [..., K/2, N]
+  scale: Any  # [..., K/group, N]
+
+  @property
+  def group(self) -> int:
+    return 2 * self.packed.shape[-2] // self.scale.shape[-2]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.packed.shape[:-2]) + (2 * self.packed.shape[-2], self.packed.shape[-1])
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.packed.nbytes) + int(self.scale.nbytes)
+
+  def __getitem__(self, idx: Any) -> "Int4Weight":
+    """Indexes the leading (expert) axes only: the result is still packed."""
+    return Int4Weight(self.packed[idx], self.scale[idx])
+
+
+def is_int4(w: Any) -> bool:
+  return isinstance(w, Int4Weight)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+  """uint8 [..., K/2, N] -> int8 q in [-8, 7] [..., K, N] (low nibble first along K)."""
+  p = packed.astype(jnp.uint8)
+  lo = (p & 0xF).astype(jnp.int8) - INT4_OFFSET
+  hi = (p >> 4).astype(jnp.int8) - INT4_OFFSET
+  q = jnp.stack([lo, hi], axis=-2)  # [..., K/2, 2, N]
+  return q.reshape(*p.shape[:-2], 2 * p.shape[-2], p.shape[-1])
+
+
+def dequantize(w: Any, dtype: Any) -> jax.Array:
+  """The float [..., K, N] matrix in `dtype`: `w` itself when it is not quantized."""
+  if not is_int4(w):
+    return w.astype(dtype) if w.dtype != dtype else w
+  q = unpack_int4(w.packed)
+  k, n = q.shape[-2], q.shape[-1]
+  g = w.group
+  grouped = q.reshape(*q.shape[:-2], k // g, g, n).astype(w.scale.dtype)
+  deq = grouped * w.scale[..., :, None, :]  # in the scale's dtype, as compressed-tensors
+  return deq.reshape(*q.shape[:-2], k, n).astype(dtype)
+
+
+def dequantize_np(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+  """Host twin of `dequantize` (float32 result of the scale-dtype product), for tests/tools."""
+  p = np.asarray(packed, np.uint8)
+  q = np.stack([(p & 0xF).astype(np.int8) - INT4_OFFSET, (p >> 4).astype(np.int8) - INT4_OFFSET],
+               axis=-2).reshape(*p.shape[:-2], 2 * p.shape[-2], p.shape[-1])
+  s = np.asarray(scale)
+  g = q.shape[-2] // s.shape[-2]
+  grouped = q.reshape(*q.shape[:-2], q.shape[-2] // g, g, q.shape[-1]).astype(s.dtype)
+  deq = (grouped * s[..., :, None, :]).astype(s.dtype)
+  return deq.reshape(q.shape).astype(np.float32)
+
+
+def weight_bytes_per_expert(w: Any) -> int:
+  """Bytes of one expert's slice of a stacked [E, ...] weight (packed or not)."""
+  if is_int4(w):
+    return w.nbytes // w.packed.shape[0]
+  return int(np.prod(w.shape[1:])) * jnp.dtype(w.dtype).itemsize
