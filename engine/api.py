@@ -110,7 +110,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
     path: checkpoint directory; default: the bundled demo model (`DEMO_CHECKPOINT`,
       checkpoints/demo/target).
     dtype: parameter dtype ("bfloat16", "float32", or a jnp dtype). Default: the Orbax
-      checkpoint's stored dtype, bfloat16 for Hugging Face checkpoints.
+      checkpoint's stored dtype, bfloat16 for Hugging Face checkpoints, whose FP8 block-quantized
+      routed experts then stay FP8 on the device (any explicit dtype dequantizes them at load);
+      INT4 experts always stay packed.
     shardings: optional pytree of `jax.sharding.Sharding` matching the params.
     mesh: a `jax.sharding.Mesh` or a spec like "expert:8" / "tensor:4,expert:2": every
       parameter is loaded straight into its place by `engine.model.sharding`'s rules (no
@@ -125,7 +127,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   cfg = load_config(path)
   is_orbax = orbax_io.is_orbax_checkpoint(path)
   if not is_orbax and orbax_io.is_hf_checkpoint(path):
-    cfg = hf_loader.checkpoint_config(path, cfg)  # without MTP layers whose weights are absent
+    # Without MTP layers whose weights are absent; FP8 experts kept quantized unless a dtype
+    # asks for them dequantized at load.
+    cfg = hf_loader.checkpoint_config(path, cfg, keep_fp8=dtype is None)
   if mesh is not None:
     from engine.model import sharding
     if shardings is not None:

@@ -1,5 +1,8 @@
 """Quantized weights kept packed in device memory, and their dequantization inside a program.
 
+Two formats: `Int4Weight` (below) and `Fp8Weight` (DeepSeek-style FP8 with a float32 scale per
+128 x 128 block, its expert axis leading in the same way).
+
 `Int4Weight` is a stacked [E, K, N] matrix (x @ W layout: K inputs, N outputs per expert) held
 as symmetric INT4 with one scale per group of `group` consecutive inputs, the compressed-tensors
 "pack-quantized" scheme Kimi K2.5 / K2-Thinking ship their routed experts in:
@@ -58,8 +61,45 @@ class Int4Weight:
     return Int4Weight(self.packed[idx], self.scale[idx])
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+  """FP8 block-quantized [..., K, N] (DeepSeek-V3 / Kimi-K2-Instruct): float8_e4m3fn values and
+  a float32 scale per (bk x bn) block, W = w * scale_inv[k // bk, n // bn]."""
+  w: Any  # float8_e4m3fn [..., K, N]
+  scale_inv: Any  # float32 [..., ceil(K/bk), ceil(N/bn)]
+  block: tuple[int, int] = (128, 128)  # (bk, bn), static
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.w.shape)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.w.nbytes) + int(self.scale_inv.nbytes)
+
+  def __getitem__(self, idx: Any) -> "Fp8Weight":
+    return Fp8Weight(self.w[idx], self.scale_inv[idx], self.block)
+
+
+jax.tree_util.register_dataclass(Fp8Weight, data_fields=["w", "scale_inv"],
+                                 meta_fields=["block"])
+
+
 def is_int4(w: Any) -> bool:
   return isinstance(w, Int4Weight)
+
+
+def is_fp8(w: Any) -> bool:
+  return isinstance(w, Fp8Weight)
+
+
+def is_quantized(w: Any) -> bool:
+  """A weight kept quantized in memory (dequantized where a program uses it)."""
+  return isinstance(w, (Int4Weight, Fp8Weight))
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -72,7 +112,13 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def dequantize(w: Any, dtype: Any) -> jax.Array:
-  """The float [..., K, N] matrix in `dtype`: `w` itself when it is not quantized."""
+  """The float [..., K, N] matrix in `dtype`: `w` itself when it is not quantized. FP8: the
+  float32 product w * scale_inv (as the loader's load-time dequantization), then `dtype`."""
+  if is_fp8(w):
+    k, n = w.w.shape[-2], w.w.shape[-1]
+    bk, bn = w.block
+    s = jnp.repeat(jnp.repeat(w.scale_inv, bk, axis=-2), bn, axis=-1)[..., :k, :n]
+    return (w.w.astype(jnp.float32) * s).astype(dtype)
   if not is_int4(w):
     return w.astype(dtype) if w.dtype != dtype else w
   q = unpack_int4(w.packed)
@@ -95,8 +141,3 @@ def dequantize_np(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
   return deq.reshape(q.shape).astype(np.float32)
 
 
-def weight_bytes_per_expert(w: Any) -> int:
-  """Bytes of one expert's slice of a stacked [E, ...] weight (packed or not)."""
-  if is_int4(w):
-    return w.nbytes // w.packed.shape[0]
-  return int(np.prod(w.shape[1:])) * jnp.dtype(w.dtype).itemsize

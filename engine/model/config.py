@@ -99,6 +99,10 @@ class ModelConfig:
   mtp_layers_absent: int = 0
   # compressed-tensors INT4 (routed experts kept packed; `engine.model.quantized`), or None.
   int4: Int4Scheme | None = None
+  # FP8 block-quantized routed experts kept as float8 + float32 scale_inv: the checkpoint's
+  # weight_block_size [out, in] (`hf_loader.checkpoint_config(keep_fp8=True)`), or None
+  # (dequantized at load).
+  fp8_experts: tuple[int, int] | None = None
   # Kimi K2.5's `vision_config` as canonical JSON (kept for the vision tower; unused so far).
   vision_config_json: str = ""
   # Tokens
@@ -149,6 +153,10 @@ class ModelConfig:
   @property
   def vision_config(self) -> dict[str, Any] | None:
     return json.loads(self.vision_config_json) if self.vision_config_json else None
+
+  def experts_fp8(self, i: int) -> bool:
+    """Whether MoE layer i's routed experts are kept as FP8 blocks (`fp8_experts`)."""
+    return self.is_moe_layer(i) and self.fp8_experts is not None and not self.experts_int4(i)
 
   def experts_int4(self, i: int) -> bool:
     """Whether MoE layer i's routed experts are stored (and kept) as packed INT4."""

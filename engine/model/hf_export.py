@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from pallas_kernels.quant import Int4Weight
+from pallas_kernels.quant import Fp8Weight, Int4Weight
 
 # Our attention leaf -> HF module under self_attn.
 _ATTN_NAMES = dict(q="q_proj", q_a="q_a_proj", q_b="q_b_proj", kv_a="kv_a_proj_with_mqa",
@@ -71,6 +71,13 @@ def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
         out[name + "weight_scale"] = w.scale[e].T
         out[name + "weight_shape"] = np.array([w.packed.shape[2], 2 * w.packed.shape[1]],
                                               np.int64)  # [out, in], as compressed-tensors
+  elif isinstance(ex["gate"], Fp8Weight):  # DeepSeek FP8 blocks, per expert
+    if layout != "hub":
+      raise ValueError("FP8 experts are written in the hub layout only")
+    for k in ("gate", "up", "down"):
+      for e in range(ex[k].w.shape[0]):
+        out[f"{pre}experts.{e}.{k}_proj.weight"] = ex[k].w[e].T
+        out[f"{pre}experts.{e}.{k}_proj.weight_scale_inv"] = ex[k].scale_inv[e].T
   else:
     _moe_float(ex, out, pre, layout)
   if "shared" in moe:
@@ -131,7 +138,8 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
     # Routers stay float32, as transformers keeps them (`_keep_in_fp32_modules_strict`).
     # INT4 tensors keep their stored types.
     if dtype is None or name.endswith(("mlp.gate.weight", "e_score_correction_bias",
-                                       "weight_packed", "weight_scale", "weight_shape")):
+                                       "weight_packed", "weight_scale", "weight_shape",
+                                       "weight_scale_inv")) or x.dtype.itemsize == 1:
       return x
     return x.astype(np.dtype(dtype))
 
@@ -141,6 +149,8 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
 def _to_numpy(tree: Any) -> Any:
   if isinstance(tree, Int4Weight):
     return Int4Weight(np.asarray(tree.packed), np.asarray(tree.scale))
+  if isinstance(tree, Fp8Weight):
+    return Fp8Weight(np.asarray(tree.w), np.asarray(tree.scale_inv), tree.block)
   if isinstance(tree, dict):
     return {k: _to_numpy(v) for k, v in tree.items()}
   if isinstance(tree, (list, tuple)):

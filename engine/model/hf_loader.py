@@ -171,7 +171,7 @@ EXPERT_LAYOUTS = ("hub", "fused", "stacked")
 
 
 def _plan_moe(plan: _Plan, cfg: ModelConfig, hf: str, ours: str, layout: str,
-              int4: bool = False) -> None:
+              int4: bool = False, fp8: bool = False) -> None:
   H, E, Im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
   plan.add(hf + "gate.weight", ours + "router", (E, H), _t)
   if cfg.topk_method == "noaux_tc":
@@ -179,6 +179,8 @@ def _plan_moe(plan: _Plan, cfg: ModelConfig, hf: str, ours: str, layout: str,
   ex_hf, ex = hf + "experts.", ours + "experts."
   if int4:  # compressed-tensors per-expert tensors, kept packed (`quantized.py`)
     quantized.plan_int4_experts(plan.add, ex_hf, ex, E, H, Im, cfg.int4, _same)
+  elif fp8:  # FP8 blocks kept: values and float32 scale_inv, both transposed to [in, out]
+    quantized.plan_fp8_experts(plan.add, ex_hf, ex, E, H, Im, cfg.fp8_experts, _t)
   elif layout == "hub":
     for e in range(E):
       plan.add(f"{ex_hf}{e}.gate_proj.weight", ex + "gate", (Im, H), _t, (e,))
@@ -225,7 +227,7 @@ def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
     (_plan_mla if cfg.is_mla else _plan_gqa)(plan, cfg, hf + "self_attn.", ours + "attn.")
     if cfg.is_moe_layer(i):
       _plan_moe(plan, cfg, hf + "mlp.", ours + "moe.", _expert_layout(names, i),
-                cfg.experts_int4(i))
+                cfg.experts_int4(i), cfg.experts_fp8(i))
     else:
       _plan_mlp(plan, hf + "mlp.", ours + "mlp.", H, cfg.intermediate_size)
     if i >= cfg.num_layers:
@@ -374,17 +376,35 @@ def _mtp_tensor_names(raw_names: Any, cfg: ModelConfig) -> list[str]:
   return names
 
 
-def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None) -> ModelConfig:
+def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
+                      keep_fp8: bool = False) -> ModelConfig:
   """The config the checkpoint serves: `cfg` (its config.json by default), `without_mtp` when
   config.json declares MTP layers but the checkpoint holds none of their tensors (any checkpoint
-  saved by transformers, whose DeepseekV3 classes neither build nor save them). Reads headers."""
+  saved by transformers, whose DeepseekV3 classes neither build nor save them); with
+  `keep_fp8`, routed experts kept as FP8 blocks (`cfg.fp8_experts`) when config.json says FP8
+  and every routed expert matrix is stored F8_E4M3 with its scale_inv. Reads headers."""
   ckpt_dir = os.fspath(ckpt_dir)
   cfg = cfg if cfg is not None else load_config(ckpt_dir)
-  if not (cfg.is_mla and cfg.num_nextn_predict_layers):
+  mtp = cfg.is_mla and cfg.num_nextn_predict_layers
+  if not (mtp or keep_fp8):
     return cfg
   files, weight_map = _checkpoint_files(ckpt_dir)
   raw = _read_headers(files, weight_map, ckpt_dir)
-  return cfg if _mtp_tensor_names(raw, cfg) else without_mtp(cfg)
+  if mtp and not _mtp_tensor_names(raw, cfg):
+    cfg = without_mtp(cfg)
+  if keep_fp8 and cfg.int4 is None and cfg.num_experts:
+    block = quantized.fp8_block(_raw_config(ckpt_dir), None)
+    dtypes = {_canonical(n, cfg): (s.info.dtype, n) for n, s in raw.items()}
+    if quantized.all_experts_fp8(cfg, dtypes, FP8_SCALE_SUFFIX) and _fp8_configured(ckpt_dir):
+      cfg = dataclasses.replace(cfg, fp8_experts=block)
+  return cfg
+
+
+def _fp8_configured(ckpt_dir: str) -> bool:
+  raw_cfg = _raw_config(ckpt_dir)
+  text = raw_cfg.get("text_config") if isinstance(raw_cfg.get("text_config"), dict) else {}
+  qc = raw_cfg.get("quantization_config") or text.get("quantization_config") or {}
+  return qc.get("quant_method") == "fp8"
 
 
 def _shown(name: str, cfg: ModelConfig) -> str:
@@ -409,10 +429,10 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
              len(skipped), ", ".join(sorted({n.split(".")[0] for n in skipped})))
   fp8_example = next((s.raw_name for s in canon.values() if s.info.dtype.startswith("F8")), None)
   block = quantized.fp8_block(raw_cfg, fp8_example, cfg.int4 is not None)
-  scales = {n[:-len(FP8_SCALE_SUFFIX)] + ".weight": canon.pop(n)
-            for n in list(canon) if n.endswith(FP8_SCALE_SUFFIX)}
-
   plan = _build_plan(cfg, set(canon))
+  # FP8 scales of weights dequantized at load (kept FP8 experts plan their scales themselves).
+  scales = {n[:-len(FP8_SCALE_SUFFIX)] + ".weight": canon.pop(n)
+            for n in list(canon) if n.endswith(FP8_SCALE_SUFFIX) and n not in plan.fills}
   for name in canon:
     if name in plan.fills or cfg.int4 is not None:  # INT4 configs: listed as unexpected below
       continue

@@ -46,14 +46,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.model.config import ModelConfig
-from pallas_kernels.quant import Int4Weight
+from pallas_kernels.quant import Fp8Weight, Int4Weight
 
 Params = dict[str, Any]
 
 # Leaves kept in float32 whatever the checkpoint dtype (routing decisions are precision-sensitive).
 FLOAT32_LEAVES = ("router", "router_bias")
 # The children of an `Int4Weight` (INT4 routed experts): packed nibbles and bf16 group scales.
-INT4_LEAF_DTYPES = {"packed": jnp.uint8, "scale": jnp.bfloat16}
+# The children of an `Fp8Weight` (FP8 routed experts kept quantized): values and block scales.
+QUANT_LEAF_DTYPES = {"packed": jnp.uint8, "scale": jnp.bfloat16, "w": jnp.float8_e4m3fn,
+                     "scale_inv": jnp.float32}
 
 
 def _attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -96,6 +98,10 @@ def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, Any]:
   if cfg.experts_int4(i):
     g = cfg.int4.group_size
     experts = {k: _int4_shape(*shape, g) for k, shape in experts.items()}
+  elif cfg.experts_fp8(i):
+    b_out, b_in = cfg.fp8_experts  # HF weight_block_size is [out, in]; ours is [in, out]
+    experts = {k: Fp8Weight(w=(e, kk, n), scale_inv=(e, -(-kk // b_in), -(-n // b_out)),
+                            block=(b_in, b_out)) for k, (e, kk, n) in experts.items()}
   s: dict[str, Any] = {"router": (H, E), "experts": experts}
   if cfg.topk_method == "noaux_tc":
     s["router_bias"] = (E,)
@@ -142,8 +148,8 @@ def leaf_dtype(path: tuple[Any, ...], dtype: Any) -> Any:
   """The dtype a leaf is stored in: float32 for routing leaves, uint8 / bf16 for the packed
   nibbles / scales of INT4 experts, `dtype` otherwise."""
   name = _key_name(path[-1])
-  if name in INT4_LEAF_DTYPES and len(path) >= 3 and _key_name(path[-3]) == "experts":
-    return INT4_LEAF_DTYPES[name]
+  if name in QUANT_LEAF_DTYPES and len(path) >= 3 and _key_name(path[-3]) == "experts":
+    return QUANT_LEAF_DTYPES[name]
   return jnp.float32 if name in FLOAT32_LEAVES else dtype
 
 
@@ -179,6 +185,11 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
     name = _key_name(path[-1])
     if leaf_dtype(path, dtype) == jnp.uint8:  # INT4 nibbles, uniformly random
       return jnp.asarray(rng.integers(0, 256, size=shape), jnp.uint8)
+    if leaf_dtype(path, dtype) == jnp.float8_e4m3fn:  # FP8 values; the scales set the size
+      return jnp.asarray(rng.standard_normal(shape) * 64, jnp.float8_e4m3fn)
+    if name == "scale_inv" and leaf_dtype(path, dtype) == jnp.float32:
+      fan_in = shape[1] * 128
+      return jnp.asarray(np.sqrt(scale / fan_in) / 64 * (0.5 + rng.random(shape)), jnp.float32)
     if name == "scale" and leaf_dtype(path, dtype) == jnp.bfloat16:
       # q is ~uniform in [-8, 7] (std ~4.6): weights of std ~sqrt(scale / fan_in).
       fan_in = shape[1] * cfg.int4.group_size

@@ -252,6 +252,38 @@ def plan_int4_experts(add: Any, ex_hf: str, ex: str, num_experts: int, hidden: i
       add(name + SHAPE_SUFFIX, "", shapes[SHAPE_SUFFIX], same, (), ("I32", "I64"))
 
 
+def plan_fp8_experts(add: Any, ex_hf: str, ex: str, num_experts: int, hidden: int, inter: int,
+                     block: tuple[int, int], t: Any) -> None:
+  """The loader's plan entries of one layer's FP8 experts kept quantized: per expert and matrix
+  the F8_E4M3 `weight` into the `Fp8Weight`'s `w`, its float32 `weight_scale_inv` into
+  `scale_inv`, both transposed from [out, in] to [in, out]."""
+  b_out, b_in = block
+  for e in range(num_experts):
+    for proj, leaf, (out, inp) in (("gate_proj", "gate", (inter, hidden)),
+                                   ("up_proj", "up", (inter, hidden)),
+                                   ("down_proj", "down", (hidden, inter))):
+      name = f"{ex_hf}{e}.{proj}"
+      add(name + ".weight", f"{ex}{leaf}.w", (out, inp), t, (e,), ("F8_E4M3",))
+      add(name + ".weight_scale_inv", f"{ex}{leaf}.scale_inv",
+          (-(-out // b_out), -(-inp // b_in)), t, (e,), ("F32",))
+
+
+def all_experts_fp8(cfg: Any, dtypes: dict[str | None, tuple[str, str]], scale_suffix: str) -> bool:
+  """Whether every routed expert matrix of `cfg` is stored F8_E4M3 with a scale (`dtypes`:
+  {canonical name: (safetensors dtype, raw name)})."""
+  for i in range(cfg.num_layers):
+    if not cfg.is_moe_layer(i):
+      continue
+    for e in range(cfg.num_experts):
+      for proj in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
+        if dtypes.get(name, ("",))[0] != "F8_E4M3":
+          return False
+        if name[:-len(".weight")] + scale_suffix not in dtypes:
+          return False
+  return True
+
+
 def check_weight_shapes(where: dict[str, tuple[str, str]], hf_shape: Any) -> list[str]:
   """Problem lines for stored `weight_shape` values ({hf name: (raw name, file)}) that
   disagree with their packed weight's [out, in] (`hf_shape(name)`: the planned shape)."""

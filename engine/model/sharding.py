@@ -159,6 +159,8 @@ def param_kind(path: str, dtype: Any) -> str:
   parts = path.split(".")
   if len(parts) > 2 and parts[-3] == "experts" and parts[-1] in ("packed", "scale"):
     return "int4 experts"
+  if len(parts) > 2 and parts[-3] == "experts" and parts[-1] in ("w", "scale_inv"):
+    return "fp8 experts"
   name = str(jax.numpy.dtype(dtype))
   return "fp8" if name.startswith("float8") else name
 

@@ -12,8 +12,8 @@ For the last two, DeepSeek-V2's rule applies: normalise when `norm_topk_prob`, e
 
 Shapes: T tokens, H hidden, E experts, k experts per token, I expert width.
 
-Expert weights may be plain arrays or INT4 kept packed (`pallas_kernels.quant.Int4Weight`, same
-logical shapes). Packed experts are dequantized inside the program, only where used: the
+Expert weights may be plain arrays or kept quantized (`pallas_kernels.quant.Int4Weight` INT4,
+`Fp8Weight` FP8 blocks; same logical shapes). Quantized ("packed") experts are dequantized inside the program, only where used: the
 gathered formulation dequantizes the copies' gathered experts; the all-experts and tiled ones
 run one expert (one tile's expert) at a time in a `lax.map`, so the float copy of every expert
 never exists; `lax.ragged_dot` (which wants whole float weights) is not used for them.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quant import dequantize, is_int4
+from pallas_kernels.quant import dequantize, is_quantized
 
 
 def route(router_logits: jax.Array, correction_bias: jax.Array | None, *, scoring_func: str,
@@ -87,7 +87,7 @@ def _keep_top_groups(grouped: jax.Array, group_scores: jax.Array, topk_group: in
 
 def _deq(w, dtype):
   """A packed INT4 weight dequantized to `dtype`; a plain array unchanged."""
-  return dequantize(w, dtype) if is_int4(w) else w
+  return dequantize(w, dtype) if is_quantized(w) else w
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -138,7 +138,7 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   tile = _tile_rows(expert_ids.size, w_gate.shape[0])
   if _dense_pays(x.shape[0], expert_ids.size, w_gate.shape[0], tile):
     return moe_experts_all(*args, expert_offset=expert_offset)
-  if is_int4(w_gate):  # tiles run one at a time: the gathered tile weights never all exist
+  if is_quantized(w_gate):  # tiles run one at a time: the gathered tile weights never all exist
     return moe_experts_tiled(*args, expert_offset=expert_offset, tile=tile)
   num_tiles = -(-expert_ids.size // tile) + w_gate.shape[0]
   if num_tiles * _expert_bytes(w_gate) <= GATHER_MAX_BYTES:
@@ -153,7 +153,7 @@ def moe_experts_ragged(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   combined back in token order."""
   t, h = x.shape
   k = expert_ids.shape[1]
-  if is_int4(w_gate):
+  if is_quantized(w_gate):
     raise NotImplementedError("moe_experts_ragged takes float expert weights (lax.ragged_dot); "
                               "packed INT4 experts use moe_experts_tiled")
   e_local = w_gate.shape[0]
@@ -175,7 +175,7 @@ def moe_experts_ragged(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
 def _expert_bytes(w_gate: jax.Array) -> int:
   """Bytes of one expert's three matrices once gathered in float (INT4: dequantized to bf16)."""
   _, h, i = w_gate.shape
-  return 3 * h * i * (2 if is_int4(w_gate) else w_gate.dtype.itemsize)
+  return 3 * h * i * (2 if is_quantized(w_gate) else w_gate.dtype.itemsize)
 
 
 def _tile_rows(copies: int, e_local: int) -> int:
@@ -202,7 +202,7 @@ def moe_experts_all(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   # Batched over experts ([E, T, H] x [E, H, I]): contracting H of [E, H, I] against [T, H]
   # directly makes XLA:CPU transpose every expert's weights on every call.
   xb = jnp.broadcast_to(x[None], (e_local,) + x.shape)
-  if is_int4(w_gate):
+  if is_quantized(w_gate):
     y = _mapped_mlp(xb, jnp.arange(e_local), w_gate, w_up, w_down)  # [E, T, H]
   else:
     gate = jnp.einsum("eth,ehi->eti", xb, w_gate)
@@ -250,7 +250,7 @@ def moe_experts_tiled(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   copy = order[jnp.where(real, sorted_start[row_expert] + within, 0)]
   xt = jnp.where(real[:, None], x[copy // k], 0).reshape(num_tiles, tile, h)
   te = row_expert[::tile]  # each tile's expert
-  if is_int4(w_gate):
+  if is_quantized(w_gate):
     y = _mapped_mlp(xt, te, w_gate, w_up, w_down).reshape(-1, h)
   else:
     gate = jnp.einsum("gmh,ghi->gmi", xt, w_gate[te])
