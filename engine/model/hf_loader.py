@@ -47,19 +47,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 K25_PREFIX = "language_model."
 K25_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
-# Tensor suffixes of quantization formats, by format (decoded only where a config says so).
-UNSUPPORTED_QUANT_SUFFIXES = {
-    ".weight_packed": "compressed-tensors (packed int4/int8)",
-    ".weight_scale": "compressed-tensors",
-    ".weight_shape": "compressed-tensors",
-    ".weight_zero_point": "compressed-tensors",
-    ".weight_global_scale": "compressed-tensors (nvfp4)",
-    ".input_scale": "static activation quantization",
-    ".qweight": "GPTQ/AWQ",
-    ".qzeros": "GPTQ/AWQ",
-    ".scales": "GPTQ/AWQ",
-    ".g_idx": "GPTQ",
-}
 # Print progress lines (when asked) if stderr is a terminal or the load is at least this large.
 PROGRESS_MIN_BYTES = 1 << 30
 MAX_LISTED_PROBLEMS = 8
@@ -393,18 +380,11 @@ def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
   if mtp and not _mtp_tensor_names(raw, cfg):
     cfg = without_mtp(cfg)
   if keep_fp8 and cfg.int4 is None and cfg.num_experts:
-    block = quantized.fp8_block(_raw_config(ckpt_dir), None)
-    dtypes = {_canonical(n, cfg): (s.info.dtype, n) for n, s in raw.items()}
-    if quantized.all_experts_fp8(cfg, dtypes, FP8_SCALE_SUFFIX) and _fp8_configured(ckpt_dir):
+    block = quantized.fp8_experts_block(
+        _raw_config(ckpt_dir), {_canonical(n, cfg): s.info.dtype for n, s in raw.items()}, cfg)
+    if block is not None:
       cfg = dataclasses.replace(cfg, fp8_experts=block)
   return cfg
-
-
-def _fp8_configured(ckpt_dir: str) -> bool:
-  raw_cfg = _raw_config(ckpt_dir)
-  text = raw_cfg.get("text_config") if isinstance(raw_cfg.get("text_config"), dict) else {}
-  qc = raw_cfg.get("quantization_config") or text.get("quantization_config") or {}
-  return qc.get("quant_method") == "fp8"
 
 
 def _shown(name: str, cfg: ModelConfig) -> str:
@@ -436,7 +416,7 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
   for name in canon:
     if name in plan.fills or cfg.int4 is not None:  # INT4 configs: listed as unexpected below
       continue
-    for suffix, fmt in UNSUPPORTED_QUANT_SUFFIXES.items():
+    for suffix, fmt in quantized.QUANT_SUFFIXES.items():
       if name.endswith(suffix):
         raise NotImplementedError(
             f"tensor {canon[name].raw_name!r} is stored in a quantized format ({fmt}) but "

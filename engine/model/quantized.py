@@ -45,6 +45,19 @@ PACKED_SUFFIX, SCALE_SUFFIX, SHAPE_SUFFIX = ".weight_packed", ".weight_scale", "
 SCALE_DTYPES = {"bfloat16": "BF16"}
 K25_PREFIX = "language_model."
 DEFAULT_FP8_BLOCK = (128, 128)
+# Tensor suffixes of quantization formats, by format (decoded only where a config says so).
+QUANT_SUFFIXES = {
+    ".weight_packed": "compressed-tensors (packed int4/int8)",
+    ".weight_scale": "compressed-tensors",
+    ".weight_shape": "compressed-tensors",
+    ".weight_zero_point": "compressed-tensors",
+    ".weight_global_scale": "compressed-tensors (nvfp4)",
+    ".input_scale": "static activation quantization",
+    ".qweight": "GPTQ/AWQ",
+    ".qzeros": "GPTQ/AWQ",
+    ".scales": "GPTQ/AWQ",
+    ".g_idx": "GPTQ",
+}
 
 
 class QuantizationConfigError(ValueError):
@@ -268,20 +281,24 @@ def plan_fp8_experts(add: Any, ex_hf: str, ex: str, num_experts: int, hidden: in
           (-(-out // b_out), -(-inp // b_in)), t, (e,), ("F32",))
 
 
-def all_experts_fp8(cfg: Any, dtypes: dict[str | None, tuple[str, str]], scale_suffix: str) -> bool:
-  """Whether every routed expert matrix of `cfg` is stored F8_E4M3 with a scale (`dtypes`:
-  {canonical name: (safetensors dtype, raw name)})."""
+def fp8_experts_block(raw_cfg: dict[str, Any], dtypes: dict[str | None, str],
+                      cfg: Any) -> tuple[int, int] | None:
+  """The block to keep routed experts FP8 in: config.json says fp8 and every routed expert
+  matrix of `cfg` is stored F8_E4M3 with a weight_scale_inv (`dtypes`: {canonical name:
+  safetensors dtype}); None otherwise (they are dequantized at load)."""
+  text = raw_cfg.get("text_config") if isinstance(raw_cfg.get("text_config"), dict) else {}
+  qc = raw_cfg.get("quantization_config") or text.get("quantization_config") or {}
+  if qc.get("quant_method") != "fp8":
+    return None
   for i in range(cfg.num_layers):
     if not cfg.is_moe_layer(i):
       continue
     for e in range(cfg.num_experts):
       for proj in ("gate_proj", "up_proj", "down_proj"):
-        name = f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"
-        if dtypes.get(name, ("",))[0] != "F8_E4M3":
-          return False
-        if name[:-len(".weight")] + scale_suffix not in dtypes:
-          return False
-  return True
+        name = f"model.layers.{i}.mlp.experts.{e}.{proj}"
+        if dtypes.get(name + ".weight") != "F8_E4M3" or name + ".weight_scale_inv" not in dtypes:
+          return None
+  return fp8_block(raw_cfg, None)
 
 
 def check_weight_shapes(where: dict[str, tuple[str, str]], hf_shape: Any) -> list[str]:
