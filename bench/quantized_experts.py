@@ -12,8 +12,9 @@ Two parts, side by side per expert format:
 * `cpu`: the same step measured on this machine on a small model of the same architecture
   (random weights; `--hidden`, `--experts`, ...): median device seconds of one jitted decode
   step (forward + greedy logits, T = 1, `--context` cached tokens), experts as `Int4Weight`
-  (dequantized inside the step) against bf16 arrays, and the bytes that step reads in each.
-  FP8 is bytes only: FP8 weights are dequantized to bf16 at load today (issue 31 item 3).
+  (dequantized inside the step),
+  `Fp8Weight` (float8 + float32 scale per 128 x 128 block, dequantized inside the step) and
+  bf16 arrays, and the bytes that step reads in each.
 Writes JSON with both parts.
 """
 
@@ -67,8 +68,9 @@ def expert_bytes_per_weight(fmt: str, k: int, n: int) -> float:
 
 
 def step_weight_bytes(cfg, fmt: str, batch: int) -> dict[str, float]:
-  """Weight bytes one decode step of `batch` tokens reads (uniform routing), by part."""
-  shapes = param_shapes(cfg)
+  """Weight bytes one decode step of `batch` tokens reads (uniform routing), by part: the
+  logical (float) layout of `cfg`, its routed experts priced in `fmt`."""
+  shapes = param_shapes(dataclasses.replace(cfg, int4=None, fp8_experts=None))
   other = expert = 0.0
   for path, s in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(
       x, tuple) and all(isinstance(d, int) for d in x))[0]:
@@ -82,15 +84,17 @@ def step_weight_bytes(cfg, fmt: str, batch: int) -> dict[str, float]:
   return dict(other=other, experts=expert * touched / e, distinct_experts_per_layer=touched)
 
 
-def cpu_model(int4: bool):
+def cpu_model(fmt: str):
   d = dict(KIMI_K25_TEXT, vocab_size=4096, hidden_size=FLAGS.hidden,
            intermediate_size=2 * FLAGS.hidden, moe_intermediate_size=FLAGS.expert_width,
            num_hidden_layers=FLAGS.layers, num_attention_heads=8, n_routed_experts=FLAGS.experts,
            q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
            v_head_dim=32, max_position_embeddings=4096)
   cfg = config_from_dict(d)
-  if int4:
+  if fmt == "int4":
     cfg = dataclasses.replace(cfg, int4=INT4)
+  elif fmt == "fp8":
+    cfg = dataclasses.replace(cfg, fp8_experts=(128, 128))
   return cfg, init_params(cfg, seed=0, dtype=jnp.bfloat16)
 
 
@@ -110,17 +114,12 @@ def main(argv):
     paper.append(row)
 
   cpu = []
-  models = {fmt: cpu_model(fmt == "int4") for fmt in ("int4", "bf16")}
+  models = {fmt: cpu_model(fmt) for fmt in FORMATS}
   for b in batches:
     row = {"batch": b}
     for fmt, (cfg, params) in models.items():
       row[fmt] = dict(step_s=step_time(cfg, params, b, FLAGS.context, REFERENCE, FLAGS.iters),
                       bytes_read=bytes_floor(cfg, params, b, FLAGS.context))
-    cfg = models["bf16"][0]
-    fp8 = step_weight_bytes(cfg, "fp8", b)
-    bf16 = step_weight_bytes(cfg, "bf16", b)
-    row["fp8"] = dict(step_s=None, bytes_read=int(row["bf16"]["bytes_read"] - bf16["experts"]
-                                                  + fp8["experts"]))
     cpu.append(row)
 
   result = dict(kimi_k25=dict(config=k25.display_name, rows=paper),
@@ -130,12 +129,11 @@ def main(argv):
   for r in paper:
     print(f"  {r['batch']:4d} | {r['int4']['total_gb']:7.2f} | {r['fp8']['total_gb']:7.2f} | "
           f"{r['bf16']['total_gb']:7.2f} | {r['distinct_experts_per_layer']:.1f}/layer")
-  print(f"CPU {result['cpu']['config']}, context {FLAGS.context}: batch | int4 ms (MB read) | "
-        f"bf16 ms (MB read) | fp8 MB read")
+  print(f"CPU {result['cpu']['config']}, context {FLAGS.context}: batch | ms (MB read) "
+        f"for " + " | ".join(FORMATS))
   for r in cpu:
-    print(f"  {r['batch']:4d} | {r['int4']['step_s'] * 1e3:7.2f} ({r['int4']['bytes_read'] / 1e6:.1f})"
-          f" | {r['bf16']['step_s'] * 1e3:7.2f} ({r['bf16']['bytes_read'] / 1e6:.1f})"
-          f" | {r['fp8']['bytes_read'] / 1e6:.1f}")
+    print(f"  {r['batch']:4d} | " + " | ".join(
+        f"{r[f]['step_s'] * 1e3:7.2f} ({r[f]['bytes_read'] / 1e6:.1f})" for f in FORMATS))
   if FLAGS.out:
     with open(FLAGS.out, "w") as fh:
       json.dump(result, fh, indent=2)

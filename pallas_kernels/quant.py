@@ -117,6 +117,11 @@ def dequantize(w: Any, dtype: Any) -> jax.Array:
   if is_fp8(w):
     k, n = w.w.shape[-2], w.w.shape[-1]
     bk, bn = w.block
+    lead = w.w.shape[:-2]
+    if k % bk == 0 and n % bn == 0:  # whole blocks: broadcast each scale over its block
+      blocks = w.w.astype(jnp.float32).reshape(*lead, k // bk, bk, n // bn, bn)
+      deq = blocks * w.scale_inv[..., :, None, :, None]
+      return deq.reshape(*lead, k, n).astype(dtype)
     s = jnp.repeat(jnp.repeat(w.scale_inv, bk, axis=-2), bn, axis=-1)[..., :k, :n]
     return (w.w.astype(jnp.float32) * s).astype(dtype)
   if not is_int4(w):

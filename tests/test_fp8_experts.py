@@ -150,3 +150,13 @@ def test_partly_fp8_experts_are_dequantized_at_load(tmp_path):
   assert checkpoint_config(out, keep_fp8=True).fp8_experts is None
   m = engine.load(out, progress=False)
   assert m.params["layers"][1]["moe"]["experts"]["down"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("k, n", [(64, 96), (48, 40)])  # whole blocks; partial edge blocks
+def test_dequantize_equals_loader_dequant(k, n):
+  from engine.model import quantized
+  rng = np.random.default_rng(k)
+  w = np.clip(rng.standard_normal((3, k, n)) * 32, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+  s = rng.random((3, -(-k // 32), -(-n // 32))).astype(np.float32)
+  got = jax.jit(lambda a, b: dequantize(Fp8Weight(a, b, (32, 32)), jnp.float32))(w, s)
+  np.testing.assert_array_equal(np.asarray(got), quantized.dequant_fp8(w, s, (32, 32)))

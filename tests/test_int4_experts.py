@@ -451,3 +451,59 @@ def test_orbax_conversion_keeps_experts_packed(tmp_path, model):
   for a, b in zip(got, want):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_serving_engine_reproduces_transformers_greedy(model, golden):
+  from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.request import StopParams
+  eng = Engine(model.config, model.params, EngineConfig(
+      page_size=8, max_num_seqs=2, max_num_batched_tokens=32, row_widths=(16,),
+      max_model_len=64, cache_dtype=jnp.float32))
+  outs = eng.generate([golden["prompt_0"].tolist(), golden["prompt_1"].tolist()],
+                      stop=StopParams(max_tokens=32, ignore_eos=True))
+  for i, r in enumerate(outs):
+    assert r.output_ids == golden[f"greedy_{i}"].tolist(), i
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_forward_with_packed_experts_lowers_for_cuda(t):
+  """The plain-JAX INT4 path (gathered / per-expert / per-tile dequantization) exports for
+  CUDA under an abstract H200 (bf16 activations), the packed experts as the inputs."""
+  import sys
+  sys.path.insert(0, os.path.dirname(__file__))
+  from cuda_export import export_cuda_calls
+  from engine.model.params import abstract_params
+  cfg = config_from_dict(_fixture_config())
+  params = abstract_params(cfg, jnp.bfloat16)
+  assert params["layers"][1]["moe"]["experts"]["gate"].packed.dtype == jnp.uint8
+  cache = jax.eval_shape(lambda: init_cache(cfg, 9, 8, jnp.bfloat16))
+  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+  export_cuda_calls(forward_logits, params, cache, i32(2, t), i32(2), i32(2), i32(2, 4), cfg=cfg)
+
+
+def test_bench_bytes_per_step_agree_with_placed_bytes():
+  """bench/quantized_experts.py's per-step expert bytes (4.5 bits INT4, 1 B + block scales FP8,
+  2 B bf16) equal the bytes of the leaves the engine actually holds, and Kimi K2.5's are the
+  formula's: 60 MoE layers x 8 experts x 3 x 7168 x 2048 weights at batch 1."""
+  import math
+  from bench import quantized_experts as qe
+  from engine.model.params import abstract_params
+  k25 = config_from_dict(qe.KIMI_K25_TEXT)
+  b1 = {f: qe.step_weight_bytes(k25, f, 1) for f in qe.FORMATS}
+  weights = 60 * 8 * 3 * 7168 * 2048
+  assert b1["int4"]["experts"] == pytest.approx(weights * 0.5625)
+  assert b1["bf16"]["experts"] == pytest.approx(weights * 2)
+  assert b1["fp8"]["experts"] == pytest.approx(weights * (1 + 4 / 128 ** 2))
+  assert b1["int4"]["other"] == b1["bf16"]["other"]
+  for fmt, cfg in (("int4", dataclasses_replace(k25, int4=qe.INT4)),
+                   ("fp8", dataclasses_replace(k25, fp8_experts=(128, 128))), ("bf16", k25)):
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_params(cfg, jnp.bfloat16))[0]
+    held = sum(math.prod(x.shape) * x.dtype.itemsize for p, x in leaves
+               if "experts" in jax.tree_util.keystr(p))
+    all_experts = qe.step_weight_bytes(cfg, fmt, 10 ** 6)["experts"]  # every expert hit
+    assert held == pytest.approx(all_experts, rel=1e-9), fmt
+
+
+def dataclasses_replace(cfg, **kw):
+  import dataclasses
+  return dataclasses.replace(cfg, **kw)

@@ -186,10 +186,10 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
     if leaf_dtype(path, dtype) == jnp.uint8:  # INT4 nibbles, uniformly random
       return jnp.asarray(rng.integers(0, 256, size=shape), jnp.uint8)
     if leaf_dtype(path, dtype) == jnp.float8_e4m3fn:  # FP8 values; the scales set the size
-      return jnp.asarray(rng.standard_normal(shape) * 64, jnp.float8_e4m3fn)
+      return jnp.asarray(np.clip(rng.standard_normal(shape) * 32, -448, 448), jnp.float8_e4m3fn)
     if name == "scale_inv" and leaf_dtype(path, dtype) == jnp.float32:
       fan_in = shape[1] * 128
-      return jnp.asarray(np.sqrt(scale / fan_in) / 64 * (0.5 + rng.random(shape)), jnp.float32)
+      return jnp.asarray(np.sqrt(scale / fan_in) / 32 * (0.5 + rng.random(shape)), jnp.float32)
     if name == "scale" and leaf_dtype(path, dtype) == jnp.bfloat16:
       # q is ~uniform in [-8, 7] (std ~4.6): weights of std ~sqrt(scale / fan_in).
       fan_in = shape[1] * cfg.int4.group_size
