@@ -53,7 +53,10 @@ def main():
         packed_shards=sorted({tuple(s.data.shape) for s in gate.packed.addressable_shards}),
         scale_shards=sorted({tuple(s.data.shape) for s in gate.scale.addressable_shards}),
         devices=len({s.device for s in gate.packed.addressable_shards}),
-        spec=str(gate.packed.sharding.spec))
+        spec=str(gate.packed.sharding.spec),
+        int4_bytes_per_device=sorted({k["int4 experts"]
+                                      for k in sharding.param_bytes_by_kind(m.params).values()}),
+        log_lines=len(sharding.format_param_bytes(sharding.param_bytes_by_kind(m.params))))
   print(json.dumps(out))
 
 

@@ -420,6 +420,9 @@ def test_packed_experts_split_whole_over_eight_devices():
     assert r["packed_dtype"] == "uint8" and r["devices"] == 8, (spec, r)
     assert r["packed_shards"] == [[1, 32, 32]] and r["scale_shards"] == [[1, 2, 32]], (spec, r)
     assert r["spec"] == "P(('expert', 'tensor'), None, None)", (spec, r)
+    # The memory log's per-device INT4 bytes: one expert's 3 packed matrices and scales each.
+    assert r["int4_bytes_per_device"] == [3 * (H * IM // 2 + (H // 32) * IM * 2)], (spec, r)
+    assert r["log_lines"] == 8, (spec, r)
 
 
 def test_k2_thinking_layout_loads_the_same(tmp_path, model):
