@@ -489,7 +489,7 @@ def test_bench_bytes_per_step_agree_with_placed_bytes():
   2 B bf16) equal the bytes of the leaves the engine actually holds, and Kimi K2.5's are the
   formula's: 60 MoE layers x 8 experts x 3 x 7168 x 2048 weights at batch 1."""
   import math
-  from bench import quantized_experts as qe
+  from bench import expert_bytes as qe
   from engine.model.params import abstract_params
   k25 = config_from_dict(qe.KIMI_K25_TEXT)
   b1 = {f: qe.step_weight_bytes(k25, f, 1) for f in qe.FORMATS}

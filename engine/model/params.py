@@ -27,7 +27,9 @@ rules can name it. Layer `i` lives at `params["layers"][i]`.
         experts:     gate [E, H, Im]   up [E, H, Im]   down [E, Im, H]
                      or, for compressed-tensors INT4 checkpoints (`cfg.experts_int4(i)`), each
                      an `Int4Weight` (pallas_kernels/quant.py) of the same logical shape:
-                     packed uint8 [E, K/2, N] and scale bf16 [E, K/group, N]
+                     packed uint8 [E, K/2, N] and scale bf16 [E, K/group, N]; for FP8
+                     experts kept quantized (`cfg.experts_fp8(i)`) an `Fp8Weight`: w
+                     float8_e4m3fn [E, K, N] and scale_inv float32 [E, K/bk, N/bn]
         shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
     mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer
                  (the keys above, MoE or dense as layer num_layers + k) plus
@@ -146,7 +148,8 @@ def shape_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], tuple[int
 
 def leaf_dtype(path: tuple[Any, ...], dtype: Any) -> Any:
   """The dtype a leaf is stored in: float32 for routing leaves, uint8 / bf16 for the packed
-  nibbles / scales of INT4 experts, `dtype` otherwise."""
+  nibbles / scales of INT4 experts, float8_e4m3fn / float32 for kept FP8 experts' values /
+  block scales, `dtype` otherwise."""
   name = _key_name(path[-1])
   if name in QUANT_LEAF_DTYPES and len(path) >= 3 and _key_name(path[-3]) == "experts":
     return QUANT_LEAF_DTYPES[name]

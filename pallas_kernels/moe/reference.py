@@ -13,10 +13,11 @@ For the last two, DeepSeek-V2's rule applies: normalise when `norm_topk_prob`, e
 Shapes: T tokens, H hidden, E experts, k experts per token, I expert width.
 
 Expert weights may be plain arrays or kept quantized (`pallas_kernels.quant.Int4Weight` INT4,
-`Fp8Weight` FP8 blocks; same logical shapes). Quantized ("packed") experts are dequantized inside the program, only where used: the
-gathered formulation dequantizes the copies' gathered experts; the all-experts and tiled ones
-run one expert (one tile's expert) at a time in a `lax.map`, so the float copy of every expert
-never exists; `lax.ragged_dot` (which wants whole float weights) is not used for them.
+`Fp8Weight` FP8 blocks; same logical shapes). Quantized experts are dequantized inside the
+program, only where used: the gathered formulation dequantizes the copies' gathered experts;
+the all-experts and tiled ones run one expert (one tile's expert) at a time in a `lax.map`, so
+the float copy of every expert never exists; `lax.ragged_dot` (which wants whole float
+weights) is not used for them.
 """
 
 from __future__ import annotations
@@ -86,13 +87,13 @@ def _keep_top_groups(grouped: jax.Array, group_scores: jax.Array, topk_group: in
 
 
 def _deq(w, dtype):
-  """A packed INT4 weight dequantized to `dtype`; a plain array unchanged."""
+  """A quantized (INT4 / FP8) weight dequantized to `dtype`; a plain array unchanged."""
   return dequantize(w, dtype) if is_quantized(w) else w
 
 
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
   """down(silu(x @ gate) * (x @ up)) for x [..., H], gate/up [H, I], down [I, H] (arrays, or
-  INT4 weights dequantized here to x's dtype)."""
+  quantized weights dequantized here to x's dtype)."""
   w_gate, w_up, w_down = (_deq(w, x.dtype) for w in (w_gate, w_up, w_down))
   h = jax.nn.silu(x @ w_gate) * (x @ w_up)
   return h @ w_down
@@ -155,7 +156,7 @@ def moe_experts_ragged(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   k = expert_ids.shape[1]
   if is_quantized(w_gate):
     raise NotImplementedError("moe_experts_ragged takes float expert weights (lax.ragged_dot); "
-                              "packed INT4 experts use moe_experts_tiled")
+                              "quantized experts use moe_experts_tiled")
   e_local = w_gate.shape[0]
   local = expert_ids.reshape(-1) - expert_offset  # [T*k]
   in_shard = (local >= 0) & (local < e_local)
@@ -173,7 +174,7 @@ def moe_experts_ragged(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
 
 
 def _expert_bytes(w_gate: jax.Array) -> int:
-  """Bytes of one expert's three matrices once gathered in float (INT4: dequantized to bf16)."""
+  """Bytes of one expert's three matrices once gathered in float (quantized: as bf16)."""
   _, h, i = w_gate.shape
   return 3 * h * i * (2 if is_quantized(w_gate) else w_gate.dtype.itemsize)
 
