@@ -94,10 +94,10 @@ def parse_quantization_config(d: dict[str, Any]) -> Int4Scheme | None:
   """The INT4 scheme of a compressed-tensors config.json, None when it has none (unquantized
   or FP8, which the loader reads itself). QuantizationConfigError names the field otherwise."""
   where, qc = find_quantization_config(d)
+  if qc is not None and not isinstance(qc, dict):
+    raise QuantizationConfigError(f"config.json: {where} must be an object")
   if qc is None or qc.get("quant_method") != COMPRESSED_TENSORS:
     return None
-  if not isinstance(qc, dict):
-    raise QuantizationConfigError(f"config.json: {where} must be an object")
 
   def bad(field: str, value: Any, want: str) -> QuantizationConfigError:
     return QuantizationConfigError(
@@ -173,7 +173,7 @@ def _match(name: str, target: str) -> bool:
   return target == name or target == "Linear"
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=8192)
 def module_quantized(scheme: Int4Scheme, module: str) -> bool:
   """Whether the linear module `module` (text-model name, e.g. `model.layers.1.mlp.experts.0.
   gate_proj`) is quantized by `scheme`: matched by a target and by no ignore entry, under its
@@ -185,6 +185,7 @@ def module_quantized(scheme: Int4Scheme, module: str) -> bool:
   return targeted and not ignored
 
 
+@functools.lru_cache(maxsize=1024)
 def layer_experts_int4(scheme: Int4Scheme | None, layer: int, num_experts: int) -> bool:
   """Whether layer `layer`'s routed experts are INT4; all of its 3 E matrices or none."""
   if scheme is None:
