@@ -63,11 +63,16 @@ class Int4Weight:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Weight:
-  """FP8 block-quantized [..., K, N] (DeepSeek-V3 / Kimi-K2-Instruct): float8_e4m3fn values and
-  a float32 scale per (bk x bn) block, W = w * scale_inv[k // bk, n // bn]."""
-  w: Any  # float8_e4m3fn [..., K, N]
-  scale_inv: Any  # float32 [..., ceil(K/bk), ceil(N/bn)]
+  """FP8 block-quantized weight (DeepSeek-V3 / Kimi-K2-Instruct): float8_e4m3fn values in the
+  parameter's own layout and a float32 scale per (bk x bn) block of the [K, N] matrix it
+  flattens to: `lead` leading axes (1: the expert axis of stacked experts, 0 otherwise), then
+  `n_in` input axes (K is their product), then the output axes (N). W = w * scale_inv[k // bk,
+  n // bn]."""
+  w: Any  # float8_e4m3fn, e.g. [E, K, N] experts, [q_lora, nH, d] q_b, [nH, dv, H] o
+  scale_inv: Any  # float32 [*lead, ceil(K/bk), ceil(N/bn)]
   block: tuple[int, int] = (128, 128)  # (bk, bn), static
+  lead: int = 1  # static
+  n_in: int = 1  # static
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -82,11 +87,16 @@ class Fp8Weight:
     return int(self.w.nbytes) + int(self.scale_inv.nbytes)
 
   def __getitem__(self, idx: Any) -> "Fp8Weight":
-    return Fp8Weight(self.w[idx], self.scale_inv[idx], self.block)
+    """Indexes the leading (expert) axes only."""
+    if not self.lead:
+      raise TypeError("an Fp8Weight without leading axes is not indexable")
+    w = self.w[idx]
+    return Fp8Weight(w, self.scale_inv[idx], self.block, self.lead + w.ndim - self.w.ndim,
+                     self.n_in)
 
 
 jax.tree_util.register_dataclass(Fp8Weight, data_fields=["w", "scale_inv"],
-                                 meta_fields=["block"])
+                                 meta_fields=["block", "lead", "n_in"])
 
 
 def is_int4(w: Any) -> bool:
@@ -115,15 +125,17 @@ def dequantize(w: Any, dtype: Any) -> jax.Array:
   """The float [..., K, N] matrix in `dtype`: `w` itself when it is not quantized. FP8: the
   float32 product w * scale_inv (as the loader's load-time dequantization), then `dtype`."""
   if is_fp8(w):
-    k, n = w.w.shape[-2], w.w.shape[-1]
+    shape = w.w.shape
+    lead = shape[:w.lead]
+    k = int(np.prod(shape[w.lead:w.lead + w.n_in]))
+    n = int(np.prod(shape[w.lead + w.n_in:]))
     bk, bn = w.block
-    lead = w.w.shape[:-2]
+    v = w.w.astype(jnp.float32).reshape(*lead, k, n)
     if k % bk == 0 and n % bn == 0:  # whole blocks: broadcast each scale over its block
-      blocks = w.w.astype(jnp.float32).reshape(*lead, k // bk, bk, n // bn, bn)
-      deq = blocks * w.scale_inv[..., :, None, :, None]
-      return deq.reshape(*lead, k, n).astype(dtype)
-    s = jnp.repeat(jnp.repeat(w.scale_inv, bk, axis=-2), bn, axis=-1)[..., :k, :n]
-    return (w.w.astype(jnp.float32) * s).astype(dtype)
+      deq = v.reshape(*lead, k // bk, bk, n // bn, bn) * w.scale_inv[..., :, None, :, None]
+    else:
+      deq = v * jnp.repeat(jnp.repeat(w.scale_inv, bk, axis=-2), bn, axis=-1)[..., :k, :n]
+    return deq.reshape(shape).astype(dtype)
   if not is_int4(w):
     return w.astype(dtype) if w.dtype != dtype else w
   q = unpack_int4(w.packed)

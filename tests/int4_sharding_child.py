@@ -1,6 +1,7 @@
-"""Run by test_int4_experts.py in a fresh process with 8 (forced) CPU devices: the INT4 Kimi
-K2.5 fixture loaded straight onto meshes (experts split whole, still packed), its logits
-against one device's. Prints one JSON line."""
+"""Run by test_int4_experts.py / test_fp8_experts.py in a fresh process with 8 (forced) CPU
+devices: the INT4 Kimi K2.5 fixture (argument "int4") or an FP8-kept checkpoint directory
+(argument "fp8 DIR") loaded straight onto meshes (experts split whole, still quantized), its
+logits against one device's. Prints one JSON line."""
 
 import json
 import os
@@ -18,6 +19,7 @@ import engine  # noqa: E402
 from engine.model import sharding  # noqa: E402
 from engine.model.cache import init_cache  # noqa: E402
 from engine.model.kernels import KernelChoice  # noqa: E402
+from engine.model.params import param_shapes  # noqa: E402
 from engine.model.transformer import forward_logits  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -39,7 +41,26 @@ def logits(cfg, params, mesh=None, impl=KernelChoice()):
                                                     impl=impl)[0]))
 
 
+def fp8(ckpt):
+  from engine.model.hf_loader import checkpoint_config, load_hf_params
+  cfg = checkpoint_config(ckpt, keep_fp8=True)
+  ref = logits(cfg, load_hf_params(ckpt, cfg, dtype=jnp.float32, progress=False))
+  out = {}
+  for spec in ("tensor:4,expert:2", "expert:8"):
+    mesh = sharding.make_mesh(spec)
+    shardings = sharding.param_shardings(cfg, param_shapes(cfg), mesh)
+    params = load_hf_params(ckpt, cfg, dtype=jnp.float32, shardings=shardings, progress=False)
+    got = logits(cfg, params, mesh)
+    q_b = params["layers"][1]["attn"]["q_b"]
+    out[spec] = dict(rel_err=float(np.abs(got - ref).max() / np.abs(ref).max()),
+                     q_b_dtype=str(q_b.w.dtype), q_b_spec=str(q_b.w.sharding.spec),
+                     expert_spec=str(params["layers"][1]["moe"]["experts"]["gate"].w.sharding.spec))
+  print(json.dumps(out))
+
+
 def main():
+  if sys.argv[1:2] == ["fp8"]:
+    return fp8(sys.argv[2])
   one = engine.load(FIXTURE, dtype="float32", progress=False)
   ref = logits(one.config, one.params)
   out = {}

@@ -1,10 +1,10 @@
-"""FP8 block-quantized routed experts (DeepSeek-V3 / Kimi-K2-Instruct) kept as float8_e4m3fn +
-float32 weight_scale_inv on the device, against the same checkpoint dequantized at load.
+"""FP8 block-quantized weights (DeepSeek-V3 / Kimi-K2-Instruct) kept as float8_e4m3fn + float32
+weight_scale_inv on the device, against the same checkpoint dequantized at load.
 
 The checkpoint: a tiny DeepSeek-V3 whose every linear is FP8 with a float32 scale per 32 x 32
 block (`weight_block_size` [32, 32]; real checkpoints use 128: the block is a parameter). By
-default `engine.load` keeps the routed experts FP8 (the other FP8 linears are still dequantized
-at load); an explicit dtype dequantizes everything at load as before. Both give bitwise the
+default `engine.load` keeps every FP8 linear FP8 (routed experts, attention projections,
+dense and shared MLPs); an explicit dtype dequantizes everything at load as before. Both give bitwise the
 same expert weights where a program uses them (the float32 product w * scale_inv, then the
 compute dtype), so the forwards can differ only by the expert formulation's float32
 accumulation order (kept experts run one expert / tile at a time): logits must agree within
@@ -88,9 +88,17 @@ def test_engine_load_keeps_fp8_experts(ckpt, caplog):
       assert w.w.dtype == jnp.float8_e4m3fn and w.w.shape == (E, k, n)
       assert w.scale_inv.dtype == jnp.float32 and w.scale_inv.shape == (E, k // 32, n // 32)
       assert w.nbytes == E * k * n + 4 * E * (k // 32) * (n // 32)
-  assert kept.params["layers"][1]["attn"]["o"].dtype == jnp.bfloat16  # dequantized at load
+  assert kept.config.fp8_dense
+  o = kept.params["layers"][1]["attn"]["o"]  # [nH, dv, H]: two input axes flattened in HF
+  assert isinstance(o, Fp8Weight) and o.w.dtype == jnp.float8_e4m3fn and o.w.shape == (4, 12, 64)
+  assert o.scale_inv.shape == (2, 2) and (o.lead, o.n_in) == (0, 2)
+  for leaf in (kept.params["layers"][0]["mlp"]["gate"], kept.params["layers"][2]["moe"]["shared"]
+               ["down"], kept.params["layers"][0]["attn"]["q_b"]):
+    assert isinstance(leaf, Fp8Weight) and leaf.w.dtype == jnp.float8_e4m3fn
+  assert kept.params["embed"].dtype == jnp.bfloat16  # not a linear: never FP8 in checkpoints
   mem = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine.load")]
-  assert len(mem) == 1 and "fp8 experts" in mem[0] and "bfloat16" in mem[0], mem
+  assert len(mem) == 1 and "fp8 experts" in mem[0] and "fp8 " in mem[0], mem
+  assert "bfloat16" in mem[0], mem
   plain = engine.load(ckpt, dtype="bfloat16", progress=False)  # explicit: dequantized at load
   assert plain.config.fp8_experts is None
   assert plain.params["layers"][1]["moe"]["experts"]["gate"].dtype == jnp.bfloat16
@@ -100,11 +108,18 @@ def test_kept_weights_equal_load_time_dequant_bitwise(ckpt):
   cfg_kept = checkpoint_config(ckpt, keep_fp8=True)
   kept = load_hf_params(ckpt, cfg_kept, dtype=jnp.float32, progress=False)
   plain = load_hf_params(ckpt, checkpoint_config(ckpt), dtype=jnp.float32, progress=False)
-  for i in (1, 2):
-    for name in ("gate", "up", "down"):
-      got = jax.jit(lambda w: dequantize(w, jnp.float32))(kept["layers"][i]["moe"]["experts"][name])
-      np.testing.assert_array_equal(np.asarray(got),
-                                    np.asarray(plain["layers"][i]["moe"]["experts"][name]))
+  flat_kept = jax.tree_util.tree_flatten_with_path(
+      kept, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]
+  flat_plain = dict(jax.tree_util.tree_flatten_with_path(plain)[0])
+  n_fp8 = 0
+  for path, leaf in flat_kept:
+    want = np.asarray(flat_plain[path])
+    if isinstance(leaf, Fp8Weight):
+      n_fp8 += 1
+      leaf = jax.jit(lambda w: dequantize(w, jnp.float32))(leaf)
+    np.testing.assert_array_equal(np.asarray(leaf), want, err_msg=jax.tree_util.keystr(path))
+  # 2 MoE layers x 3 experts leaves + 3 layers x 5 attention linears + 3 dense + 2 x 3 shared
+  assert n_fp8 == 6 + 15 + 3 + 6
 
 
 def test_kept_forward_equals_dequantized_at_load(ckpt):
@@ -130,8 +145,8 @@ def test_export_round_trip_keeps_fp8_bytes(ckpt):
   for f in os.listdir(ckpt):
     if f.endswith(".safetensors"):
       on_disk.update(load_file(os.path.join(ckpt, f)))
-  names = [n for n in on_disk if ".mlp.experts." in n]
-  assert len(names) == 2 * 2 * E * 3
+  names = [n for n in on_disk if n.endswith("_scale_inv") or on_disk[n].dtype.itemsize == 1]
+  assert len(names) == 2 * (2 * E * 3 + 15 + 3 + 6)
   for n in names:
     assert mapped[n].dtype == on_disk[n].dtype and mapped[n].tobytes() == on_disk[n].tobytes(), n
 
@@ -160,3 +175,40 @@ def test_dequantize_equals_loader_dequant(k, n):
   s = rng.random((3, -(-k // 32), -(-n // 32))).astype(np.float32)
   got = jax.jit(lambda a, b: dequantize(Fp8Weight(a, b, (32, 32)), jnp.float32))(w, s)
   np.testing.assert_array_equal(np.asarray(got), quantized.dequant_fp8(w, s, (32, 32)))
+
+
+def test_fp8_dense_only_when_every_linear_is_fp8(tmp_path):
+  """Experts all FP8 but one attention projection bf16: experts kept FP8, the rest dequantized
+  at load (one format per leaf kind)."""
+  cfg_dict = dict(fx.DEEPSEEK_V3, quantization_config={
+      "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)})
+  cfg = config_from_dict(cfg_dict)
+  tensors = hf_tensors(cfg_dict, init_params(cfg), dtype=BF16)
+  for name in list(tensors):
+    if name.endswith("_proj.weight") and "layers.0.self_attn.o_proj" not in name:
+      tensors[name], tensors[name + "_scale_inv"] = _quantize_fp8(
+          tensors[name].astype(np.float32), BLOCK)
+  out = str(tmp_path / "mixed")
+  write_checkpoint(cfg_dict, tensors, out)
+  c = checkpoint_config(out, keep_fp8=True)
+  assert c.fp8_experts == BLOCK and not c.fp8_dense
+  m = engine.load(out, progress=False)
+  assert isinstance(m.params["layers"][1]["moe"]["experts"]["up"], Fp8Weight)
+  assert m.params["layers"][1]["attn"]["q_b"].dtype == jnp.bfloat16
+
+
+def test_fp8_kept_sharded_on_eight_devices(ckpt):
+  """Placed by the sharding rules (tensor-parallel attention values split by head, block
+  scales replicated; experts split whole), the kept-FP8 forward equals one device's."""
+  import json
+  import subprocess
+  import sys
+  child = os.path.join(os.path.dirname(__file__), "int4_sharding_child.py")
+  run = subprocess.run([sys.executable, child, "fp8", ckpt], capture_output=True, text=True,
+                       timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  res = json.loads(run.stdout.strip().splitlines()[-1])
+  assert res["tensor:4,expert:2"]["q_b_spec"] == "P(None, 'tensor', None)", res
+  for spec, r in res.items():
+    assert r["rel_err"] <= 1e-5 and r["q_b_dtype"] == "float8_e4m3fn", (spec, r)
+    assert r["expert_spec"] == "P(('expert', 'tensor'), None, None)", (spec, r)

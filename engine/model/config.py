@@ -103,6 +103,9 @@ class ModelConfig:
   # weight_block_size [out, in] (`hf_loader.checkpoint_config(keep_fp8=True)`), or None
   # (dequantized at load).
   fp8_experts: tuple[int, int] | None = None
+  # With fp8_experts: the attention projections, dense and shared MLPs kept FP8 too (every one
+  # of them stored F8 with a scale), else those are dequantized at load.
+  fp8_dense: bool = False
   # Kimi K2.5's `vision_config` as canonical JSON (kept for the vision tower; unused so far).
   vision_config_json: str = ""
   # Tokens

@@ -39,7 +39,10 @@ def _linear(w: np.ndarray, name: str) -> np.ndarray:
 def _attn(attn: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
   out = {}
   for name, w in attn.items():
-    if name in _ATTN_NAMES:
+    if name in _ATTN_NAMES and isinstance(w, Fp8Weight):  # FP8 kept: values + block scales
+      out[f"{pre}{_ATTN_NAMES[name]}.weight"] = _linear(w.w, name)
+      out[f"{pre}{_ATTN_NAMES[name]}.weight_scale_inv"] = w.scale_inv.T
+    elif name in _ATTN_NAMES:
       out[f"{pre}{_ATTN_NAMES[name]}.weight"] = _linear(w, name)
     elif name in _ATTN_NORMS:
       out[f"{pre}{_ATTN_NORMS[name]}.weight"] = w
@@ -51,7 +54,13 @@ def _attn(attn: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
 
 
 def _mlp(mlp: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
-  return {f"{pre}{k}_proj.weight": w.T for k, w in mlp.items()}
+  out = {}
+  for k, w in mlp.items():
+    if isinstance(w, Fp8Weight):
+      out[f"{pre}{k}_proj.weight"], out[f"{pre}{k}_proj.weight_scale_inv"] = w.w.T, w.scale_inv.T
+    else:
+      out[f"{pre}{k}_proj.weight"] = w.T
+  return out
 
 
 def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
@@ -150,7 +159,8 @@ def _to_numpy(tree: Any) -> Any:
   if isinstance(tree, Int4Weight):
     return Int4Weight(np.asarray(tree.packed), np.asarray(tree.scale))
   if isinstance(tree, Fp8Weight):
-    return Fp8Weight(np.asarray(tree.w), np.asarray(tree.scale_inv), tree.block)
+    return Fp8Weight(np.asarray(tree.w), np.asarray(tree.scale_inv), tree.block, tree.lead,
+                     tree.n_in)
   if isinstance(tree, dict):
     return {k: _to_numpy(v) for k, v in tree.items()}
   if isinstance(tree, (list, tuple)):

@@ -36,7 +36,7 @@ import numpy as np
 from engine.model import quantized
 from engine.model.config import ModelConfig, load_config, without_mtp
 from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
-                                 path_str, shape_leaves)
+                                 path_str, shape_leaves, shardings_by_leaf)
 from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
                                          TensorInfo, read_header)
 
@@ -111,31 +111,48 @@ class _Plan:
           index: tuple[int, ...] = (), dtypes: tuple[str, ...] | None = None) -> None:
     self.fills.setdefault(hf, []).append(_Fill(leaf, index, tuple(hf_shape), fn, dtypes))
 
+  def linear(self, hf: str, leaf: str, hf_shape: tuple[int, ...], fn: Transform,
+             fp8: tuple[int, int] | None) -> None:
+    """A Linear's weight; kept FP8 (values + scale_inv, `Fp8Weight`) when `fp8` is a block."""
+    if fp8 is None:
+      return self.add(hf, leaf, hf_shape, fn)
+    self.add(hf, leaf + ".w", hf_shape, fn, dtypes=("F8_E4M3",))
+    self.add(hf[:-len(".weight")] + FP8_SCALE_SUFFIX, leaf + ".scale_inv",
+             tuple(-(-d // b) for d, b in zip(hf_shape, fp8)), _t, dtypes=("F32",))
+
   def hf_shape(self, hf: str) -> tuple[int, ...]:
     return self.fills[hf][0].hf_shape
 
 
-def _plan_mlp(plan: _Plan, hf: str, ours: str, H: int, inter: int) -> None:
-  plan.add(hf + "gate_proj.weight", ours + "gate", (inter, H), _t)
-  plan.add(hf + "up_proj.weight", ours + "up", (inter, H), _t)
-  plan.add(hf + "down_proj.weight", ours + "down", (H, inter), _t)
+def _plan_mlp(plan: _Plan, hf: str, ours: str, H: int, inter: int,
+              fp8: tuple[int, int] | None = None) -> None:
+  plan.linear(hf + "gate_proj.weight", ours + "gate", (inter, H), _t, fp8)
+  plan.linear(hf + "up_proj.weight", ours + "up", (inter, H), _t, fp8)
+  plan.linear(hf + "down_proj.weight", ours + "down", (H, inter), _t, fp8)
 
 
 def _plan_mla(plan: _Plan, cfg: ModelConfig, hf: str, ours: str) -> None:
   H, nH = cfg.hidden_size, cfg.num_heads
   dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-  kv = cfg.kv_lora_rank
+  kv, f8 = cfg.kv_lora_rank, _fp8_dense(cfg)
   if cfg.q_lora_rank is None:
-    plan.add(hf + "q_proj.weight", ours + "q", (nH * (dn + dr), H), _heads_in(nH, dn + dr))
+    plan.linear(hf + "q_proj.weight", ours + "q", (nH * (dn + dr), H), _heads_in(nH, dn + dr), f8)
   else:
     ql = cfg.q_lora_rank
-    plan.add(hf + "q_a_proj.weight", ours + "q_a", (ql, H), _t)
+    plan.linear(hf + "q_a_proj.weight", ours + "q_a", (ql, H), _t, f8)
     plan.add(hf + "q_a_layernorm.weight", ours + "q_a_norm", (ql,), _same)
-    plan.add(hf + "q_b_proj.weight", ours + "q_b", (nH * (dn + dr), ql), _heads_in(nH, dn + dr))
-  plan.add(hf + "kv_a_proj_with_mqa.weight", ours + "kv_a", (kv + dr, H), _t)
+    plan.linear(hf + "q_b_proj.weight", ours + "q_b", (nH * (dn + dr), ql),
+                _heads_in(nH, dn + dr), f8)
+  plan.linear(hf + "kv_a_proj_with_mqa.weight", ours + "kv_a", (kv + dr, H), _t, f8)
   plan.add(hf + "kv_a_layernorm.weight", ours + "kv_a_norm", (kv,), _same)
-  plan.add(hf + "kv_b_proj.weight", ours + "kv_b", (nH * (dn + dv), kv), _heads_in(nH, dn + dv))
-  plan.add(hf + "o_proj.weight", ours + "o", (H, nH * dv), _heads_out(nH, dv))
+  plan.linear(hf + "kv_b_proj.weight", ours + "kv_b", (nH * (dn + dv), kv),
+              _heads_in(nH, dn + dv), f8)
+  plan.linear(hf + "o_proj.weight", ours + "o", (H, nH * dv), _heads_out(nH, dv), f8)
+
+
+def _fp8_dense(cfg: ModelConfig) -> tuple[int, int] | None:
+  """The FP8 block of the non-expert linears when they are kept FP8 (cfg.fp8_dense)."""
+  return cfg.fp8_experts if cfg.fp8_dense else None
 
 
 def _plan_gqa(plan: _Plan, cfg: ModelConfig, hf: str, ours: str) -> None:
@@ -182,7 +199,8 @@ def _plan_moe(plan: _Plan, cfg: ModelConfig, hf: str, ours: str, layout: str,
     plan.add(ex_hf + "up_proj", ex + "up", (E, Im, H), _stacked_t())
     plan.add(ex_hf + "down_proj", ex + "down", (E, H, Im), _stacked_t())
   if cfg.num_shared_experts:
-    _plan_mlp(plan, hf + "shared_experts.", ours + "shared.", H, Im * cfg.num_shared_experts)
+    _plan_mlp(plan, hf + "shared_experts.", ours + "shared.", H, Im * cfg.num_shared_experts,
+              _fp8_dense(cfg))
 
 
 def _expert_layout(names: set[str] | None, layer: int) -> str:
@@ -216,7 +234,7 @@ def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
       _plan_moe(plan, cfg, hf + "mlp.", ours + "moe.", _expert_layout(names, i),
                 cfg.experts_int4(i), cfg.experts_fp8(i))
     else:
-      _plan_mlp(plan, hf + "mlp.", ours + "mlp.", H, cfg.intermediate_size)
+      _plan_mlp(plan, hf + "mlp.", ours + "mlp.", H, cfg.intermediate_size, _fp8_dense(cfg))
     if i >= cfg.num_layers:
       plan.add(hf + "enorm.weight", ours + "enorm", (H,), _same)
       plan.add(hf + "hnorm.weight", ours + "hnorm", (H,), _same)
@@ -380,10 +398,14 @@ def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
   if mtp and not _mtp_tensor_names(raw, cfg):
     cfg = without_mtp(cfg)
   if keep_fp8 and cfg.int4 is None and cfg.num_experts:
-    block = quantized.fp8_experts_block(
-        _raw_config(ckpt_dir), {_canonical(n, cfg): s.info.dtype for n, s in raw.items()}, cfg)
+    dtypes = {_canonical(n, cfg): s.info.dtype for n, s in raw.items()}
+    block = quantized.fp8_experts_block(_raw_config(ckpt_dir), dtypes, cfg)
     if block is not None:
       cfg = dataclasses.replace(cfg, fp8_experts=block)
+      dense = dataclasses.replace(cfg, fp8_dense=True)  # kept too if every one is F8 + scale
+      fills = _build_plan(dense, set(dtypes)).fills
+      if all(dtypes.get(hf) in (f[0].dtypes or (dtypes.get(hf),)) for hf, f in fills.items()):
+        cfg = dense
   return cfg
 
 
@@ -508,22 +530,6 @@ def _place(buf: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array
     arr = jax.make_array_from_callback(buf.shape, sharding, lambda idx: buf[idx])
   # Waiting bounds host memory: the buffer is released before the next leaf is built.
   return arr.block_until_ready()
-
-
-def shardings_by_leaf(shardings: Any, cfg: ModelConfig) -> dict[str, jax.sharding.Sharding]:
-  """{path_str: Sharding} of a shardings pytree; ValueError unless it matches the layout."""
-  expected = shape_leaves(cfg)
-  flat = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
-  missing = sorted(set(expected) - set(flat))
-  extra = sorted(set(flat) - set(expected))
-  if missing or extra:
-    raise ValueError(f"shardings do not match the parameter layout: missing {missing[:5]}, "
-                     f"unexpected {extra[:5]}")
-  bad = [k for k, s in flat.items() if not isinstance(s, jax.sharding.Sharding)]
-  if bad:
-    raise ValueError(f"shardings leaf {bad[0]!r} is not a jax.sharding.Sharding")
-  return flat
 
 
 def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = jnp.bfloat16,

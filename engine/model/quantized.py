@@ -291,7 +291,7 @@ def fp8_experts_block(raw_cfg: dict[str, Any], dtypes: dict[str | None, str],
   qc = raw_cfg.get("quantization_config") or text.get("quantization_config") or {}
   if qc.get("quant_method") != "fp8":
     return None
-  for i in range(cfg.num_layers):
+  for i in range(len(cfg.moe_layers)):  # MTP layers (after the decoder layers) included
     if not cfg.is_moe_layer(i):
       continue
     for e in range(cfg.num_experts):

@@ -95,6 +95,10 @@ def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P
     return P(t_if(0), None)
   if path == "lm_head":
     return P(None, t_if(1))
+  if name in ("w", "scale_inv") and not (len(parts) > 2 and parts[-3] == "experts"):
+    # An FP8 linear kept quantized: the values split as the float weight would be; the block
+    # scales (1/16384 of the bytes) replicated, so no split needs to fall on a block boundary.
+    return _spec_for(".".join(parts[:-1]), shape, cfg, tp) if name == "w" else P()
   if parent == "experts" or (len(parts) > 2 and parts[-3] == "experts"):
     # [E, H, I] / [E, I, H], or an INT4 weight's packed [E, K/2, N] and scale [E, K/g, N]:
     # whole experts per device of the EP group (a packed byte is never split).
@@ -161,6 +165,8 @@ def param_kind(path: str, dtype: Any) -> str:
     return "int4 experts"
   if len(parts) > 2 and parts[-3] == "experts" and parts[-1] in ("w", "scale_inv"):
     return "fp8 experts"
+  if parts[-1] in ("w", "scale_inv"):
+    return "fp8"
   name = str(jax.numpy.dtype(dtype))
   return "fp8" if name.startswith("float8") else name
 
