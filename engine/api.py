@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Iterator, Sequence
 
@@ -109,7 +110,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
     path: checkpoint directory; default: the bundled demo model (`DEMO_CHECKPOINT`,
       checkpoints/demo/target).
     dtype: parameter dtype ("bfloat16", "float32", or a jnp dtype). Default: the Orbax
-      checkpoint's stored dtype, bfloat16 for Hugging Face checkpoints.
+      checkpoint's stored dtype, bfloat16 for Hugging Face checkpoints, whose FP8 block-quantized
+      routed experts then stay FP8 on the device (any explicit dtype dequantizes them at load);
+      INT4 experts always stay packed.
     shardings: optional pytree of `jax.sharding.Sharding` matching the params.
     mesh: a `jax.sharding.Mesh` or a spec like "expert:8" / "tensor:4,expert:2": every
       parameter is loaded straight into its place by `engine.model.sharding`'s rules (no
@@ -124,7 +127,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   cfg = load_config(path)
   is_orbax = orbax_io.is_orbax_checkpoint(path)
   if not is_orbax and orbax_io.is_hf_checkpoint(path):
-    cfg = hf_loader.checkpoint_config(path, cfg)  # without MTP layers whose weights are absent
+    # Without MTP layers whose weights are absent; FP8 experts kept quantized unless a dtype
+    # asks for them dequantized at load.
+    cfg = hf_loader.checkpoint_config(path, cfg, keep_fp8=dtype is None)
   if mesh is not None:
     from engine.model import sharding
     if shardings is not None:
@@ -143,6 +148,9 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   else:
     raise ValueError(f"{path} is neither a moejax Orbax checkpoint (moejax.json) nor a Hugging "
                      "Face checkpoint (model.safetensors or model.safetensors.index.json)")
+  from engine.model import sharding as sharding_lib
+  for line in sharding_lib.format_param_bytes(sharding_lib.param_bytes_by_kind(params)):
+    logging.getLogger("moejax").info("engine.load: parameters on %s", line)
   tokenizer = load_tokenizer(path)
   return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
                      eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh)

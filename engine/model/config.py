@@ -18,6 +18,9 @@ import math
 import os
 from typing import Any
 
+from engine.model.quantized import (Int4Scheme, QuantizationConfigError, layer_experts_int4,
+                                    parse_quantization_config)
+
 
 class ConfigError(ValueError):
   """A config.json that this engine cannot serve, with the field named."""
@@ -94,6 +97,17 @@ class ModelConfig:
   # MTP layers config.json declares that the checkpoint holds no weights for (`without_mtp`;
   # transformers' save_pretrained writes none): the model serves without them.
   mtp_layers_absent: int = 0
+  # compressed-tensors INT4 (routed experts kept packed; `engine.model.quantized`), or None.
+  int4: Int4Scheme | None = None
+  # FP8 block-quantized routed experts kept as float8 + float32 scale_inv: the checkpoint's
+  # weight_block_size [out, in] (`hf_loader.checkpoint_config(keep_fp8=True)`), or None
+  # (dequantized at load).
+  fp8_experts: tuple[int, int] | None = None
+  # With fp8_experts: the attention projections, dense and shared MLPs kept FP8 too (every one
+  # of them stored F8 with a scale), else those are dequantized at load.
+  fp8_dense: bool = False
+  # Kimi K2.5's `vision_config` as canonical JSON (kept for the vision tower; unused so far).
+  vision_config_json: str = ""
   # Tokens
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
@@ -138,6 +152,18 @@ class ModelConfig:
       return (f"config.json declares num_nextn_predict_layers={self.mtp_layers_absent} but the "
               f"checkpoint holds no MTP weights (transformers' save_pretrained saves none)")
     return "the model has no MTP layer (num_nextn_predict_layers = 0)"
+
+  @property
+  def vision_config(self) -> dict[str, Any] | None:
+    return json.loads(self.vision_config_json) if self.vision_config_json else None
+
+  def experts_fp8(self, i: int) -> bool:
+    """Whether MoE layer i's routed experts are kept as FP8 blocks (`fp8_experts`)."""
+    return self.is_moe_layer(i) and self.fp8_experts is not None and not self.experts_int4(i)
+
+  def experts_int4(self, i: int) -> bool:
+    """Whether MoE layer i's routed experts are stored (and kept) as packed INT4."""
+    return self.is_moe_layer(i) and layer_experts_int4(self.int4, i, self.num_experts)
 
   @property
   def display_name(self) -> str:
@@ -364,6 +390,19 @@ def _parse_gqa(f: _Fields) -> ModelConfig:
 
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
   """Parses a Hugging Face config dict (as loaded from config.json)."""
+  cfg = _config_from_dict(d)
+  try:
+    int4 = parse_quantization_config(d)
+    if int4 is not None:
+      cfg = dataclasses.replace(cfg, int4=int4)
+      for i in range(len(cfg.moe_layers)):
+        cfg.experts_int4(i)  # raises for a layer quantized in part
+  except QuantizationConfigError as e:
+    raise ConfigError(str(e)) from None
+  return cfg
+
+
+def _config_from_dict(d: dict[str, Any]) -> ModelConfig:
   model_type = d.get("model_type")
   if model_type is None:
     raise ConfigError("config.json: missing required field 'model_type'")
@@ -377,7 +416,11 @@ def config_from_dict(d: dict[str, Any]) -> ModelConfig:
     for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
       if merged.get(k) is None and d.get(k) is not None:
         merged[k] = d[k]
-    return _parse_mla(_Fields(merged, "kimi_k25"))
+    cfg = _parse_mla(_Fields(merged, "kimi_k25"))
+    vision = d.get("vision_config")
+    if isinstance(vision, dict):
+      cfg = dataclasses.replace(cfg, vision_config_json=json.dumps(vision, sort_keys=True))
+    return cfg
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ConfigError(f"config.json: unknown model_type {model_type!r}; supported: "
                       f"{', '.join(SUPPORTED_MODEL_TYPES)}")

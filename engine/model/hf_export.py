@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from pallas_kernels.quant import Fp8Weight, Int4Weight
+
 # Our attention leaf -> HF module under self_attn.
 _ATTN_NAMES = dict(q="q_proj", q_a="q_a_proj", q_b="q_b_proj", kv_a="kv_a_proj_with_mqa",
                    kv_b="kv_b_proj", o="o_proj", k="k_proj", v="v_proj")
@@ -37,7 +39,10 @@ def _linear(w: np.ndarray, name: str) -> np.ndarray:
 def _attn(attn: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
   out = {}
   for name, w in attn.items():
-    if name in _ATTN_NAMES:
+    if name in _ATTN_NAMES and isinstance(w, Fp8Weight):  # FP8 kept: values + block scales
+      out[f"{pre}{_ATTN_NAMES[name]}.weight"] = _linear(w.w, name)
+      out[f"{pre}{_ATTN_NAMES[name]}.weight_scale_inv"] = w.scale_inv.T
+    elif name in _ATTN_NAMES:
       out[f"{pre}{_ATTN_NAMES[name]}.weight"] = _linear(w, name)
     elif name in _ATTN_NORMS:
       out[f"{pre}{_ATTN_NORMS[name]}.weight"] = w
@@ -49,7 +54,13 @@ def _attn(attn: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
 
 
 def _mlp(mlp: dict[str, Any], pre: str) -> dict[str, np.ndarray]:
-  return {f"{pre}{k}_proj.weight": w.T for k, w in mlp.items()}
+  out = {}
+  for k, w in mlp.items():
+    if isinstance(w, Fp8Weight):
+      out[f"{pre}{k}_proj.weight"], out[f"{pre}{k}_proj.weight_scale_inv"] = w.w.T, w.scale_inv.T
+    else:
+      out[f"{pre}{k}_proj.weight"] = w.T
+  return out
 
 
 def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
@@ -57,6 +68,33 @@ def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
   if "router_bias" in moe:
     out[f"{pre}gate.e_score_correction_bias"] = moe["router_bias"]
   ex = moe["experts"]
+  if isinstance(ex["gate"], Int4Weight):  # compressed-tensors pack-quantized, per expert
+    if layout != "hub":
+      raise ValueError("INT4 experts are written in the hub layout only")
+    for k in ("gate", "up", "down"):
+      w = ex[k]
+      for e in range(w.packed.shape[0]):
+        name = f"{pre}experts.{e}.{k}_proj."
+        # [K/2, N] bytes -> [N, K/2] -> little-endian int32 words [N, K/8]
+        out[name + "weight_packed"] = np.ascontiguousarray(w.packed[e].T).view("<i4")
+        out[name + "weight_scale"] = w.scale[e].T
+        out[name + "weight_shape"] = np.array([w.packed.shape[2], 2 * w.packed.shape[1]],
+                                              np.int64)  # [out, in], as compressed-tensors
+  elif isinstance(ex["gate"], Fp8Weight):  # DeepSeek FP8 blocks, per expert
+    if layout != "hub":
+      raise ValueError("FP8 experts are written in the hub layout only")
+    for k in ("gate", "up", "down"):
+      for e in range(ex[k].w.shape[0]):
+        out[f"{pre}experts.{e}.{k}_proj.weight"] = ex[k].w[e].T
+        out[f"{pre}experts.{e}.{k}_proj.weight_scale_inv"] = ex[k].scale_inv[e].T
+  else:
+    _moe_float(ex, out, pre, layout)
+  if "shared" in moe:
+    out.update(_mlp(moe["shared"], f"{pre}shared_experts."))
+  return out
+
+
+def _moe_float(ex: dict[str, Any], out: dict[str, np.ndarray], pre: str, layout: str) -> None:
   hf = {k: np.swapaxes(ex[k], 1, 2) for k in ("gate", "up", "down")}  # [E, out, in]
   if layout == "hub":
     for e in range(hf["gate"].shape[0]):
@@ -70,9 +108,6 @@ def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
       out[f"{pre}experts.{k}_proj"] = hf[k]
   else:
     raise ValueError(f"layout must be one of {EXPERT_LAYOUTS}")
-  if "shared" in moe:
-    out.update(_mlp(moe["shared"], f"{pre}shared_experts."))
-  return out
 
 
 def _layer(layer: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
@@ -110,7 +145,10 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
     t = {"language_model." + k: v for k, v in t.items()}
   def cast(name: str, x: np.ndarray) -> np.ndarray:
     # Routers stay float32, as transformers keeps them (`_keep_in_fp32_modules_strict`).
-    if dtype is None or name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+    # INT4 tensors keep their stored types.
+    if dtype is None or name.endswith(("mlp.gate.weight", "e_score_correction_bias",
+                                       "weight_packed", "weight_scale", "weight_shape",
+                                       "weight_scale_inv")) or x.dtype.itemsize == 1:
       return x
     return x.astype(np.dtype(dtype))
 
@@ -118,6 +156,11 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
 
 
 def _to_numpy(tree: Any) -> Any:
+  if isinstance(tree, Int4Weight):
+    return Int4Weight(np.asarray(tree.packed), np.asarray(tree.scale))
+  if isinstance(tree, Fp8Weight):
+    return Fp8Weight(np.asarray(tree.w), np.asarray(tree.scale_inv), tree.block, tree.lead,
+                     tree.n_in)
   if isinstance(tree, dict):
     return {k: _to_numpy(v) for k, v in tree.items()}
   if isinstance(tree, (list, tuple)):

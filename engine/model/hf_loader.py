@@ -10,9 +10,9 @@ named. Then it reads shard by shard (each in file order), filling one host buffe
 is complete. Only incomplete leaves are held on the host, so peak host memory is a few leaves,
 not the model. Nothing is unpickled: `.bin`/`.pt` checkpoints are refused.
 
-Supported tensor encodings: F32/F16/BF16, and DeepSeek-V3/Kimi-K2 FP8 block quantization
-(F8_E4M3 `X.weight` with a float32 `X.weight_scale_inv` of [ceil(out/128), ceil(in/128)]).
-Expert weights are accepted per expert (Hub layout `mlp.experts.{e}.gate_proj.weight`) or
+Supported tensor encodings: F32/F16/BF16, DeepSeek-V3/Kimi-K2 FP8 block quantization
+(dequantized at load), and compressed-tensors INT4 routed experts (Kimi K2.5 / K2-Thinking: kept
+packed as `Int4Weight` leaves; `quantized.py` has both formats' tensors and rules). Experts are accepted per expert (Hub layout `mlp.experts.{e}.gate_proj.weight`) or
 stacked (transformers 5: `mlp.experts.gate_up_proj` [E, 2*Im, H] gate first, and
 `mlp.experts.down_proj` [E, H, Im]; or stacked `gate_proj`/`up_proj` [E, Im, H]).
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -32,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.model import quantized
 from engine.model.config import ModelConfig, load_config, without_mtp
 from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
-                                 path_str, shape_leaves)
+                                 path_str, shape_leaves, shardings_by_leaf)
 from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
                                          TensorInfo, read_header)
 
@@ -45,23 +47,12 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 K25_PREFIX = "language_model."
 K25_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
-DEFAULT_FP8_BLOCK = (128, 128)
-# Tensor suffixes of quantization formats this loader does not decode, by format.
-UNSUPPORTED_QUANT_SUFFIXES = {
-    ".weight_packed": "compressed-tensors (packed int4/int8)",
-    ".weight_scale": "compressed-tensors",
-    ".weight_shape": "compressed-tensors",
-    ".weight_zero_point": "compressed-tensors",
-    ".weight_global_scale": "compressed-tensors (nvfp4)",
-    ".input_scale": "static activation quantization",
-    ".qweight": "GPTQ/AWQ",
-    ".qzeros": "GPTQ/AWQ",
-    ".scales": "GPTQ/AWQ",
-    ".g_idx": "GPTQ",
-}
 # Print progress lines (when asked) if stderr is a terminal or the load is at least this large.
 PROGRESS_MIN_BYTES = 1 << 30
 MAX_LISTED_PROBLEMS = 8
+
+
+log = logging.getLogger("moejax")
 
 
 class CheckpointError(ValueError):
@@ -76,10 +67,11 @@ Transform = Callable[[np.ndarray], np.ndarray]
 @dataclasses.dataclass(frozen=True)
 class _Fill:
   """One HF tensor's contribution to one leaf: leaf[index] = fn(hf_tensor)."""
-  leaf: str  # path_str of the leaf, e.g. "layers.3.moe.experts.gate"
+  leaf: str  # path_str of the leaf, e.g. "layers.3.moe.experts.gate"; "" checks only
   index: tuple[int, ...]  # () for the whole leaf, (e,) for expert e of a stacked leaf
   hf_shape: tuple[int, ...]
   fn: Transform
+  dtypes: tuple[str, ...] | None = None  # safetensors dtypes allowed; None: any float
 
 
 def _same(x: np.ndarray) -> np.ndarray:
@@ -116,34 +108,51 @@ class _Plan:
     self.fills: dict[str, list[_Fill]] = {}
 
   def add(self, hf: str, leaf: str, hf_shape: tuple[int, ...], fn: Transform,
-          index: tuple[int, ...] = ()) -> None:
-    self.fills.setdefault(hf, []).append(_Fill(leaf, index, tuple(hf_shape), fn))
+          index: tuple[int, ...] = (), dtypes: tuple[str, ...] | None = None) -> None:
+    self.fills.setdefault(hf, []).append(_Fill(leaf, index, tuple(hf_shape), fn, dtypes))
+
+  def linear(self, hf: str, leaf: str, hf_shape: tuple[int, ...], fn: Transform,
+             fp8: tuple[int, int] | None) -> None:
+    """A Linear's weight; kept FP8 (values + scale_inv, `Fp8Weight`) when `fp8` is a block."""
+    if fp8 is None:
+      return self.add(hf, leaf, hf_shape, fn)
+    self.add(hf, leaf + ".w", hf_shape, fn, dtypes=("F8_E4M3",))
+    self.add(hf[:-len(".weight")] + FP8_SCALE_SUFFIX, leaf + ".scale_inv",
+             tuple(-(-d // b) for d, b in zip(hf_shape, fp8)), _t, dtypes=("F32",))
 
   def hf_shape(self, hf: str) -> tuple[int, ...]:
     return self.fills[hf][0].hf_shape
 
 
-def _plan_mlp(plan: _Plan, hf: str, ours: str, H: int, inter: int) -> None:
-  plan.add(hf + "gate_proj.weight", ours + "gate", (inter, H), _t)
-  plan.add(hf + "up_proj.weight", ours + "up", (inter, H), _t)
-  plan.add(hf + "down_proj.weight", ours + "down", (H, inter), _t)
+def _plan_mlp(plan: _Plan, hf: str, ours: str, H: int, inter: int,
+              fp8: tuple[int, int] | None = None) -> None:
+  plan.linear(hf + "gate_proj.weight", ours + "gate", (inter, H), _t, fp8)
+  plan.linear(hf + "up_proj.weight", ours + "up", (inter, H), _t, fp8)
+  plan.linear(hf + "down_proj.weight", ours + "down", (H, inter), _t, fp8)
 
 
 def _plan_mla(plan: _Plan, cfg: ModelConfig, hf: str, ours: str) -> None:
   H, nH = cfg.hidden_size, cfg.num_heads
   dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-  kv = cfg.kv_lora_rank
+  kv, f8 = cfg.kv_lora_rank, _fp8_dense(cfg)
   if cfg.q_lora_rank is None:
-    plan.add(hf + "q_proj.weight", ours + "q", (nH * (dn + dr), H), _heads_in(nH, dn + dr))
+    plan.linear(hf + "q_proj.weight", ours + "q", (nH * (dn + dr), H), _heads_in(nH, dn + dr), f8)
   else:
     ql = cfg.q_lora_rank
-    plan.add(hf + "q_a_proj.weight", ours + "q_a", (ql, H), _t)
+    plan.linear(hf + "q_a_proj.weight", ours + "q_a", (ql, H), _t, f8)
     plan.add(hf + "q_a_layernorm.weight", ours + "q_a_norm", (ql,), _same)
-    plan.add(hf + "q_b_proj.weight", ours + "q_b", (nH * (dn + dr), ql), _heads_in(nH, dn + dr))
-  plan.add(hf + "kv_a_proj_with_mqa.weight", ours + "kv_a", (kv + dr, H), _t)
+    plan.linear(hf + "q_b_proj.weight", ours + "q_b", (nH * (dn + dr), ql),
+                _heads_in(nH, dn + dr), f8)
+  plan.linear(hf + "kv_a_proj_with_mqa.weight", ours + "kv_a", (kv + dr, H), _t, f8)
   plan.add(hf + "kv_a_layernorm.weight", ours + "kv_a_norm", (kv,), _same)
-  plan.add(hf + "kv_b_proj.weight", ours + "kv_b", (nH * (dn + dv), kv), _heads_in(nH, dn + dv))
-  plan.add(hf + "o_proj.weight", ours + "o", (H, nH * dv), _heads_out(nH, dv))
+  plan.linear(hf + "kv_b_proj.weight", ours + "kv_b", (nH * (dn + dv), kv),
+              _heads_in(nH, dn + dv), f8)
+  plan.linear(hf + "o_proj.weight", ours + "o", (H, nH * dv), _heads_out(nH, dv), f8)
+
+
+def _fp8_dense(cfg: ModelConfig) -> tuple[int, int] | None:
+  """The FP8 block of the non-expert linears when they are kept FP8 (cfg.fp8_dense)."""
+  return cfg.fp8_experts if cfg.fp8_dense else None
 
 
 def _plan_gqa(plan: _Plan, cfg: ModelConfig, hf: str, ours: str) -> None:
@@ -165,13 +174,18 @@ def _plan_gqa(plan: _Plan, cfg: ModelConfig, hf: str, ours: str) -> None:
 EXPERT_LAYOUTS = ("hub", "fused", "stacked")
 
 
-def _plan_moe(plan: _Plan, cfg: ModelConfig, hf: str, ours: str, layout: str) -> None:
+def _plan_moe(plan: _Plan, cfg: ModelConfig, hf: str, ours: str, layout: str,
+              int4: bool = False, fp8: bool = False) -> None:
   H, E, Im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
   plan.add(hf + "gate.weight", ours + "router", (E, H), _t)
   if cfg.topk_method == "noaux_tc":
     plan.add(hf + "gate.e_score_correction_bias", ours + "router_bias", (E,), _same)
   ex_hf, ex = hf + "experts.", ours + "experts."
-  if layout == "hub":
+  if int4:  # compressed-tensors per-expert tensors, kept packed (`quantized.py`)
+    quantized.plan_int4_experts(plan.add, ex_hf, ex, E, H, Im, cfg.int4, _same)
+  elif fp8:  # FP8 blocks kept: values and float32 scale_inv, both transposed to [in, out]
+    quantized.plan_fp8_experts(plan.add, ex_hf, ex, E, H, Im, cfg.fp8_experts, _t)
+  elif layout == "hub":
     for e in range(E):
       plan.add(f"{ex_hf}{e}.gate_proj.weight", ex + "gate", (Im, H), _t, (e,))
       plan.add(f"{ex_hf}{e}.up_proj.weight", ex + "up", (Im, H), _t, (e,))
@@ -185,7 +199,8 @@ def _plan_moe(plan: _Plan, cfg: ModelConfig, hf: str, ours: str, layout: str) ->
     plan.add(ex_hf + "up_proj", ex + "up", (E, Im, H), _stacked_t())
     plan.add(ex_hf + "down_proj", ex + "down", (E, H, Im), _stacked_t())
   if cfg.num_shared_experts:
-    _plan_mlp(plan, hf + "shared_experts.", ours + "shared.", H, Im * cfg.num_shared_experts)
+    _plan_mlp(plan, hf + "shared_experts.", ours + "shared.", H, Im * cfg.num_shared_experts,
+              _fp8_dense(cfg))
 
 
 def _expert_layout(names: set[str] | None, layer: int) -> str:
@@ -216,14 +231,17 @@ def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
     plan.add(hf + "post_attention_layernorm.weight", ours + "post_attn_norm", (H,), _same)
     (_plan_mla if cfg.is_mla else _plan_gqa)(plan, cfg, hf + "self_attn.", ours + "attn.")
     if cfg.is_moe_layer(i):
-      _plan_moe(plan, cfg, hf + "mlp.", ours + "moe.", _expert_layout(names, i))
+      _plan_moe(plan, cfg, hf + "mlp.", ours + "moe.", _expert_layout(names, i),
+                cfg.experts_int4(i), cfg.experts_fp8(i))
     else:
-      _plan_mlp(plan, hf + "mlp.", ours + "mlp.", H, cfg.intermediate_size)
+      _plan_mlp(plan, hf + "mlp.", ours + "mlp.", H, cfg.intermediate_size, _fp8_dense(cfg))
     if i >= cfg.num_layers:
       plan.add(hf + "enorm.weight", ours + "enorm", (H,), _same)
       plan.add(hf + "hnorm.weight", ours + "hnorm", (H,), _same)
       plan.add(hf + "eh_proj.weight", ours + "eh_proj", (H, 2 * H), _t)
       plan.add(hf + "shared_head.norm.weight", ours + "final_norm", (H,), _same)
+  if cfg.int4 is not None:
+    quantized.refuse_other_int4(plan.fills, cfg.int4, lambda m: _shown(m, cfg))
   return plan
 
 
@@ -332,23 +350,6 @@ def _raw_config(ckpt_dir: str) -> dict[str, Any]:
       raise CheckpointError(f"{path}: not valid JSON ({e})") from e
 
 
-def _fp8_block(raw_cfg: dict[str, Any], example: str | None) -> tuple[int, int]:
-  """The FP8 block size, or NotImplementedError for any other quantization_config."""
-  text = raw_cfg.get("text_config") if isinstance(raw_cfg.get("text_config"), dict) else {}
-  qc = raw_cfg.get("quantization_config") or text.get("quantization_config")
-  if not qc:
-    return DEFAULT_FP8_BLOCK
-  method = qc.get("quant_method")
-  fmt = qc.get("fmt", qc.get("format"))
-  if method == "fp8" and fmt in (None, "e4m3"):
-    block = qc.get("weight_block_size") or DEFAULT_FP8_BLOCK
-    return int(block[0]), int(block[1])
-  hint = f" (e.g. tensor {example!r})" if example else ""
-  raise NotImplementedError(
-      f"config.json quantization_config quant_method={method!r} format={fmt!r}{hint} is not "
-      f"supported: only unquantized and FP8 block-quantized (DeepSeek-V3 style) checkpoints load")
-
-
 def _canonical(name: str, cfg: ModelConfig) -> str | None:
   """Our HF-style name for a raw tensor name, or None if the tensor is knowingly skipped."""
   if cfg.model_type == "kimi_k25":
@@ -380,17 +381,32 @@ def _mtp_tensor_names(raw_names: Any, cfg: ModelConfig) -> list[str]:
   return names
 
 
-def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None) -> ModelConfig:
+def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
+                      keep_fp8: bool = False) -> ModelConfig:
   """The config the checkpoint serves: `cfg` (its config.json by default), `without_mtp` when
   config.json declares MTP layers but the checkpoint holds none of their tensors (any checkpoint
-  saved by transformers, whose DeepseekV3 classes neither build nor save them). Reads headers."""
+  saved by transformers, whose DeepseekV3 classes neither build nor save them); with
+  `keep_fp8`, routed experts kept as FP8 blocks (`cfg.fp8_experts`) when config.json says FP8
+  and every routed expert matrix is stored F8_E4M3 with its scale_inv. Reads headers."""
   ckpt_dir = os.fspath(ckpt_dir)
   cfg = cfg if cfg is not None else load_config(ckpt_dir)
-  if not (cfg.is_mla and cfg.num_nextn_predict_layers):
+  mtp = cfg.is_mla and cfg.num_nextn_predict_layers
+  if not (mtp or keep_fp8):
     return cfg
   files, weight_map = _checkpoint_files(ckpt_dir)
   raw = _read_headers(files, weight_map, ckpt_dir)
-  return cfg if _mtp_tensor_names(raw, cfg) else without_mtp(cfg)
+  if mtp and not _mtp_tensor_names(raw, cfg):
+    cfg = without_mtp(cfg)
+  if keep_fp8 and cfg.int4 is None and cfg.num_experts:
+    dtypes = {_canonical(n, cfg): s.info.dtype for n, s in raw.items()}
+    block = quantized.fp8_experts_block(_raw_config(ckpt_dir), dtypes, cfg)
+    if block is not None:
+      cfg = dataclasses.replace(cfg, fp8_experts=block)
+      dense = dataclasses.replace(cfg, fp8_dense=True)  # kept too if every one is F8 + scale
+      fills = _build_plan(dense, set(dtypes)).fills
+      if all(dtypes.get(hf) in (f[0].dtypes or (dtypes.get(hf),)) for hf, f in fills.items()):
+        cfg = dense
+  return cfg
 
 
 def _shown(name: str, cfg: ModelConfig) -> str:
@@ -409,18 +425,25 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
     if c in canon:  # e.g. both "language_model.X" and "X" in a Kimi-K2.5 checkpoint
       raise CheckpointError(f"tensors {canon[c].raw_name!r} and {name!r} both provide {c!r}")
     canon[c] = src
+  skipped = [n for n in raw if cfg.model_type == "kimi_k25" and n.startswith(K25_VISION_PREFIXES)]
+  if skipped:
+    log.info("hf_loader: %d vision tensors (%s) skipped: the vision tower is not served yet",
+             len(skipped), ", ".join(sorted({n.split(".")[0] for n in skipped})))
+  fp8_example = next((s.raw_name for s in canon.values() if s.info.dtype.startswith("F8")), None)
+  block = quantized.fp8_block(raw_cfg, fp8_example, cfg.int4 is not None)
+  plan = _build_plan(cfg, set(canon))
+  # FP8 scales of weights dequantized at load (kept FP8 experts plan their scales themselves).
+  scales = {n[:-len(FP8_SCALE_SUFFIX)] + ".weight": canon.pop(n)
+            for n in list(canon) if n.endswith(FP8_SCALE_SUFFIX) and n not in plan.fills}
   for name in canon:
-    for suffix, fmt in UNSUPPORTED_QUANT_SUFFIXES.items():
+    if name in plan.fills or cfg.int4 is not None:  # INT4 configs: listed as unexpected below
+      continue
+    for suffix, fmt in quantized.QUANT_SUFFIXES.items():
       if name.endswith(suffix):
         raise NotImplementedError(
-            f"tensor {canon[name].raw_name!r} is stored in a quantized format ({fmt}) that "
-            f"this loader does not support; use an unquantized or FP8 block-quantized checkpoint")
-  quantized = next((s.raw_name for s in canon.values() if s.info.dtype.startswith("F8")), None)
-  block = _fp8_block(raw_cfg, quantized)
-  scales = {n[:-len(FP8_SCALE_SUFFIX)] + ".weight": canon.pop(n)
-            for n in list(canon) if n.endswith(FP8_SCALE_SUFFIX)}
-
-  plan = _build_plan(cfg, set(canon))
+            f"tensor {canon[name].raw_name!r} is stored in a quantized format ({fmt}) but "
+            f"config.json has no compressed-tensors quantization_config for it; use an "
+            f"unquantized, FP8 block-quantized or compressed-tensors INT4 checkpoint")
   problems: list[str] = []
   for hf in plan.fills:
     if hf not in canon:
@@ -434,6 +457,12 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
     want, got = plan.hf_shape(hf), src.info.shape
     if got != want:
       problems.append(f"tensor {src.raw_name!r} in {where} has shape {got}, expected {want}")
+    dtypes = plan.fills[hf][0].dtypes
+    if dtypes is not None:  # INT4 packed words, scales, shapes
+      if src.info.dtype not in dtypes:
+        problems.append(f"tensor {src.raw_name!r} in {where} has dtype {src.info.dtype}, "
+                        f"expected {' or '.join(dtypes)}")
+      continue
     if src.info.dtype not in FLOAT_DTYPES:
       problems.append(f"tensor {src.raw_name!r} in {where} has dtype {src.info.dtype}, "
                       f"expected a float dtype")
@@ -463,22 +492,23 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
                f"it with the config hf_loader.checkpoint_config returns, or engine.load)")
     raise CheckpointError(f"{ckpt_dir} does not match config {cfg.display_name}: "
                           f"{len(problems)} problem(s):\n  {listed}{tail}")
+  _check_weight_shapes(plan, canon, cfg, ckpt_dir)
   return plan, canon, block
 
 
+def _check_weight_shapes(plan: _Plan, canon: dict[str, _Source], cfg: ModelConfig,
+                         ckpt_dir: str) -> None:
+  """Reads every INT4 `weight_shape` (a few bytes each) before any leaf is placed."""
+  names = [hf for hf in plan.fills if hf.endswith(quantized.SHAPE_SUFFIX)]
+  problems = quantized.check_weight_shapes(
+      {hf: (canon[hf].raw_name, canon[hf].file) for hf in names}, plan.hf_shape)
+  if problems:
+    listed = "\n  ".join(problems[:MAX_LISTED_PROBLEMS])
+    raise CheckpointError(f"{ckpt_dir} does not match config {cfg.display_name}: "
+                          f"{len(problems)} problem(s):\n  {listed}")
+
+
 # ---- reading --------------------------------------------------------------------------------
-
-def _dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-  """weight * scale per (b0 x b1) block of the last two axes, in float32."""
-  out = w.astype(np.float32)
-  b0, b1 = block
-  cols = out.shape[-1]
-  s = np.asarray(scale_inv, np.float32)
-  # One block row at a time keeps the extra memory at a row of blocks, not a full-size scale.
-  for r in range(s.shape[-2]):
-    out[..., r * b0:(r + 1) * b0, :] *= np.repeat(s[..., r, :], b1, axis=-1)[..., None, :cols]
-  return out
-
 
 def _read(src: _Source, f: SafetensorsFile, block: tuple[int, int]) -> np.ndarray:
   arr = f.get(src.raw_name)
@@ -489,7 +519,7 @@ def _read(src: _Source, f: SafetensorsFile, block: tuple[int, int]) -> np.ndarra
   else:
     with SafetensorsFile(src.scale.file) as g:
       scale = np.array(g.get(src.scale.raw_name))
-  return _dequant_fp8(arr, scale, block)
+  return quantized.dequant_fp8(arr, scale, block)
 
 
 def _place(buf: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
@@ -500,22 +530,6 @@ def _place(buf: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array
     arr = jax.make_array_from_callback(buf.shape, sharding, lambda idx: buf[idx])
   # Waiting bounds host memory: the buffer is released before the next leaf is built.
   return arr.block_until_ready()
-
-
-def shardings_by_leaf(shardings: Any, cfg: ModelConfig) -> dict[str, jax.sharding.Sharding]:
-  """{path_str: Sharding} of a shardings pytree; ValueError unless it matches the layout."""
-  expected = shape_leaves(cfg)
-  flat = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
-      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
-  missing = sorted(set(expected) - set(flat))
-  extra = sorted(set(flat) - set(expected))
-  if missing or extra:
-    raise ValueError(f"shardings do not match the parameter layout: missing {missing[:5]}, "
-                     f"unexpected {extra[:5]}")
-  bad = [k for k, s in flat.items() if not isinstance(s, jax.sharding.Sharding)]
-  if bad:
-    raise ValueError(f"shardings leaf {bad[0]!r} is not a jax.sharding.Sharding")
-  return flat
 
 
 def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = jnp.bfloat16,
@@ -543,14 +557,16 @@ def load_hf_params(ckpt_dir: str, cfg: ModelConfig | None = None, dtype: Any = j
   pending = {leaf: 0 for leaf in layout}
   for fills in plan.fills.values():
     for fill in fills:
-      pending[fill.leaf] += 1  # KeyError here means the plan and params.py disagree
+      if fill.leaf:  # "" only checks (INT4 weight_shape, read by _check_weight_shapes)
+        pending[fill.leaf] += 1  # KeyError here means the plan and params.py disagree
   uncovered = [leaf for leaf, n in pending.items() if n == 0]
   assert not uncovered, f"hf_loader has no HF source for {uncovered}"
 
   by_file: dict[str, list[str]] = {}
-  for hf in plan.fills:
-    by_file.setdefault(sources[hf].file, []).append(hf)
-  total = sum(sources[hf].nbytes for hf in plan.fills)
+  for hf, fills in plan.fills.items():
+    if fills[0].leaf:
+      by_file.setdefault(sources[hf].file, []).append(hf)
+  total = sum(sources[hf].nbytes for names in by_file.values() for hf in names)
   show = progress and (sys.stderr.isatty() or total >= PROGRESS_MIN_BYTES)
   start, done_bytes = time.time(), 0
   bufs: dict[str, np.ndarray] = {}

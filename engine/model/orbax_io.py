@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from engine.model.config import ModelConfig, config_from_dict, load_config
 from engine.model.hf_loader import (INDEX_FILE, PICKLE_SUFFIXES, SINGLE_FILE, CheckpointError,
                                     shardings_by_leaf)
-from engine.model.params import (FLOAT32_LEAVES, Params, check_params, is_shape, leaf_dtype,
+from engine.model.params import (Params, check_params, is_shape, leaf_dtype,
                                  param_shapes, path_str, shape_leaves)
 
 FORMAT = "moejax-orbax"
@@ -48,9 +48,11 @@ def copy_tokenizer_files(src_dir: str, out_dir: str) -> None:
 
 
 def _params_dtype(params: Params) -> str:
-  """The one dtype of the non-routing leaves (routing leaves are float32 by design)."""
+  """The one dtype of the free leaves (routing leaves are float32 and INT4 experts' packed
+  nibbles and scales uint8 / bf16 by design: `leaf_dtype`)."""
+  free = object()
   dtypes = {np.dtype(x.dtype).name for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
-            if path_str(p).rsplit(".", 1)[-1] not in FLOAT32_LEAVES}
+            if leaf_dtype(p, free) is free}
   if len(dtypes) != 1:
     raise ValueError(f"params mix dtypes {sorted(dtypes)}; cast them to one dtype before saving")
   return dtypes.pop()

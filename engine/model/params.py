@@ -25,6 +25,11 @@ rules can name it. Layer `i` lives at `params["layers"][i]`.
         router       [H, E]     float32 always (routing is computed in float32)
         router_bias  [E]        float32; `e_score_correction_bias` (noaux_tc only)
         experts:     gate [E, H, Im]   up [E, H, Im]   down [E, Im, H]
+                     or, for compressed-tensors INT4 checkpoints (`cfg.experts_int4(i)`), each
+                     an `Int4Weight` (pallas_kernels/quant.py) of the same logical shape:
+                     packed uint8 [E, K/2, N] and scale bf16 [E, K/group, N]; for FP8
+                     experts kept quantized (`cfg.experts_fp8(i)`) an `Fp8Weight`: w
+                     float8_e4m3fn [E, K, N] and scale_inv float32 [E, K/bk, N/bn]
         shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
     mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer
                  (the keys above, MoE or dense as layer num_layers + k) plus
@@ -38,16 +43,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from engine.model.config import ModelConfig
+from pallas_kernels.quant import Fp8Weight, Int4Weight
 
 Params = dict[str, Any]
 
 # Leaves kept in float32 whatever the checkpoint dtype (routing decisions are precision-sensitive).
 FLOAT32_LEAVES = ("router", "router_bias")
+# The children of an `Int4Weight` (INT4 routed experts): packed nibbles and bf16 group scales.
+# The children of an `Fp8Weight` (FP8 routed experts kept quantized): values and block scales.
+QUANT_LEAF_DTYPES = {"packed": jnp.uint8, "scale": jnp.bfloat16, "w": jnp.float8_e4m3fn,
+                     "scale_inv": jnp.float32}
 
 
 def _attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -80,16 +92,46 @@ def _mlp_shapes(H: int, inter: int) -> dict[str, tuple[int, ...]]:
   return {"gate": (H, inter), "up": (H, inter), "down": (inter, H)}
 
 
-def _moe_shapes(cfg: ModelConfig) -> dict[str, Any]:
+# Linears of the attention whose logical shape is [in axes..., out axes...]: the number of
+# input axes (`o` [nH, dv, H] flattens its first two into HF's input).
+_FP8_DENSE_N_IN = {"q": 1, "q_a": 1, "q_b": 1, "kv_a": 1, "kv_b": 1, "o": 2,
+                   "gate": 1, "up": 1, "down": 1}
+
+
+def _fp8_dense(shapes: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+  """The linears of an attention / MLP shape dict as `Fp8Weight` shapes (cfg.fp8_dense)."""
+  if not cfg.fp8_dense:
+    return shapes
+  b_out, b_in = cfg.fp8_experts
+  out = dict(shapes)
+  for name, n_in in _FP8_DENSE_N_IN.items():
+    if name in shapes:
+      s = shapes[name]
+      k, n = math.prod(s[:n_in]), math.prod(s[n_in:])
+      out[name] = Fp8Weight(w=s, scale_inv=(-(-k // b_in), -(-n // b_out)), block=(b_in, b_out),
+                            lead=0, n_in=n_in)
+  return out
+
+
+def _int4_shape(e: int, k: int, n: int, group: int) -> Int4Weight:
+  return Int4Weight(packed=(e, k // 2, n), scale=(e, k // group, n))
+
+
+def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, Any]:
   H, E, Im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-  s: dict[str, Any] = {
-      "router": (H, E),
-      "experts": {"gate": (E, H, Im), "up": (E, H, Im), "down": (E, Im, H)},
-  }
+  experts: dict[str, Any] = {"gate": (E, H, Im), "up": (E, H, Im), "down": (E, Im, H)}
+  if cfg.experts_int4(i):
+    g = cfg.int4.group_size
+    experts = {k: _int4_shape(*shape, g) for k, shape in experts.items()}
+  elif cfg.experts_fp8(i):
+    b_out, b_in = cfg.fp8_experts  # HF weight_block_size is [out, in]; ours is [in, out]
+    experts = {k: Fp8Weight(w=(e, kk, n), scale_inv=(e, -(-kk // b_in), -(-n // b_out)),
+                            block=(b_in, b_out)) for k, (e, kk, n) in experts.items()}
+  s: dict[str, Any] = {"router": (H, E), "experts": experts}
   if cfg.topk_method == "noaux_tc":
     s["router_bias"] = (E,)
   if cfg.num_shared_experts:
-    s["shared"] = _mlp_shapes(H, Im * cfg.num_shared_experts)
+    s["shared"] = _fp8_dense(_mlp_shapes(H, Im * cfg.num_shared_experts), cfg)
   return s
 
 
@@ -99,11 +141,11 @@ def param_shapes(cfg: ModelConfig) -> Params:
 
   def layer(i: int) -> dict[str, Any]:
     shapes: dict[str, Any] = {"input_norm": (H,), "post_attn_norm": (H,),
-                              "attn": _attn_shapes(cfg)}
+                              "attn": _fp8_dense(_attn_shapes(cfg), cfg)}
     if cfg.is_moe_layer(i):
-      shapes["moe"] = _moe_shapes(cfg)
+      shapes["moe"] = _moe_shapes(cfg, i)
     else:
-      shapes["mlp"] = _mlp_shapes(H, cfg.intermediate_size)
+      shapes["mlp"] = _fp8_dense(_mlp_shapes(H, cfg.intermediate_size), cfg)
     return shapes
 
   tree: Params = {"embed": (V, H), "final_norm": (H,),
@@ -128,13 +170,22 @@ def shape_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], tuple[int
 
 
 def leaf_dtype(path: tuple[Any, ...], dtype: Any) -> Any:
-  """The dtype a leaf is stored in: float32 for routing leaves, `dtype` otherwise."""
+  """The dtype a leaf is stored in: float32 for routing leaves, uint8 / bf16 for the packed
+  nibbles / scales of INT4 experts, float8_e4m3fn / float32 for kept FP8 experts' values /
+  block scales, `dtype` otherwise."""
   name = _key_name(path[-1])
+  if name in ("w", "scale_inv"):  # an Fp8Weight's children (no other leaf has these names)
+    return QUANT_LEAF_DTYPES[name]
+  if name in QUANT_LEAF_DTYPES and len(path) >= 3 and _key_name(path[-3]) == "experts":
+    return QUANT_LEAF_DTYPES[name]
   return jnp.float32 if name in FLOAT32_LEAVES else dtype
 
 
 def _key_name(k: Any) -> str:
-  return str(getattr(k, "key", getattr(k, "idx", k)))
+  for attr in ("key", "idx", "name"):  # dict, sequence, dataclass (GetAttrKey) entries
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -160,6 +211,18 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
 
   def make(path, shape):
     name = _key_name(path[-1])
+    if leaf_dtype(path, dtype) == jnp.uint8:  # INT4 nibbles, uniformly random
+      return jnp.asarray(rng.integers(0, 256, size=shape), jnp.uint8)
+    if leaf_dtype(path, dtype) == jnp.float8_e4m3fn:  # FP8 values; the scales set the size
+      return jnp.asarray(np.clip(rng.standard_normal(shape) * 32, -448, 448), jnp.float8_e4m3fn)
+    if name == "scale_inv" and leaf_dtype(path, dtype) == jnp.float32:
+      fan_in = shape[-2] * 128  # input blocks of 128
+      return jnp.asarray(np.sqrt(scale / fan_in) / 32 * (0.5 + rng.random(shape)), jnp.float32)
+    if name == "scale" and leaf_dtype(path, dtype) == jnp.bfloat16:
+      # q is ~uniform in [-8, 7] (std ~4.6): weights of std ~sqrt(scale / fan_in).
+      fan_in = shape[1] * cfg.int4.group_size
+      x = 0.5 + 0.5 * np.abs(rng.standard_normal(shape))
+      return jnp.asarray(x * np.sqrt(scale / fan_in) / 4.6, jnp.bfloat16)
     if name.endswith("norm"):
       x = 1.0 + 0.1 * rng.standard_normal(shape)
     elif name == "embed":
@@ -192,3 +255,19 @@ def check_params(cfg: ModelConfig, params: Params) -> None:
   for name in actual:
     if name not in expected:
       raise ValueError(f"unexpected parameter {name!r}")
+
+
+def shardings_by_leaf(shardings: Any, cfg: ModelConfig) -> dict[str, jax.sharding.Sharding]:
+  """{path_str: Sharding} of a shardings pytree; ValueError unless it matches the layout."""
+  expected = shape_leaves(cfg)
+  flat = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
+  missing = sorted(set(expected) - set(flat))
+  extra = sorted(set(flat) - set(expected))
+  if missing or extra:
+    raise ValueError(f"shardings do not match the parameter layout: missing {missing[:5]}, "
+                     f"unexpected {extra[:5]}")
+  bad = [k for k, s in flat.items() if not isinstance(s, jax.sharding.Sharding)]
+  if bad:
+    raise ValueError(f"shardings leaf {bad[0]!r} is not a jax.sharding.Sharding")
+  return flat

@@ -95,7 +95,13 @@ def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P
     return P(t_if(0), None)
   if path == "lm_head":
     return P(None, t_if(1))
-  if parent == "experts":  # [E, H, I] / [E, I, H]: whole experts per device of the EP group
+  if name in ("w", "scale_inv") and not (len(parts) > 2 and parts[-3] == "experts"):
+    # An FP8 linear kept quantized: the values split as the float weight would be; the block
+    # scales (1/16384 of the bytes) replicated, so no split needs to fall on a block boundary.
+    return _spec_for(".".join(parts[:-1]), shape, cfg, tp) if name == "w" else P()
+  if parent == "experts" or (len(parts) > 2 and parts[-3] == "experts"):
+    # [E, H, I] / [E, I, H], or an INT4 weight's packed [E, K/2, N] and scale [E, K/g, N]:
+    # whole experts per device of the EP group (a packed byte is never split).
     return P(EP_AXES, None, None)
   if parent in ("shared", "mlp"):
     return P(None, t_if(1)) if name in ("gate", "up") else P(t_if(0), None)
@@ -149,6 +155,47 @@ def bytes_per_device(tree: Any) -> dict[Any, int]:
     for shard in leaf.addressable_shards:
       out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
   return out
+
+
+def param_kind(path: str, dtype: Any) -> str:
+  """The memory-log kind of a parameter leaf: "int4 experts" (packed nibbles and their scales),
+  "fp8", or the dtype's name."""
+  parts = path.split(".")
+  if len(parts) > 2 and parts[-3] == "experts" and parts[-1] in ("packed", "scale"):
+    return "int4 experts"
+  if len(parts) > 2 and parts[-3] == "experts" and parts[-1] in ("w", "scale_inv"):
+    return "fp8 experts"
+  if parts[-1] in ("w", "scale_inv"):
+    return "fp8"
+  name = str(jax.numpy.dtype(dtype))
+  return "fp8" if name.startswith("float8") else name
+
+
+def param_bytes_by_kind(params: Params) -> dict[Any, dict[str, int]]:
+  """{device: {kind: bytes}} of a parameter pytree's addressable shards (`param_kind`)."""
+  out: dict[Any, dict[str, int]] = {}
+  for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    kind = param_kind(path_str(p), leaf.dtype)
+    for shard in leaf.addressable_shards:
+      d = out.setdefault(shard.device, {})
+      d[kind] = d.get(kind, 0) + shard.data.nbytes
+  return out
+
+
+def _fmt_bytes(n: int) -> str:
+  for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n} B"
+
+
+def format_param_bytes(by_device: dict[Any, dict[str, int]]) -> list[str]:
+  """One line per device: `cpu:0: bfloat16 1.20 GB, int4 experts 9.10 GB; total 10.30 GB`."""
+  lines = []
+  for dev, kinds in sorted(by_device.items(), key=lambda kv: kv[0].id):
+    parts = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in sorted(kinds.items()))
+    lines.append(f"{dev.platform}:{dev.id}: {parts}; total {_fmt_bytes(sum(kinds.values()))}")
+  return lines
 
 
 def initialize_distributed(coordinator_address: str | None, num_processes: int,

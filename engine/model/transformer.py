@@ -31,6 +31,7 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.rope import apply_rope, rope_cos_sin
 from pallas_kernels.moe.reference import swiglu_mlp
+from pallas_kernels.quant import dequantize, is_quantized
 
 Cache = list[dict[str, jax.Array]]
 
@@ -44,9 +45,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 # ---- attention -------------------------------------------------------------------------------
 
+def _weights(p: Params, dtype) -> Params:
+  """The attention's parameters with FP8 linears kept quantized dequantized to `dtype`."""
+  return {k: dequantize(v, dtype) if is_quantized(v) else v for k, v in p.items()}
+
+
 def mla_attention(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ctx: "_Ctx",
                   cfg: ModelConfig, impl: KernelChoice) -> tuple[jax.Array, dict[str, jax.Array]]:
   """x [B, T, H] -> ([B, T, H], updated layer cache)."""
+  p = _weights(p, x.dtype)
   dn, dc = cfg.qk_nope_head_dim, cfg.kv_lora_rank
   if cfg.q_lora_rank is None:
     q = jnp.einsum("bth,hnd->btnd", x, p["q"])

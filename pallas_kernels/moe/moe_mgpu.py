@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, routing
+from pallas_kernels.quant import is_quantized
 
 DECODE_MAX_TOKENS = 64
 
@@ -37,6 +38,10 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
                 w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0,
                 num_sms: int = 132) -> jax.Array:
   """Weighted sum of the chosen experts' SwiGLU MLPs over a local shard (see module doc)."""
+  if is_quantized(w_gate):
+    raise NotImplementedError("moe='mosaic_gpu' takes bf16/f16 expert weights; INT4 / FP8 "
+                              "(kept quantized) experts run with moe='reference' (no W4A16 / "
+                              "W8A16 kernel yet)")
   t, h = x.shape
   inter = w_gate.shape[2]
   if h % 64 or inter % 64:

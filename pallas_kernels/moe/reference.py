@@ -11,12 +11,21 @@ For the last two, DeepSeek-V2's rule applies: normalise when `norm_topk_prob`, e
 `routed_scaling_factor`.
 
 Shapes: T tokens, H hidden, E experts, k experts per token, I expert width.
+
+Expert weights may be plain arrays or kept quantized (`pallas_kernels.quant.Int4Weight` INT4,
+`Fp8Weight` FP8 blocks; same logical shapes). Quantized experts are dequantized inside the
+program, only where used: the gathered formulation dequantizes the copies' gathered experts;
+the all-experts and tiled ones run one expert (one tile's expert) at a time in a `lax.map`, so
+the float copy of every expert never exists; `lax.ragged_dot` (which wants whole float
+weights) is not used for them.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quant import dequantize, is_quantized
 
 
 def route(router_logits: jax.Array, correction_bias: jax.Array | None, *, scoring_func: str,
@@ -77,10 +86,26 @@ def _keep_top_groups(grouped: jax.Array, group_scores: jax.Array, topk_group: in
   return jnp.where(keep[:, :, None], grouped, fill)
 
 
+def _deq(w, dtype):
+  """A quantized (INT4 / FP8) weight dequantized to `dtype`; a plain array unchanged."""
+  return dequantize(w, dtype) if is_quantized(w) else w
+
+
 def swiglu_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-  """down(silu(x @ gate) * (x @ up)) for x [..., H], gate/up [H, I], down [I, H]."""
+  """down(silu(x @ gate) * (x @ up)) for x [..., H], gate/up [H, I], down [I, H] (arrays, or
+  quantized weights dequantized here to x's dtype)."""
+  w_gate, w_up, w_down = (_deq(w, x.dtype) for w in (w_gate, w_up, w_down))
   h = jax.nn.silu(x @ w_gate) * (x @ w_up)
   return h @ w_down
+
+
+def _mapped_mlp(xb: jax.Array, sel: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+  """For packed weights: [G, M, H] rows, [G] expert per block -> [G, M, H], one block (and
+  one expert dequantized) at a time."""
+  def one(args):
+    xg, e = args
+    return swiglu_mlp(xg, w_gate[e], w_up[e], w_down[e])
+  return jax.lax.map(one, (xb, sel))
 
 
 def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate: jax.Array,
@@ -114,6 +139,8 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   tile = _tile_rows(expert_ids.size, w_gate.shape[0])
   if _dense_pays(x.shape[0], expert_ids.size, w_gate.shape[0], tile):
     return moe_experts_all(*args, expert_offset=expert_offset)
+  if is_quantized(w_gate):  # tiles run one at a time: the gathered tile weights never all exist
+    return moe_experts_tiled(*args, expert_offset=expert_offset, tile=tile)
   num_tiles = -(-expert_ids.size // tile) + w_gate.shape[0]
   if num_tiles * _expert_bytes(w_gate) <= GATHER_MAX_BYTES:
     return moe_experts_tiled(*args, expert_offset=expert_offset, tile=tile)
@@ -127,6 +154,9 @@ def moe_experts_ragged(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   combined back in token order."""
   t, h = x.shape
   k = expert_ids.shape[1]
+  if is_quantized(w_gate):
+    raise NotImplementedError("moe_experts_ragged takes float expert weights (lax.ragged_dot); "
+                              "quantized experts use moe_experts_tiled")
   e_local = w_gate.shape[0]
   local = expert_ids.reshape(-1) - expert_offset  # [T*k]
   in_shard = (local >= 0) & (local < e_local)
@@ -144,8 +174,9 @@ def moe_experts_ragged(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
 
 
 def _expert_bytes(w_gate: jax.Array) -> int:
+  """Bytes of one expert's three matrices once gathered in float (quantized: as bf16)."""
   _, h, i = w_gate.shape
-  return 3 * h * i * w_gate.dtype.itemsize
+  return 3 * h * i * (2 if is_quantized(w_gate) else w_gate.dtype.itemsize)
 
 
 def _tile_rows(copies: int, e_local: int) -> int:
@@ -172,9 +203,12 @@ def moe_experts_all(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   # Batched over experts ([E, T, H] x [E, H, I]): contracting H of [E, H, I] against [T, H]
   # directly makes XLA:CPU transpose every expert's weights on every call.
   xb = jnp.broadcast_to(x[None], (e_local,) + x.shape)
-  gate = jnp.einsum("eth,ehi->eti", xb, w_gate)
-  up = jnp.einsum("eth,ehi->eti", xb, w_up)
-  y = jnp.einsum("eti,eih->eth", jax.nn.silu(gate) * up, w_down)  # [E, T, H]
+  if is_quantized(w_gate):
+    y = _mapped_mlp(xb, jnp.arange(e_local), w_gate, w_up, w_down)  # [E, T, H]
+  else:
+    gate = jnp.einsum("eth,ehi->eti", xb, w_gate)
+    up = jnp.einsum("eth,ehi->eti", xb, w_up)
+    y = jnp.einsum("eti,eih->eth", jax.nn.silu(gate) * up, w_down)  # [E, T, H]
   tokens = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
   return _combine(y[jnp.clip(local, 0, e_local - 1), tokens], weights, in_shard, x.dtype)
 
@@ -217,9 +251,12 @@ def moe_experts_tiled(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   copy = order[jnp.where(real, sorted_start[row_expert] + within, 0)]
   xt = jnp.where(real[:, None], x[copy // k], 0).reshape(num_tiles, tile, h)
   te = row_expert[::tile]  # each tile's expert
-  gate = jnp.einsum("gmh,ghi->gmi", xt, w_gate[te])
-  up = jnp.einsum("gmh,ghi->gmi", xt, w_up[te])
-  y = jnp.einsum("gmi,gih->gmh", jax.nn.silu(gate) * up, w_down[te]).reshape(-1, h)
+  if is_quantized(w_gate):
+    y = _mapped_mlp(xt, te, w_gate, w_up, w_down).reshape(-1, h)
+  else:
+    gate = jnp.einsum("gmh,ghi->gmi", xt, w_gate[te])
+    up = jnp.einsum("gmh,ghi->gmi", xt, w_up[te])
+    y = jnp.einsum("gmi,gih->gmh", jax.nn.silu(gate) * up, w_down[te]).reshape(-1, h)
   # Back from padded rows to copies: copy c sits at sorted slot inv[c].
   inv = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
   e_of = jnp.minimum(key, e_local - 1)
@@ -236,8 +273,7 @@ def _gather_pays(copies: int, w_gate: jax.Array) -> bool:
   verify probes of `SpecRuntime.measure_costs`): 8 copies gathered took 3.3 ms per forward
   against 1.6 ms for every expert on every token, 4 copies 2.2 ms against 1.5 ms; 2 copies
   gathered were the fastest."""
-  e_local, h, i = w_gate.shape
-  return 4 * copies <= e_local and copies * 3 * h * i * w_gate.dtype.itemsize <= GATHER_MAX_BYTES
+  return 4 * copies <= w_gate.shape[0] and copies * _expert_bytes(w_gate) <= GATHER_MAX_BYTES
 
 
 def moe_experts_gathered(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
@@ -249,9 +285,11 @@ def moe_experts_gathered(x: jax.Array, weights: jax.Array, expert_ids: jax.Array
   local = expert_ids - expert_offset  # [T, k]
   in_shard = (local >= 0) & (local < e_local)
   idx = jnp.clip(local, 0, e_local - 1)
-  gate = jnp.einsum("th,tkhi->tki", x, w_gate[idx])
-  up = jnp.einsum("th,tkhi->tki", x, w_up[idx])
-  y = jnp.einsum("tki,tkih->tkh", jax.nn.silu(gate) * up, w_down[idx])  # [T, k, H]
+  # Packed experts: only the copies' experts are gathered (still packed) and dequantized.
+  wg, wu, wd = (_deq(w[idx], x.dtype) for w in (w_gate, w_up, w_down))
+  gate = jnp.einsum("th,tkhi->tki", x, wg)
+  up = jnp.einsum("th,tkhi->tki", x, wu)
+  y = jnp.einsum("tki,tkih->tkh", jax.nn.silu(gate) * up, wd)  # [T, k, H]
   return _combine(y, weights, in_shard, x.dtype)
 
 
