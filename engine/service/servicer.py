@@ -10,26 +10,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 from absl import logging
 
 from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from engine.service import validation, wire
-from engine.service.engine_loop import EngineFailure
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
 from engine.service.reasoning import ReasoningState
+from engine.service.streams import Rejected, RequestGroup
 
 FINISH_REASONS = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
                   FINISH_ABORT: pb.FINISH_REASON_ABORT}
-
-
-class Rejected(Exception):
-  def __init__(self, code: grpc.StatusCode, message: str):
-    super().__init__(message)
-    self.code = code
 
 
 def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
@@ -103,69 +97,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if parsed is None:  # refused or cancelled: nothing left to abort
           srv.early_aborts.discard(named)
     rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
-    queue: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-
-    def deliver(item: Any) -> None:  # called on the engine thread
-      try:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
-      except RuntimeError:  # the event loop has closed (server stopped): nobody is listening
-        pass
-
-    try:
-      await srv.call_engine(srv.admit, parsed, rid, deliver)
-    except Rejected as e:
-      await self._reject(context, e)
-    except asyncio.CancelledError:  # cancelled while admitted: the abort queues after the add
-      srv.submit_engine_call(srv.end_stream, rid, deliver, True)
-      raise
-    async for response in self._stream(rid, queue, deliver, context):
-      yield response
-
-  async def _stream(self, rid: str, queue: asyncio.Queue, deliver: Callable[[Any], None],
-                    context: grpc.aio.ServicerContext):
-    srv, engine, metrics = self.srv, self.engine, self.srv.metrics
     reasoning = (ReasoningState(srv.config.reasoning, engine.tokenizer)
                  if srv.config.reasoning is not None else None)
-    finished = failed = False
-    last_chunk: float | None = None
     answer_started_s: float | None = None
+    group = RequestGroup(srv, [(parsed, rid)])
     try:
-      while not finished:
-        item = await queue.get()
-        if isinstance(item, EngineFailure):
-          failed = True
-          await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: {item.message}")
-        if item.finish_reason == FINISH_ABORT and rid in srv.drain_aborted:
-          failed = True
-          await context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"request {rid}: server shut down before it finished")
-        now = time.monotonic()
-        if item.new_token_ids:
-          if last_chunk is not None:
-            for _ in item.new_token_ids:
-              metrics.itl.observe((now - last_chunk) / len(item.new_token_ids))
-          last_chunk = now
-        try:
-          was_answering = reasoning is not None and reasoning.answer_started
-          response = response_from_output(item, reasoning, answer_started_s)
-          if reasoning is not None and reasoning.answer_started and not was_answering:
-            answer_started_s = now - item.timings.arrival
-            if item.finished:
-              response.final.timings.time_to_first_answer_token_s = answer_started_s
-        except Exception:
-          failed = True
-          logging.exception("request %s: internal error while streaming", rid)
-          await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: internal error")
-        if item.finished:
-          finished = True
-          srv.engine_loop.unsubscribe(rid)  # the id is free once the client has the final
-          metrics.observe_finished(item.finish_reason, item.timings, item.usage)
-        yield response
-    finally:
-      srv.drain_aborted.discard(rid)
-      if not finished:  # cancelled, deadline passed, or failed: end the request once
-        srv.submit_engine_call(srv.end_stream, rid, deliver, not failed)
+      async with group:
+        async for _, item in group:
+          try:
+            was_answering = reasoning is not None and reasoning.answer_started
+            response = response_from_output(item, reasoning, answer_started_s)
+            if reasoning is not None and reasoning.answer_started and not was_answering:
+              answer_started_s = time.monotonic() - item.timings.arrival
+              if item.finished:
+                response.final.timings.time_to_first_answer_token_s = answer_started_s
+          except Exception:
+            group.fail()
+            logging.exception("request %s: internal error while streaming", rid)
+            raise Rejected(grpc.StatusCode.INTERNAL, f"request {rid}: internal error")
+          yield response
+    except Rejected as e:
+      if group.failed or e.code == grpc.StatusCode.INTERNAL:
+        await context.abort(e.code, str(e))  # ended by the server: not counted as refused
+      await self._reject(context, e)
 
   async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
     try:
