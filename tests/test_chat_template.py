@@ -1,0 +1,193 @@
+"""Chat templates: our jinja2 rendering vs transformers' apply_chat_template (golden fixtures
+in tests/golden/fixtures/chat, made by tests/golden/make_chat_golden.py), Kimi K2.5's
+TypeScript tool declarations vs the checkpoint's script, loading, and input validation."""
+
+import copy
+import json
+import os
+
+import pytest
+
+from engine.model import tool_declaration_ts
+from engine.model.chat_template import ChatTemplate, ChatTemplateError, ToolArguments
+
+CHAT = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "chat")
+RENDER = json.load(open(os.path.join(CHAT, "render_cases.json"), encoding="utf-8"))["cases"]
+TS = json.load(open(os.path.join(CHAT, "tools_ts_cases.json"), encoding="utf-8"))["cases"]
+
+
+def template(name, **special):
+  with open(os.path.join(CHAT, "templates", name), encoding="utf-8") as fh:
+    return ChatTemplate(fh.read(), special)
+
+
+def render_case(case, messages=None):
+  kwargs = dict(case["kwargs"])
+  agp = kwargs.pop("add_generation_prompt", True)
+  return template(case["template"], **case["special_tokens"]).render(
+      copy.deepcopy(messages or case["messages"]), tools=copy.deepcopy(case["tools"]),
+      add_generation_prompt=agp, **kwargs)
+
+
+@pytest.mark.parametrize("case", RENDER, ids=[c["name"] for c in RENDER])
+def test_renders_as_transformers_does(case):
+  assert render_case(case) == case["rendered"]
+
+
+def _as_openai(messages):
+  """The same conversation as an OpenAI client sends it: arguments as JSON strings."""
+  out = copy.deepcopy(messages)
+  for m in out:
+    for call in m.get("tool_calls", []):
+      if not isinstance(call["function"]["arguments"], str):
+        call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+  return out
+
+
+@pytest.mark.parametrize("name", ["kimi_k2_thinking_tool_round_trip", "qwen3_tool_round_trip",
+                                  "qwen3_parallel_calls", "llama3_tool_round_trip",
+                                  "deepseek_v3_tool_template_round_trip"])
+def test_openai_json_string_arguments_render_as_objects(name):
+  case = next(c for c in RENDER if c["name"] == name)
+  assert render_case(case, _as_openai(case["messages"])) == case["rendered"]
+
+
+def test_arguments_stay_text_where_a_template_concatenates_them():
+  args = ToolArguments({"a": 1}, '{"a":1}')
+  assert args == {"a": 1} and str(args) == '{"a":1}'
+  assert "x" + args == 'x{"a":1}' and args + "y" == '{"a":1}y'
+  t = ChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                   "{{ '<' + c.function.arguments + '>' }}{{ c.function.arguments | tojson }}"
+                   "{% endfor %}{% endfor %}")
+  msgs = [{"role": "user", "content": "q"},
+          {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+              "name": "f", "arguments": '{"a":1}'}}]}]
+  assert t.render(msgs) == '<{"a":1}>{"a": 1}'
+  msgs[1]["tool_calls"][0]["function"]["arguments"] = "not json"
+  assert t.render(msgs) == '<not json>"not json"'
+
+
+@pytest.mark.parametrize("case", TS, ids=[c["name"] for c in TS])
+def test_typescript_tool_declarations_match_the_checkpoint_script(case):
+  assert tool_declaration_ts.encode_tools(copy.deepcopy(case["tools"])) == case["tools_ts_str"]
+
+
+def test_typescript_declarations_refuse_what_they_cannot_express():
+  for params in ({"type": "object", "properties": {"x": {"description": "no type"}}},
+                 {"type": "object", "properties": {"x": {"$ref": "#/$defs/Missing"}}},
+                 {"type": "object", "properties": {"x": {"enum": [1], "type": "string"}}},
+                 {"type": "object", "properties": {"x": {"type": ["string", "date"]}}}):
+    with pytest.raises(ValueError):
+      tool_declaration_ts.encode_tools([{"type": "function",
+                                         "function": {"name": "f", "parameters": params}}])
+  assert tool_declaration_ts.encode_tools([]) == ""
+
+
+K25_LIKE = ("{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{%- if tools_ts_str -%}"
+            "{{ tools_ts_str }}{%- else -%}{{ tools | tojson }}{%- endif -%}<|im_end|>"
+            "{%- endif -%}{{ messages[0].content }}|thinking={{ thinking }}")
+
+
+def test_a_template_reading_tools_ts_str_gets_them_declared_in_typescript():
+  # K2.5's tokenizer key-sorts the tools, declares them in TypeScript, defaults thinking on.
+  tools = next(c for c in TS if c["name"] == "weather_and_search")["tools"]
+  t = ChatTemplate(K25_LIKE)
+  out = t.render([{"role": "user", "content": "hi"}], tools=copy.deepcopy(tools))
+  want = tool_declaration_ts.encode_tools(tools)
+  assert out == f"<|im_system|>tool_declare<|im_middle|>{want}<|im_end|>hi|thinking=True"
+  assert t.render([{"role": "user", "content": "hi"}], thinking=False) == "hi|thinking=False"
+  # A schema the encoding cannot express falls back to the JSON declaration.
+  odd = [{"type": "function", "function": {"name": "f", "parameters": {
+      "type": "object", "properties": {"x": {"description": "no type"}}}}}]
+  assert json.dumps(odd[0]["function"]["parameters"]["properties"]["x"]) in t.render(
+      [{"role": "user", "content": "hi"}], tools=odd)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def test_from_dir(tmp_path):
+  assert ChatTemplate.from_dir(str(tmp_path)) is None
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+      "chat_template": [{"name": "default", "template": "D{{ bos_token }}"},
+                        {"name": "tool_use", "template": "T{{ tools | length }}"}],
+      "bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>"}))
+  t = ChatTemplate.from_dir(str(tmp_path))
+  assert t.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+  msgs = [{"role": "user", "content": "x"}]
+  assert t.render(msgs) == "D<s>"
+  assert t.render(msgs, tools=[{"type": "function", "function": {"name": "f"}}]) == "T1"
+  (tmp_path / "chat_template.jinja").write_text("J{{ eos_token }}{{ messages | length }}")
+  t = ChatTemplate.from_dir(str(tmp_path))
+  assert t.render(msgs) == "J</s>1"   # the .jinja file is the default, as transformers reads it
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": 5}))
+  with pytest.raises(ValueError, match="chat_template"):
+    ChatTemplate.from_dir(str(tmp_path))
+  with pytest.raises(ValueError, match="chat_template"):
+    ChatTemplate("{% if %}").render(msgs)
+
+
+def test_family_guess():
+  assert template("moonshotai-Kimi-K2-Thinking.jinja").family == "kimi_k2"
+  assert template("deepseek-ai-DeepSeek-V3.1.jinja").family == "deepseek_v3"
+  assert template("Qwen-Qwen3-0.6B.jinja").family == "qwen3"
+  assert template("meta-llama-Llama-3.3-70B-Instruct.jinja").family is None
+
+
+# ---- message shaping and validation ---------------------------------------------------------
+
+ECHO = ChatTemplate("{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}")
+
+
+def test_developer_becomes_system_and_text_parts_join_for_string_templates():
+  out = ECHO.render([{"role": "developer", "content": "rules"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                  {"type": "text", "text": "b"}]}])
+  assert out == "[system:rules][user:a\nb]"
+  keeps = ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}"
+                       "{% if 'developer' %}{% endif %}")
+  assert keeps.render([{"role": "developer", "content": "x"}]) == "developer"
+
+
+def test_none_values_are_dropped_and_reasoning_aliased():
+  t = ChatTemplate("{% for m in messages %}{{ m.content is defined }}/{{ m.thinking }}/"
+                   "{{ m.reasoning_content }};{% endfor %}")
+  out = t.render([{"role": "user", "content": "q"},
+                  {"role": "assistant", "content": None, "reasoning": "r",
+                   "tool_calls": [{"id": "c", "type": "function",
+                                   "function": {"name": "f", "arguments": "{}"}}]}])
+  assert out == "True//;False/r/r;"
+
+
+@pytest.mark.parametrize("messages,tools,field", [
+    ([], None, "messages"),
+    ([{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}], None, r"messages\[1\]\.role"),
+    ([{"role": "user"}], None, r"messages\[0\]\.content"),
+    ([{"role": "user", "content": 5}], None, r"messages\[0\]\.content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                   {"type": "image_url", "image_url": {"url": "x"}}]}], None,
+     r"messages\[0\]\.content\[1\]\.type"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": ""}}]}],
+     None, r"messages\[0\]\.tool_calls\[0\]\.function\.name"),
+    ([{"role": "assistant", "tool_calls": [{"type": "function",
+                                            "function": {"name": "f", "arguments": 3}}]}],
+     None, r"messages\[0\]\.tool_calls\[0\]\.function\.arguments"),
+    ([{"role": "user", "content": "a", "tool_calls": []}], None, r"messages\[0\]\.tool_calls"),
+    ([{"role": "tool", "content": "a", "tool_call_id": 7}], None, r"messages\[0\]\.tool_call_id"),
+    ([{"role": "user", "content": "a"}], [{"type": "function", "function": {"name": " "}}],
+     r"tools\[0\]\.function\.name"),
+    ([{"role": "user", "content": "a"}], [{"type": "retrieval"}], r"tools\[0\]\.type"),
+    ([{"role": "user", "content": "a"}], {"name": "f"}, "tools"),
+])
+def test_bad_input_names_the_field(messages, tools, field):
+  with pytest.raises(ValueError, match=field):
+    ECHO.render(messages, tools=tools)
+
+
+def test_the_template_refusing_is_a_value_error():
+  llama = template("meta-llama-Llama-3.3-70B-Instruct.jinja", bos_token="<|begin_of_text|>")
+  two_calls = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
+      {"id": str(i), "type": "function", "function": {"name": "f", "arguments": "{}"}}
+      for i in range(2)]}]
+  with pytest.raises(ChatTemplateError, match="single tool-calls") as e:
+    llama.render(two_calls)
+  assert isinstance(e.value, ValueError)
