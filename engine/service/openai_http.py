@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.service import openai_chat
 from engine.service import openai_protocol as protocol
 from engine.service.streams import Rejected, RequestGroup
 from engine.service.validation import FieldError
@@ -133,6 +134,7 @@ class OpenAIHTTP:
         Route("/health", self.health, methods=["GET"]),
         Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
         Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
+        Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
     ])
 
   # ---- lifecycle ---------------------------------------------------------------------------
@@ -306,4 +308,31 @@ class OpenAIHTTP:
       return chunk(choices, usage=tally.json())
 
     return await self._admit(request, plan.requests, c.stream,
+                             lambda g: self._error_events(events(g), g), collect)
+
+  async def chat_completions(self, request: Request) -> Response:
+    srv = self.srv
+    raw = await self._body(request)
+    plan = await srv.tokenize(openai_chat.parse_chat, raw, srv.engine.chat_template,
+                              srv.engine.tokenizer, srv.limits, srv.config.model_name,
+                              srv.chat_family)
+    choices = openai_chat.ChatChoices(plan, srv.engine.tokenizer)
+
+    async def events(group: RequestGroup) -> AsyncIterator[bytes]:
+      for first in choices.first_chunks():
+        yield sse(first)
+      async for index, out in group:
+        chunk = choices.feed(index, out)
+        if chunk is not None:
+          yield sse(chunk)
+      if plan.common.include_usage:
+        yield sse(choices.usage_chunk())
+      yield DONE
+
+    async def collect(group: RequestGroup) -> dict:
+      async for index, out in group:
+        choices.feed(index, out)
+      return choices.completion()
+
+    return await self._admit(request, plan.requests, plan.common.stream,
                              lambda g: self._error_events(events(g), g), collect)

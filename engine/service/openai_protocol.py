@@ -143,13 +143,15 @@ def common(body: dict, limits: RequestLimits, served: str, *, logprobs: int | No
 
 
 def choice_requests(base_id: str, prompts: Sequence[list[int]], c: Common,
-                    skip_special_tokens: bool = True) -> list[ParsedRequest]:
+                    skip_special_tokens: bool = True,
+                    prompt_field: str = "prompt") -> list[ParsedRequest]:
   """One engine request per (prompt, choice), choice index = prompt * n + j. Choice j samples
   with seed + j, so n choices differ and a seeded request repeats."""
   requests = []
   for p, ids in enumerate(prompts):
+    field = prompt_field if len(prompts) == 1 else f"{prompt_field}[{p}]"
     stop = validation.check_stop(num_prompt_tokens=len(ids), **c.stop_fields,
-                                 skip_special_tokens=skip_special_tokens)
+                                 skip_special_tokens=skip_special_tokens, prompt_field=field)
     for j in range(c.n):
       sampling = dataclasses.replace(c.sampling, seed=(c.sampling.seed + j) % 2**32)
       requests.append(ParsedRequest(f"{base_id}-{p * c.n + j}", ids, sampling, stop))

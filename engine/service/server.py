@@ -36,7 +36,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.runtime.engine import Engine
-from engine.service import reflection, validation, wire
+from engine.service import chat_parsers, reflection, validation, wire
 from engine.service.engine_loop import EngineLoop
 from engine.service.metrics import ServingMetrics
 from engine.service.openai_http import OpenAIHTTP
@@ -73,6 +73,9 @@ class ServerConfig:
   max_ping_strikes: int = 2
   stats_log_interval_s: float = 10.0  # one-line stats log (0: off)
   reasoning: ReasoningConfig | None = None
+  # Chat output parser family (chat_parsers.PARSER_FAMILIES; None: the chat template's tool
+  # markup decides, else the model type).
+  chat_parser: str | None = None
   warmup: bool = True  # compile every bucket before reporting SERVING
 
   def grpc_options(self) -> list[tuple[str, int]]:
@@ -109,6 +112,9 @@ class InferenceServer:
         vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
         num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings,
         max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled)
+    template = engine.chat_template
+    self.chat_family = config.chat_parser or (template.family if template is not None else None
+                                              ) or chat_parsers.family_for(engine.cfg.model_type)
     self.state = "created"  # -> starting -> serving -> draining -> stopped
     self.port: int | None = None
     self._server: grpc.aio.Server | None = None

@@ -158,12 +158,12 @@ def check_stop(*, max_tokens: int | None, min_tokens: int, stop: Sequence[str],
                include_stop_str_in_output: bool, num_prompt_tokens: int,
                limits: RequestLimits, prefix: str = "", max_tokens_field: str = "max_tokens",
                default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-               skip_special_tokens: bool = True) -> StopParams:
+               skip_special_tokens: bool = True, prompt_field: str = "prompt") -> StopParams:
   """Stop values -> StopParams; max_tokens None takes min(default_max_tokens, the room left
   in the context) (default None: all the room)."""
   room = limits.max_model_len - num_prompt_tokens
   if room < 1:
-    raise FieldError("prompt", f"{num_prompt_tokens} tokens leave no room to generate within "
+    raise FieldError(prompt_field, f"{num_prompt_tokens} tokens leave no room to generate within "
                      f"the context length {limits.max_model_len}")
   if max_tokens is not None:
     if max_tokens < 1:
@@ -196,8 +196,9 @@ def check_stop(*, max_tokens: int | None, min_tokens: int, stop: Sequence[str],
                     skip_special_tokens=skip_special_tokens)
 
 
-def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits) -> StopParams:
-  return check_stop(max_tokens=_opt(s, "max_tokens", None), min_tokens=_opt(s, "min_tokens", 0),
+def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits,
+                prompt_field: str = "prompt") -> StopParams:
+  return check_stop(prompt_field=prompt_field, max_tokens=_opt(s, "max_tokens", None), min_tokens=_opt(s, "min_tokens", 0),
                     stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                     ignore_eos=s.ignore_eos,
                     include_stop_str_in_output=s.include_stop_str_in_output,
