@@ -191,3 +191,31 @@ def test_the_template_refusing_is_a_value_error():
   with pytest.raises(ChatTemplateError, match="single tool-calls") as e:
     llama.render(two_calls)
   assert isinstance(e.value, ValueError)
+
+
+# ---- the bundled demo model ------------------------------------------------------------------
+
+def test_the_demo_model_has_a_chat_template_through_engine_load():
+  import engine
+  model = engine.load(progress=False)
+  t = model.chat_template
+  assert isinstance(t, ChatTemplate) and t.family is None
+  prompt = t.render([{"role": "system", "content": "# utilities"},
+                     {"role": "user", "content": "def fib(n):"}])
+  assert prompt == "<|bos|># utilities\ndef fib(n):"
+  ids = model.tokenizer.encode(prompt, add_special_tokens=False).ids  # as transformers encodes
+  assert ids[0] == 1 and ids.count(1) == 1   # <|bos|> once, from the template's text
+  with pytest.raises(ChatTemplateError, match="tools"):
+    t.render([{"role": "user", "content": "x"}],
+             tools=[{"type": "function", "function": {"name": "f"}}])
+  # Retraining copies the tokenizer files from checkpoints/demo/ into both models.
+  demo = os.path.dirname(model.path)
+  for name in ("chat_template.jinja", "tokenizer_config.json"):
+    texts = {open(os.path.join(d, name), encoding="utf-8").read()
+             for d in (demo, os.path.join(demo, "target"), os.path.join(demo, "draft"))}
+    assert len(texts) == 1, name
+
+
+def test_chat_template_json_of_processors(tmp_path):
+  (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P{{ messages[0].content }}"}))
+  assert ChatTemplate.from_dir(str(tmp_path)).render([{"role": "user", "content": "x"}]) == "Px"

@@ -32,6 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from engine.model import tool_declaration_ts
 
 TEMPLATE_FILE = "chat_template.jinja"
+LEGACY_TEMPLATE_FILE = "chat_template.json"
 EXTRA_TEMPLATES_DIR = "additional_chat_templates"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES).
@@ -184,8 +185,8 @@ class ChatTemplate:
   @classmethod
   def from_dir(cls, path: str) -> "ChatTemplate | None":
     """The template of a checkpoint directory (`chat_template.jinja`, named extras in
-    `additional_chat_templates/`, else `tokenizer_config.json`'s `chat_template`, a string or
-    a list of {name, template}); None when it has none."""
+    `additional_chat_templates/`, else `chat_template.json`, else `tokenizer_config.json`'s
+    `chat_template`, a string or a list of {name, template}); None when it has none."""
     config_path = os.path.join(path, TOKENIZER_CONFIG)
     config = {}
     if os.path.exists(config_path):
@@ -195,6 +196,12 @@ class ChatTemplate:
         except ValueError as e:
           raise ValueError(f"{config_path}: not JSON ({e})") from None
     templates = _templates_from_config(config.get("chat_template"), config_path)
+    json_path = os.path.join(path, LEGACY_TEMPLATE_FILE)  # processors' older form
+    if os.path.exists(json_path):
+      with open(json_path, encoding="utf-8") as fh:
+        legacy = json.load(fh)
+      if isinstance(legacy, dict) and isinstance(legacy.get("chat_template"), str):
+        templates["default"] = legacy["chat_template"]
     jinja_path = os.path.join(path, TEMPLATE_FILE)
     if os.path.exists(jinja_path):
       templates["default"] = _read(jinja_path)
@@ -255,7 +262,7 @@ class ChatTemplate:
       return template.render(messages=chat, tools=tools, documents=documents,
                              add_generation_prompt=add_generation_prompt, **kwargs)
     except jinja2.exceptions.TemplateError as e:
-      raise ChatTemplateError(f"messages: the chat template refused them: {e}") from None
+      raise ChatTemplateError(f"the chat template refused the request: {e}") from None
     except (TypeError, AttributeError, KeyError, IndexError) as e:
       raise ChatTemplateError(f"messages: the chat template failed on them: {e}") from None
 
