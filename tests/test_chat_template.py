@@ -219,3 +219,25 @@ def test_the_demo_model_has_a_chat_template_through_engine_load():
 def test_chat_template_json_of_processors(tmp_path):
   (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P{{ messages[0].content }}"}))
   assert ChatTemplate.from_dir(str(tmp_path)).render([{"role": "user", "content": "x"}]) == "Px"
+
+
+def test_template_environment_matches_transformers():
+  msgs = [{"role": "user", "content": "<b> & 'q' é"}]
+  def r(src, **kw):
+    return ChatTemplate(src).render(msgs, add_generation_prompt=False, **kw)
+  assert r("{{ messages[0].content | tojson }}") == '"<b> & \'q\' é"'   # no HTML escaping
+  assert r("{{ {'b': 1, 'a': [1]} | tojson(indent=2, sort_keys=True) }}") == \
+      '{\n  "a": [\n    1\n  ],\n  "b": 1\n}'
+  assert r("{{ x | tojson(separators=(',', ':')) }}", x={"a": [1, 2]}) == '{"a":[1,2]}'
+  assert r("{% for i in range(5) %}{% if i == 2 %}{% break %}{% endif %}{{ i }}{% endfor %}") == "01"
+  assert r("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+           "{% endfor %}{{ ns.n }}{{ dict(a=1)['a'] }}") == "11"
+  assert r("  {% if true %}\n  x{% endif %}\n") == "  x"   # trim_blocks + lstrip_blocks
+  assert r("{% generation %}g{% endgeneration %}") == "g"
+  assert len(r("{{ strftime_now('%Y-%m-%d') }}")) == 10
+  with pytest.raises(ChatTemplateError, match="'_x' starts with '_'"):
+    r("{% set ns = namespace(_x=1) %}")
+  with pytest.raises(ChatTemplateError, match="unsafe"):
+    r("{{ ''.__class__.__subclasses__() }}")   # the sandbox
+  with pytest.raises(ChatTemplateError, match="unsafe"):
+    r("{% set _ = messages.append(1) %}")   # immutable
