@@ -200,3 +200,49 @@ def test_families_and_defaults():
   assert starts_in_reasoning("<|im_assistant|>assistant<|im_middle|><think>")
   assert not starts_in_reasoning("<|im_assistant|>assistant<|im_middle|><think></think>")
   assert not starts_in_reasoning("<|im_start|>assistant\n")
+
+
+# ---- generated outputs: random conversations written in each family's format ----------------
+
+NAMES = ["get_weather", "web-search.v2", "a.b.c", "x", "fn-1"]
+ARGS = ['{}', '{"q": "a < b"}', '{"s": "}"}', '{"code": "```py\\nx\\n```"}', '{"n": [1, {"k": {}}]}',
+        '{"t": "line\\nbreak", "u": "é"}']
+TEXTS = ["", "Sure.", "Let me think: 2 < 3 and 4 > 1.", "a\nb", "Use `<tag>` here."]
+
+
+def _write(family, rng):
+  """A model output in `family`'s format and what parsing it must give."""
+  thought, content = rng.choice(TEXTS), rng.choice(TEXTS)
+  picked = [(rng.choice(NAMES), rng.choice(ARGS)) for _ in range(rng.randint(0, 3))]
+  if family == "kimi_k2":   # K2.5: the prompt ends in <think>
+    text = f"{thought}</think>{content}"
+    if picked and rng.random() < 0.3:   # the thought runs into the tool section
+      text, content = thought, ""
+    if picked:
+      text += K_SEC + "".join(f"{K_CALL}functions.{n}:{i}{K_ARG}{a}{K_END}"
+                              for i, (n, a) in enumerate(picked)) + K_SEC_END
+    ids_ = [f"functions.{n}:{i}" for i, (n, _) in enumerate(picked)]
+    return text, True, content, thought, calls(*picked, ids_=ids_)
+  if family == "deepseek_v3":
+    text = f"<think>{thought}</think>{content}" if thought else content
+    if picked:
+      v31 = rng.random() < 0.5
+      text += D_SEC + "\n".join(
+          f"{D_CALL}{n}{D_SEP}{a}{D_END}" if v31 else
+          f"{D_CALL}function{D_SEP}{n}\n```json\n{a}\n```{D_END}" for n, a in picked) + D_SEC_END
+    return text, False, content, thought, calls(*picked)
+  text = f"<think>{thought}</think>{content}" if thought else content
+  for i, (n, a) in enumerate(picked):   # as Qwen3's template writes them
+    sep = "\n" if (i or content) else ""
+    text += f'{sep}<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>'
+  return text, False, content, thought, calls(*picked)
+
+
+@pytest.mark.parametrize("family", ["kimi_k2", "deepseek_v3", "qwen3"])
+def test_generated_outputs_parse_back(family):
+  rng = random.Random(family)
+  for _ in range(40):
+    text, in_thought, content, thought, want = _write(family, rng)
+    for chunks in itertools.islice(chunkings(text), 0, None, 7):   # whole, by char, a sample of cuts
+      got = run(family, chunks, reasoning=in_thought)
+      assert got[:3] == (content, thought, want), (text, chunks)

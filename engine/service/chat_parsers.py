@@ -97,6 +97,7 @@ class ChatOutputParser:
   parses_think = False
   tool_begin: str | None = None      # the marker that opens tool-call text in the content
   reasoning_ends_at_tools = False    # Kimi: the tool section also closes the thought
+  tool_separator = ""                # written between content and the tool calls (Qwen: "\n")
   markers: tuple[str, ...] = ()      # stripped from malformed leftovers
 
   def __init__(self, *, starts_in_reasoning: bool = False, tools_enabled: bool = False,
@@ -199,6 +200,13 @@ class ChatOutputParser:
     terms = ((THINK_START,) if self.parses_think else ()) + (
         (self.tool_begin,) if self._tools else ())
     text, term = self._take_until(terms)
+    sep = self.tool_separator if self._tools else ""
+    if sep and text.endswith(sep):
+      if term is None and not self._final:   # it may turn out to be the separator
+        self._buf = sep + self._buf
+        text = text[:-len(sep)]
+      elif term == self.tool_begin:
+        text = text[:-len(sep)]
     self._out.content += text
     if term == THINK_START:
       self._state = "reasoning"
@@ -484,6 +492,7 @@ class _Qwen3Parser(ChatOutputParser):
   family = "qwen3"
   parses_think = True
   tool_begin = "<tool_call>"
+  tool_separator = "\n"
   call_end = "</tool_call>"
   markers = (tool_begin, call_end)
   # The object's head up to its arguments value (settled once a non-space char follows).
