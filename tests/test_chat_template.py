@@ -9,7 +9,8 @@ import os
 import pytest
 
 from engine.model import tool_declaration_ts
-from engine.model.chat_template import ChatTemplate, ChatTemplateError, ToolArguments
+from engine.model.chat_template import (ChatTemplate, ChatTemplateError, ToolArguments,
+                                         encode_prompt)
 
 CHAT = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "chat")
 RENDER = json.load(open(os.path.join(CHAT, "render_cases.json"), encoding="utf-8"))["cases"]
@@ -203,8 +204,9 @@ def test_the_demo_model_has_a_chat_template_through_engine_load():
   prompt = t.render([{"role": "system", "content": "# utilities"},
                      {"role": "user", "content": "def fib(n):"}])
   assert prompt == "<|bos|># utilities\ndef fib(n):"
-  ids = model.tokenizer.encode(prompt, add_special_tokens=False).ids  # as transformers encodes
+  ids = encode_prompt(model.tokenizer, prompt)
   assert ids[0] == 1 and ids.count(1) == 1   # <|bos|> once, from the template's text
+  assert model.tokenizer.encode(prompt).ids.count(1) == 2   # (a plain encode adds another)
   with pytest.raises(ChatTemplateError, match="tools"):
     t.render([{"role": "user", "content": "x"}],
              tools=[{"type": "function", "function": {"name": "f"}}])
@@ -241,3 +243,19 @@ def test_template_environment_matches_transformers():
     r("{{ ''.__class__.__subclasses__() }}")   # the sandbox
   with pytest.raises(ChatTemplateError, match="unsafe"):
     r("{% set _ = messages.append(1) %}")   # immutable
+
+
+def test_kimi_prompt_markup_encodes_as_its_control_tokens(tmp_path):
+  from engine.api import load_tokenizer
+  from tests.test_tiktoken_tokenizer import KIMI_SPECIALS, _write_dir
+  import tests.test_tiktoken_tokenizer as tt
+  tok = load_tokenizer(str(_write_dir(tmp_path / "kimi")))
+  case = next(c for c in RENDER if c["name"] == "kimi_k2_thinking_tool_round_trip")
+  prompt = render_case(case)
+  ids = encode_prompt(tok, prompt)
+  special = {tt.N + k: name for k, (name, _) in KIMI_SPECIALS.items()}
+  used = [special[i] for i in ids if i in special]
+  assert used[:3] == ["<|im_system|>", "<|im_middle|>", "<|im_end|>"]
+  assert "<|tool_call_argument_begin|>" in used and used[-2:] == ["<|im_assistant|>",
+                                                                  "<|im_middle|>"]
+  assert tok.decode(ids, skip_special_tokens=False) == prompt

@@ -276,6 +276,16 @@ class ChatTemplate:
     return self._compiled[source]
 
 
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+  """A rendered prompt's ids as `apply_chat_template(tokenize=True)` makes them: special-token
+  text is its token (the template's markup; also any a user typed, as in transformers by
+  default) and the tokenizer adds nothing (templates write BOS themselves)."""
+  from engine.model.tiktoken_tokenizer import TiktokenTokenizer
+  if isinstance(tokenizer, TiktokenTokenizer):
+    return list(tokenizer.encode(prompt, allow_special_tokens=True).ids)
+  return list(tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+
 # ---- input validation and shaping -----------------------------------------------------------
 
 def validate_tools(tools: Any) -> list[dict] | None:
