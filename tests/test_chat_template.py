@@ -149,14 +149,31 @@ def test_developer_becomes_system_and_text_parts_join_for_string_templates():
   assert keeps.render([{"role": "developer", "content": "x"}]) == "developer"
 
 
+def test_tool_call_turns_without_content_render():
+  t = template("Qwen-Qwen3-0.6B.jinja")
+  base = [{"role": "user", "content": "q"},
+          {"role": "assistant", "content": "", "tool_calls": [
+              {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+          {"role": "tool", "tool_call_id": "c", "content": "r"}]
+  want = t.render(copy.deepcopy(base))
+  assert '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>' in want
+  for missing in (None, "drop"):
+    msgs = copy.deepcopy(base)
+    if missing is None:
+      msgs[1]["content"] = None
+    else:
+      del msgs[1]["content"]
+    assert t.render(msgs) == want
+
+
 def test_none_values_are_dropped_and_reasoning_aliased():
-  t = ChatTemplate("{% for m in messages %}{{ m.content is defined }}/{{ m.thinking }}/"
+  t = ChatTemplate("{% for m in messages %}{{ m.name is defined }}/{{ m.thinking }}/"
                    "{{ m.reasoning_content }};{% endfor %}")
-  out = t.render([{"role": "user", "content": "q"},
+  out = t.render([{"role": "user", "content": "q", "name": None},
                   {"role": "assistant", "content": None, "reasoning": "r",
                    "tool_calls": [{"id": "c", "type": "function",
                                    "function": {"name": "f", "arguments": "{}"}}]}])
-  assert out == "True//;False/r/r;"
+  assert out == "False//;False/r/r;"
 
 
 @pytest.mark.parametrize("messages,tools,field", [

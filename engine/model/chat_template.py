@@ -10,7 +10,8 @@ What this layer adds, as OpenAI servers do before rendering (vLLM's chat_utils):
   * validation, with a ValueError naming the field (`messages[2].role`, `tools[0].function.name`);
   * `developer` messages become `system` unless the template knows the role;
   * list content: text parts joined with "\\n" for templates that read a string, kept as parts for
-    templates that loop over them; other part types are refused (no image input yet);
+    templates that loop over them; other part types are refused (no image input yet); a
+    tool-call-only assistant turn gets empty content;
   * a tool call's `arguments` JSON string is parsed for the template (`ToolArguments`, a dict
     that still renders as the original text where a template concatenates it);
   * Kimi K2.5-style templates (they read `tools_ts_str`) get their tools declared in its
@@ -345,6 +346,10 @@ def prepare_messages(messages: Any, *, reads_parts: bool = False,
       msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
     elif role == "assistant" and "content" not in msg:
       raise ValueError(f"{where}.content: required unless the message has tool_calls")
+    if "content" not in msg:
+      # A tool-call-only turn (OpenAI sends content null): empty, as vLLM gives it, since
+      # templates such as Qwen3's call string methods on it.
+      msg["content"] = [] if reads_parts else ""
     # transformers 5.x: reasoning under any of its names is given as reasoning_content and
     # thinking (gpt-oss templates read the latter).
     reasoning = next((msg[k] for k in ("reasoning_content", "thinking", "reasoning")
