@@ -124,12 +124,13 @@ class ChatOutputParser:
 
   def finish(self) -> ChatDelta:
     self._final = True
-    out = self._run()
+    while self._step():
+      pass
     self._abandon_block(at_end=True)
     leftover, self._buf = self._buf, ""
     if leftover and not (self._skip_space and not leftover.strip()):
       self._emit_text(leftover)
-    return self._take_out() if not out else _merge(out, self._take_out())
+    return self._take_out()
 
   @property
   def tool_calls(self) -> list[dict]:
@@ -298,18 +299,6 @@ def _partial_tail(buf: str, terminators: tuple[str, ...]) -> int:
         best = n
         break
   return best
-
-
-def _merge(a: ChatDelta, b: ChatDelta) -> ChatDelta:
-  out = ChatDelta(a.content + b.content, a.reasoning + b.reasoning, list(a.tool_calls))
-  for d in b.tool_calls:
-    if out.tool_calls and out.tool_calls[-1].index == d.index:
-      last = out.tool_calls[-1]
-      last.id, last.name = last.id or d.id, last.name or d.name
-      last.arguments += d.arguments
-    else:
-      out.tool_calls.append(d)
-  return out
 
 
 class _PlainParser(ChatOutputParser):
