@@ -5,7 +5,9 @@ deltas here. Each family's parser is a small state machine over the text seen so
 emits what can no longer change and holds back a tail that could still be the start of a
 marker, so the result does not depend on how the text was cut into deltas (one character, one
 token, or a speculative bundle of several markers). Markers never reach content or reasoning;
-tool-call text that does not follow the family's grammar ends as content, never an exception.
+tool-call text that does not follow the family's grammar ends as content, never an exception;
+a call cut off (by the end of the output or another marker) after its id and name were sent
+stays a call, with the arguments that came, since the client has already seen it.
 
 Families (`PARSER_FAMILIES`):
   kimi_k2      <think>..</think>, then <|tool_calls_section_begin|><|tool_call_begin|>
@@ -88,9 +90,9 @@ class _Call:
 class ChatOutputParser:
   """Base: content and <think> reasoning; families add their tool-call states.
 
-  `feed(text)` returns what the new text settles; `finish()` flushes the held-back tail (and
-  any unterminated tool call, as content). `tool_calls` lists the completed calls in the
-  OpenAI shape.
+  `feed(text)` returns what the new text settles; `finish()` flushes the held-back tail.
+  `tool_calls` lists the calls closed so far in the OpenAI shape (after `finish()` also one
+  the output cut off).
   """
 
   family = "none"
@@ -251,7 +253,7 @@ class ChatOutputParser:
     if not done:
       body = text.rstrip()
       if trailing and body.endswith(trailing):
-        body = body[:-len(trailing)]
+        body = body[:-len(trailing)].rstrip()
       if len(body) < len(text):
         self._buf = text[len(body):] + self._buf
         text = body
@@ -273,12 +275,19 @@ class ChatOutputParser:
     self._raw = ""
 
   def _abandon_block(self, at_end: bool = False) -> None:
-    """Malformed tool-call text (at the end: also the unconsumed rest) becomes content,
-    markers removed."""
+    """Tool-call text cut off (by another marker, or at the end by the end of the output).
+    A call already announced (its id and name were sent) stays a call, its arguments as far
+    as they came, as the client has seen them; text never announced becomes content (at the
+    end with the unconsumed rest), markers removed."""
     if self._state in ("content", "reasoning"):
       return
     raw = self._raw
-    if at_end:
+    if self._open is not None:
+      self._close_call()
+      raw = ""
+      if at_end:
+        self._buf = ""    # only held-back trailing space (and Qwen's brace) is left
+    elif at_end:
       raw, self._buf = raw + self._buf, ""
     self._raw, self._open = "", None
     self._state, self._skip_space = "content", False
@@ -359,7 +368,7 @@ class _SectionParser(ChatOutputParser):
   def _st_args(self) -> bool:
     text, term = self._take_until(self.args_end + (self.call_end, self.call_begin,
                                                   self.section_end))
-    self._stream_args(text, done=term is not None)
+    self._stream_args(text, done=term is not None, trailing=self.args_trailing)
     if term is None:
       return False
     if term in self.args_end or term == self.call_end:
@@ -369,7 +378,8 @@ class _SectionParser(ChatOutputParser):
       self._after_broken_call(term)
     return True
 
-  args_end: tuple[str, ...] = ()
+  args_end: tuple[str, ...] = ()    # per call: what else ends its arguments (V3's fence)
+  args_trailing = ""                 # per call: held back at the arguments' end (V3's fence)
 
   def _after_broken_call(self, term: str, skip_args: bool = False) -> None:
     """A call cut off by another marker (or with an unreadable header) becomes content; the
@@ -402,8 +412,8 @@ class _KimiK2Parser(_SectionParser):
   call_end = "<|tool_call_end|>"
   reasoning_ends_at_tools = True
   markers = (tool_begin, section_end, call_begin, header_end, call_end)
-  # functions.NAME:IDX; the name may hold '.', '-', ':' (the index is the last ':digits').
-  _HEADER = re.compile(r"(?:functions\.)?(\S+?)(?::\d+)?")
+  # functions.NAME:IDX (the prefix may be missing); the name may hold '.', '-', ':'.
+  _HEADER = re.compile(r"(?:functions\.)?(\S+):\d+")
 
   def _name_from_header(self, header: str) -> str | None:
     m = self._HEADER.fullmatch(header)
@@ -438,7 +448,7 @@ class _DeepSeekV3Parser(_SectionParser):
     if not head and not self._final:
       return False
     if self._header != "function" or head.startswith(("{", "[")) or not head:
-      self.args_end = ()
+      self.args_end, self.args_trailing = (), ""
       self._open_call(self._header)
       self._state = "args"
       return True
@@ -471,7 +481,7 @@ class _DeepSeekV3Parser(_SectionParser):
       cut = len(self._buf) - len(head) + len(self._FENCE)
       self._raw += self._buf[:cut]
       self._buf = self._buf[cut:]
-    self.args_end = ("```" + self.call_end,)
+    self.args_end, self.args_trailing = ("```" + self.call_end,), "```"
     self._open_call(self._header)
     self._state = "args"
     return True
