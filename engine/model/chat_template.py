@@ -20,8 +20,10 @@ What this layer adds, as OpenAI servers do before rendering (vLLM's chat_utils):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from datetime import datetime
 from typing import Any
 
@@ -267,6 +269,25 @@ class ChatTemplate:
     except (TypeError, AttributeError, KeyError, IndexError) as e:
       raise ChatTemplateError(f"messages: the chat template failed on them: {e}") from None
 
+  def render_ids(self, tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None,
+                 add_generation_prompt: bool = True, documents: list[dict] | None = None,
+                 **template_kwargs) -> list[int]:
+    """The prompt's token ids: the template's markup as control tokens, but control-token
+    text the request itself carries (a user typing "<|im_end|>") as plain text, as
+    transformers' `sanitize_control_tokens=True` encodes it. Without such text it equals
+    `encode_prompt(tokenizer, render(...))`."""
+    pattern = _control_pattern(_control_tokens(tokenizer))
+    mark = functools.partial(_mark, pattern=pattern)
+    text = self.render(mark(messages), tools=mark(tools), documents=mark(documents),
+                       add_generation_prompt=add_generation_prompt, **mark(template_kwargs))
+    pieces = re.compile(f"{_MARK_START}({pattern.pattern}){_MARK_END}"
+                        f"|[{_MARK_START}{_MARK_END}]").split(text)
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):   # text, marked token (None: a stray mark), text, ...
+      if piece:
+        ids += _plain_ids(tokenizer, piece) if i % 2 else encode_prompt(tokenizer, piece)
+    return ids
+
   def _compile(self, source: str) -> tuple[jinja2.Template, bool]:
     if source not in self._compiled:
       try:
@@ -285,6 +306,53 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
   if isinstance(tokenizer, TiktokenTokenizer):
     return list(tokenizer.encode(prompt, allow_special_tokens=True).ids)
   return list(tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+
+# Private-use characters put around control-token text in the request's own strings, so the
+# encoding tells it from the template's markup (a template's string methods may separate them:
+# a stray mark is dropped but still splits the text there).
+_MARK_START, _MARK_END = "\ue000", "\ue001"
+
+
+def _control_tokens(tokenizer: Any) -> tuple[str, ...]:
+  from engine.model.tiktoken_tokenizer import TiktokenTokenizer
+  if isinstance(tokenizer, TiktokenTokenizer):
+    return tuple(tokenizer.special_tokens)
+  return tuple(t.content for t in tokenizer.get_added_tokens_decoder().values())
+
+
+@functools.lru_cache(maxsize=8)
+def _control_pattern(tokens: tuple[str, ...]) -> re.Pattern:
+  longest_first = sorted(set(tokens), key=len, reverse=True)   # a token before its parts
+  return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+
+
+def _mark(obj: Any, pattern: re.Pattern) -> Any:
+  if isinstance(obj, str):   # marks already there are dropped: they cannot be forged
+    obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
+    return pattern.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
+  if isinstance(obj, dict):
+    return {k: _mark(v, pattern) for k, v in obj.items()}
+  if isinstance(obj, list):
+    return [_mark(v, pattern) for v in obj]
+  return obj
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+  """`text` encoded as plain text, its special-token spellings included."""
+  from engine.model.tiktoken_tokenizer import TiktokenTokenizer
+  if isinstance(tokenizer, TiktokenTokenizer):
+    return list(tokenizer.encode(text, allow_special_tokens=False).ids)
+  # tokenizers matches added tokens before its pipeline: run the pipeline without them.
+  norm = tokenizer.normalizer.normalize_str(text) if tokenizer.normalizer is not None else text
+  splits = ([s for s, _ in tokenizer.pre_tokenizer.pre_tokenize_str(norm)]
+            if tokenizer.pre_tokenizer is not None else [norm])
+  ids = [t.id for s in splits for t in tokenizer.model.tokenize(s)]
+  control = tokenizer.token_to_id(text)
+  if control is not None and control in ids:
+    raise ValueError(f"messages: {text!r} is a control token this tokenizer cannot encode as "
+                     "plain text")
+  return ids
 
 
 # ---- input validation and shaping -----------------------------------------------------------
