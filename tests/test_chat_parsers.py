@@ -99,20 +99,30 @@ CASES = [
     ("qwen3", False, "plain answer", "plain answer", "", []),
     ("think", True, "a</think>b", "b", "a", []),
     ("none", False, "<think>x</think>" + K_SEC, "<think>x</think>" + K_SEC, "", []),
-    # Malformed: never an exception, leftovers as content without markers.
-    ("kimi_k2", False, "x" + K_SEC + K_CALL + "functions.f:0" + K_ARG + '{"a": 1', "x"
-     "functions.f:0 {\"a\": 1", "", []),
+    # Cut off: a call already announced stays a call (arguments as far as they came);
+    # malformed text never announced is content, without markers; never an exception.
+    ("kimi_k2", False, "x" + K_SEC + K_CALL + "functions.f:0 " + K_ARG + '{"a": 1', "x", "",
+     calls(("f", '{"a": 1'), ids_=["functions.f:0"])),
+    ("kimi_k2", False, K_SEC + K_CALL + "functions.a:0" + K_ARG + '{"x"' + K_CALL
+     + "functions.b:1" + K_ARG + "{}" + K_END + K_SEC_END, "", "",
+     calls(("a", '{"x"'), ("b", "{}"), ids_=["functions.a:0", "functions.b:1"])),
+    ("kimi_k2", False, "y" + K_SEC + K_CALL + "functions.invalid.0" + K_ARG + "{}" + K_END
+     + K_SEC_END, "yfunctions.invalid.0{}", "", []),
     ("kimi_k2", False, "x" + K_SEC + K_CALL + "bad header here" + K_ARG + "{}" + K_END
      + K_CALL + "functions.ok:1" + K_ARG + "{}" + K_END + K_SEC_END + "tail",
      "xbad header here{}tail", "", calls(("ok", "{}"), ids_=["functions.ok:1"])),
     ("kimi_k2", False, "x" + K_SEC + "junk" + K_CALL + "functions.f:0" + K_CALL
      + "functions.g:1" + K_ARG + "[]" + K_END + K_SEC_END, "xjunkfunctions.f:0", "",
      calls(("g", "[]"), ids_=["functions.g:1"])),
-    ("deepseek_v3", False, D_SEC + D_CALL + "function" + D_SEP + "f\n```json\n{\"a\": 1}",
-     "function f\n```json\n{\"a\": 1}", "", []),
+    ("deepseek_v3", False, D_SEC + D_CALL + "function" + D_SEP + "f\n```json\n{\"a\": 1}\n```",
+     "", "", calls(("f", '{"a": 1}'))),
+    ("deepseek_v3", False, "z" + D_SEC + D_CALL + "func tion" + D_SEP + "{}" + D_END + D_SEC_END,
+     "zfunc tion{}", "", []),
     ("qwen3", False, "a<tool_call>\nnot json\n</tool_call>b", "a\nnot json\nb", "", []),
-    ("qwen3", False, "a<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1", "a"
-     "\n{\"name\": \"f\", \"arguments\": {\"x\": 1", "", []),
+    ("qwen3", False, "a<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}", "a", "",
+     calls(("f", '{"x": 1}'))),
+    ("qwen3", False, "a<tool_call>\n{\"name\": \"f\", \"argu", "a\n{\"name\": \"f\", \"argu",
+     "", []),
 ]
 
 
@@ -160,8 +170,9 @@ def test_arguments_stream_before_the_call_ends():
   assert d.tool_calls[0].name == "f" and d.tool_calls[0].arguments == '{"a": [1, 2'
   d = q.feed(']}}')   # the last brace may close the wrapper: held back until it is known
   assert d.tool_calls[0].arguments == "]}"
-  assert q.tool_calls == []  # </tool_call> never came: not a complete call
-  assert q.finish().content == '\n{"name": "f", "arguments": {"a": [1, 2]}}'
+  assert q.tool_calls == []  # </tool_call> has not come yet
+  assert q.finish() == ChatDelta()   # the output ended: the call stays as far as it came
+  assert q.tool_calls[0]["function"]["arguments"] == '{"a": [1, 2]}'
 
 
 def test_partial_marker_is_held_back_then_released_as_text():
@@ -200,3 +211,49 @@ def test_families_and_defaults():
   assert starts_in_reasoning("<|im_assistant|>assistant<|im_middle|><think>")
   assert not starts_in_reasoning("<|im_assistant|>assistant<|im_middle|><think></think>")
   assert not starts_in_reasoning("<|im_start|>assistant\n")
+
+
+# ---- generated outputs: random conversations written in each family's format ----------------
+
+NAMES = ["get_weather", "web-search.v2", "a.b.c", "x", "fn-1"]
+ARGS = ['{}', '{"q": "a < b"}', '{"s": "}"}', '{"code": "```py\\nx\\n```"}', '{"n": [1, {"k": {}}]}',
+        '{"t": "line\\nbreak", "u": "é"}']
+TEXTS = ["", "Sure.", "Let me think: 2 < 3 and 4 > 1.", "a\nb", "Use `<tag>` here."]
+
+
+def _write(family, rng):
+  """A model output in `family`'s format and what parsing it must give."""
+  thought, content = rng.choice(TEXTS), rng.choice(TEXTS)
+  picked = [(rng.choice(NAMES), rng.choice(ARGS)) for _ in range(rng.randint(0, 3))]
+  if family == "kimi_k2":   # K2.5: the prompt ends in <think>
+    text = f"{thought}</think>{content}"
+    if picked and rng.random() < 0.3:   # the thought runs into the tool section
+      text, content = thought, ""
+    if picked:
+      text += K_SEC + "".join(f"{K_CALL}functions.{n}:{i}{K_ARG}{a}{K_END}"
+                              for i, (n, a) in enumerate(picked)) + K_SEC_END
+    ids_ = [f"functions.{n}:{i}" for i, (n, _) in enumerate(picked)]
+    return text, True, content, thought, calls(*picked, ids_=ids_)
+  if family == "deepseek_v3":
+    text = f"<think>{thought}</think>{content}" if thought else content
+    if picked:
+      v31 = rng.random() < 0.5
+      text += D_SEC + "\n".join(
+          f"{D_CALL}{n}{D_SEP}{a}{D_END}" if v31 else
+          f"{D_CALL}function{D_SEP}{n}\n```json\n{a}\n```{D_END}" for n, a in picked) + D_SEC_END
+    return text, False, content, thought, calls(*picked)
+  text = f"<think>{thought}</think>{content}" if thought else content
+  for i, (n, a) in enumerate(picked):   # as Qwen3's template writes them
+    sep = "\n" if (i or content) else ""
+    text += f'{sep}<tool_call>\n{{"name": "{n}", "arguments": {a}}}\n</tool_call>'
+  return text, False, content, thought, calls(*picked)
+
+
+@pytest.mark.parametrize("family", ["kimi_k2", "deepseek_v3", "qwen3"])
+def test_generated_outputs_parse_back(family):
+  rng = random.Random(family)
+  for _ in range(40):
+    text, in_thought, content, thought, want = _write(family, rng)
+    for chunks in itertools.islice(chunkings(text), 0, None, 7):   # whole, by char, a sample of cuts
+      got = run(family, chunks, reasoning=in_thought)
+      assert got[:3] == (content, thought, want), (text, chunks)

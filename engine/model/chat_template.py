@@ -10,7 +10,8 @@ What this layer adds, as OpenAI servers do before rendering (vLLM's chat_utils):
   * validation, with a ValueError naming the field (`messages[2].role`, `tools[0].function.name`);
   * `developer` messages become `system` unless the template knows the role;
   * list content: text parts joined with "\\n" for templates that read a string, kept as parts for
-    templates that loop over them; other part types are refused (no image input yet);
+    templates that loop over them; other part types are refused (no image input yet); a
+    tool-call-only assistant turn gets empty content;
   * a tool call's `arguments` JSON string is parsed for the template (`ToolArguments`, a dict
     that still renders as the original text where a template concatenates it);
   * Kimi K2.5-style templates (they read `tools_ts_str`) get their tools declared in its
@@ -19,8 +20,10 @@ What this layer adds, as OpenAI servers do before rendering (vLLM's chat_utils):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from engine.model import tool_declaration_ts
 
 TEMPLATE_FILE = "chat_template.jinja"
+LEGACY_TEMPLATE_FILE = "chat_template.json"
 EXTRA_TEMPLATES_DIR = "additional_chat_templates"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES).
@@ -184,8 +188,8 @@ class ChatTemplate:
   @classmethod
   def from_dir(cls, path: str) -> "ChatTemplate | None":
     """The template of a checkpoint directory (`chat_template.jinja`, named extras in
-    `additional_chat_templates/`, else `tokenizer_config.json`'s `chat_template`, a string or
-    a list of {name, template}); None when it has none."""
+    `additional_chat_templates/`, else `chat_template.json`, else `tokenizer_config.json`'s
+    `chat_template`, a string or a list of {name, template}); None when it has none."""
     config_path = os.path.join(path, TOKENIZER_CONFIG)
     config = {}
     if os.path.exists(config_path):
@@ -195,6 +199,12 @@ class ChatTemplate:
         except ValueError as e:
           raise ValueError(f"{config_path}: not JSON ({e})") from None
     templates = _templates_from_config(config.get("chat_template"), config_path)
+    json_path = os.path.join(path, LEGACY_TEMPLATE_FILE)  # processors' older form
+    if os.path.exists(json_path):
+      with open(json_path, encoding="utf-8") as fh:
+        legacy = json.load(fh)
+      if isinstance(legacy, dict) and isinstance(legacy.get("chat_template"), str):
+        templates["default"] = legacy["chat_template"]
     jinja_path = os.path.join(path, TEMPLATE_FILE)
     if os.path.exists(jinja_path):
       templates["default"] = _read(jinja_path)
@@ -255,9 +265,28 @@ class ChatTemplate:
       return template.render(messages=chat, tools=tools, documents=documents,
                              add_generation_prompt=add_generation_prompt, **kwargs)
     except jinja2.exceptions.TemplateError as e:
-      raise ChatTemplateError(f"messages: the chat template refused them: {e}") from None
+      raise ChatTemplateError(f"the chat template refused the request: {e}") from None
     except (TypeError, AttributeError, KeyError, IndexError) as e:
       raise ChatTemplateError(f"messages: the chat template failed on them: {e}") from None
+
+  def render_ids(self, tokenizer: Any, messages: list[dict], *, tools: list[dict] | None = None,
+                 add_generation_prompt: bool = True, documents: list[dict] | None = None,
+                 **template_kwargs) -> list[int]:
+    """The prompt's token ids: the template's markup as control tokens, but control-token
+    text the request itself carries (a user typing "<|im_end|>") as plain text, as
+    transformers' `sanitize_control_tokens=True` encodes it. Without such text it equals
+    `encode_prompt(tokenizer, render(...))`."""
+    pattern = _control_pattern(_control_tokens(tokenizer))
+    mark = functools.partial(_mark, pattern=pattern)
+    text = self.render(mark(messages), tools=mark(tools), documents=mark(documents),
+                       add_generation_prompt=add_generation_prompt, **mark(template_kwargs))
+    pieces = re.compile(f"{_MARK_START}({pattern.pattern}){_MARK_END}"
+                        f"|[{_MARK_START}{_MARK_END}]").split(text)
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):   # text, marked token (None: a stray mark), text, ...
+      if piece:
+        ids += _plain_ids(tokenizer, piece) if i % 2 else encode_prompt(tokenizer, piece)
+    return ids
 
   def _compile(self, source: str) -> tuple[jinja2.Template, bool]:
     if source not in self._compiled:
@@ -267,6 +296,63 @@ class ChatTemplate:
         raise ValueError(f"chat_template ({self.source or 'given'}): line {e.lineno}: "
                          f"{e.message}") from None
     return self._compiled[source]
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+  """A rendered prompt's ids as `apply_chat_template(tokenize=True)` makes them: special-token
+  text is its token (the template's markup; also any a user typed, as in transformers by
+  default) and the tokenizer adds nothing (templates write BOS themselves)."""
+  from engine.model.tiktoken_tokenizer import TiktokenTokenizer
+  if isinstance(tokenizer, TiktokenTokenizer):
+    return list(tokenizer.encode(prompt, allow_special_tokens=True).ids)
+  return list(tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+
+# Private-use characters put around control-token text in the request's own strings, so the
+# encoding tells it from the template's markup (a template's string methods may separate them:
+# a stray mark is dropped but still splits the text there).
+_MARK_START, _MARK_END = "\ue000", "\ue001"
+
+
+def _control_tokens(tokenizer: Any) -> tuple[str, ...]:
+  from engine.model.tiktoken_tokenizer import TiktokenTokenizer
+  if isinstance(tokenizer, TiktokenTokenizer):
+    return tuple(tokenizer.special_tokens)
+  return tuple(t.content for t in tokenizer.get_added_tokens_decoder().values())
+
+
+@functools.lru_cache(maxsize=8)
+def _control_pattern(tokens: tuple[str, ...]) -> re.Pattern:
+  longest_first = sorted(set(tokens), key=len, reverse=True)   # a token before its parts
+  return re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+
+
+def _mark(obj: Any, pattern: re.Pattern) -> Any:
+  if isinstance(obj, str):   # marks already there are dropped: they cannot be forged
+    obj = obj.replace(_MARK_START, "").replace(_MARK_END, "")
+    return pattern.sub(lambda m: _MARK_START + m.group(0) + _MARK_END, obj)
+  if isinstance(obj, dict):
+    return {k: _mark(v, pattern) for k, v in obj.items()}
+  if isinstance(obj, list):
+    return [_mark(v, pattern) for v in obj]
+  return obj
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+  """`text` encoded as plain text, its special-token spellings included."""
+  from engine.model.tiktoken_tokenizer import TiktokenTokenizer
+  if isinstance(tokenizer, TiktokenTokenizer):
+    return list(tokenizer.encode(text, allow_special_tokens=False).ids)
+  # tokenizers matches added tokens before its pipeline: run the pipeline without them.
+  norm = tokenizer.normalizer.normalize_str(text) if tokenizer.normalizer is not None else text
+  splits = ([s for s, _ in tokenizer.pre_tokenizer.pre_tokenize_str(norm)]
+            if tokenizer.pre_tokenizer is not None else [norm])
+  ids = [t.id for s in splits for t in tokenizer.model.tokenize(s)]
+  control = tokenizer.token_to_id(text)
+  if control is not None and control in ids:
+    raise ValueError(f"messages: {text!r} is a control token this tokenizer cannot encode as "
+                     "plain text")
+  return ids
 
 
 # ---- input validation and shaping -----------------------------------------------------------
@@ -328,6 +414,10 @@ def prepare_messages(messages: Any, *, reads_parts: bool = False,
       msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
     elif role == "assistant" and "content" not in msg:
       raise ValueError(f"{where}.content: required unless the message has tool_calls")
+    if "content" not in msg:
+      # A tool-call-only turn (OpenAI sends content null): empty, as vLLM gives it, since
+      # templates such as Qwen3's call string methods on it.
+      msg["content"] = [] if reads_parts else ""
     # transformers 5.x: reasoning under any of its names is given as reasoning_content and
     # thinking (gpt-oss templates read the latter).
     reasoning = next((msg[k] for k in ("reasoning_content", "thinking", "reasoning")

@@ -5,7 +5,9 @@ deltas here. Each family's parser is a small state machine over the text seen so
 emits what can no longer change and holds back a tail that could still be the start of a
 marker, so the result does not depend on how the text was cut into deltas (one character, one
 token, or a speculative bundle of several markers). Markers never reach content or reasoning;
-tool-call text that does not follow the family's grammar ends as content, never an exception.
+tool-call text that does not follow the family's grammar ends as content, never an exception;
+a call cut off (by the end of the output or another marker) after its id and name were sent
+stays a call, with the arguments that came, since the client has already seen it.
 
 Families (`PARSER_FAMILIES`):
   kimi_k2      <think>..</think>, then <|tool_calls_section_begin|><|tool_call_begin|>
@@ -88,15 +90,16 @@ class _Call:
 class ChatOutputParser:
   """Base: content and <think> reasoning; families add their tool-call states.
 
-  `feed(text)` returns what the new text settles; `finish()` flushes the held-back tail (and
-  any unterminated tool call, as content). `tool_calls` lists the completed calls in the
-  OpenAI shape.
+  `feed(text)` returns what the new text settles; `finish()` flushes the held-back tail.
+  `tool_calls` lists the calls closed so far in the OpenAI shape (after `finish()` also one
+  the output cut off).
   """
 
   family = "none"
   parses_think = False
   tool_begin: str | None = None      # the marker that opens tool-call text in the content
   reasoning_ends_at_tools = False    # Kimi: the tool section also closes the thought
+  tool_separator = ""                # written between content and the tool calls (Qwen: "\n")
   markers: tuple[str, ...] = ()      # stripped from malformed leftovers
 
   def __init__(self, *, starts_in_reasoning: bool = False, tools_enabled: bool = False,
@@ -123,12 +126,13 @@ class ChatOutputParser:
 
   def finish(self) -> ChatDelta:
     self._final = True
-    out = self._run()
+    while self._step():
+      pass
     self._abandon_block(at_end=True)
     leftover, self._buf = self._buf, ""
     if leftover and not (self._skip_space and not leftover.strip()):
       self._emit_text(leftover)
-    return self._take_out() if not out else _merge(out, self._take_out())
+    return self._take_out()
 
   @property
   def tool_calls(self) -> list[dict]:
@@ -199,6 +203,13 @@ class ChatOutputParser:
     terms = ((THINK_START,) if self.parses_think else ()) + (
         (self.tool_begin,) if self._tools else ())
     text, term = self._take_until(terms)
+    sep = self.tool_separator if self._tools else ""
+    if sep and text.endswith(sep):
+      if term is None and not self._final:   # it may turn out to be the separator
+        self._buf = sep + self._buf
+        text = text[:-len(sep)]
+      elif term == self.tool_begin:
+        text = text[:-len(sep)]
     self._out.content += text
     if term == THINK_START:
       self._state = "reasoning"
@@ -242,7 +253,7 @@ class ChatOutputParser:
     if not done:
       body = text.rstrip()
       if trailing and body.endswith(trailing):
-        body = body[:-len(trailing)]
+        body = body[:-len(trailing)].rstrip()
       if len(body) < len(text):
         self._buf = text[len(body):] + self._buf
         text = body
@@ -264,12 +275,19 @@ class ChatOutputParser:
     self._raw = ""
 
   def _abandon_block(self, at_end: bool = False) -> None:
-    """Malformed tool-call text (at the end: also the unconsumed rest) becomes content,
-    markers removed."""
+    """Tool-call text cut off (by another marker, or at the end by the end of the output).
+    A call already announced (its id and name were sent) stays a call, its arguments as far
+    as they came, as the client has seen them; text never announced becomes content (at the
+    end with the unconsumed rest), markers removed."""
     if self._state in ("content", "reasoning"):
       return
     raw = self._raw
-    if at_end:
+    if self._open is not None:
+      self._close_call()
+      raw = ""
+      if at_end:
+        self._buf = ""    # only held-back trailing space (and Qwen's brace) is left
+    elif at_end:
       raw, self._buf = raw + self._buf, ""
     self._raw, self._open = "", None
     self._state, self._skip_space = "content", False
@@ -290,18 +308,6 @@ def _partial_tail(buf: str, terminators: tuple[str, ...]) -> int:
         best = n
         break
   return best
-
-
-def _merge(a: ChatDelta, b: ChatDelta) -> ChatDelta:
-  out = ChatDelta(a.content + b.content, a.reasoning + b.reasoning, list(a.tool_calls))
-  for d in b.tool_calls:
-    if out.tool_calls and out.tool_calls[-1].index == d.index:
-      last = out.tool_calls[-1]
-      last.id, last.name = last.id or d.id, last.name or d.name
-      last.arguments += d.arguments
-    else:
-      out.tool_calls.append(d)
-  return out
 
 
 class _PlainParser(ChatOutputParser):
@@ -362,7 +368,7 @@ class _SectionParser(ChatOutputParser):
   def _st_args(self) -> bool:
     text, term = self._take_until(self.args_end + (self.call_end, self.call_begin,
                                                   self.section_end))
-    self._stream_args(text, done=term is not None)
+    self._stream_args(text, done=term is not None, trailing=self.args_trailing)
     if term is None:
       return False
     if term in self.args_end or term == self.call_end:
@@ -372,7 +378,8 @@ class _SectionParser(ChatOutputParser):
       self._after_broken_call(term)
     return True
 
-  args_end: tuple[str, ...] = ()
+  args_end: tuple[str, ...] = ()    # per call: what else ends its arguments (V3's fence)
+  args_trailing = ""                 # per call: held back at the arguments' end (V3's fence)
 
   def _after_broken_call(self, term: str, skip_args: bool = False) -> None:
     """A call cut off by another marker (or with an unreadable header) becomes content; the
@@ -405,8 +412,8 @@ class _KimiK2Parser(_SectionParser):
   call_end = "<|tool_call_end|>"
   reasoning_ends_at_tools = True
   markers = (tool_begin, section_end, call_begin, header_end, call_end)
-  # functions.NAME:IDX; the name may hold '.', '-', ':' (the index is the last ':digits').
-  _HEADER = re.compile(r"(?:functions\.)?(\S+?)(?::\d+)?")
+  # functions.NAME:IDX (the prefix may be missing); the name may hold '.', '-', ':'.
+  _HEADER = re.compile(r"(?:functions\.)?(\S+):\d+")
 
   def _name_from_header(self, header: str) -> str | None:
     m = self._HEADER.fullmatch(header)
@@ -441,7 +448,7 @@ class _DeepSeekV3Parser(_SectionParser):
     if not head and not self._final:
       return False
     if self._header != "function" or head.startswith(("{", "[")) or not head:
-      self.args_end = ()
+      self.args_end, self.args_trailing = (), ""
       self._open_call(self._header)
       self._state = "args"
       return True
@@ -474,7 +481,7 @@ class _DeepSeekV3Parser(_SectionParser):
       cut = len(self._buf) - len(head) + len(self._FENCE)
       self._raw += self._buf[:cut]
       self._buf = self._buf[cut:]
-    self.args_end = ("```" + self.call_end,)
+    self.args_end, self.args_trailing = ("```" + self.call_end,), "```"
     self._open_call(self._header)
     self._state = "args"
     return True
@@ -484,6 +491,7 @@ class _Qwen3Parser(ChatOutputParser):
   family = "qwen3"
   parses_think = True
   tool_begin = "<tool_call>"
+  tool_separator = "\n"
   call_end = "</tool_call>"
   markers = (tool_begin, call_end)
   # The object's head up to its arguments value (settled once a non-space char follows).
