@@ -1,8 +1,9 @@
 """Chat requests for every API edge (gRPC `Chat`, OpenAI `/v1/chat/completions`).
 
 A conversation in OpenAI's shapes (message dicts, tools, tool_choice, template kwargs) becomes
-prompt token ids through the checkpoint's chat template (`engine.model.chat_template`), on a
-tokenizer thread; its requests keep special-token text in their output
+prompt token ids through the checkpoint's chat template (`ChatTemplate.render_ids`: the
+template's markup as control tokens, control-token text the request carries as plain text), on
+a tokenizer thread; its requests keep special-token text in their output
 (`StopParams.skip_special_tokens=False`), which `ChatStream` feeds to the family's streaming
 parser (`chat_parsers`) to split content, reasoning and tool calls. Bad input raises
 `FieldError` naming the field (`messages[1].tool_calls[0].function.name`, `tool_choice`).
@@ -23,7 +24,6 @@ from typing import Any
 from google.protobuf import json_format
 
 from engine.model import chat_template as templates
-from engine.model.tiktoken_tokenizer import TiktokenTokenizer
 from engine.runtime.request import FINISH_STOP, RequestOutput
 from engine.service import chat_parsers
 from engine.service.chat_parsers import ChatDelta
@@ -77,12 +77,15 @@ def check_tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str |
   return "named", name
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-  """A rendered prompt's ids: its special-token text (`<|im_start|>`) as control tokens and
-  nothing added (the template wrote BOS if the model wants one); GIL-free batch calls."""
-  if isinstance(tokenizer, TiktokenTokenizer):
-    return list(tokenizer.encode_batch([text], allow_special_tokens=True)[0].ids)
-  return list(tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+def _text_size(obj: Any) -> int:
+  """Characters of the strings in a JSON-like value (bounds the template's work)."""
+  if isinstance(obj, str):
+    return len(obj)
+  if isinstance(obj, dict):
+    return sum(_text_size(k) + _text_size(v) for k, v in obj.items())
+  if isinstance(obj, (list, tuple)):
+    return sum(_text_size(v) for v in obj)
+  return 0
 
 
 def prepare(template: Any, tokenizer: Any, limits: RequestLimits, *, messages: Any,
@@ -107,19 +110,22 @@ def prepare(template: Any, tokenizer: Any, limits: RequestLimits, *, messages: A
     raise FieldError(kwargs_field, f"may not set {', '.join(sorted(reserved))}")
   shown = None if mode == "none" else (
       [t for t in tools if t["function"]["name"] == name] if mode == "named" else tools)
+  size = _text_size(messages) + _text_size(shown) + _text_size(template_kwargs)
+  if size > limits.max_prompt_chars:
+    raise FieldError("messages", f"{size} characters of text, at most "
+                     f"{limits.max_prompt_chars} allowed (the server's --max_prompt_chars)")
   try:
-    text = template.render(messages, tools=shown, add_generation_prompt=True, **template_kwargs)
+    # Control-token text inside the request (a user typing "<|im_end|>") stays plain text.
+    ids = template.render_ids(tokenizer, messages, tools=shown, add_generation_prompt=True,
+                              **template_kwargs)
   except ValueError as e:
     raise field_error(e) from None
-  if len(text) > limits.max_prompt_chars:
-    raise FieldError("messages", f"the rendered conversation has {len(text)} characters, at "
-                     f"most {limits.max_prompt_chars} allowed (the server's --max_prompt_chars)")
-  ids = encode_prompt(tokenizer, text)
   if not ids:
     raise FieldError("messages", "the rendered conversation encodes to no tokens")
-  family = family or template.family or "none"
-  return ChatInputs(prompt_ids=ids, family=family,
-                    starts_in_reasoning=chat_parsers.starts_in_reasoning(text),
+  # Whether the generation prompt opened a think block (K2.5's ends in `<think>`).
+  tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
+  return ChatInputs(prompt_ids=ids, family=family or template.family or "none",
+                    starts_in_reasoning=chat_parsers.starts_in_reasoning(tail),
                     tools_enabled=mode != "none")
 
 

@@ -28,6 +28,7 @@ from engine.api import DEMO_CHECKPOINT
 from engine.runtime import compile_cache
 from engine.runtime.engine import Engine, EngineConfig
 from engine.service import mesh_flags
+from engine.service.chat_parsers import PARSER_FAMILIES
 from engine.service.reasoning import ReasoningConfig
 from engine.service.server import InferenceServer, ServerConfig, read_api_keys
 
@@ -90,6 +91,9 @@ flags.DEFINE_integer("keepalive_timeout_ms", 10_000, "Close a connection whose p
 flags.DEFINE_float("stats_log_interval_s", 10.0, "One-line stats log period (0: off).")
 flags.DEFINE_integer("think_start_token_id", None, "Reasoning parser: think-start token id.")
 flags.DEFINE_integer("think_end_token_id", None, "Reasoning parser: think-end token id.")
+flags.DEFINE_enum("chat_parser", None, list(PARSER_FAMILIES), "Output parser of chat requests "
+                  "(tool calls, reasoning; default: from the chat template's tool markup, else "
+                  "the model type).")
 flags.DEFINE_bool("starts_in_reasoning", False, "Generation starts inside the reasoning (the "
                   "chat template already wrote think-start).")
 
@@ -121,7 +125,8 @@ def server_config() -> ServerConfig:
       tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_message_bytes=FLAGS.max_message_bytes,
       max_prompt_chars=FLAGS.max_prompt_chars,
       keepalive_time_ms=FLAGS.keepalive_time_ms, keepalive_timeout_ms=FLAGS.keepalive_timeout_ms,
-      stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning)
+      stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning,
+      chat_parser=FLAGS.chat_parser)
 
 
 async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> None:
