@@ -135,6 +135,11 @@ def test_bad_requests_are_400_naming_the_field(serve, eng):
   with pytest.raises(openai.BadRequestError) as e:
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=-1)
   assert e.value.param == "temperature"
+  # The demo model's own chat template has no tool calling: it refuses tools.
+  status, err = raw(bg, "POST", "/v1/chat/completions", {
+      "model": "demo", "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]})
+  assert status == 400 and "tools: the demo model has no tool calling" in err["error"]["message"]
   status, _ = raw(bg, "POST", "/v1/completions", b"x" * (bg.server.config.max_message_bytes + 1))
   assert status == 413
   assert raw(bg, "GET", "/v1/nothing")[0] == 404
