@@ -142,7 +142,9 @@ def test_bad_requests_are_400_naming_the_field(serve, eng):
   assert status == 400 and "tools: the demo model has no tool calling" in err["error"]["message"]
   status, _ = raw(bg, "POST", "/v1/completions", b"x" * (bg.server.config.max_message_bytes + 1))
   assert status == 413
-  assert raw(bg, "GET", "/v1/nothing")[0] == 404
+  status, err = raw(bg, "GET", "/v1/nothing")
+  assert status == 404 and err["error"]["type"] == "invalid_request_error"
+  assert raw(bg, "GET", "/v1/completions")[0] == 405
   # The server is unharmed.
   assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2).usage
   assert bg.server.metrics.request_rejected.labels(code="INVALID_ARGUMENT")._value.get() >= 20
@@ -161,6 +163,12 @@ def test_api_keys_health_and_models(serve, eng):
   status, models = raw(bg, "GET", "/v1/models")
   assert status == 200 and models["data"][0]["id"] == "demo"
   assert models["data"][0]["max_model_len"] == 128
+  assert client_for(bg).models.retrieve("demo").id == "demo"
+  with pytest.raises(openai.NotFoundError):
+    client_for(bg).models.retrieve("other")
+  # Prometheus metrics on the API's port too, counting the refusals above.
+  status, text = raw(bg, "GET", "/metrics", key=None)
+  assert status == 200 and 'moejax:request_rejected_total{code="UNAUTHENTICATED"' in text
 
 
 def test_full_queue_is_429_and_admitted_requests_complete(serve, eng, monkeypatch):

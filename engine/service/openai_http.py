@@ -23,6 +23,7 @@ import grpc
 import uvicorn
 from absl import logging
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -132,10 +133,17 @@ class OpenAIHTTP:
     self._task: asyncio.Task | None = None
     self.app = Starlette(routes=[
         Route("/health", self.health, methods=["GET"]),
+        Route("/metrics", self.metrics, methods=["GET"]),
         Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", self._endpoint(self.model), methods=["GET"]),
         Route("/v1/completions", self._endpoint(self.completions), methods=["POST"]),
         Route("/v1/chat/completions", self._endpoint(self.chat_completions), methods=["POST"]),
-    ])
+    ], exception_handlers={StarletteHTTPException: self._http_exception})
+
+  async def _http_exception(self, request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown paths (404) and methods (405) in OpenAI's error shape too."""
+    return HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     "invalid_request_error").response()
 
   # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -242,12 +250,25 @@ class OpenAIHTTP:
     state = "warming up" if self.srv.state in ("created", "starting") else self.srv.state
     return HTTPError(503, f"server is {state}", "service_unavailable").response()
 
-  async def models(self, request: Request) -> Response:
+  async def metrics(self, request: Request) -> Response:
+    """The same Prometheus registry as --metrics_port, on the API's port (as vLLM has it)."""
+    return Response(self.srv.metrics.text(), media_type="text/plain; version=0.0.4")
+
+  def _model_card(self) -> dict:
     srv = self.srv
-    return JSONResponse({"object": "list", "data": [{
-        "id": srv.config.model_name, "object": "model", "created": protocol.now(),
-        "owned_by": "moejax", "root": srv.config.model_name,
-        "max_model_len": srv.engine.sched_config.max_model_len}]})
+    return {"id": srv.config.model_name, "object": "model", "created": protocol.now(),
+            "owned_by": "moejax", "root": srv.config.model_name,
+            "max_model_len": srv.engine.sched_config.max_model_len}
+
+  async def models(self, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+  async def model(self, request: Request) -> Response:
+    name = request.path_params["model"]
+    if name != self.srv.config.model_name:
+      raise HTTPError(404, f"the model `{name}` does not exist", "invalid_request_error",
+                      "model", "model_not_found")
+    return JSONResponse(self._model_card())
 
   async def completions(self, request: Request) -> Response:
     srv = self.srv
