@@ -385,3 +385,49 @@ def test_grpc_chat_queue_full(chat_server, eng, monkeypatch):
       client_for(bg).chat.completions.create(model="demo", messages=USER, max_tokens=2)
     gate.set()
     assert list(first)[-1].final.usage.completion_tokens == 3
+
+
+# ---- the serving benchmark over both APIs --------------------------------------------------
+
+def test_bench_agent_dataset_and_openai_backend(chat_server, eng):
+  bg = chat_server()
+  base_url = f"http://127.0.0.1:{bg.server.http_port}/v1"
+  # Tools and a system prompt shared by all conversations, then two turns each (256 tokens of
+  # context hold two: the declared tools alone are ~110 tokens of the demo's tokenizer).
+  convs = bench.make_agent_dataset(6, 2, system_words=12, input_words=4, output_len=4, seed=2)
+  assert [len(c.output_lens) for c in convs] == [2, 2, 2]
+  assert len({c.system for c in convs}) == 1 and len(convs[0].tool_results) == 1
+  for backend, where in (("openai", base_url), ("grpc", target(bg))):
+    results, duration = asyncio.run(bench.run_benchmark(
+        where, convs, concurrency=2, api_key=KEY, backend=backend))
+    summary = bench.summarize(results, duration)
+    assert summary["completed"] == 6 and summary["failed"] == 0, summary["errors"]
+    # Later turns extend earlier ones: most of their prompts come from the cache.
+    assert summary["prefix_cache_hit_rate"] > 0.3
+    assert summary["ttft_ms"]["p50"] > 0 and summary["itl_ms"]["max"] > 0
+    # The demo model writes no tool calls: parse success is undefined, not 0 or 100%.
+    assert summary["tool_calls"] == 0 and summary["tool_call_parse_success"] is None
+  # Token-id workloads over /v1/completions (token ids come back: return_token_ids).
+  convs = bench.make_dataset("multi_turn", 6, vocab_size=8192, max_model_len=256,
+                             input_len=16, output_len=8, num_turns=3, seed=1)
+  results, duration = asyncio.run(bench.run_benchmark(base_url, convs, 2, api_key=KEY,
+                                                      backend="openai"))
+  summary = bench.summarize(results, duration)
+  assert summary["completed"] == 6 and summary["output_tokens"] == sum(
+      sum(c.output_lens) for c in convs)
+  assert summary["prefix_cache_hit_rate"] > 0.2
+  # Parse success counts calls that name a declared tool with JSON-object arguments.
+  good = {"function": {"name": "run_python", "arguments": '{"code": "1"}'}}
+  bad = {"function": {"name": "run_python", "arguments": '{"code": '}}
+  other = {"function": {"name": "rm_rf", "arguments": "{}"}}
+  summary = bench.summarize([bench.Sample(ok=True, tool_calls=[good, bad, other])], 1.0)
+  assert summary["tool_calls"] == 3 and summary["tool_call_parse_success"] == pytest.approx(1 / 3)
+  # The command line, against the HTTP API.
+  r = subprocess.run([sys.executable, "-m", "engine.bench", "--backend=openai",
+                      f"--base_url={base_url}", f"--api_key={KEY}", "--dataset=agent",
+                      "--num_prompts=4", "--num_turns=2", "--output_len=4", "--concurrency=2"],
+                     cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  summary = json.loads(r.stdout.strip().splitlines()[-1])
+  assert summary["completed"] == 4 and summary["config"]["backend"] == "openai"
+  assert "tool calls (parse success)" in r.stdout and "TTFT" in r.stdout

@@ -258,7 +258,8 @@ class OpenAIHTTP:
     srv = self.srv
     return {"id": srv.config.model_name, "object": "model", "created": protocol.now(),
             "owned_by": "moejax", "root": srv.config.model_name,
-            "max_model_len": srv.engine.sched_config.max_model_len}
+            "max_model_len": srv.engine.sched_config.max_model_len,
+            "vocab_size": srv.engine.cfg.vocab_size}
 
   async def models(self, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -282,10 +283,12 @@ class OpenAIHTTP:
       return {"id": plan.id, "object": "text_completion", "created": created,
               "model": c.model, "choices": choices, **usage, **extra}
 
-    def choice(index: int, out: Any, text: str, logprobs: Any) -> dict:
+    def choice(index: int, out: Any, text: str, logprobs: Any,
+               token_ids: list[int] | None = None) -> dict:
+      extra = {"token_ids": token_ids} if plan.return_token_ids else {}
       return {"index": index, "text": text, "logprobs": logprobs,
               "finish_reason": out.finish_reason if out.finished else None,
-              "stop_reason": out.stop_reason if out.finished else None}
+              "stop_reason": out.stop_reason if out.finished else None, **extra}
 
     offsets = [0] * len(plan.requests)
 
@@ -300,8 +303,10 @@ class OpenAIHTTP:
       tally = protocol.UsageTally(c.n)
       async for index, out in group:
         tally.add(index, out)
-        if out.text_delta or out.finished or (plan.logprobs is not None and out.new_token_ids):
-          yield sse(chunk([choice(index, out, out.text_delta, logprobs_of(index, out))]))
+        if out.text_delta or out.finished or (out.new_token_ids and (
+            plan.logprobs is not None or plan.return_token_ids)):
+          yield sse(chunk([choice(index, out, out.text_delta, logprobs_of(index, out),
+                                  out.new_token_ids)]))
       if c.include_usage:
         yield sse(chunk([], usage=tally.json()))
       yield DONE
@@ -309,11 +314,13 @@ class OpenAIHTTP:
     async def collect(group: RequestGroup) -> dict:
       tally = protocol.UsageTally(c.n)
       texts: list[list[str]] = [[] for _ in plan.requests]
+      ids: list[list[int]] = [[] for _ in plan.requests]
       lps: list[list[dict]] = [[] for _ in plan.requests]
       last: list[Any] = [None] * len(plan.requests)
       async for index, out in group:
         tally.add(index, out)
         texts[index].append(out.text_delta)
+        ids[index].extend(out.new_token_ids)
         if plan.logprobs is not None:
           lps[index].append(logprobs_of(index, out))
         last[index] = out
@@ -325,7 +332,7 @@ class OpenAIHTTP:
         if plan.logprobs is not None:
           merged = {k: [v for part in lps[i] for v in part[k]] for k in
                     ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-        choices.append(choice(i, out, "".join(texts[i]), merged))
+        choices.append(choice(i, out, "".join(texts[i]), merged, ids[i]))
       return chunk(choices, usage=tally.json())
 
     return await self._admit(request, plan.requests, c.stream,

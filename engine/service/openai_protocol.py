@@ -166,6 +166,7 @@ class CompletionPlan:
   common: Common
   requests: list[ParsedRequest]
   logprobs: int | None
+  return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
 
 
 def _prompts(body: dict, tokenizer: Any, limits: RequestLimits) -> list[list[int]]:
@@ -219,7 +220,8 @@ def parse_completion(raw: bytes, tokenizer: Any, limits: RequestLimits,
     raise FieldError("best_of", "is not supported by this server (only equal to n)")
   prompts = _prompts(body, tokenizer, limits)
   plan_id = f"cmpl-{secrets.token_hex(12)}"
-  return CompletionPlan(plan_id, c, choice_requests(plan_id, prompts, c), logprobs)
+  return CompletionPlan(plan_id, c, choice_requests(plan_id, prompts, c), logprobs,
+                        get(body, "return_token_ids", bool, False))
 
 
 # ---- responses -----------------------------------------------------------------------------
