@@ -259,3 +259,39 @@ def test_warming_up_and_draining_are_503(serve, eng, monkeypatch):
     assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 6
     drained.result(30)
   assert bg.server.state == "stopped"
+
+
+def test_failures_after_the_status_arrive_as_error_events(serve, eng, monkeypatch):
+  bg = http_server(serve, drain_timeout_s=0.3)
+  client = client_for(bg)
+  # A failing engine step fails the requests in flight (500 before the status is sent, an
+  # error event after it) and the server carries on.
+  step, failures = eng.step, []
+
+  def failing_step():  # the next step that has a request of a client fails
+    if failures and bg.server.engine_loop.subscribed():
+      failures.pop()
+      raise RuntimeError("device lost")
+    return step()
+
+  monkeypatch.setattr(eng, "step", failing_step)
+  failures.append(1)
+  with pytest.raises(openai.InternalServerError) as e:
+    client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
+  assert "device lost" in e.value.message
+  failures.append(1)
+  status, text = raw(bg, "POST", "/v1/completions", {"model": "demo", "prompt": PROMPT,
+                                                     "max_tokens": 4, "stream": True})
+  events, done = sse_events(text)
+  assert status == 200 and done and "device lost" in events[-1]["error"]["message"]
+  assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=4).usage
+  # Drain: a stream still running when drain_timeout_s ends gets a 503-shaped error event.
+  monkeypatch.setattr(eng, "step", lambda: (time.sleep(0.05), step())[1])
+  stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=100,
+                                     stream=True, extra_body={"ignore_eos": True})
+  next(iter(stream))
+  bg.call(bg.server.drain())
+  with pytest.raises(openai.APIError) as e:
+    list(stream)
+  assert "shut down before it finished" in e.value.message
+  assert_idle(eng)
