@@ -191,6 +191,14 @@ def test_bad_chat_requests_are_400_naming_the_field(chat_server, eng, monkeypatc
     with pytest.raises(openai.BadRequestError) as e:
       client.chat.completions.create(model=model, **body)
     assert e.value.param == field, (kwargs, e.value.message)
+  for raw_body, field in ((b'{"model": "demo", "messages": [', "body"),
+                          (b'{"model": "demo"}', "messages")):
+    conn = http.client.HTTPConnection("127.0.0.1", bg.server.http_port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", raw_body, {"authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    assert resp.status == 400 and err["param"] == field, err
+    conn.close()
   bad_kwargs = {"chat_template_kwargs": [1]}
   with pytest.raises(openai.BadRequestError) as e:
     client.chat.completions.create(model="demo", messages=USER, extra_body=bad_kwargs)
@@ -341,7 +349,11 @@ def test_grpc_chat(chat_server, eng, monkeypatch):
     assert last.final.usage.prompt_tokens > len(inputs.prompt_ids) + 30
     named = chat_request(USER, tools=grpc_tools(), sampling=pb.SamplingParams(max_tokens=1),
                          tool_choice=pb.ToolChoice(function_name="get_weather"))
-    assert list(client.stub.Chat(named, metadata=client.metadata))[-1].final.usage.prompt_tokens
+    named_tokens = list(client.stub.Chat(named, metadata=client.metadata))[-1].final.usage
+    # The client's builder takes OpenAI shapes: tool_choice "none" declares no tools.
+    usage = [list(client.chat_stream(USER, tools=TOOLS, tool_choice=choice, max_tokens=1))[-1]
+             .final.usage.prompt_tokens for choice in ("none", "auto")]
+    assert usage[0] == len(inputs.prompt_ids) < named_tokens.prompt_tokens < usage[1]
     # Bad messages and tools: INVALID_ARGUMENT naming the field.
     bad = [(chat_request([{"role": "wizard", "content": "x"}]), "messages[0].role"),
            (chat_request([]), "messages"),

@@ -18,8 +18,8 @@ from typing import Any, Sequence
 import grpc
 import numpy as np
 
-from engine.service.client import AsyncInferenceClient, Completion, build_request
-from engine.service.proto import inference_pb2 as pb
+from engine.service.client import (AsyncInferenceClient, Completion, build_chat_request,
+                                   build_request)
 
 
 @dataclasses.dataclass
@@ -83,22 +83,11 @@ class GrpcBackend:
 
   async def chat(self, messages: list[dict], tools: list[dict] | None,
                  max_tokens: int) -> Sample:
-    req = pb.ChatRequest(sampling=pb.SamplingParams(max_tokens=max_tokens))
-    for m in messages:
-      msg = req.messages.add(role=m["role"], tool_call_id=m.get("tool_call_id", ""))
-      if m.get("content") is not None:
-        msg.content = m["content"]
-      for c in m.get("tool_calls") or ():
-        msg.tool_calls.add(id=c["id"], function=pb.FunctionCall(**c["function"]))
-    for t in tools or ():
-      fn = t["function"]
-      req.tools.add(function=pb.FunctionDefinition(
-          name=fn["name"], description=fn.get("description", ""),
-          parameters_json=json.dumps(fn.get("parameters", {}))))
+    req = build_chat_request(messages, tools=tools, max_tokens=max_tokens)
     sent_at, times, text, final = time.perf_counter(), [], [], None
     calls: list[dict] = []
     try:
-      async for r in self.client.stub.Chat(req, metadata=self.client.metadata):
+      async for r in self.client.chat_stream(req):
         if r.token_ids:
           times.append(time.perf_counter())
         text.append(r.content)
