@@ -245,14 +245,169 @@ class Qwen3Parser(ChatOutputParser):
     return True
 
 
-def _json_call(block: str) -> tuple[str, str] | None:
+def _json_call(block: str, args_required: bool = False) -> tuple[str, str] | None:
+  """(name, arguments JSON) of a call written as one object, or None."""
   try:
     obj = json.loads(block)
   except ValueError:
     return None
   if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
     return None
+  if args_required and "arguments" not in obj and "parameters" not in obj:
+    return None
   args = obj.get("arguments", obj.get("parameters", {}))
   return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
+
+
+class Llama3JsonParser(ChatOutputParser):
+  """Llama 3.x: a reply that is a tool call is the call itself, as its template writes it:
+  optionally <|python_tag|>, then {"name": NAME, "parameters": {json}} ("arguments" read too),
+  several separated by ';' or newlines. Decided by the reply's first non-space text: any other
+  reply is an answer (content); text after the calls is content too."""
+
+  family = "llama3_json"
+  tool_begin = "<|python_tag|>"
+  markers = (tool_begin,)
+  _ENDS = ("<|eom_id|>", "<|eot_id|>")   # if the server keeps them in the text
+  _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"'
+                     r'\s*:\s*(?=\S)')
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    if self._tools:
+      self._state = "start"
+    self._json = _JsonScan()
+
+  def _begin_tools(self) -> None:   # only at the start of the reply (_st_start)
+    raise AssertionError("Llama calls are found at the start of the reply")
+
+  def _content_step(self) -> bool:
+    self._tools = False           # once the reply is an answer, it stays one
+    return super()._content_step()
+
+  def _tool_step(self) -> bool:
+    return getattr(self, "_st_" + self._state)()
+
+  def _st_start(self) -> bool:
+    head = self._buf.lstrip()
+    if not head or (self.tool_begin.startswith(head) and head != self.tool_begin):
+      if not self._final:
+        return False
+    if head.startswith(self.tool_begin):
+      self._raw, self._buf = "", head[len(self.tool_begin):]
+      self._state = "head"
+    elif head.startswith("{"):
+      self._raw, self._state = "", "head"
+    else:
+      self._state = "content"
+    return True
+
+  def _st_head(self) -> bool:
+    m = self._HEAD.match(self._buf)
+    if m:
+      name = json.loads(m.group(1))
+      if isinstance(name, str) and name:
+        self._raw += self._buf[:m.end()]
+        self._buf = self._buf[m.end():]
+        self._open_call(name)
+        self._json = _JsonScan()
+        self._state = "args"
+        return True
+    text = self._buf.lstrip()
+    try:   # another key order: a whole object
+      obj, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+      return False   # incomplete (or not JSON: finish() makes it content)
+    call = _json_call(text[:end], args_required=True)
+    if call is None:     # JSON, but not a call: the reply is an answer
+      self._state = "content"
+      return True
+    self._open_call(call[0])
+    self._emit_call_delta(self._open.index, arguments=call[1])
+    self._open.arguments = call[1]
+    self._buf = text[end:]
+    self._close_call()
+    self._state = "between"
+    return True
+
+  def _st_args(self) -> bool:
+    end = self._json.copy().find_end(self._buf)
+    if end is None:
+      emit = self._buf.rstrip()    # trailing space waits: it may end the arguments
+      self._json.find_end(emit)
+      self._buf = self._buf[len(emit):]
+      self._stream_args(emit, done=False)
+      return False
+    closer = self._buf[end]
+    self._stream_args(self._buf[:end], done=True)
+    self._buf = self._buf[end + 1:]
+    self._close_call()
+    self._state = "between" if closer == "}" else "rest"
+    self._json = _JsonScan()
+    return True
+
+  def _st_rest(self) -> bool:
+    """More keys after the arguments: skipped up to the object's closing brace."""
+    while True:
+      end = self._json.find_end(self._buf)
+      if end is None:
+        self._buf = ""
+        return False
+      closer, self._buf = self._buf[end], self._buf[end + 1:]
+      if closer != ",":
+        break
+    self._json, self._state = _JsonScan(), "between"
+    return True
+
+  def _st_between(self) -> bool:
+    head = self._buf.lstrip()
+    for end in self._ENDS:
+      if head.startswith(end):
+        self._buf = head[len(end):]
+        return True
+    if not head or any(e.startswith(head) for e in self._ENDS):
+      if not self._final:
+        return False
+    if head.startswith(";"):
+      self._buf = head[1:]
+      return True
+    self._buf = head
+    self._raw = ""
+    self._state = "head" if head.startswith("{") else "content"
+    return True
+
+
+class _JsonScan:
+  """Where a JSON value ends inside its enclosing object: at the first ',' or closing brace
+  outside strings and nested brackets (the scan keeps its place between calls)."""
+
+  def __init__(self):
+    self.depth, self.in_string, self.escaped = 0, False, False
+
+  def copy(self) -> "_JsonScan":
+    other = _JsonScan()
+    other.depth, other.in_string, other.escaped = self.depth, self.in_string, self.escaped
+    return other
+
+  def find_end(self, text: str) -> int | None:
+    for i, c in enumerate(text):
+      if self.in_string:
+        if self.escaped:
+          self.escaped = False
+        elif c == "\\":
+          self.escaped = True
+        elif c == '"':
+          self.in_string = False
+      elif c == '"':
+        self.in_string = True
+      elif c in "{[":
+        self.depth += 1
+      elif c in "}]":
+        if self.depth == 0:
+          return i
+        self.depth -= 1
+      elif c == "," and self.depth == 0:
+        return i
+    return None

@@ -18,6 +18,9 @@ Families (`PARSER_FAMILIES`):
                {json}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜> (V3), or V3.1's
                <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>; both are read.
   qwen3        <tool_call>\\n{"name": NAME, "arguments": {json}}\\n</tool_call>, any number.
+  llama3_json  a reply that is {"name": NAME, "parameters": {json}} (after an optional
+               <|python_tag|>), several separated by ';' or newlines; decided at the reply's
+               start, so JSON later in an answer stays content.
   think        only the <think>..</think> split (DeepSeek-R1 style models without tools).
   none         everything is content.
 
@@ -31,19 +34,20 @@ from typing import Callable
 
 from engine.service.chat_parser_base import (THINK_END, THINK_START, ChatDelta, ChatOutputParser,
                                              ToolCallDelta, random_call_id)
-from engine.service.chat_parser_families import (DeepSeekV3Parser, KimiK2Parser, PlainParser,
-                                                 Qwen3Parser, ThinkParser)
+from engine.service.chat_parser_families import (DeepSeekV3Parser, KimiK2Parser,
+                                                 Llama3JsonParser, PlainParser, Qwen3Parser,
+                                                 ThinkParser)
 
 __all__ = ["ChatDelta", "ChatOutputParser", "PARSER_FAMILIES", "THINK_END", "THINK_START",
            "ToolCallDelta", "family_for", "make_parser", "random_call_id", "starts_in_reasoning"]
 
-PARSER_FAMILIES = ("kimi_k2", "deepseek_v3", "qwen3", "think", "none")
+PARSER_FAMILIES = ("kimi_k2", "deepseek_v3", "qwen3", "llama3_json", "think", "none")
 
 # config.json model_type -> default parser family (the server's flag overrides it).
 _FAMILY_BY_MODEL_TYPE = {
     "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2",
     "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v3", "deepseek_v2": "think",
-    "qwen3": "qwen3", "qwen3_moe": "qwen3",
+    "qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3_json",
 }
 
 
@@ -60,7 +64,7 @@ def starts_in_reasoning(prompt: str) -> bool:
 
 
 _PARSERS = {"kimi_k2": KimiK2Parser, "deepseek_v3": DeepSeekV3Parser, "qwen3": Qwen3Parser,
-            "think": ThinkParser, "none": PlainParser}
+            "llama3_json": Llama3JsonParser, "think": ThinkParser, "none": PlainParser}
 
 
 def make_parser(family: str, *, starts_in_reasoning: bool = False, tools_enabled: bool = False,
