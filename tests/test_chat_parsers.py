@@ -138,6 +138,11 @@ CASES = [
      "", "", calls(("f", '{"a": 1}'))),
     ("deepseek_v3", False, "z" + D_SEC + D_CALL + "func tion" + D_SEP + "{}" + D_END + D_SEC_END,
      "zfunc tion{}", "", []),
+    # vLLM's malformed DeepSeek-V3 cases: JSON cut short (still a call), no call marker (text).
+    ("deepseek_v3", False, D_SEC + D_CALL + "function" + D_SEP + 'get_weather\n```json\n'
+     '{"city": "Tokyo"\n```' + D_END + D_SEC_END, "", "", calls(("get_weather", '{"city": "Tokyo"'))),
+    ("deepseek_v3", False, D_SEC + "function" + D_SEP + 'get_weather\n```json\n{"city": "Tokyo"}'
+     '\n```' + D_SEC_END, 'functionget_weather\n```json\n{"city": "Tokyo"}\n```', "", []),
     ("qwen3", False, "a<tool_call>\nnot json\n</tool_call>b", "a\nnot json\nb", "", []),
     ("qwen3", False, "a<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}", "a", "",
      calls(("f", '{"x": 1}'))),

@@ -249,9 +249,14 @@ class ChatOutputParser:
       raw, self._buf = raw + self._buf, ""
     self._raw, self._open = "", None
     self._state, self._skip_space = "content", False
+    raw = self._without_markers(raw)
+    if raw.strip():   # (space alone between or after tool calls is no answer)
+      self._out.content += raw
+
+  def _without_markers(self, text: str) -> str:
     for m in self.markers:
-      raw = raw.replace(m, "")
-    self._out.content += raw
+      text = text.replace(m, "")
+    return text
 
   def _end_tools(self) -> None:
     self._state, self._raw, self._skip_space = "content", "", True

@@ -33,13 +33,17 @@ class SectionParser(ChatOutputParser):
 
   def _st_section(self) -> bool:
     text, term = self._take_until((self.call_begin, self.section_end))
-    if text.strip():    # text between calls is not part of the grammar: kept as content
-      self._out.content += text
+    self._raw += text   # text between calls is not part of the grammar: kept as content
+    if term is None:
+      return False
+    if self._raw.strip():
+      self._out.content += self._without_markers(self._raw)
+    self._raw = ""
     if term == self.section_end:
       self._end_tools()
     elif term == self.call_begin:
       self._state, self._raw = "header", ""
-    return term is not None
+    return True
 
   def _st_header(self) -> bool:
     text, term = self._take_until((self.header_end, self.call_end, self.call_begin,
