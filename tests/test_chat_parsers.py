@@ -17,7 +17,8 @@ K_CALL, K_ARG, K_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<
 D_SEC, D_SEC_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 D_CALL, D_SEP, D_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 ALL_MARKERS = (K_SEC, K_SEC_END, K_CALL, K_ARG, K_END, D_SEC, D_SEC_END, D_CALL, D_SEP, D_END,
-               "<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>")
+               "<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>",
+               "<|tool_call_section_begin|>", "<|tool_call_section_end|>")
 
 
 def ids():
@@ -83,6 +84,9 @@ CASES = [
      + '{"city":"Oslo"}' + K_END + K_SEC_END, "", "I need the weather",
      calls(("get_weather", '{"city":"Oslo"}'), ids_=["functions.get_weather:0"])),
     ("kimi_k2", True, "hmm</think>The answer is 4.", "The answer is 4.", "hmm", []),
+    ("kimi_k2", True, "plan<|tool_call_section_begin|>" + K_CALL + "functions.f:0" + K_ARG + "{}"
+     + K_END + "<|tool_call_section_end|>", "", "plan",   # the singular spellings Kimi writes
+     calls(("f", "{}"), ids_=["functions.f:0"])),
     ("kimi_k2", False, "<think>plan</think>Sure." + K_SEC + K_CALL + "functions.a.b:0" + K_ARG
      + "{}" + K_END + K_SEC_END + "\n", "Sure.", "plan",
      calls(("a.b", "{}"), ids_=["functions.a.b:0"])),

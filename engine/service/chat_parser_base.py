@@ -56,6 +56,7 @@ class ChatOutputParser:
   family = "none"
   parses_think = False
   tool_begin: str | None = None      # the marker that opens tool-call text in the content
+  tool_begin_variants: tuple[str, ...] = ()   # spellings a model also writes for it
   reasoning_ends_at_tools = False    # Kimi: the tool section also closes the thought
   tool_separator = ""                # written between content and the tool calls (Qwen: "\n")
   markers: tuple[str, ...] = ()      # stripped from malformed leftovers
@@ -65,6 +66,7 @@ class ChatOutputParser:
     self._buf = ""
     self._state = "reasoning" if (starts_in_reasoning and self.parses_think) else "content"
     self._tools = tools_enabled and self.tool_begin is not None
+    self._begins = ((self.tool_begin,) + self.tool_begin_variants) if self.tool_begin else ()
     self._make_id = make_id
     self._calls: list[_Call] = []
     self._open: _Call | None = None   # the call whose arguments are streaming
@@ -159,14 +161,14 @@ class ChatOutputParser:
         return False
       self._buf, self._skip_space = stripped, False
     terms = ((THINK_START,) if self.parses_think else ()) + (
-        (self.tool_begin,) if self._tools else ())
+        self._begins if self._tools else ())
     text, term = self._take_until(terms)
     sep = self.tool_separator if self._tools else ""
     if sep and text.endswith(sep):
       if term is None and not self._final:   # it may turn out to be the separator
         self._buf = sep + self._buf
         text = text[:-len(sep)]
-      elif term == self.tool_begin:
+      elif term in self._begins:
         text = text[:-len(sep)]
     self._out.content += text
     if term == THINK_START:
@@ -177,7 +179,7 @@ class ChatOutputParser:
 
   def _reasoning_step(self) -> bool:
     terms = (THINK_END, THINK_START) + (
-        (self.tool_begin,) if self.reasoning_ends_at_tools and self.tool_begin else ())
+        self._begins if self.reasoning_ends_at_tools else ())
     text, term = self._take_until(terms)
     self._out.reasoning += text
     if term == THINK_END:

@@ -24,6 +24,11 @@ class SectionParser(ChatOutputParser):
 
   parses_think = True
   section_end = call_begin = header_end = call_end = ""
+  section_end_variants: tuple[str, ...] = ()
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self._ends = (self.section_end,) + self.section_end_variants
 
   def _begin_tools(self) -> None:
     self._state, self._raw = "section", ""
@@ -32,14 +37,14 @@ class SectionParser(ChatOutputParser):
     return getattr(self, "_st_" + self._state)()
 
   def _st_section(self) -> bool:
-    text, term = self._take_until((self.call_begin, self.section_end))
+    text, term = self._take_until((self.call_begin, *self._ends))
     self._raw += text   # text between calls is not part of the grammar: kept as content
     if term is None:
       return False
     if self._raw.strip():
       self._out.content += self._without_markers(self._raw)
     self._raw = ""
-    if term == self.section_end:
+    if term in self._ends:
       self._end_tools()
     elif term == self.call_begin:
       self._state, self._raw = "header", ""
@@ -47,7 +52,7 @@ class SectionParser(ChatOutputParser):
 
   def _st_header(self) -> bool:
     text, term = self._take_until((self.header_end, self.call_end, self.call_begin,
-                                   self.section_end))
+                                   *self._ends))
     self._raw += text
     if term is None:
       return False
@@ -61,7 +66,7 @@ class SectionParser(ChatOutputParser):
 
   def _st_skip(self) -> bool:
     """The arguments of a call whose header could not be read: kept as content."""
-    text, term = self._take_until((self.call_end, self.call_begin, self.section_end))
+    text, term = self._take_until((self.call_end, self.call_begin, *self._ends))
     self._raw += text
     if term is None:
       return False
@@ -69,8 +74,7 @@ class SectionParser(ChatOutputParser):
     return True
 
   def _st_args(self) -> bool:
-    text, term = self._take_until(self.args_end + (self.call_end, self.call_begin,
-                                                  self.section_end))
+    text, term = self._take_until(self.args_end + (self.call_end, self.call_begin, *self._ends))
     self._stream_args(text, done=term is not None, trailing=self.args_trailing)
     if term is None:
       return False
@@ -94,7 +98,7 @@ class SectionParser(ChatOutputParser):
     self._abandon_block()
     if term == self.call_begin:
       self._state, self._raw = "header", ""
-    elif term == self.section_end:
+    elif term in self._ends:
       self._end_tools()
     else:
       self._begin_tools()
@@ -110,11 +114,15 @@ class KimiK2Parser(SectionParser):
   family = "kimi_k2"
   tool_begin = "<|tool_calls_section_begin|>"
   section_end = "<|tool_calls_section_end|>"
+  # Kimi models also write the singular spellings (vLLM's Kimi parser accepts them too).
+  tool_begin_variants = ("<|tool_call_section_begin|>",)
+  section_end_variants = ("<|tool_call_section_end|>",)
   call_begin = "<|tool_call_begin|>"
   header_end = "<|tool_call_argument_begin|>"
   call_end = "<|tool_call_end|>"
   reasoning_ends_at_tools = True
-  markers = (tool_begin, section_end, call_begin, header_end, call_end)
+  markers = (tool_begin, section_end, call_begin, header_end, call_end, *tool_begin_variants,
+             *section_end_variants)
   # functions.NAME:IDX (the prefix may be missing); the name may hold '.', '-', ':'.
   _HEADER = re.compile(r"(?:functions\.)?(\S+):\d+")
 
@@ -159,7 +167,7 @@ class DeepSeekV3Parser(SectionParser):
     return True
 
   def _st_v3_name(self) -> bool:
-    text, term = self._take_until(("\n", self.call_end, self.call_begin, self.section_end))
+    text, term = self._take_until(("\n", self.call_end, self.call_begin, *self._ends))
     self._raw += text
     self._header += text
     if term is None:
