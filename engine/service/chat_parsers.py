@@ -46,7 +46,7 @@ PARSER_FAMILIES = ("kimi_k2", "deepseek_v3", "qwen3", "llama3_json", "think", "n
 # config.json model_type -> default parser family (the server's flag overrides it).
 _FAMILY_BY_MODEL_TYPE = {
     "kimi_k2": "kimi_k2", "kimi_k25": "kimi_k2",
-    "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v3", "deepseek_v2": "think",
+    "deepseek_v3": "deepseek_v3", "deepseek_v2": "think",
     "qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3_json",
 }
 
