@@ -17,7 +17,8 @@ K_CALL, K_ARG, K_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<
 D_SEC, D_SEC_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 D_CALL, D_SEP, D_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 ALL_MARKERS = (K_SEC, K_SEC_END, K_CALL, K_ARG, K_END, D_SEC, D_SEC_END, D_CALL, D_SEP, D_END,
-               "<tool_call>", "</tool_call>", "<think>", "</think>")
+               "<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>",
+               "<|tool_call_section_begin|>", "<|tool_call_section_end|>")
 
 
 def ids():
@@ -49,6 +50,8 @@ def run(family, chunks, *, reasoning=False, tools=True):
 
 def chunkings(text):
   yield [text]
+  if len(text) < 2:
+    return
   yield list(text)
   for i in range(1, len(text)):
     yield [text[:i], text[i:]]
@@ -81,6 +84,9 @@ CASES = [
      + '{"city":"Oslo"}' + K_END + K_SEC_END, "", "I need the weather",
      calls(("get_weather", '{"city":"Oslo"}'), ids_=["functions.get_weather:0"])),
     ("kimi_k2", True, "hmm</think>The answer is 4.", "The answer is 4.", "hmm", []),
+    ("kimi_k2", True, "plan<|tool_call_section_begin|>" + K_CALL + "functions.f:0" + K_ARG + "{}"
+     + K_END + "<|tool_call_section_end|>", "", "plan",   # the singular spellings Kimi writes
+     calls(("f", "{}"), ids_=["functions.f:0"])),
     ("kimi_k2", False, "<think>plan</think>Sure." + K_SEC + K_CALL + "functions.a.b:0" + K_ARG
      + "{}" + K_END + K_SEC_END + "\n", "Sure.", "plan",
      calls(("a.b", "{}"), ids_=["functions.a.b:0"])),
@@ -97,6 +103,24 @@ CASES = [
      "{}, \"name\": \"b-c.d\"}\n</tool_call>", "\n\nOK.", "\nhm\n",
      calls(("get_weather", '{"city": {"n": "Paris"}}'), ("b-c.d", "{}"))),
     ("qwen3", False, "plain answer", "plain answer", "", []),
+    # Llama 3: the reply is the call(s); JSON inside an answer stays the answer.
+    ("llama3_json", False, '{"name": "search-v.2", "parameters": {"q": "a {b} [c]", "n": '
+     '{"k": "He said \\"hi {x}\\""}}}; {"name": "b", "arguments": {}}\n{"name": "c", '
+     '"parameters": [1]} Anything else?', "Anything else?", "",
+     calls(("search-v.2", '{"q": "a {b} [c]", "n": {"k": "He said \\"hi {x}\\""}}'), ("b", "{}"),
+           ("c", "[1]"))),
+    ("llama3_json", False, '<|python_tag|>{"name": "f", "parameters": {"a": 1}, "x": {"y": '
+     '[2, 3]}, "z": 4}<|eom_id|>', "", "", calls(("f", '{"a": 1}'))),
+    ("llama3_json", False, '{"parameters": {"a": 1}, "name": "g"}', "", "",
+     calls(("g", '{"a": 1}'))),
+    ("llama3_json", False, 'Here: {"name": "x", "parameters": {}}',
+     'Here: {"name": "x", "parameters": {}}', "", []),
+    ("llama3_json", False, '{"name": "Bob", "age": 3} is JSON', '{"name": "Bob", "age": 3} is JSON',
+     "", []),
+    ("llama3_json", False, '{"name": "t", "parameters": {"a": "cut', "", "",
+     calls(("t", '{"a": "cut'))),
+    ("llama3_json", False, '<|python_tag|>brave_search.call(query="x")',
+     'brave_search.call(query="x")', "", []),
     ("think", True, "a</think>b", "b", "a", []),
     ("none", False, "<think>x</think>" + K_SEC, "<think>x</think>" + K_SEC, "", []),
     # Cut off: a call already announced stays a call (arguments as far as they came);
@@ -118,6 +142,11 @@ CASES = [
      "", "", calls(("f", '{"a": 1}'))),
     ("deepseek_v3", False, "z" + D_SEC + D_CALL + "func tion" + D_SEP + "{}" + D_END + D_SEC_END,
      "zfunc tion{}", "", []),
+    # vLLM's malformed DeepSeek-V3 cases: JSON cut short (still a call), no call marker (text).
+    ("deepseek_v3", False, D_SEC + D_CALL + "function" + D_SEP + 'get_weather\n```json\n'
+     '{"city": "Tokyo"\n```' + D_END + D_SEC_END, "", "", calls(("get_weather", '{"city": "Tokyo"'))),
+    ("deepseek_v3", False, D_SEC + "function" + D_SEP + 'get_weather\n```json\n{"city": "Tokyo"}'
+     '\n```' + D_SEC_END, 'functionget_weather\n```json\n{"city": "Tokyo"}\n```', "", []),
     ("qwen3", False, "a<tool_call>\nnot json\n</tool_call>b", "a\nnot json\nb", "", []),
     ("qwen3", False, "a<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}", "a", "",
      calls(("f", '{"x": 1}'))),
@@ -205,7 +234,7 @@ def test_families_and_defaults():
   assert family_for("kimi_k25") == family_for("kimi_k2") == "kimi_k2"
   assert family_for("deepseek_v3") == "deepseek_v3"
   assert family_for("qwen3_moe") == family_for("qwen3") == "qwen3"
-  assert family_for("llama") == "none"
+  assert family_for("llama") == "llama3_json" and family_for("mystery") == "none"
   with pytest.raises(ValueError, match="tool_parser"):
     make_parser("nope", starts_in_reasoning=False, tools_enabled=True)
   assert starts_in_reasoning("<|im_assistant|>assistant<|im_middle|><think>")
@@ -242,6 +271,13 @@ def _write(family, rng):
           f"{D_CALL}{n}{D_SEP}{a}{D_END}" if v31 else
           f"{D_CALL}function{D_SEP}{n}\n```json\n{a}\n```{D_END}" for n, a in picked) + D_SEC_END
     return text, False, content, thought, calls(*picked)
+  if family == "llama3_json":   # as Llama 3's template writes them: the reply is the calls
+    if not picked:
+      return content, False, content, "", []
+    sep = rng.choice(["; ", ";", "\n", ";\n"])
+    text = rng.choice(["", "<|python_tag|>"]) + sep.join(
+        f'{{"name": "{n}", "parameters": {a}}}' for n, a in picked)
+    return text, False, "", "", calls(*picked)
   text = f"<think>{thought}</think>{content}" if thought else content
   for i, (n, a) in enumerate(picked):   # as Qwen3's template writes them
     sep = "\n" if (i or content) else ""
@@ -249,7 +285,7 @@ def _write(family, rng):
   return text, False, content, thought, calls(*picked)
 
 
-@pytest.mark.parametrize("family", ["kimi_k2", "deepseek_v3", "qwen3"])
+@pytest.mark.parametrize("family", ["kimi_k2", "deepseek_v3", "qwen3", "llama3_json"])
 def test_generated_outputs_parse_back(family):
   rng = random.Random(family)
   for _ in range(40):

@@ -14,7 +14,9 @@ Run in the reference environment (see make_golden.py; transformers 5.24.0 + jinj
 
 ``--kimi-ts-script`` is the Kimi K2.5 checkpoint's ``tool_declaration_ts.py`` (public copies:
 thinking-machines-lab/tinker-cookbook ``tinker_cookbook/renderers/kimi_k2_5_tool_declaration_ts.py``
-and the ports in vLLM / SGLang); it is not committed here. Without it the TypeScript fixture is
+and the ports in vLLM / SGLang); it is not committed here. Besides the named cases, 200
+seeded random tool lists cover the schema features; where the script raises, the fixture
+records that (the tokenizer then declares the tools as JSON). Without it the TypeScript fixture is
 left as it is. The templates are read from ``fixtures/chat/templates/`` (their origins are in
 ``fixtures/chat/README.md``). Output: ``fixtures/chat/render_cases.json`` and
 ``fixtures/chat/tools_ts_cases.json``, rewritten deterministically (no time-dependent template
@@ -28,6 +30,7 @@ import copy
 import importlib.util
 import json
 import os
+import random
 
 import transformers
 from tokenizers import Tokenizer
@@ -183,6 +186,72 @@ TS_CASES = {
 }
 
 
+def random_tools(rng: random.Random) -> list[dict]:
+  """Random OpenAI tools over the JSON-schema features the TypeScript encoding reads (and some
+  it refuses: dangling $refs, enum values of the wrong type, boolean false schemas)."""
+  def schema(depth, defs):
+    kinds = ["string", "integer", "number", "boolean", "null", "object", "array", "enum",
+             "anyOf", "union", "ref", "empty", "bool"] if depth < 3 else ["string", "enum", "empty"]
+    kind = rng.choice(kinds)
+    s: dict = {}
+    if kind in ("string", "integer", "number", "boolean", "null"):
+      s["type"] = kind
+      if kind == "string" and rng.random() < .5:
+        s.update(rng.choice([{"maxLength": 5}, {"minLength": 1, "pattern": "^a$"}]))
+      if kind in ("integer", "number") and rng.random() < .5:
+        s.update({"minimum": 0, "maximum": rng.choice([1, 2.5])})
+    elif kind == "object":
+      s["type"] = "object"
+      if rng.random() < .8:
+        props = {f"p{i}{rng.choice(['', '_x', 'B'])}": schema(depth + 1, defs)
+                 for i in range(rng.randint(0, 4))}
+        s["properties"] = props
+        s["required"] = [p for p in props if rng.random() < .5]
+      if rng.random() < .3:
+        s["additionalProperties"] = rng.choice([True, False, {"type": "string"}])
+    elif kind == "array":
+      s["type"] = "array"
+      if rng.random() < .7:
+        s["items"] = schema(depth + 1, defs)
+      if rng.random() < .3:
+        s["minItems"] = 1
+    elif kind == "enum":
+      s["enum"] = rng.sample(["a", "b", 1, 2.5, None, True], rng.randint(1, 3))
+      if rng.random() < .3:
+        s["type"] = rng.choice(["string", ["string", "null"], "integer"])
+    elif kind == "anyOf":
+      s["anyOf"] = [schema(depth + 1, defs) for _ in range(rng.randint(1, 3))]
+    elif kind == "union":
+      s["type"] = rng.sample(["string", "number", "integer", "boolean", "null", "object",
+                              "array"], rng.randint(1, 3))
+    elif kind == "ref":
+      s["$ref"] = rng.choice(["#", "#/$defs/Missing"] + [f"#/$defs/{d}" for d in defs] * 4)
+    elif kind == "bool":
+      return rng.choice([True, False])
+    else:
+      return {}
+    if rng.random() < .4:
+      s["description"] = rng.choice(["", "d", "multi\nline", "a\n\nb", "ünï"])
+    if rng.random() < .2:
+      s["default"] = rng.choice([1, 1.5, "x", [1], {"a": 1}, False])
+    return s
+
+  tools = []
+  for _ in range(rng.randint(1, 3)):
+    defs = tuple(f"D{i}" for i in range(rng.randint(0, 2)))
+    params = {"type": "object",
+              "properties": {f"a{i}": schema(1, defs) for i in range(rng.randint(0, 4))}}
+    params["required"] = [p for p in params["properties"] if rng.random() < .5]
+    if defs:
+      params["$defs"] = {d: schema(2, ()) for d in defs}
+    fn = {"name": rng.choice(["f", "a.b", "x-y"]),
+          "parameters": rng.choice([params, params, params, None, {}])}
+    if rng.random() < .7:
+      fn["description"] = rng.choice(["", "Does it.", "two\nlines"])
+    tools.append({"type": rng.choice(["function"] * 9 + ["_plugin"]), "function": fn})
+  return tools
+
+
 def load_ts_script(path: str):
   spec = importlib.util.spec_from_file_location("kimi_tool_declaration_ts", path)
   module = importlib.util.module_from_spec(spec)
@@ -208,9 +277,19 @@ def main():
   print(f"render_cases.json: {len(out['cases'])} cases")
   if args.kimi_ts_script:
     ts = load_ts_script(args.kimi_ts_script)
-    ts_out = {"script": "Kimi K2.5 tool_declaration_ts.py", "cases": [
-        {"name": name, "tools": tools, "tools_ts_str": ts.encode_tools_to_typescript_style(
-            copy.deepcopy(tools))} for name, tools in TS_CASES.items()]}
+    ts_cases = list(TS_CASES.items())
+    rng = random.Random(20261203)
+    ts_cases += [(f"random_{i}", random_tools(rng)) for i in range(200)]
+    ts_out = {"script": "Kimi K2.5 tool_declaration_ts.py", "cases": []}
+    for name, tools in ts_cases:
+      try:
+        encoded = ts.encode_tools_to_typescript_style(copy.deepcopy(tools))
+      except Exception as e:   # noqa: BLE001 - the checkpoint's tokenizer catches any, too
+        encoded, refused = None, type(e).__name__
+      else:
+        refused = None
+      ts_out["cases"].append({"name": name, "tools": tools, "tools_ts_str": encoded,
+                              **({"refused": refused} if refused else {})})
     with open(os.path.join(CHAT, "tools_ts_cases.json"), "w", encoding="utf-8") as fh:
       json.dump(ts_out, fh, ensure_ascii=False, indent=1)
       fh.write("\n")
