@@ -443,3 +443,19 @@ def test_bench_agent_dataset_and_openai_backend(chat_server, eng):
   summary = json.loads(r.stdout.strip().splitlines()[-1])
   assert summary["completed"] == 4 and summary["config"]["backend"] == "openai"
   assert "tool calls (parse success)" in r.stdout and "TTFT" in r.stdout
+
+
+def test_chat_requests_keep_special_token_text(demo):
+  """The engine detokenises a chat request's output with special tokens kept (the parsers
+  read the markers); other requests' text skips them, as before."""
+  from engine.runtime import outputs
+  from engine.runtime.request import Request
+  bos = demo.tokenizer.token_to_id("<|bos|>")
+  ids = demo.tokenizer.encode("x = 1", add_special_tokens=False).ids
+  texts = []
+  for skip in (True, False):
+    stop = StopParams(max_tokens=16, skip_special_tokens=skip)
+    req = Request("r", [5], SamplingParams(), stop, stop_ids=(), arrival_order=0)
+    outputs.append_tokens(req, [bos] + ids, None, demo.tokenizer, 128)
+    texts.append(outputs.request_output(req, [bos] + ids).text_delta)
+  assert texts == ["x = 1", "<|bos|>x = 1"]

@@ -279,6 +279,7 @@ def test_failures_after_the_status_arrive_as_error_events(serve, eng, monkeypatc
   with pytest.raises(openai.InternalServerError) as e:
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)
   assert "device lost" in e.value.message
+  assert bg.server.metrics.request_rejected.labels(code="INTERNAL")._value.get() == 0
   failures.append(1)
   status, text = raw(bg, "POST", "/v1/completions", {"model": "demo", "prompt": PROMPT,
                                                      "max_tokens": 4, "stream": True})
@@ -295,3 +296,31 @@ def test_failures_after_the_status_arrive_as_error_events(serve, eng, monkeypatc
     list(stream)
   assert "shut down before it finished" in e.value.message
   assert_idle(eng)
+
+
+def test_parsing_and_tokenising_run_off_the_event_loop(serve, eng, monkeypatch):
+  from engine.service import openai_protocol
+  bg = http_server(serve)
+  gate, entered = threading.Event(), threading.Event()
+  parse = openai_protocol.parse_completion
+
+  def slow_parse(*args):  # as a multi-megabyte prompt's tokenising would be
+    entered.set()
+    gate.wait(30)
+    return parse(*args)
+
+  monkeypatch.setattr(openai_protocol, "parse_completion", slow_parse)
+  result = []
+  worker = threading.Thread(target=lambda: result.append(raw(
+      bg, "POST", "/v1/completions", {"model": "demo", "prompt": PROMPT, "max_tokens": 2})))
+  worker.start()
+  try:
+    assert entered.wait(30)
+    assert raw(bg, "GET", "/health", key=None)[0] == 200  # the loop serves meanwhile
+    assert raw(bg, "GET", "/v1/models")[0] == 200
+    with InferenceClient(target(bg), api_key=KEY, timeout=10) as client:
+      assert client.generate(PROMPT, max_tokens=2).completion_tokens == 2
+  finally:
+    gate.set()
+    worker.join(60)
+  assert result[0][0] == 200 and result[0][1]["usage"]["completion_tokens"] == 2

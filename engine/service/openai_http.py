@@ -217,6 +217,11 @@ class OpenAIHTTP:
     exc_type = None
     try:
       body = await collect(group)
+    except Rejected as e:
+      exc_type = type(e)
+      if group.failed:  # ended by the server (engine failure, drain): not a refusal
+        return HTTPError.of(e).response()
+      raise
     except BaseException as e:
       exc_type = type(e)
       raise
