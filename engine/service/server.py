@@ -8,6 +8,11 @@ owning stream's asyncio queue with `loop.call_soon_threadsafe`, and the stream t
 `GenerateResponse`s. A stream that ends before its request (client cancel, deadline, error)
 aborts the request once, which frees its pages at once.
 
+With `ServerConfig.http_port`, the OpenAI-compatible HTTP API (`openai_http.OpenAIHTTP`) runs
+in the same event loop over the same engine thread, admission, keys (`key_ok`), metrics and
+drain; `Chat` and `/v1/chat/completions` share `chat.py`, every edge shares
+`streams.RequestGroup` (admission, delivery, abort on exit).
+
 Lifecycle: health is NOT_SERVING until warm-up ends; `drain()` flips it back, refuses new
 requests with UNAVAILABLE, lets in-flight ones finish for `drain_timeout_s`, ends the rest with
 UNAVAILABLE, then stops.
