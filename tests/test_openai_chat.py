@@ -381,6 +381,16 @@ def test_grpc_chat(chat_server, eng, monkeypatch):
   with InferenceClient(target(bg)) as keyless:
     code, _ = status_of(lambda: list(keyless.stub.Chat(chat_request(USER))))
     assert code == grpc.StatusCode.UNAUTHENTICATED
+  # From the shell: python -m engine.client --chat.
+  r = subprocess.run([sys.executable, "-m", "engine.client", f"--target={target(bg)}",
+                      f"--api_key={KEY}", "--chat", "--system=You write Python.",
+                      "--prompt=def read_config(path):", "--max_tokens=12", "--temperature=0",
+                      "--ignore_eos", "--json"], cwd=REPO, capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  got = json.loads(r.stdout)
+  assert got["content"] == want.text and got["finish_reason"] == "length"
+  assert got["usage"]["completionTokens"] == 12
 
 
 def test_grpc_chat_queue_full(chat_server, eng, monkeypatch):
