@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import checkpoints
+from engine.model.chat_template import ChatTemplate
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
@@ -48,6 +49,8 @@ class LoadedModel:
   eos_token_ids: tuple[int, ...] = ()
   kernels: KernelChoice = REFERENCE
   mesh: Any = None  # the jax.sharding.Mesh the parameters live on (None: one device)
+  # The checkpoint's chat template (engine.model.chat_template), None if it ships none.
+  chat_template: ChatTemplate | None = None
 
   def __iter__(self) -> Iterator[Any]:
     return iter((self.config, self.params, self.tokenizer))
@@ -153,7 +156,8 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
     logging.getLogger("moejax").info("engine.load: parameters on %s", line)
   tokenizer = load_tokenizer(path)
   return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
-                     eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh)
+                     eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh,
+                     chat_template=ChatTemplate.from_dir(path))
 
 
 def _as_prompt_list(prompts: Any) -> tuple[list[Any], bool]:

@@ -303,7 +303,7 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
        "--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=64",
        "--max_decode_steps=2", "--drain_timeout_s=5", "--speculative=draft",
        "--draft_checkpoint=" + os.path.join(REPO, "checkpoints", "demo", "draft"),
-       "--num_draft_tokens=1", "--drafters=ngram"],
+       "--num_draft_tokens=1", "--drafters=ngram", "--http_port=0"],
       cwd=REPO, stderr=subprocess.PIPE, text=True)
   try:
     lines = []
@@ -325,6 +325,13 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
       assert client.generate(PROMPT, max_tokens=12).spec_draft_tokens > 0
       assert client.generate(PROMPT, max_tokens=6, drafter="off").spec_draft_tokens == 0
       assert client.generate(PROMPT, max_tokens=6, drafter="ngram").completion_tokens == 6
+    # The OpenAI HTTP API of the same process (SIGTERM below must still drain it).
+    http_url = ready[0].split("OpenAI HTTP API on ")[1].split()[0].rstrip(",)")
+    req = urllib.request.Request(http_url + "/completions", json.dumps(
+        {"model": "target", "prompt": PROMPT, "max_tokens": 3}).encode(),
+        {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+      assert json.load(resp)["usage"]["completion_tokens"] == 3
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
     assert proc.wait(timeout=30) == 0 and "stopped" in rest

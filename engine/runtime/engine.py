@@ -106,6 +106,7 @@ class Engine:
     `draft`: (config, params) of a draft model with the target's vocabulary (drafter "draft")."""
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
+    self.chat_template: Any = None  # the model's (`engine.load`), for the servers' chat APIs
     self.eos_token_ids = tuple(eos_token_ids)
     compile_cache.enable(config.compilation_cache_dir)
     max_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
@@ -168,11 +169,13 @@ class Engine:
   def from_model(model: Any, config: EngineConfig = EngineConfig(),
                  draft_model: Any = None) -> "Engine":
     """From an `engine.load` result (and a loaded draft model for drafter "draft")."""
-    return Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
-                  if config.kernels == REFERENCE else config, model.tokenizer,
-                  model.eos_token_ids, mesh=getattr(model, "mesh", None),
-                  draft=None if draft_model is None else (draft_model.config,
-                                                          draft_model.params))
+    eng = Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
+                 if config.kernels == REFERENCE else config, model.tokenizer,
+                 model.eos_token_ids, mesh=getattr(model, "mesh", None),
+                 draft=None if draft_model is None else (draft_model.config,
+                                                         draft_model.params))
+    eng.chat_template = getattr(model, "chat_template", None)
+    return eng
 
   def _on_mesh(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()

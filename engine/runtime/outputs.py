@@ -51,14 +51,15 @@ def append_tokens(req: Request, new_ids: list[int],
       reason = FINISH_LENGTH
       break
   if tokenizer is not None and new_ids:
-    req.text = tokenizer.decode(req.output_ids[:text_upto], skip_special_tokens=True)
+    req.text = tokenizer.decode(req.output_ids[:text_upto],
+                                skip_special_tokens=req.stop.skip_special_tokens)
   return reason
 
 
 def _stop_string_hit(req: Request, tokenizer: Any) -> bool:
   if tokenizer is None:
     return False
-  text = tokenizer.decode(req.output_ids, skip_special_tokens=True)
+  text = tokenizer.decode(req.output_ids, skip_special_tokens=req.stop.skip_special_tokens)
   req.text = text
   if len(req.output_ids) < req.stop.min_tokens:
     return False

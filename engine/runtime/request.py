@@ -36,6 +36,9 @@ class StopParams:
   stop: tuple[str, ...] = ()  # stop strings, matched on the detokenised text
   ignore_eos: bool = False
   include_stop_str_in_output: bool = False
+  # Output text keeps special-token text (`<|tool_call_begin|>`) when False: chat output
+  # parsers read the markers; stop strings then match on that text too.
+  skip_special_tokens: bool = True
 
   def validate(self) -> None:
     if self.max_tokens < 1:

@@ -8,12 +8,16 @@
     async with AsyncInferenceClient("127.0.0.1:50051") as client:
       done = await client.generate("def fib(n):", max_tokens=32)
 
+    for r in client.chat_stream([{"role": "user", "content": "hi"}], max_tokens=16):
+      print(r.reasoning_content, r.content, list(r.tool_calls), end="")
+
 Errors arrive as `grpc.RpcError` (`.code()`, `.details()`), never inside the stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -24,7 +28,7 @@ from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
 
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_ABORT: "abort"}
+                pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "min_tokens",
                    "top_logprobs")
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
@@ -56,6 +60,38 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
   req.speculative.drafter = drafter
   if max_draft_tokens is not None:
     req.speculative.max_draft_tokens = max_draft_tokens
+  return req
+
+
+def build_chat_request(messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                       tool_choice: str | dict | None = None,
+                       template_kwargs: dict | None = None, request_id: str = "",
+                       stop: Sequence[str] = (), ignore_eos: bool = False,
+                       **sampling: Any) -> pb.ChatRequest:
+  """A ChatRequest from OpenAI-shaped messages, tools and tool_choice ("auto", "none",
+  "required" or {"type": "function", "function": {"name": ...}})."""
+  base = build_request([], stop=stop, ignore_eos=ignore_eos, **sampling)
+  req = pb.ChatRequest(request_id=request_id, sampling=base.sampling)
+  for m in messages:
+    msg = req.messages.add(role=m["role"], reasoning_content=m.get("reasoning_content") or "",
+                           tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
+    if m.get("content") is not None:
+      msg.content = m["content"]
+    for c in m.get("tool_calls") or ():
+      msg.tool_calls.add(id=c.get("id", ""), type=c.get("type", "function"),
+                         function=pb.FunctionCall(name=c["function"]["name"],
+                                                  arguments=c["function"].get("arguments", "")))
+  for t in tools or ():
+    fn = t["function"]
+    req.tools.add(type=t.get("type", "function"), function=pb.FunctionDefinition(
+        name=fn["name"], description=fn.get("description") or "",
+        parameters_json=json.dumps(fn.get("parameters") or {})))
+  if isinstance(tool_choice, str):
+    req.tool_choice.mode = tool_choice
+  elif tool_choice is not None:
+    req.tool_choice.function_name = tool_choice["function"]["name"]
+  if template_kwargs:
+    req.template_kwargs.update(template_kwargs)
   return req
 
 
@@ -146,6 +182,13 @@ class InferenceClient(_Base):
       done.add(chunk)
     return done
 
+  def chat_stream(self, messages: Sequence[dict] | pb.ChatRequest,
+                  **params: Any) -> Iterator[pb.ChatResponse]:
+    """Streams a Chat call (`build_chat_request`'s arguments)."""
+    req = (messages if isinstance(messages, pb.ChatRequest)
+           else build_chat_request(messages, **params))
+    return self.stub.Chat(req, timeout=self.timeout, metadata=self.metadata)
+
   def abort(self, request_id: str) -> bool:
     return self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self.timeout,
                            metadata=self.metadata).aborted
@@ -205,6 +248,12 @@ class AsyncInferenceClient(_Base):
     async for chunk in self.stream(prompt, **params):
       done.add(chunk)
     return done
+
+  def chat_stream(self, messages: Sequence[dict] | pb.ChatRequest,
+                  **params: Any) -> AsyncIterator[pb.ChatResponse]:
+    req = (messages if isinstance(messages, pb.ChatRequest)
+           else build_chat_request(messages, **params))
+    return self.stub.Chat(req, timeout=self.timeout, metadata=self.metadata)
 
   async def abort(self, request_id: str) -> bool:
     return (await self.stub.Abort(pb.AbortRequest(request_id=request_id),

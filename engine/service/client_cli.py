@@ -2,6 +2,7 @@ r"""Streams a generation from a running server.
 
     python -m engine.client --prompt="def fib(n):" --max_tokens=64
     python -m engine.client --target=HOST:PORT --prompt_ids=1,5,6 --json
+    python -m engine.client --chat --prompt="def fib(n):"        # one user message, via Chat
     python -m engine.client --info                                # model info and server load
     python -m engine.client --list              # services and methods (server reflection)
 
@@ -24,12 +25,15 @@ from google.protobuf import descriptor_pool, json_format
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 
-from engine.service.client import Completion, InferenceClient, build_request
+from engine.service.client import FINISH_NAMES, Completion, InferenceClient, build_request
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "127.0.0.1:50051", "Server address HOST:PORT.")
 flags.DEFINE_string("prompt", None, "Prompt text.")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
+flags.DEFINE_bool("chat", False, "Send --prompt as a user message through Chat (the model's "
+                  "chat template; reasoning and tool calls parsed).")
+flags.DEFINE_string("system", None, "--chat: a system message first.")
 flags.DEFINE_string("request_id", "", "Request id (default: assigned by the server).")
 flags.DEFINE_integer("max_tokens", None, "Tokens to generate (server default 64).")
 flags.DEFINE_integer("min_tokens", None, "Stops are not honoured before this many tokens.")
@@ -72,6 +76,36 @@ def list_services(channel: grpc.Channel) -> list[str]:
   return lines
 
 
+def _chat(client: InferenceClient) -> int:
+  if FLAGS.prompt is None:
+    raise SystemExit("--chat takes --prompt")
+  messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) + [
+      {"role": "user", "content": FLAGS.prompt}]
+  parts: dict[str, list[str]] = {"reasoning_content": [], "content": []}
+  final, calls = None, []
+  for r in client.chat_stream(messages, stop=[unescape(x) for x in FLAGS.stop],
+                              ignore_eos=FLAGS.ignore_eos, max_tokens=FLAGS.max_tokens,
+                              temperature=FLAGS.temperature, top_p=FLAGS.top_p,
+                              seed=FLAGS.seed, request_id=FLAGS.request_id):
+    parts["reasoning_content"].append(r.reasoning_content)
+    parts["content"].append(r.content)
+    if not FLAGS.json:
+      print(r.reasoning_content + r.content, end="", flush=True)
+    if r.HasField("final"):
+      final = r.final
+      calls = [json_format.MessageToDict(c) for c in r.complete_tool_calls]
+  reason = FINISH_NAMES.get(final.finish_reason) if final is not None else None
+  usage = json_format.MessageToDict(final.usage) if final is not None else {}
+  if FLAGS.json:
+    print(json.dumps({k: "".join(v) for k, v in parts.items()} | dict(
+        tool_calls=calls, finish_reason=reason, usage=usage)))
+  else:
+    for call in calls:
+      print(f"\n[tool call] {json.dumps(call)}")
+    print(f"\n[moejax] finish={reason}, usage {usage}", file=sys.stderr)
+  return 0
+
+
 def main(argv: list[str]) -> int:
   if len(argv) > 1:
     raise SystemExit(f"unexpected arguments: {argv[1:]}")
@@ -98,6 +132,8 @@ def main(argv: list[str]) -> int:
           int(x) for x in FLAGS.prompt_ids.split(",") if x.strip()]
     except ValueError:
       raise SystemExit(f"--prompt_ids must be comma-separated integers: {FLAGS.prompt_ids!r}")
+    if FLAGS.chat:
+      return _chat(client)
     request = build_request(
         prompt, request_id=FLAGS.request_id, stop=[unescape(x) for x in FLAGS.stop],
         stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos,

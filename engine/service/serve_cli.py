@@ -3,6 +3,7 @@
     python -m engine.serve                                   # the bundled demo model, :50051
     python -m engine.serve --checkpoint=DIR --port=50051 --max_num_seqs=64 --metrics_port=9090
     python -m engine.serve --api_keys_file=keys.txt --tls_cert=cert.pem --tls_key=key.pem
+    python -m engine.serve --http_port=8000                  # and the OpenAI HTTP API on :8000
 
 Prints where it listens, then "ready" once every shape is compiled (health turns SERVING).
 SIGTERM or Ctrl-C drains: health NOT_SERVING, new requests UNAVAILABLE, in-flight requests get
@@ -27,6 +28,7 @@ from engine.api import DEMO_CHECKPOINT
 from engine.runtime import compile_cache
 from engine.runtime.engine import Engine, EngineConfig
 from engine.service import mesh_flags
+from engine.service.chat_parsers import PARSER_FAMILIES
 from engine.service.reasoning import ReasoningConfig
 from engine.service.server import InferenceServer, ServerConfig, read_api_keys
 
@@ -38,6 +40,10 @@ flags.DEFINE_string("model_name", None, "Name reported by GetModelInfo (default:
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype override.")
 flags.DEFINE_string("host", "0.0.0.0", "Address to bind.")
 flags.DEFINE_integer("port", 50051, "Port to bind (0: any free port).", lower_bound=0)
+flags.DEFINE_integer("http_port", None, "Also serve the OpenAI-compatible HTTP API "
+                     "(/v1/chat/completions, /v1/completions, /v1/models, /health) on this "
+                     "port, same engine and address (0: any free port; default: off).",
+                     lower_bound=0)
 flags.DEFINE_integer("max_num_seqs", 16, "Running requests at once.", lower_bound=1)
 flags.DEFINE_integer("max_num_batched_tokens", 256, "Tokens per engine step.", lower_bound=1)
 flags.DEFINE_integer("num_pages", None, "KV cache pages (default: from "
@@ -85,6 +91,9 @@ flags.DEFINE_integer("keepalive_timeout_ms", 10_000, "Close a connection whose p
 flags.DEFINE_float("stats_log_interval_s", 10.0, "One-line stats log period (0: off).")
 flags.DEFINE_integer("think_start_token_id", None, "Reasoning parser: think-start token id.")
 flags.DEFINE_integer("think_end_token_id", None, "Reasoning parser: think-end token id.")
+flags.DEFINE_enum("chat_parser", None, list(PARSER_FAMILIES), "Output parser of chat requests "
+                  "(tool calls, reasoning; default: from the chat template's tool markup, else "
+                  "the model type).")
 flags.DEFINE_bool("starts_in_reasoning", False, "Generation starts inside the reasoning (the "
                   "chat template already wrote think-start).")
 
@@ -107,7 +116,7 @@ def server_config() -> ServerConfig:
     reasoning = ReasoningConfig(FLAGS.think_start_token_id, FLAGS.think_end_token_id,
                                 FLAGS.starts_in_reasoning)
   return ServerConfig(
-      host=FLAGS.host, port=FLAGS.port, metrics_host=FLAGS.metrics_host,
+      host=FLAGS.host, port=FLAGS.port, http_port=FLAGS.http_port, metrics_host=FLAGS.metrics_host,
       model_name=FLAGS.model_name or os.path.basename(os.path.normpath(FLAGS.checkpoint)),
       architecture=_architecture(FLAGS.checkpoint),
       max_queue_requests=FLAGS.max_queue_requests, max_queue_tokens=FLAGS.max_queue_tokens,
@@ -116,7 +125,8 @@ def server_config() -> ServerConfig:
       tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key, max_message_bytes=FLAGS.max_message_bytes,
       max_prompt_chars=FLAGS.max_prompt_chars,
       keepalive_time_ms=FLAGS.keepalive_time_ms, keepalive_timeout_ms=FLAGS.keepalive_timeout_ms,
-      stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning)
+      stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning,
+      chat_parser=FLAGS.chat_parser)
 
 
 async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> None:
@@ -130,6 +140,8 @@ async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> 
   port = await server.start(metrics_port)
   metrics = (f", metrics on {server.metrics_address}:{server.metrics_port}/metrics"
              if server.metrics_port else "")
+  if server.http_port is not None:
+    metrics = f", OpenAI HTTP API on http://{config.host}:{server.http_port}/v1" + metrics
   scheme = "TLS" if config.tls_cert else "plaintext"
   print(f"[moejax] ready: {config.model_name} on {config.host}:{port} ({scheme}"
         f"{', API keys' if config.api_keys else ''}{metrics}) after "

@@ -8,6 +8,11 @@ owning stream's asyncio queue with `loop.call_soon_threadsafe`, and the stream t
 `GenerateResponse`s. A stream that ends before its request (client cancel, deadline, error)
 aborts the request once, which frees its pages at once.
 
+With `ServerConfig.http_port`, the OpenAI-compatible HTTP API (`openai_http.OpenAIHTTP`) runs
+in the same event loop over the same engine thread, admission, keys (`key_ok`), metrics and
+drain; `Chat` and `/v1/chat/completions` share `chat.py`, every edge shares
+`streams.RequestGroup` (admission, delivery, abort on exit).
+
 Lifecycle: health is NOT_SERVING until warm-up ends; `drain()` flips it back, refuses new
 requests with UNAVAILABLE, lets in-flight ones finish for `drain_timeout_s`, ends the rest with
 UNAVAILABLE, then stops.
@@ -36,12 +41,14 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.runtime.engine import Engine
-from engine.service import reflection, validation, wire
+from engine.service import chat_parsers, reflection, validation, wire
 from engine.service.engine_loop import EngineLoop
 from engine.service.metrics import ServingMetrics
+from engine.service.openai_http import OpenAIHTTP
 from engine.service.proto import inference_pb2 as pb
 from engine.service.reasoning import ReasoningConfig
-from engine.service.servicer import InferenceServicer, Rejected
+from engine.service.servicer import InferenceServicer
+from engine.service.streams import Rejected
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
@@ -52,6 +59,7 @@ SERVING, NOT_SERVING = (health_pb2.HealthCheckResponse.SERVING,
 class ServerConfig:
   host: str = "127.0.0.1"
   port: int = 50051  # 0: any free port (start() returns it)
+  http_port: int | None = None  # the OpenAI-compatible HTTP API (None: off; 0: any free port)
   metrics_host: str | None = None  # the /metrics listener's address (None: `host`)
   model_name: str = ""
   architecture: str = ""
@@ -70,6 +78,9 @@ class ServerConfig:
   max_ping_strikes: int = 2
   stats_log_interval_s: float = 10.0  # one-line stats log (0: off)
   reasoning: ReasoningConfig | None = None
+  # Chat output parser family (chat_parsers.PARSER_FAMILIES; None: the chat template's tool
+  # markup decides, else the model type).
+  chat_parser: str | None = None
   warmup: bool = True  # compile every bucket before reporting SERVING
 
   def grpc_options(self) -> list[tuple[str, int]]:
@@ -106,6 +117,9 @@ class InferenceServer:
         vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
         num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings,
         max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled)
+    template = engine.chat_template
+    self.chat_family = config.chat_parser or (template.family if template is not None else None
+                                              ) or chat_parsers.family_for(engine.cfg.model_type)
     self.state = "created"  # -> starting -> serving -> draining -> stopped
     self.port: int | None = None
     self._server: grpc.aio.Server | None = None
@@ -113,6 +127,7 @@ class InferenceServer:
     self._tasks: list[asyncio.Task] = []
     self._throughput: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=11)
     self._metrics_http: Any = None
+    self.http: OpenAIHTTP | None = None
     self.engine_calls = concurrent.futures.ThreadPoolExecutor(
         max_workers=1, thread_name_prefix="moejax-engine-calls")
     # Tokenising a multi-megabyte prompt takes seconds: never on the event loop, and not on
@@ -147,6 +162,9 @@ class InferenceServer:
     await server.start()
     self._server = server
     self.engine_loop.start()
+    if self.config.http_port is not None:  # bound before warm-up: /health answers 503
+      self.http = OpenAIHTTP(self)
+      await self.http.start(self.config.host, self.config.http_port)
     if metrics_port is not None:
       host = self.config.metrics_host or self.config.host
       self._metrics_http = self.metrics.serve_http(metrics_port, host.strip("[]"))
@@ -158,6 +176,11 @@ class InferenceServer:
     await self._set_health(SERVING)
     self._tasks.append(asyncio.create_task(self._stats_loop()))
     return self.port
+
+  @property
+  def http_port(self) -> int | None:
+    """The bound port of the OpenAI HTTP API (None: off)."""
+    return None if self.http is None else self.http.port
 
   @property
   def metrics_port(self) -> int | None:
@@ -202,6 +225,8 @@ class InferenceServer:
       task.cancel()
     if self._server is not None:
       await self._server.stop(grace_s)
+    if self.http is not None:
+      await self.http.stop()
     await asyncio.to_thread(self.engine_calls.shutdown, True)  # pending aborts run first
     self.tokenize_calls.shutdown(wait=False, cancel_futures=True)
     self.engine_loop.stop()
@@ -229,12 +254,26 @@ class InferenceServer:
     except RuntimeError:  # shut down: the server is stopping, run it here
       fn(*args)
 
-  def admit(self, parsed: validation.ParsedRequest, rid: str,
-            deliver: Callable[[Any], None]) -> None:
-    """Queue caps, subscription, `Engine.add_request` (on the engine-calls thread)."""
+  def admit_all(self, items: list[tuple[validation.ParsedRequest, str, Callable[[Any], None]]]
+                ) -> None:
+    """Queue caps for all of them, then subscription and `Engine.add_request` for each (on
+    the engine-calls thread); all or none are added."""
+    self.check_capacity(sum(len(parsed.prompt_ids) for parsed, _, _ in items), len(items))
+    added: list[tuple[str, Callable[[Any], None]]] = []
+    try:
+      for parsed, rid, deliver in items:
+        self._admit_one(parsed, rid, deliver)
+        added.append((rid, deliver))
+    except Rejected:
+      for rid, deliver in added:
+        self.end_stream(rid, deliver, client_abort=False)
+      raise
+    self.engine_loop.wake()
+
+  def _admit_one(self, parsed: validation.ParsedRequest, rid: str,
+                 deliver: Callable[[Any], None]) -> None:
     early = rid in self.early_aborts  # an Abort came while it was being tokenised
     self.early_aborts.discard(rid)
-    self.check_capacity(len(parsed.prompt_ids))
     if not self.engine_loop.subscribe(rid, deliver):
       raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in use")
     try:
@@ -245,7 +284,6 @@ class InferenceServer:
                       else grpc.StatusCode.INVALID_ARGUMENT, str(e))
     if early:
       self.engine.abort(rid)
-    self.engine_loop.wake()
 
   def end_stream(self, rid: str, deliver: Callable[[Any], None], client_abort: bool) -> None:
     """A stream ended before its request: abort it once (frees its pages). Only the stream
@@ -291,25 +329,30 @@ class InferenceServer:
 
   # ---- admission -----------------------------------------------------------------------------
 
-  def check_api_key(self, context: grpc.aio.ServicerContext) -> None:
+  def key_ok(self, authorization: str) -> bool:
+    """Whether an `authorization` header value (`Bearer <key>`) passes (gRPC and HTTP)."""
     if not self.config.api_keys:
-      return
-    header = dict(context.invocation_metadata() or ()).get("authorization", "")
-    token = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+      return True
+    token = authorization[len("Bearer "):] if authorization.startswith("Bearer ") else ""
     # Compare against every key (no early exit) so timing does not reveal a key's prefix.
     ok = False
     for key in self.config.api_keys:
       ok |= hmac.compare_digest(token.encode(), key.encode())
-    if not ok:
+    return ok
+
+  def check_api_key(self, context: grpc.aio.ServicerContext) -> None:
+    if not self.config.api_keys:
+      return
+    if not self.key_ok(dict(context.invocation_metadata() or ()).get("authorization", "")):
       raise Rejected(grpc.StatusCode.UNAUTHENTICATED,
                       "missing or invalid API key (metadata authorization: Bearer <key>)")
 
-  def check_capacity(self, num_prompt_tokens: int) -> None:
+  def check_capacity(self, num_prompt_tokens: int, num_requests: int = 1) -> None:
     if self.state != "serving":
       raise Rejected(grpc.StatusCode.UNAVAILABLE, "server is draining" if self.state in (
           "draining", "stopped") else "server is warming up")
     queued = self.engine.queue_load()
-    if queued.requests >= self.config.max_queue_requests:
+    if queued.requests + num_requests - 1 >= self.config.max_queue_requests:
       raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue full: {queued.requests} "
                       f"requests waiting (max_queue_requests {self.config.max_queue_requests})")
     # A lone prompt longer than the token cap is still admitted (it fits the context length).

@@ -7,7 +7,6 @@ stream that ends first (client cancel, deadline, error) aborts its request once.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any, Callable
@@ -16,20 +15,14 @@ import grpc
 from absl import logging
 
 from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from engine.service import validation, wire
-from engine.service.engine_loop import EngineFailure
+from engine.service import chat, validation, wire
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
 from engine.service.reasoning import ReasoningState
+from engine.service.streams import Rejected, RequestGroup
 
 FINISH_REASONS = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
                   FINISH_ABORT: pb.FINISH_REASON_ABORT}
-
-
-class Rejected(Exception):
-  def __init__(self, code: grpc.StatusCode, message: str):
-    super().__init__(message)
-    self.code = code
 
 
 def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
@@ -47,24 +40,50 @@ def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
     resp.text, resp.reasoning_text = split.answer_text, split.reasoning_text
     resp.num_reasoning_tokens = split.num_reasoning_tokens
   if out.finished:
-    final = resp.final
-    final.finish_reason = FINISH_REASONS[out.finish_reason]
-    if isinstance(out.stop_reason, str):
-      final.stop_str = out.stop_reason
-    elif out.stop_reason is not None:
-      final.stop_token_id = out.stop_reason
-    final.usage.prompt_tokens = out.usage.prompt_tokens
-    final.usage.cached_tokens = out.usage.cached_tokens
-    final.usage.completion_tokens = out.usage.completion_tokens
-    final.speculative.num_drafts = out.usage.spec_drafts
-    final.speculative.num_draft_tokens = out.usage.spec_draft_tokens
-    final.speculative.num_accepted_tokens = out.usage.spec_accepted_tokens
-    t = out.timings
-    final.timings.queue_s = t.queue_s or 0.0
-    final.timings.ttft_s = t.ttft_s or 0.0
-    final.timings.e2e_s = t.e2e_s or 0.0
+    fill_final(resp.final, out)
     if answer_started_s is not None:
-      final.timings.time_to_first_answer_token_s = answer_started_s
+      resp.final.timings.time_to_first_answer_token_s = answer_started_s
+  return resp
+
+
+def fill_final(final: pb.FinalInfo, out: RequestOutput) -> None:
+  """A finished request's FinalInfo: finish reason, matched stop, usage, timings."""
+  final.finish_reason = FINISH_REASONS[out.finish_reason]
+  if isinstance(out.stop_reason, str):
+    final.stop_str = out.stop_reason
+  elif out.stop_reason is not None:
+    final.stop_token_id = out.stop_reason
+  final.usage.prompt_tokens = out.usage.prompt_tokens
+  final.usage.cached_tokens = out.usage.cached_tokens
+  final.usage.completion_tokens = out.usage.completion_tokens
+  final.speculative.num_drafts = out.usage.spec_drafts
+  final.speculative.num_draft_tokens = out.usage.spec_draft_tokens
+  final.speculative.num_accepted_tokens = out.usage.spec_accepted_tokens
+  t = out.timings
+  final.timings.queue_s = t.queue_s or 0.0
+  final.timings.ttft_s = t.ttft_s or 0.0
+  final.timings.e2e_s = t.e2e_s or 0.0
+
+
+def chat_response(out: RequestOutput, stream: chat.ChatStream) -> pb.ChatResponse:
+  """One Chat stream message for one engine delta, through the request's output parser."""
+  delta = stream.feed(out)
+  resp = pb.ChatResponse(request_id=out.request_id, content=delta.content,
+                         reasoning_content=delta.reasoning, token_ids=out.new_token_ids)
+  for call in delta.tool_calls:
+    resp.tool_calls.add(index=call.index, id=call.id or "", name=call.name or "",
+                        arguments=call.arguments)
+  for lp in out.new_logprobs or ():
+    entry = resp.logprobs.add(logprob=lp.logprob)
+    for token_id, value in lp.top:
+      entry.top.add(token_id=token_id, logprob=value)
+  if out.finished:
+    fill_final(resp.final, out)
+    if stream.finish_reason(out) == chat.FINISH_TOOL_CALLS:
+      resp.final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+    for call in stream.tool_calls:
+      resp.complete_tool_calls.add(id=call["id"], type="function", function=pb.FunctionCall(
+          name=call["function"]["name"], arguments=call["function"]["arguments"]))
   return resp
 
 
@@ -84,14 +103,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     """A request whose bytes did not decode (`wire.deserializer`)."""
     await self._reject(context, Rejected(grpc.StatusCode.INVALID_ARGUMENT, bad.message))
 
-  async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-    srv, engine = self.srv, self.engine
-    named, parsed = request.request_id, None
+  async def _parse(self, context: grpc.aio.ServicerContext, named: str,
+                   fn: Callable[..., Any], *args: Any) -> Any:
+    """Key check, then fn(*args) on a tokenizer thread (FieldError -> INVALID_ARGUMENT). The
+    named id is marked as being tokenised meanwhile, so an Abort naming it is kept."""
+    srv, parsed = self.srv, None
     srv.tokenizing[named] += 1
     try:
       srv.check_api_key(context)
-      parsed = await srv.tokenize(validation.parse_generate, request, engine.tokenizer,
-                                  srv.limits)
+      parsed = await srv.tokenize(fn, *args)
     except validation.FieldError as e:
       await self._reject(context, Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
     except Rejected as e:
@@ -102,70 +122,57 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         del srv.tokenizing[named]
         if parsed is None:  # refused or cancelled: nothing left to abort
           srv.early_aborts.discard(named)
+    return parsed
+
+  async def _stream(self, context: grpc.aio.ServicerContext, parsed: validation.ParsedRequest,
+                    convert: Callable[[RequestOutput], Any]):
+    """Admits the request and yields convert(output) until it finishes (see RequestGroup)."""
     rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
-    queue: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-
-    def deliver(item: Any) -> None:  # called on the engine thread
-      try:
-        loop.call_soon_threadsafe(queue.put_nowait, item)
-      except RuntimeError:  # the event loop has closed (server stopped): nobody is listening
-        pass
-
+    group = RequestGroup(self.srv, [(parsed, rid)])
     try:
-      await srv.call_engine(srv.admit, parsed, rid, deliver)
+      async with group:
+        async for _, item in group:
+          try:
+            response = convert(item)
+          except Exception:
+            group.fail()
+            logging.exception("request %s: internal error while streaming", rid)
+            raise Rejected(grpc.StatusCode.INTERNAL, f"request {rid}: internal error")
+          yield response
     except Rejected as e:
+      if group.failed or e.code == grpc.StatusCode.INTERNAL:
+        await context.abort(e.code, str(e))  # ended by the server: not counted as refused
       await self._reject(context, e)
-    except asyncio.CancelledError:  # cancelled while admitted: the abort queues after the add
-      srv.submit_engine_call(srv.end_stream, rid, deliver, True)
-      raise
-    async for response in self._stream(rid, queue, deliver, context):
-      yield response
 
-  async def _stream(self, rid: str, queue: asyncio.Queue, deliver: Callable[[Any], None],
-                    context: grpc.aio.ServicerContext):
-    srv, engine, metrics = self.srv, self.engine, self.srv.metrics
+  async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    srv, engine = self.srv, self.engine
+    parsed = await self._parse(context, request.request_id, validation.parse_generate,
+                               request, engine.tokenizer, srv.limits)
     reasoning = (ReasoningState(srv.config.reasoning, engine.tokenizer)
                  if srv.config.reasoning is not None else None)
-    finished = failed = False
-    last_chunk: float | None = None
     answer_started_s: float | None = None
-    try:
-      while not finished:
-        item = await queue.get()
-        if isinstance(item, EngineFailure):
-          failed = True
-          await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: {item.message}")
-        if item.finish_reason == FINISH_ABORT and rid in srv.drain_aborted:
-          failed = True
-          await context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"request {rid}: server shut down before it finished")
-        now = time.monotonic()
-        if item.new_token_ids:
-          if last_chunk is not None:
-            for _ in item.new_token_ids:
-              metrics.itl.observe((now - last_chunk) / len(item.new_token_ids))
-          last_chunk = now
-        try:
-          was_answering = reasoning is not None and reasoning.answer_started
-          response = response_from_output(item, reasoning, answer_started_s)
-          if reasoning is not None and reasoning.answer_started and not was_answering:
-            answer_started_s = now - item.timings.arrival
-            if item.finished:
-              response.final.timings.time_to_first_answer_token_s = answer_started_s
-        except Exception:
-          failed = True
-          logging.exception("request %s: internal error while streaming", rid)
-          await context.abort(grpc.StatusCode.INTERNAL, f"request {rid}: internal error")
+
+    def convert(item: RequestOutput) -> pb.GenerateResponse:
+      nonlocal answer_started_s
+      was_answering = reasoning is not None and reasoning.answer_started
+      response = response_from_output(item, reasoning, answer_started_s)
+      if reasoning is not None and reasoning.answer_started and not was_answering:
+        answer_started_s = time.monotonic() - item.timings.arrival
         if item.finished:
-          finished = True
-          srv.engine_loop.unsubscribe(rid)  # the id is free once the client has the final
-          metrics.observe_finished(item.finish_reason, item.timings, item.usage)
-        yield response
-    finally:
-      srv.drain_aborted.discard(rid)
-      if not finished:  # cancelled, deadline passed, or failed: end the request once
-        srv.submit_engine_call(srv.end_stream, rid, deliver, not failed)
+          response.final.timings.time_to_first_answer_token_s = answer_started_s
+      return response
+
+    async for response in self._stream(context, parsed, convert):
+      yield response
+
+  async def Chat(self, request: pb.ChatRequest, context: grpc.aio.ServicerContext):
+    srv, engine = self.srv, self.engine
+    parsed, inputs = await self._parse(
+        context, request.request_id, chat.parse_chat_request, request, engine.chat_template,
+        engine.tokenizer, srv.limits, srv.chat_family)
+    stream = chat.ChatStream(inputs)
+    async for response in self._stream(context, parsed, lambda out: chat_response(out, stream)):
+      yield response
 
   async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
     try:

@@ -120,22 +120,24 @@ def _opt(msg: Any, name: str, default: Any) -> Any:
   return getattr(msg, name) if msg.HasField(name) else default
 
 
-def sampling_params(s: Any) -> SamplingParams:
-  temperature = _opt(s, "temperature", 0.0)
+def check_sampling(*, temperature: float, top_k: int, top_p: float, min_p: float, seed: int,
+                   logprobs: int | None, prefix: str = "") -> SamplingParams:
+  """Sampling values (defaults already applied) -> SamplingParams; fields named prefix+name."""
   if not math.isfinite(temperature) or temperature < 0:
-    raise FieldError("sampling.temperature", f"must be a finite number >= 0, got {temperature}")
-  top_k = _opt(s, "top_k", 0)
+    raise FieldError(prefix + "temperature", f"must be a finite number >= 0, got {temperature}")
   if top_k < 0:
-    raise FieldError("sampling.top_k", f"must be >= 0 (0 disables it), got {top_k}")
-  top_p = _opt(s, "top_p", 1.0)
+    raise FieldError(prefix + "top_k", f"must be >= 0 (0 disables it), got {top_k}")
   if not 0.0 < top_p <= 1.0:  # also false for NaN
-    raise FieldError("sampling.top_p", f"must be in (0, 1], got {top_p}")
-  min_p = _opt(s, "min_p", 0.0)
+    raise FieldError(prefix + "top_p", f"must be in (0, 1], got {top_p}")
   if not 0.0 <= min_p <= 1.0:
-    raise FieldError("sampling.min_p", f"must be in [0, 1], got {min_p}")
-  seed = _opt(s, "seed", 0)
-  if seed >= 2**32:
-    raise FieldError("sampling.seed", f"must be in [0, 2**32), got {seed}")
+    raise FieldError(prefix + "min_p", f"must be in [0, 1], got {min_p}")
+  if not 0 <= seed < 2**32:
+    raise FieldError(prefix + "seed", f"must be in [0, 2**32), got {seed}")
+  return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        seed=seed, logprobs=logprobs)
+
+
+def sampling_params(s: Any) -> SamplingParams:
   logprobs = None
   if s.HasField("top_logprobs"):
     if not s.logprobs:
@@ -146,46 +148,61 @@ def sampling_params(s: Any) -> SamplingParams:
     logprobs = s.top_logprobs
   elif s.logprobs:
     logprobs = 0
-  return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                        seed=seed, logprobs=logprobs)
+  return check_sampling(temperature=_opt(s, "temperature", 0.0), top_k=_opt(s, "top_k", 0),
+                        top_p=_opt(s, "top_p", 1.0), min_p=_opt(s, "min_p", 0.0),
+                        seed=_opt(s, "seed", 0), logprobs=logprobs, prefix="sampling.")
 
 
-def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits) -> StopParams:
+def check_stop(*, max_tokens: int | None, min_tokens: int, stop: Sequence[str],
+               stop_token_ids: Sequence[int], ignore_eos: bool,
+               include_stop_str_in_output: bool, num_prompt_tokens: int,
+               limits: RequestLimits, prefix: str = "", max_tokens_field: str = "max_tokens",
+               default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+               skip_special_tokens: bool = True, prompt_field: str = "prompt") -> StopParams:
+  """Stop values -> StopParams; max_tokens None takes min(default_max_tokens, the room left
+  in the context) (default None: all the room)."""
   room = limits.max_model_len - num_prompt_tokens
   if room < 1:
-    raise FieldError("prompt", f"{num_prompt_tokens} tokens leave no room to generate within "
+    raise FieldError(prompt_field, f"{num_prompt_tokens} tokens leave no room to generate within "
                      f"the context length {limits.max_model_len}")
-  if s.HasField("max_tokens"):
-    max_tokens = s.max_tokens
+  if max_tokens is not None:
     if max_tokens < 1:
-      raise FieldError("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+      raise FieldError(prefix + max_tokens_field, f"must be >= 1, got {max_tokens}")
     if max_tokens > room:
-      raise FieldError("sampling.max_tokens", f"prompt ({num_prompt_tokens} tokens) + "
-                       f"max_tokens ({max_tokens}) exceeds the context length "
+      raise FieldError(prefix + max_tokens_field, f"prompt ({num_prompt_tokens} tokens) + "
+                       f"{max_tokens_field} ({max_tokens}) exceeds the context length "
                        f"{limits.max_model_len}")
   else:
-    max_tokens = min(DEFAULT_MAX_TOKENS, room)
-  min_tokens = _opt(s, "min_tokens", 0)
+    max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
   if not 0 <= min_tokens <= max_tokens:
-    raise FieldError("sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got "
+    raise FieldError(prefix + "min_tokens", f"must be in [0, max_tokens={max_tokens}], got "
                      f"{min_tokens}")
-  if len(s.stop) > limits.max_stop_strings:
-    raise FieldError("sampling.stop", f"{len(s.stop)} stop strings, at most "
+  if len(stop) > limits.max_stop_strings:
+    raise FieldError(prefix + "stop", f"{len(stop)} stop strings, at most "
                      f"{limits.max_stop_strings} allowed")
-  for i, text in enumerate(s.stop):
+  for i, text in enumerate(stop):
     if not text:
-      raise FieldError("sampling.stop", f"stop string {i} is empty")
+      raise FieldError(prefix + "stop", f"stop string {i} is empty")
     if len(text) > limits.max_stop_string_chars:
-      raise FieldError("sampling.stop", f"stop string {i} has {len(text)} characters, at most "
+      raise FieldError(prefix + "stop", f"stop string {i} has {len(text)} characters, at most "
                        f"{limits.max_stop_string_chars} allowed")
-  if len(s.stop_token_ids) > limits.max_stop_token_ids:
-    raise FieldError("sampling.stop_token_ids", f"{len(s.stop_token_ids)} ids, at most "
+  if len(stop_token_ids) > limits.max_stop_token_ids:
+    raise FieldError(prefix + "stop_token_ids", f"{len(stop_token_ids)} ids, at most "
                      f"{limits.max_stop_token_ids} allowed")
-  stop_ids = check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
+  stop_ids = check_token_ids(prefix + "stop_token_ids", stop_token_ids, limits.vocab_size)
   return StopParams(max_tokens=max_tokens, min_tokens=min_tokens,
-                    stop_token_ids=tuple(stop_ids), stop=tuple(s.stop),
+                    stop_token_ids=tuple(stop_ids), stop=tuple(stop), ignore_eos=ignore_eos,
+                    include_stop_str_in_output=include_stop_str_in_output,
+                    skip_special_tokens=skip_special_tokens)
+
+
+def stop_params(s: Any, num_prompt_tokens: int, limits: RequestLimits,
+                prompt_field: str = "prompt") -> StopParams:
+  return check_stop(prompt_field=prompt_field, max_tokens=_opt(s, "max_tokens", None), min_tokens=_opt(s, "min_tokens", 0),
+                    stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                     ignore_eos=s.ignore_eos,
-                    include_stop_str_in_output=s.include_stop_str_in_output)
+                    include_stop_str_in_output=s.include_stop_str_in_output,
+                    num_prompt_tokens=num_prompt_tokens, limits=limits, prefix="sampling.")
 
 
 def check_speculative(spec: Any, limits: RequestLimits) -> dict[str, Any]:

@@ -41,6 +41,11 @@ class InferenceStub:
                 request_serializer=moejax_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=moejax_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/moejax.v1.Inference/Chat',
+                request_serializer=moejax_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
+                response_deserializer=moejax_dot_v1_dot_inference__pb2.ChatResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/moejax.v1.Inference/Abort',
                 request_serializer=moejax_dot_v1_dot_inference__pb2.AbortRequest.SerializeToString,
@@ -74,6 +79,15 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Streams deltas; the last message carries `final`. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """A conversation rendered with the model's chat template; streams content, reasoning and
+        tool-call deltas parsed from the output, the last message carries `final` (finish reason
+        TOOL_CALLS when the model called tools) and the complete calls. Cancelling aborts it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,6 +131,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=moejax_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=moejax_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=moejax_dot_v1_dot_inference__pb2.ChatRequest.FromString,
+                    response_serializer=moejax_dot_v1_dot_inference__pb2.ChatResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -172,6 +191,33 @@ class Inference:
             '/moejax.v1.Inference/Generate',
             moejax_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             moejax_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/moejax.v1.Inference/Chat',
+            moejax_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
+            moejax_dot_v1_dot_inference__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,
