@@ -70,6 +70,9 @@ class EngineConfig:
   drafters: tuple[str, ...] = ()
   num_draft_tokens: int = 4
   adaptive_k: bool = False
+  # Time the speculative cost table at warm-up (`SpecRuntime.measure_costs`); False keeps
+  # the roofline: a policy that must not depend on this machine's timings (tests).
+  measure_spec_costs: bool = True
   ngram_window: int = 512
   learned_table_slots: int = 1 << 16
   cache_dtype: Any = None  # default: the parameters' dtype

@@ -57,7 +57,7 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
             speculate=False, impl=eng.config.kernels, logprobs=logprobs)
     if progress is not None:
       progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
-  if eng.spec.enabled:
+  if eng.spec.enabled and eng.config.measure_spec_costs:
     eng.cache = eng.spec.measure_costs(eng.params, eng.cache, eng.max_pages_per_seq,
                                        stop_width=stop_width, impl=eng.config.kernels)
   jax.block_until_ready(eng.cache)
