@@ -33,17 +33,13 @@ from engine.model.transformer import forward_logits
 from engine.runtime.generate import generate_tokens
 from pallas_kernels.moe import reference as moe_ref
 from pallas_kernels.quant import Int4Weight, dequantize, dequantize_np, unpack_int4
+from tests import golden_check
 from tests.hf_fixtures import write_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "kimi_k25_int4")
-REL_TOL = 1e-4
 E, H, IM = 8, 64, 32
-
-
-def _rel_err(got, want):
-  return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
 
 
 @pytest.fixture(scope="module")
@@ -83,27 +79,7 @@ def test_config_kimi_k25_layout(model):
 def test_prefill_and_decode_logits_from_packed_experts(model, golden):
   cfg, params, _ = model
   _assert_packed(params)
-  g = golden
-  prompts = [g["prompt_0"], g["prompt_1"]]
-  lens = np.array([len(p) for p in prompts], np.int32)
-  steps = g["decode_logits_0"].shape[0]
-  pt = contiguous_page_table(2, int(lens.max()) + steps + 1, 8)
-  cache = init_cache(cfg, pt.size, 8, jnp.float32)
-  tokens = np.zeros((2, 16), np.int32)
-  for i, p in enumerate(prompts):
-    tokens[i, :len(p)] = p
-  logits, cache = forward_logits(params, cache, jnp.asarray(tokens), jnp.zeros(2, jnp.int32),
-                                 jnp.asarray(lens), jnp.asarray(pt), cfg=cfg)
-  for i in range(2):
-    err = _rel_err(np.asarray(logits)[i, :lens[i]], g[f"prefill_logits_{i}"])
-    assert err <= REL_TOL, f"prompt {i} prefill: relative error {err:.2e}"
-  for t in range(steps):
-    tok = np.array([[g["greedy_0"][t]], [g["greedy_1"][t]]], np.int32)
-    logits, cache = forward_logits(params, cache, jnp.asarray(tok), jnp.asarray(lens + t),
-                                   jnp.ones(2, jnp.int32), jnp.asarray(pt), cfg=cfg)
-    for i in range(2):
-      err = _rel_err(np.asarray(logits)[i, 0], g[f"decode_logits_{i}"][t])
-      assert err <= REL_TOL, f"prompt {i} decode step {t}: relative error {err:.2e}"
+  golden_check.assert_logits_match(params, cfg, golden, "kimi_k25_int4")
   _assert_packed(params)  # still packed after running
 
 
