@@ -21,6 +21,7 @@ from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
 from model_configs import CONFIGS
 from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import paged_flash_mgpu, reference
+from pallas_kernels.interpret import gpu_interpret_mode
 
 
 
@@ -29,7 +30,7 @@ def gpu_interpret(detect_races: bool = False):
   """Runs Mosaic GPU kernels on the CPU; fresh (NaN-filled) buffers catch unwritten outputs."""
   mgpu_interpret.reset_gpu_interpret_mode_state()
   params = plgpu.InterpretGPUParams(detect_races=detect_races, uninitialized_memory="nan")
-  with jax.sharding.use_abstract_mesh(H200), plgpu.force_gpu_interpret_mode(params):
+  with jax.sharding.use_abstract_mesh(H200), gpu_interpret_mode(params):
     yield
   if detect_races:
     assert not mgpu_interpret.get_races().races_found, "data race in the kernel"

@@ -38,19 +38,20 @@ Constraints (WGMMA / TMA): q and pages bf16 or f16 (float32 would run WGMMA in t
 block_kv a multiple of 16 dividing the page size; Dk and each compute warpgroup's share of Dv
 multiples of the swizzle width (64 columns for block_kv >= 64, 32 for 32, 16 for 16).
 
-Interpret mode (`plgpu.force_gpu_interpret_mode`) implements neither `pl.run_state` nor stores to
-WGMMA accumulators, so under it (only) P @ V goes to a fresh accumulator and is added in
-registers; on the GPU it accumulates in place. Everything else is the same code.
+Interpret mode (`pallas_kernels.interpret.gpu_interpret_mode`) implements neither `pl.run_state`
+nor stores to WGMMA accumulators, so under it (only) P @ V goes to a fresh accumulator and is added
+in registers; on the GPU it accumulates in place. Everything else is the same code.
 """
 
 from __future__ import annotations
 
 import jax
 from jax import lax
-from jax._src import config as jax_config
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.interpret import interpreting
 
 BLOCK_Q = 64  # WGMMA's M tile: one warpgroup's rows.
 _MAX_WGMMA_N = 256  # widest accumulator one compute warpgroup holds (64 x 256 float32).
@@ -74,11 +75,6 @@ def _smem_transforms(dtype, block_kv: int) -> tuple:
   swizzle = plgpu.find_swizzle(block_kv * jnp.dtype(dtype).itemsize * 8)
   swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def _interpreting() -> bool:
-  """Whether the kernel is being traced under `plgpu.force_gpu_interpret_mode`."""
-  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
 def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end, *,
@@ -124,7 +120,7 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
   # Interpret mode implements neither pl.run_state nor accumulator stores, so there the P @ V
   # product goes to a fresh accumulator and is added in registers; on the GPU it accumulates in
   # place (a second 64 x 256 float32 accumulator would not fit in registers).
-  accumulate_in_place = not _interpreting()
+  accumulate_in_place = not interpreting()
   # setmaxnreg wants multiples of 8; 65536 registers per SM, 128 threads per warpgroup.
   compute_registers = min(
       240, (65536 - 128 * _MEMORY_WG_REGISTERS) // (128 * num_compute_wgs) // 8 * 8)
