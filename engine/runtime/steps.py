@@ -48,6 +48,24 @@ def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array
   return tokens, lps, cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def model_step_embeds(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                      n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
+                      features: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
+                      impl: KernelChoice = REFERENCE
+                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], Cache]:
+  """`model_step` whose rows hold image placeholders: positions with `mask` [B, W] take
+  `features` [B, W, H] (the image's encoder output rows, `multimodal_step`) as their input
+  embedding instead of the token's."""
+  from engine.model.transformer import embed_tokens  # TODO(merge vision-model): top level
+  embeds = embed_tokens(params, tokens, cfg)
+  embeds = jnp.where(mask[..., None], features.astype(embeds.dtype), embeds)
+  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
+                          input_embeds=embeds)
+  tokens, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
+  return tokens, lps, cache
+
+
 def sample_rows(params: Params, hidden: jax.Array, start: jax.Array, n_new: jax.Array,
                 sampling: SamplingArrays, cfg: ModelConfig
                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:

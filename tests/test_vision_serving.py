@@ -1,0 +1,177 @@
+"""Images in serving: the prefix cache keyed by image content, the encoder-output cache,
+placeholder expansion, and image inputs over both APIs (bad ones refused naming the field,
+the server serving on).
+
+The engine tests run the tiny kimi_k25 vision fixture (`tests/golden/fixtures/kimi_k25_vision`,
+transformers' own model); the API tests run the demo model, which has no vision tower: every
+limit is checked before that refusal, so each bad image gets its own error there.
+"""
+
+import base64
+import io
+
+import numpy as np
+import openai
+from PIL import Image
+
+from engine.runtime.multimodal import (EncoderCache, ImageInput, check_spans,
+                                       expand_placeholders)
+from engine.runtime.page_pool import page_keys
+from engine.service import images
+from engine.service.proto import inference_pb2 as pb
+from engine.service.validation import FieldError, RequestLimits
+from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
+
+PAD = 7
+
+
+def png(w, h, seed=0, fmt="PNG"):
+  rng = np.random.default_rng(seed)
+  buf = io.BytesIO()
+  Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format=fmt)
+  return buf.getvalue()
+
+
+def data_url(data, mime="image/png"):
+  return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_input(offset, n, key):
+  return ImageInput(np.zeros((1, 4), np.float32), (1, 2, 2), key, offset, n)
+
+
+# ---- hashing, expansion, the encoder cache ---------------------------------------------------
+
+def test_page_keys_name_the_image_content():
+  ids = [1, 2, 3, 4] + [PAD] * 6 + [5, 6, 7, 8, 9, 10]   # an image on positions 4..9
+  a, b = [image_input(4, 6, "A")], [image_input(4, 6, "B")]
+  ka, kb, ka2 = (page_keys(ids, 4, images=x) for x in (a, b, [image_input(4, 6, "A")]))
+  text = page_keys(ids, 4)
+  assert ka == ka2                          # the same image: the same prefix
+  assert ka[0] == kb[0] == text[0]          # page 0 holds no placeholder
+  assert ka[1] != kb[1] and ka[2] != kb[2]  # pages 1 and 2 hold the image's positions
+  assert ka[3] != kb[3]                     # and every key after them names the whole prefix
+  assert ka[1] != text[1]                   # an image page is never a text page
+  # Incremental hashing (`known`) gives the same keys.
+  assert page_keys(ids, 4, known=ka[:2], images=a) == ka
+
+
+def test_expand_placeholders_and_spans():
+  ids, spans = expand_placeholders([1, PAD, 2, PAD, 3], PAD, [3, 2])
+  assert ids == [1, PAD, PAD, PAD, 2, PAD, PAD, 3] and spans == [(1, 3), (5, 2)]
+  with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+    expand_placeholders([1, PAD, PAD], PAD, [4])
+  ims = [image_input(o, n, str(o)) for o, n in spans]
+  check_spans(ids, ims, PAD)
+  with pytest.raises(ValueError, match="belongs to no image"):
+    check_spans(ids + [PAD], ims, PAD)
+  with pytest.raises(ValueError, match=r"images\[0\]"):
+    check_spans(ids, [image_input(0, 3, "x")], PAD)
+  with pytest.raises(ValueError, match="no vision tower"):
+    check_spans(ids, ims, None)
+
+
+def test_encoder_cache_is_lru_and_bounded_in_bytes():
+  cache = EncoderCache(max_bytes=3 * 400)
+  for key in "abc":
+    cache.put(key, np.zeros((100,), np.float32))   # 400 bytes each
+  assert cache.get("a") is not None                # a is now the most recent
+  cache.put("d", np.zeros((100,), np.float32))     # evicts b, the least recent
+  assert cache.get("b") is None and cache.get("c") is not None and len(cache) == 3
+  cache.put("huge", np.zeros((1000,), np.float32))  # larger than the cache: not kept
+  assert cache.get("huge") is None and cache.num_bytes == 1200
+  assert (cache.hits, cache.misses, cache.evictions) == (2, 2, 1)
+
+
+def test_decoding_and_content_hashes():
+  limits = RequestLimits(vocab_size=10, max_model_len=10, num_eos_ids=1)
+  messages = [{"role": "user", "content": [
+      {"type": "text", "text": "look"},
+      {"type": "image_url", "image_url": {"url": data_url(png(8, 6))}},
+      {"type": "image_url", "image_url": data_url(png(8, 6, fmt="BMP"), "image/bmp")},
+      {"type": "image_url", "image_url": {"url": data_url(png(8, 6, seed=1))}}]}]
+  shaped, found = images.extract(messages, limits)
+  assert shaped[0]["content"] == [{"type": "text", "text": "look"}] + [{"type": "image"}] * 3
+  assert [f.field for f in found] == [f"messages[0].content[{j}].image_url" for j in (1, 2, 3)]
+  assert found[0].image.size == (8, 6) and found[0].image.mode == "RGB"
+  h = [images.content_hash(f.image, "params") for f in found]
+  assert h[0] == h[1] != h[2]   # the same pixels in another file format: the same content
+  assert images.content_hash(found[0].image, "other params") != h[0]
+
+
+# ---- image inputs over both APIs (the demo model: no vision tower) ----------------------------
+
+LIMITS = dict(max_images_per_request=2, max_image_bytes=4000, max_image_pixels=64 * 64)
+
+
+def bad_openai_cases():
+  small = {"type": "image_url", "image_url": {"url": data_url(png(8, 8))}}
+  text = {"type": "text", "text": "what is this?"}
+
+  def user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+  f = "messages[0].content[1].image_url"
+  return [
+      (user(text, {"type": "image_url", "image_url": {"url": data_url(b"not an image")}}), f,
+       "not a decodable image"),
+      (user(text, {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}), f,
+       "not valid base64"),
+      (user(text, {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}),
+       f, "--allow_image_urls"),
+      (user(text, {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}), f,
+       "unsupported URL scheme"),
+      (user(text, small, small, small), "messages[0].content[3].image_url", "more than 2"),
+      (user(text, {"type": "image_url", "image_url": {"url": data_url(png(60, 60))}}), f,
+       "at most 4000 allowed"),
+      (user(text, {"type": "image_url", "image_url": {"url": data_url(png(65, 64,
+                                                                          fmt="BMP"))}}),
+       f, "at most 4096 allowed"),
+      (user(text, small), f, "no vision tower"),
+  ]
+
+
+def test_bad_images_over_http_are_400_naming_the_field(serve, eng):
+  bg = serve(http_port=0, model_name="demo", **{**LIMITS, "max_image_bytes": 20000})
+  client = openai.OpenAI(base_url=f"http://127.0.0.1:{bg.server.http_port}/v1",
+                         api_key="none", max_retries=0, timeout=120)
+  for messages, field, why in bad_openai_cases():
+    if why == "at most 4000 allowed":
+      continue  # this server allows 20000 bytes (the gRPC test checks the byte limit)
+    with pytest.raises(openai.BadRequestError) as e:
+      client.chat.completions.create(model="demo", messages=messages, max_tokens=2)
+    assert e.value.param == field and why in e.value.message, (field, e.value.message)
+  rejected = bg.server.metrics.request_rejected.labels(code="INVALID_ARGUMENT")._value.get()
+  assert rejected == len(bad_openai_cases()) - 1
+  out = client.chat.completions.create(model="demo", max_tokens=3, messages=[
+      {"role": "user", "content": [{"type": "text", "text": PROMPT}]}])
+  assert out.usage.completion_tokens == 3   # still serving
+
+
+def test_bad_images_over_grpc_are_invalid_argument_naming_the_field(serve, eng):
+  bg = serve(**LIMITS)
+  f = "messages[0].content_parts[1].image"
+
+  def request(*images_):
+    req = pb.ChatRequest(sampling=pb.SamplingParams(max_tokens=2))
+    msg = req.messages.add(role="user")
+    msg.content_parts.add(text="what is this?")
+    for data in images_:
+      msg.content_parts.add(image=pb.ImageData(data=data))
+    return req
+  cases = [(request(b"\x89PNG\r\n\x1a\n garbage"), f, "not a decodable image"),
+           (request(b""), f, "empty image"),
+           (request(png(8, 8), png(8, 8), png(8, 8)), "messages[0].content_parts[3].image",
+            "more than 2"),
+           (request(png(60, 60)), f, "at most 4000 allowed"),
+           (request(png(8, 8)), f, "no vision tower")]
+  both = pb.ChatRequest()
+  both.messages.add(role="user", content="x").content_parts.add(text="y")
+  cases.append((both, "messages[0].content_parts", "not both"))
+  with InferenceClient(target(bg)) as client:
+    for req, field, why in cases:
+      code, details = status_of(lambda: list(client.stub.Chat(req)))
+      assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+      assert details.startswith(field) and why in details, details
+    last = list(client.chat_stream([{"role": "user", "content": [
+        {"type": "text", "text": PROMPT}]}], max_tokens=3))[-1]
+    assert last.final.usage.completion_tokens == 3   # still serving
