@@ -175,3 +175,62 @@ def test_bad_images_over_grpc_are_invalid_argument_naming_the_field(serve, eng):
     last = list(client.chat_stream([{"role": "user", "content": [
         {"type": "text", "text": PROMPT}]}], max_tokens=3))[-1]
     assert last.final.usage.completion_tokens == 3   # still serving
+
+
+def test_image_urls_are_fetched_only_when_allowed():
+  import http.server
+  import threading
+  files = {"/cat.png": png(8, 8), "/big.png": png(60, 60)}
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+      if self.path == "/slow.png":
+        time.sleep(2)
+      body = files.get(self.path, b"")
+      self.send_response(200 if body else 404)
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+  httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=httpd.serve_forever, daemon=True).start()
+  base = f"http://127.0.0.1:{httpd.server_address[1]}"
+  allowed = RequestLimits(vocab_size=10, max_model_len=10, num_eos_ids=1, max_image_bytes=4000,
+                          allow_image_urls=True, image_url_timeout_s=0.5)
+  refused = dataclasses.replace(allowed, allow_image_urls=False)
+  f = "messages[0].content[0].image_url"
+  try:
+    def extract(url, limits):
+      return images.extract([{"role": "user", "content": [
+          {"type": "image_url", "image_url": {"url": url}}]}], limits)[1]
+    assert extract(base + "/cat.png", allowed)[0].image.size == (8, 8)
+    for url, limits, why in ((base + "/cat.png", refused, "--allow_image_urls"),
+                             (base + "/big.png", allowed, "at most 4000 allowed"),
+                             (base + "/missing.png", allowed, "could not fetch"),
+                             (base + "/slow.png", allowed, "could not fetch")):
+      with pytest.raises(FieldError) as e:
+        extract(url, limits)
+      assert e.value.field == f and why in str(e.value), str(e.value)
+  finally:
+    httpd.shutdown()
+
+
+def test_bench_image_dataset_and_ttft_split():
+  convs = bench.make_image_dataset(6, 64, 48, 2, 8, repeat=0.5, seed=3)
+  assert len(convs) == 6 and bench.parse_size("64x48") == (64, 48)
+  parts = convs[0].messages[0]["content"]
+  assert [p["type"] for p in parts] == ["image_url", "image_url", "text"]
+  limits = RequestLimits(vocab_size=10, max_model_len=10, num_eos_ids=1)
+  found = images.extract(convs[0].messages, limits)[1]
+  assert [f.image.size for f in found] == [(64, 48)] * 2
+  assert found[0].image.tobytes() != found[1].image.tobytes()
+  repeats = sum(c.messages is p.messages for i, c in enumerate(convs) for p in convs[:i])
+  assert repeats >= 1   # some requests resend earlier images (seeded)
+  samples = [bench.Sample(ok=True, ttft_s=0.4, e2el_s=1.0, output_tokens=4, encode_s=0.1),
+             bench.Sample(ok=True, ttft_s=0.6, e2el_s=1.0, output_tokens=4, encode_s=0.3)]
+  summary = bench.summarize(samples, 2.0)
+  assert summary["ttft_split"]["encode_share"] == pytest.approx(0.4)
+  assert summary["ttft_split"]["prefill_ms"]["mean"] == pytest.approx(300.0)
+  assert "encode share of TTFT" in bench.format_table(summary)
