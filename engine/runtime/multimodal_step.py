@@ -28,8 +28,8 @@ class ImageEncoder:
   def __init__(self, cfg: Any, params: Any, cache_bytes: int, counters: dict[str, Any]):
     self.cfg = cfg
     self.vision_params = params.get("vision") if isinstance(params, dict) else None
-    self.pad_id = (getattr(cfg, "media_pad_token_id", None)
-                   if self.vision_params is not None else None)
+    has_tower = self.vision_params is not None and getattr(cfg, "vision", None) is not None
+    self.pad_id = getattr(cfg, "media_pad_token_id", None) if has_tower else None
     self.cache = EncoderCache(cache_bytes)
     self.counters = counters
     counters.update(images_encoded=0, image_encode_calls=0, image_encode_seconds=0.0)
