@@ -72,7 +72,8 @@ def test_config_kimi_k25_layout(model):
   assert cfg.model_type == "kimi_k25" and cfg.num_layers == 2 and cfg.is_moe_layer(1)
   assert cfg.int4 is not None and cfg.int4.group_size == 32
   assert cfg.experts_int4(1) and not cfg.experts_int4(0)
-  assert cfg.vision_config["model_type"] == "kimi_k25_vision"  # kept for the vision issue
+  assert cfg.vision_config["model_type"] == "kimi_k25_vision"
+  assert cfg.vision is not None and "vision" in model.params  # the tower loads, float
   assert not cfg.tie_word_embeddings and "lm_head" in model.params
 
 

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.model import quantized
+from engine.model import quantized, vision_checkpoint
 from engine.model.config import ModelConfig, load_config, without_mtp
 from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
                                  path_str, shape_leaves, shardings_by_leaf)
@@ -43,9 +43,10 @@ from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, Safeten
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Kimi-K2.5 is a vision-language checkpoint; only its language model is served.
+# Kimi-K2.5 is a vision-language checkpoint: its language model under this prefix, the vision
+# tower and projector (`vision_checkpoint.py`) loaded when the config has them (`cfg.vision`).
 K25_PREFIX = "language_model."
-K25_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+K25_VISION_PREFIXES = vision_checkpoint.PREFIXES
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
 # Print progress lines (when asked) if stderr is a terminal or the load is at least this large.
 PROGRESS_MIN_BYTES = 1 << 30
@@ -240,6 +241,8 @@ def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
       plan.add(hf + "hnorm.weight", ours + "hnorm", (H,), _same)
       plan.add(hf + "eh_proj.weight", ours + "eh_proj", (H, 2 * H), _t)
       plan.add(hf + "shared_head.norm.weight", ours + "final_norm", (H,), _same)
+  if cfg.vision is not None:
+    vision_checkpoint.plan_vision(plan.add, cfg.vision)
   if cfg.int4 is not None:
     quantized.refuse_other_int4(plan.fills, cfg.int4, lambda m: _shown(m, cfg))
   return plan
@@ -354,7 +357,7 @@ def _canonical(name: str, cfg: ModelConfig) -> str | None:
   """Our HF-style name for a raw tensor name, or None if the tensor is knowingly skipped."""
   if cfg.model_type == "kimi_k25":
     if name.startswith(K25_VISION_PREFIXES):
-      return None
+      return vision_checkpoint.canonical(name) if cfg.vision is not None else None
     if name.startswith(K25_PREFIX):
       name = name[len(K25_PREFIX):]
   if name.endswith("rotary_emb.inv_freq"):
@@ -411,7 +414,9 @@ def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
 
 def _shown(name: str, cfg: ModelConfig) -> str:
   """The name as the checkpoint would spell it (Kimi-K2.5 prefixes its language model)."""
-  return K25_PREFIX + name if cfg.model_type == "kimi_k25" else name
+  if cfg.model_type != "kimi_k25" or name.startswith(K25_VISION_PREFIXES):
+    return name
+  return K25_PREFIX + name
 
 
 def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
@@ -425,10 +430,10 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
     if c in canon:  # e.g. both "language_model.X" and "X" in a Kimi-K2.5 checkpoint
       raise CheckpointError(f"tensors {canon[c].raw_name!r} and {name!r} both provide {c!r}")
     canon[c] = src
-  skipped = [n for n in raw if cfg.model_type == "kimi_k25" and n.startswith(K25_VISION_PREFIXES)]
+  skipped = [n for n in raw if cfg.model_type == "kimi_k25" and cfg.vision is None
+             and n.startswith(K25_VISION_PREFIXES)]
   if skipped:
-    log.info("hf_loader: %d vision tensors (%s) skipped: the vision tower is not served yet",
-             len(skipped), ", ".join(sorted({n.split(".")[0] for n in skipped})))
+    log.info("hf_loader: %d vision tensors skipped (text only: no vision_config)", len(skipped))
   fp8_example = next((s.raw_name for s in canon.values() if s.info.dtype.startswith("F8")), None)
   block = quantized.fp8_block(raw_cfg, fp8_example, cfg.int4 is not None)
   plan = _build_plan(cfg, set(canon))
