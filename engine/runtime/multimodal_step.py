@@ -45,7 +45,10 @@ class ImageEncoder:
     from engine.model import vision
     pixels = np.concatenate([im.pixel_values for im in images], axis=0)
     grids = np.asarray([im.grid_thw for im in images], np.int32)
-    out = vision.encode_images(self.vision_params, pixels, grids, cfg=self.cfg.vision)
+    # Patches padded to a power of two: one compiled tower program per bucket, not per mix.
+    bucket = max(64, 1 << (pixels.shape[0] - 1).bit_length())
+    out = vision.encode_images(self.vision_params, pixels, grids, cfg=self.cfg.vision,
+                               num_patches=bucket)
     out = np.asarray(jax.device_get(out))
     want = sum(im.num_tokens for im in images)
     if out.shape[0] != want:

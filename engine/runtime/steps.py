@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
-from engine.model.transformer import Cache, compute_logits, forward
+from engine.model.transformer import Cache, compute_logits, embed_tokens, forward
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 
 
@@ -57,7 +57,6 @@ def model_step_embeds(params: Params, cache: Cache, tokens: jax.Array, start: ja
   """`model_step` whose rows hold image placeholders: positions with `mask` [B, W] take
   `features` [B, W, H] (the image's encoder output rows, `multimodal_step`) as their input
   embedding instead of the token's."""
-  from engine.model.transformer import embed_tokens  # TODO(merge vision-model): top level
   embeds = embed_tokens(params, tokens, cfg)
   embeds = jnp.where(mask[..., None], features.astype(embeds.dtype), embeds)
   hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,

@@ -29,6 +29,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Sequence
 
+from engine.model import image_processing
 from engine.runtime.multimodal import ImageInput, expand_placeholders
 from engine.service.validation import FieldError, RequestLimits
 
@@ -47,8 +48,9 @@ def _pil():
 
 
 def decode_image(data: bytes, field: str, limits: RequestLimits) -> Any:
-  """An image file's bytes -> an RGB PIL image (FieldError naming `field` when it is none or
-  over the limits); the pixel count is checked on the header, before decoding."""
+  """An image file's bytes -> an RGB PIL image, transparency composited on white as
+  transformers' processor does (FieldError naming `field` when it is none or over the
+  limits); the pixel count is checked on the header, before decoding."""
   if len(data) > limits.max_image_bytes:
     raise FieldError(field, f"image of {len(data)} bytes, at most {limits.max_image_bytes} "
                      "allowed (the server's --max_image_bytes)")
@@ -65,7 +67,9 @@ def decode_image(data: bytes, field: str, limits: RequestLimits) -> Any:
                      f"{limits.max_image_pixels} allowed (the server's --max_image_pixels)")
   try:
     img.load()
-    return img.convert("RGB")
+    # As the tower's preprocessing reads it (transparency composited on white): the pixels
+    # the content hash covers.
+    return Image.fromarray(image_processing.to_rgb_array(img), "RGB")
   except Exception as e:
     raise FieldError(field, f"not a decodable image ({type(e).__name__}: {e})") from None
 
@@ -175,7 +179,6 @@ def to_inputs(ids: Sequence[int], found: Sequence[DecodedImage], pad_id: int,
               processor: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
   """Preprocesses the images, expands each placeholder to its token count; returns the
   prompt ids and the request's `ImageInput`s."""
-  from engine.model import image_processing
   batches = []
   for im in found:
     try:
