@@ -22,7 +22,24 @@ from engine.service.proto import inference_pb2 as pb
 from engine.service.validation import FieldError, RequestLimits
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
+from engine.model import image_processing
+from engine.model.chat_template import ChatTemplate
+
 PAD = 7
+FIXTURE = os.path.join(REPO, "tests", "golden", "fixtures", "kimi_k25_vision")
+sys.path.insert(0, os.path.join(REPO, "tests", "golden"))
+from vision_images import make_image  # noqa: E402  (the fixture's images, integer-made)
+
+# A K2.5 user turn as the fixture's golden prompts are made (images first, then the text;
+# the generation prompt opens <think>); it loops over content parts, as Kimi's templates do.
+K25_TEMPLATE = (
+    "{%- for m in messages -%}<|im_user|>{{ m.role }}<|im_middle|>"
+    "{%- for c in m.content -%}{%- if c.type == 'image' -%}"
+    "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    "{%- else -%}{{ c.text }}{%- endif -%}{%- endfor -%}<|im_end|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|><think>{%- endif -%}")
+VISION_CONFIG = EngineConfig(page_size=4, max_num_seqs=4, max_num_batched_tokens=98,
+                             row_widths=(16,), max_model_len=128, max_decode_steps=4)
 
 
 def png(w, h, seed=0, fmt="PNG"):
@@ -234,3 +251,103 @@ def test_bench_image_dataset_and_ttft_split():
   assert summary["ttft_split"]["encode_share"] == pytest.approx(0.4)
   assert summary["ttft_split"]["prefill_ms"]["mean"] == pytest.approx(300.0)
   assert "encode share of TTFT" in bench.format_table(summary)
+
+
+# ---- the engine on the tiny kimi_k25 vision fixture ------------------------------------------
+
+@pytest.fixture(scope="module")
+def k25():
+  return moejax.load(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def golden():
+  return dict(np.load(os.path.join(FIXTURE, "golden.npz")))
+
+
+def rgb(img):
+  return Image.fromarray(image_processing.to_rgb_array(img), "RGB")
+
+
+def collapse(prompt, pad):
+  """A golden prompt with each run of pads as one placeholder (what a template renders)."""
+  out = []
+  for t in prompt.tolist():
+    if not (t == pad and out and out[-1] == pad):
+      out.append(t)
+  return out
+
+
+def add(eng, ids, pictures, max_tokens=8, logprobs=None):
+  found = [images.DecodedImage(f"images[{i}]", rgb(p)) for i, p in enumerate(pictures)]
+  ids, ims = images.to_inputs(ids, found, eng.images.pad_id, eng.image_processor)
+  return eng.add_request(ids, SamplingParams(logprobs=logprobs),
+                         StopParams(max_tokens=max_tokens, ignore_eos=True), images=ims)
+
+
+def run(eng, *rids):
+  for _ in eng.run():
+    pass
+  out = [eng.requests[r] for r in rids]
+  for r in rids:
+    eng.release(r)
+  return out
+
+
+def test_engine_greedy_equals_the_golden_tokens_chunked_and_batched(k25, golden):
+  """Both golden prompts at once, in 98-token steps of 16-token rows over 4-token pages: the
+  first step holds all of prompt 0 (67 tokens, image 4 at 13..28) and prompt 1's first 31
+  (images 2 at 13..20 and 3 at 29..32): one tower call for the three images, image 3's span
+  split between two chunks, spans across rows and pages. The greedy tokens equal
+  transformers' (`make_golden_k25_vision.py`)."""
+  eng = Engine.from_model(k25, VISION_CONFIG)
+  pad = eng.images.pad_id
+  rids = []
+  for j in (0, 1):
+    ids = collapse(golden[f"prompt_{j}"], pad)
+    pictures = [make_image(int(i)) for i in golden[f"prompt_images_{j}"]]
+    found = [images.DecodedImage(f"i{i}", rgb(p)) for i, p in enumerate(pictures)]
+    full, ims = images.to_inputs(ids, found, pad, eng.image_processor)
+    assert full == golden[f"prompt_{j}"].tolist()   # the expansion: the golden's pads
+    n = len(golden[f"greedy_{j}"])
+    rids.append(eng.add_request(full, SamplingParams(), StopParams(max_tokens=n,
+                                                                   ignore_eos=True), images=ims))
+  eng.step()
+  second = eng.requests[rids[1]]
+  assert second.num_computed == 31 and second.images[1].offset == 29
+  assert list(second.image_features) == [1]   # image 3 kept for its second chunk, 2 dropped
+  reqs = run(eng, *rids)
+  for j, req in enumerate(reqs):
+    assert req.output_ids == golden[f"greedy_{j}"].tolist(), j
+    assert not req.image_features
+    assert req.timings.encode_s > 0
+  s = eng.stats()
+  assert s["images_encoded"] == 3 and s["image_encode_calls"] == 1
+
+
+def test_prefix_cache_is_keyed_by_image_content(k25, golden):
+  eng = Engine.from_model(k25, VISION_CONFIG)
+  pad, ps = eng.images.pad_id, VISION_CONFIG.page_size
+  ids = collapse(golden["prompt_0"], pad)
+  picture = make_image(4)
+  other = picture.transpose(Image.FLIP_LEFT_RIGHT)   # same size: the same placeholder ids
+  offset = ids.index(pad)
+  a = run(eng, add(eng, ids, [picture], logprobs=1))[0]
+  b = run(eng, add(eng, ids, [other], logprobs=1))[0]
+  assert a.prompt_ids == b.prompt_ids
+  # Only the text pages before the image are shared; the outputs differ.
+  assert b.usage().cached_tokens == offset // ps * ps
+  assert (a.output_ids, [lp.logprob for lp in a.output_logprobs]) != \
+      (b.output_ids, [lp.logprob for lp in b.output_logprobs])
+  assert eng.stats()["images_encoded"] == 2
+  # The same image again: its pages come from the prefix cache, the tower does not run.
+  again = run(eng, add(eng, ids, [picture], logprobs=1))[0]
+  assert again.usage().cached_tokens == (len(a.prompt_ids) - 1) // ps * ps > offset + 10
+  assert again.output_ids == a.output_ids and eng.stats()["images_encoded"] == 2
+  # Another text before the same image: no page matches, the encoder cache does.
+  hits = eng.stats()["encoder_cache_hits"]
+  moved = run(eng, add(eng, ids[:1] + [ord("x")] + ids[1:], [picture]))[0]
+  assert moved.usage().cached_tokens == 0
+  s = eng.stats()
+  assert s["images_encoded"] == 2 and s["encoder_cache_hits"] == hits + 1
+  eng.pool.check_invariants()
