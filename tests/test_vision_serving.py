@@ -49,6 +49,12 @@ def png(w, h, seed=0, fmt="PNG"):
   return buf.getvalue()
 
 
+def png_of(img):
+  buf = io.BytesIO()
+  img.save(buf, format="PNG")
+  return buf.getvalue()
+
+
 def data_url(data, mime="image/png"):
   return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
@@ -351,3 +357,38 @@ def test_prefix_cache_is_keyed_by_image_content(k25, golden):
   s = eng.stats()
   assert s["images_encoded"] == 2 and s["encoder_cache_hits"] == hits + 1
   eng.pool.check_invariants()
+
+
+def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden):
+  """The fixture served with a K2.5-style template: an image as a data: URL (HTTP) and as
+  bytes (gRPC) renders the golden prompt; the tokens equal transformers'; the same image sent
+  again is served from the prefix cache without the tower; a bad one is refused meanwhile."""
+  eng = Engine.from_model(k25, VISION_CONFIG)
+  eng.chat_template = ChatTemplate(K25_TEMPLATE)
+  picture = png_of(make_image(4))
+  messages = [{"role": "user", "content": [
+      {"type": "image_url", "image_url": {"url": data_url(picture)}},
+      {"type": "text", "text": "What is in this picture?"}]}]
+  want = golden["greedy_0"][:6].tolist()
+  with BackgroundServer(eng, dataclasses.replace(BASE, http_port=0, model_name="k25")) as bg:
+    with InferenceClient(target(bg)) as client:
+      chunks = list(client.chat_stream(messages, max_tokens=6, ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == want
+    final = chunks[-1].final
+    assert final.usage.prompt_tokens == len(golden["prompt_0"]) == 67
+    assert final.usage.cached_tokens == 0 and final.timings.encode_s > 0
+    text = "".join(c.reasoning_content + c.content for c in chunks)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{bg.server.http_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as e:   # a corrupt image: 400, serving on
+      client.chat.completions.create(model="k25", max_tokens=2, messages=[
+          {"role": "user", "content": [{"type": "image_url", "image_url": {
+              "url": data_url(picture[:60])}}]}])
+    assert e.value.param == "messages[0].content[0].image_url"
+    out = client.chat.completions.create(model="k25", messages=messages, max_tokens=6,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    message = out.choices[0].message
+    assert (message.model_extra.get("reasoning_content") or "") + (message.content or "") == text
+    assert out.usage.prompt_tokens_details.cached_tokens == 64   # (67 - 1) // 4 pages of 4
+    assert eng.stats()["images_encoded"] == 1
+  assert_idle(eng)
