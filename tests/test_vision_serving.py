@@ -149,6 +149,7 @@ def bad_openai_cases():
       (user(text, {"type": "image_url", "image_url": {"url": data_url(png(65, 64,
                                                                           fmt="BMP"))}}),
        f, "at most 4096 allowed"),
+      (user(text, {"type": "image"}), "messages[0].content[1].type", "carry no image"),
       (user(text, small), f, "no vision tower"),
   ]
 
@@ -391,4 +392,7 @@ def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden)
     assert (message.model_extra.get("reasoning_content") or "") + (message.content or "") == text
     assert out.usage.prompt_tokens_details.cached_tokens == 64   # (67 - 1) // 4 pages of 4
     assert eng.stats()["images_encoded"] == 1
+    metrics = bg.server.metrics.text()
+    assert 'moejax:images_encoded_total{model_name="k25"} 1.0' in metrics
+    assert 'moejax:encoder_cache_queries_total{model_name="k25"} 1.0' in metrics
   assert_idle(eng)

@@ -146,6 +146,9 @@ def extract(messages: Any, limits: RequestLimits) -> tuple[Any, list[DecodedImag
     parts = []
     for j, part in enumerate(content):
       kind = part.get("type") if isinstance(part, dict) else None
+      if kind == "image":  # the template's own marker: a client may not send it bare
+        raise FieldError(f"messages[{i}].content[{j}].type", "'image' parts carry no image; "
+                         "send {\"type\": \"image_url\", \"image_url\": {\"url\": ...}}")
       if kind not in IMAGE_PART_TYPES:
         parts.append(part)
         continue
