@@ -360,7 +360,7 @@ def test_prefix_cache_is_keyed_by_image_content(k25, golden):
   eng.pool.check_invariants()
 
 
-def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden):
+def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden, tmp_path):
   """The fixture served with a K2.5-style template: an image as a data: URL (HTTP) and as
   bytes (gRPC) renders the golden prompt; the tokens equal transformers'; the same image sent
   again is served from the prefix cache without the tower; a bad one is refused meanwhile."""
@@ -392,6 +392,18 @@ def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden)
     assert (message.model_extra.get("reasoning_content") or "") + (message.content or "") == text
     assert out.usage.prompt_tokens_details.cached_tokens == 64   # (67 - 1) // 4 pages of 4
     assert eng.stats()["images_encoded"] == 1
+    # From the shell: engine.client --chat --image (a file's bytes as a ContentPart).
+    path = os.path.join(str(tmp_path), "picture.png")
+    with open(path, "wb") as fh:
+      fh.write(picture)
+    r = subprocess.run([sys.executable, "-m", "engine.client", f"--target={target(bg)}",
+                        "--chat", f"--image={path}", "--prompt=What is in this picture?",
+                        "--max_tokens=6", "--temperature=0", "--ignore_eos", "--json"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["reasoning_content"] + got["content"] == text
+    assert got["usage"]["cachedTokens"] == 64
     metrics = bg.server.metrics.text()
     assert 'moejax:images_encoded_total{model_name="k25"} 1.0' in metrics
     assert 'moejax:encoder_cache_queries_total{model_name="k25"} 1.0' in metrics
