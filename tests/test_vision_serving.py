@@ -124,6 +124,12 @@ def test_decoding_and_content_hashes():
 
 # ---- image inputs over both APIs (the demo model: no vision tower) ----------------------------
 
+@pytest.fixture(scope="module")
+def eng(demo):
+  """The harness's demo engine without its warm-up: these tests generate 3 tokens twice."""
+  return Engine.from_model(demo, ENGINE_CONFIG)
+
+
 LIMITS = dict(max_images_per_request=2, max_image_bytes=4000, max_image_pixels=64 * 64)
 
 
