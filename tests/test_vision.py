@@ -20,6 +20,7 @@ from engine.api import load_tokenizer
 from engine.model import image_processing as ip
 from engine.model import vision
 from engine.model.cache import contiguous_page_table, init_cache
+from engine.model.orbax_io import save_orbax
 from engine.model.transformer import embed_tokens, forward_logits, scatter_image_features
 from tests import golden_check
 from tests.golden.vision_images import IMAGE_CASES, make_image
@@ -84,6 +85,17 @@ def test_preprocess_batches_in_order_and_refuses_non_images(golden, proc_cfg):
     ip.preprocess([np.zeros((4, 4, 3), np.uint8)], proc_cfg)
   with pytest.raises(ip.ImageError, match="no images"):
     ip.preprocess([], proc_cfg)
+
+
+def test_orbax_round_trip_keeps_the_tower_and_the_preprocessor(tmp_path, model, proc_cfg):
+  out = str(tmp_path / "orbax")
+  save_orbax(out, FIXTURE, model.params)
+  again = engine.load(out, progress=False)
+  assert again.config.vision == model.config.vision
+  assert again.config.media_pad_token_id == model.config.media_pad_token_id
+  for a, b in zip(jax.tree.leaves(again.params["vision"]), jax.tree.leaves(model.params["vision"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert ip.ImageProcessorConfig.from_dir(out) == proc_cfg
 
 
 # ---- the tower -------------------------------------------------------------------------------
