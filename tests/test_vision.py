@@ -98,6 +98,22 @@ def test_orbax_round_trip_keeps_the_tower_and_the_preprocessor(tmp_path, model, 
   assert ip.ImageProcessorConfig.from_dir(out) == proc_cfg
 
 
+def test_expand_image_placeholders_matches_the_golden_prompt(golden, proc_cfg, model):
+  """The chat template writes one <|media_pad|> per image; the processor's expansion gives the
+  prompt transformers ran."""
+  pad = model.config.media_pad_token_id
+  want = golden["prompt_1"].tolist()
+  n = [int(golden["image_tokens"][i]) for i in golden["prompt_images_1"]]
+  one_each, i = [], 0
+  while i < len(want):  # collapse each run of pads to one
+    one_each.append(want[i])
+    i += n[len([t for t in one_each if t == pad]) - 1] if want[i] == pad else 1
+  assert one_each.count(pad) == 2
+  assert ip.expand_image_placeholders(one_each, n, pad) == want
+  with pytest.raises(ip.ImageError, match="2 image placeholders .* for 1 images"):
+    ip.expand_image_placeholders(one_each, n[:1], pad)
+
+
 # ---- the tower -------------------------------------------------------------------------------
 
 def _rel_err(got, want) -> float:

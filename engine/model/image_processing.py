@@ -5,6 +5,7 @@
     batch.pixel_values  # float32 [sum of patches, 3, 14, 14], images in order, patches raster
     batch.grid_thws     # int32 [n_images, 3]: (1, patch rows, patch columns)
     num_image_tokens(batch.grid_thws[i], cfg)              # <|media_pad|> slots of image i
+    expand_image_placeholders(ids, batch.num_tokens(cfg), pad_id)  # one pad per image -> n
 
 The reference is transformers 5.24's `Kimi_K25ImageProcessor` (torchvision backend, the only
 one it has): RGB (transparency composited on white), `navit_resize` (never upscale; at most
@@ -149,6 +150,23 @@ def num_image_tokens(grid_thw: Sequence[int], cfg: ImageProcessorConfig) -> int:
   """<|media_pad|> tokens of an image: its patches after the merge_size x merge_size merge."""
   t, h, w = (int(x) for x in grid_thw)
   return t * h * w // (cfg.merge_size ** 2)
+
+
+def expand_image_placeholders(ids: Sequence[int], tokens_per_image: Sequence[int],
+                              pad_id: int) -> list[int]:
+  """A rendered prompt with one `pad_id` (<|media_pad|>) per image -> each repeated to its
+  image's token count, as transformers' processor expands `<|media_pad|>` per image."""
+  ids = [int(t) for t in ids]
+  slots = [i for i, t in enumerate(ids) if t == pad_id]
+  if len(slots) != len(tokens_per_image):
+    raise ImageError(f"the prompt has {len(slots)} image placeholders (<|media_pad|>, id "
+                     f"{pad_id}) for {len(tokens_per_image)} images")
+  out: list[int] = []
+  prev = 0
+  for slot, n in zip(slots, tokens_per_image):
+    out += ids[prev:slot] + [pad_id] * int(n)
+    prev = slot + 1
+  return out + ids[prev:]
 
 
 # ---- torch's uint8 antialiased bicubic resize -----------------------------------------------
