@@ -9,17 +9,21 @@ transformers' (float32, eager) on the synthetic images of `tests/golden/vision_i
 """
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 import engine
 from engine.api import load_tokenizer
 from engine.model import image_processing as ip
 from engine.model import vision
 from engine.model.cache import contiguous_page_table, init_cache
+from engine.model.config import without_vision
+from engine.model.safetensors_io import load_file
 from engine.model.orbax_io import save_orbax
 from engine.model.transformer import embed_tokens, forward_logits, scatter_image_features
 from tests import golden_check
@@ -112,6 +116,19 @@ def test_expand_image_placeholders_matches_the_golden_prompt(golden, proc_cfg, m
   assert ip.expand_image_placeholders(one_each, n, pad) == want
   with pytest.raises(ip.ImageError, match="2 image placeholders .* for 1 images"):
     ip.expand_image_placeholders(one_each, n[:1], pad)
+
+
+def test_checkpoint_without_vision_tensors_loads_text_only(tmp_path, model):
+  ckpt = tmp_path / "text_only"
+  ckpt.mkdir()
+  for f in ("config.json", "tiktoken.model", "tokenizer_config.json"):
+    shutil.copy(os.path.join(FIXTURE, f), ckpt / f)
+  tensors = load_file(os.path.join(FIXTURE, "model.safetensors"))
+  save_file({k: v for k, v in tensors.items() if k.startswith("language_model.")},
+            str(ckpt / "model.safetensors"))
+  text = engine.load(str(ckpt), dtype="float32", progress=False)
+  assert text.config.vision is None and "vision" not in text.params
+  assert text.config == without_vision(model.config)
 
 
 # ---- the tower -------------------------------------------------------------------------------
