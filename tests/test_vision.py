@@ -9,17 +9,22 @@ transformers' (float32, eager) on the synthetic images of `tests/golden/vision_i
 """
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 import engine
 from engine.api import load_tokenizer
 from engine.model import image_processing as ip
 from engine.model import vision
 from engine.model.cache import contiguous_page_table, init_cache
+from engine.model.config import without_vision
+from engine.model.safetensors_io import load_file
+from engine.model.orbax_io import save_orbax
 from engine.model.transformer import embed_tokens, forward_logits, scatter_image_features
 from tests import golden_check
 from tests.golden.vision_images import IMAGE_CASES, make_image
@@ -84,6 +89,46 @@ def test_preprocess_batches_in_order_and_refuses_non_images(golden, proc_cfg):
     ip.preprocess([np.zeros((4, 4, 3), np.uint8)], proc_cfg)
   with pytest.raises(ip.ImageError, match="no images"):
     ip.preprocess([], proc_cfg)
+
+
+def test_orbax_round_trip_keeps_the_tower_and_the_preprocessor(tmp_path, model, proc_cfg):
+  out = str(tmp_path / "orbax")
+  save_orbax(out, FIXTURE, model.params)
+  again = engine.load(out, progress=False)
+  assert again.config.vision == model.config.vision
+  assert again.config.media_pad_token_id == model.config.media_pad_token_id
+  for a, b in zip(jax.tree.leaves(again.params["vision"]), jax.tree.leaves(model.params["vision"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert ip.ImageProcessorConfig.from_dir(out) == proc_cfg
+
+
+def test_expand_image_placeholders_matches_the_golden_prompt(golden, proc_cfg, model):
+  """The chat template writes one <|media_pad|> per image; the processor's expansion gives the
+  prompt transformers ran."""
+  pad = model.config.media_pad_token_id
+  want = golden["prompt_1"].tolist()
+  n = [int(golden["image_tokens"][i]) for i in golden["prompt_images_1"]]
+  one_each, i = [], 0
+  while i < len(want):  # collapse each run of pads to one
+    one_each.append(want[i])
+    i += n[len([t for t in one_each if t == pad]) - 1] if want[i] == pad else 1
+  assert one_each.count(pad) == 2
+  assert ip.expand_image_placeholders(one_each, n, pad) == want
+  with pytest.raises(ip.ImageError, match="2 image placeholders .* for 1 images"):
+    ip.expand_image_placeholders(one_each, n[:1], pad)
+
+
+def test_checkpoint_without_vision_tensors_loads_text_only(tmp_path, model):
+  ckpt = tmp_path / "text_only"
+  ckpt.mkdir()
+  for f in ("config.json", "tiktoken.model", "tokenizer_config.json"):
+    shutil.copy(os.path.join(FIXTURE, f), ckpt / f)
+  tensors = load_file(os.path.join(FIXTURE, "model.safetensors"))
+  save_file({k: v for k, v in tensors.items() if k.startswith("language_model.")},
+            str(ckpt / "model.safetensors"))
+  text = engine.load(str(ckpt), dtype="float32", progress=False)
+  assert text.config.vision is None and "vision" not in text.params
+  assert text.config == without_vision(model.config)
 
 
 # ---- the tower -------------------------------------------------------------------------------

@@ -473,6 +473,9 @@ def _parse_vision(top: dict[str, Any], v: dict[str, Any], text_hidden: int) -> V
   if int(proj) != vc.hidden_size:
     raise ConfigError(f"config.json: projection_hidden_size {proj} != vision_config.hidden_size "
                       f"{vc.hidden_size} (the projector normalises each patch's features)")
+  if vc.pos_emb_height != vc.pos_emb_width:
+    raise ConfigError(f"config.json: vision_config pos_emb_height {vc.pos_emb_height} != "
+                      f"pos_emb_width {vc.pos_emb_width} (transformers resamples a square table)")
   if vc.hidden_size % vc.num_heads or vc.head_dim % 4:
     raise ConfigError(f"config.json: vision_config.hidden_size {vc.hidden_size} must split into "
                       f"num_attention_heads {vc.num_heads} heads of a multiple of 4 (2D rotary)")

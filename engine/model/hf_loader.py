@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.model import quantized, vision_checkpoint
-from engine.model.config import ModelConfig, load_config, without_mtp
+from engine.model.config import ModelConfig, load_config, without_mtp, without_vision
 from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
                                  path_str, shape_leaves, shardings_by_leaf)
 from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
@@ -390,16 +390,21 @@ def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
   config.json declares MTP layers but the checkpoint holds none of their tensors (any checkpoint
   saved by transformers, whose DeepseekV3 classes neither build nor save them); with
   `keep_fp8`, routed experts kept as FP8 blocks (`cfg.fp8_experts`) when config.json says FP8
-  and every routed expert matrix is stored F8_E4M3 with its scale_inv. Reads headers."""
+  and every routed expert matrix is stored F8_E4M3 with its scale_inv; `without_vision` when
+  config.json has a vision_config but the checkpoint no vision tensor. Reads headers."""
   ckpt_dir = os.fspath(ckpt_dir)
   cfg = cfg if cfg is not None else load_config(ckpt_dir)
   mtp = cfg.is_mla and cfg.num_nextn_predict_layers
-  if not (mtp or keep_fp8):
+  if not (mtp or keep_fp8 or cfg.vision is not None):
     return cfg
   files, weight_map = _checkpoint_files(ckpt_dir)
   raw = _read_headers(files, weight_map, ckpt_dir)
   if mtp and not _mtp_tensor_names(raw, cfg):
     cfg = without_mtp(cfg)
+  if cfg.vision is not None and not any(n.startswith(K25_VISION_PREFIXES) for n in raw):
+    log.info("hf_loader: config.json has a vision_config but %s no vision tensor: text only",
+             ckpt_dir)
+    cfg = without_vision(cfg)
   if keep_fp8 and cfg.int4 is None and cfg.num_experts:
     dtypes = {_canonical(n, cfg): s.info.dtype for n, s in raw.items()}
     block = quantized.fp8_experts_block(_raw_config(ckpt_dir), dtypes, cfg)

@@ -5,6 +5,7 @@
     batch.pixel_values  # float32 [sum of patches, 3, 14, 14], images in order, patches raster
     batch.grid_thws     # int32 [n_images, 3]: (1, patch rows, patch columns)
     num_image_tokens(batch.grid_thws[i], cfg)              # <|media_pad|> slots of image i
+    expand_image_placeholders(ids, batch.num_tokens(cfg), pad_id)  # one pad per image -> n
 
 The reference is transformers 5.24's `Kimi_K25ImageProcessor` (torchvision backend, the only
 one it has): RGB (transparency composited on white), `navit_resize` (never upscale; at most
@@ -151,6 +152,23 @@ def num_image_tokens(grid_thw: Sequence[int], cfg: ImageProcessorConfig) -> int:
   return t * h * w // (cfg.merge_size ** 2)
 
 
+def expand_image_placeholders(ids: Sequence[int], tokens_per_image: Sequence[int],
+                              pad_id: int) -> list[int]:
+  """A rendered prompt with one `pad_id` (<|media_pad|>) per image -> each repeated to its
+  image's token count, as transformers' processor expands `<|media_pad|>` per image."""
+  ids = [int(t) for t in ids]
+  slots = [i for i, t in enumerate(ids) if t == pad_id]
+  if len(slots) != len(tokens_per_image):
+    raise ImageError(f"the prompt has {len(slots)} image placeholders (<|media_pad|>, id "
+                     f"{pad_id}) for {len(tokens_per_image)} images")
+  out: list[int] = []
+  prev = 0
+  for slot, n in zip(slots, tokens_per_image):
+    out += ids[prev:slot] + [pad_id] * int(n)
+    prev = slot + 1
+  return out + ids[prev:]
+
+
 # ---- torch's uint8 antialiased bicubic resize -----------------------------------------------
 
 def _cubic_aa(x: np.ndarray) -> np.ndarray:
@@ -164,42 +182,40 @@ def _cubic_aa(x: np.ndarray) -> np.ndarray:
 
 def _int16_weights(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
   """(first input index [out], int16-valued weights [out, k], precision bits) as torch's
-  `_compute_index_ranges_int16_weights` (antialias, align_corners=False) makes them."""
+  `_compute_index_ranges_int16_weights` (antialias, align_corners=False) makes them: float64
+  filter taps normalised per output, then scaled by the most bits that keep the largest weight
+  in int16 and rounded half away from zero."""
   scale = in_size / out_size
   support = 2.0 * scale if scale >= 1.0 else 2.0
   invscale = 1.0 / scale if scale >= 1.0 else 1.0
   k = int(math.ceil(support)) * 2 + 1
-  starts = np.zeros(out_size, np.int64)
-  weights = np.zeros((out_size, k), np.float64)
-  for i in range(out_size):
-    center = scale * (i + 0.5)
-    xmin = max(int(center - support + 0.5), 0)
-    xsize = min(max(min(int(center + support + 0.5), in_size) - xmin, 0), k)
-    w = _cubic_aa((np.arange(xsize) + xmin - center + 0.5) * invscale)
-    total = 0.0  # summed in order, as torch does (np.sum may pair terms and round otherwise)
-    for v in w:
-      total += float(v)
-    if total != 0.0:
-      w = w / total
-    starts[i] = xmin
-    weights[i, :xsize] = w
-  wt_max = float(weights.max())
+  center = scale * (np.arange(out_size) + 0.5)
+  starts = np.maximum(np.floor(center - support + 0.5), 0).astype(np.int64)
+  ends = np.minimum(np.floor(center + support + 0.5).astype(np.int64), in_size)
+  sizes = np.clip(ends - starts, 0, k)
+  j = np.arange(k)
+  w = _cubic_aa((j[None, :] + starts[:, None] - center[:, None] + 0.5) * invscale)
+  w = np.where(j[None, :] < sizes[:, None], w, 0.0)
+  total = np.cumsum(w, axis=1)[:, -1]  # summed in order, as torch does (np.sum pairs terms)
+  w = w / np.where(total != 0.0, total, 1.0)[:, None]
+  wt_max = float(w.max())
   precision = 0
   while precision < 22 and int(0.5 + wt_max * (1 << (precision + 1))) < (1 << 15):
     precision += 1
-  v = weights * (1 << precision)
-  ints = np.trunc(np.where(v < 0, v - 0.5, v + 0.5)).astype(np.int64)
-  return starts, ints, precision
+  v = w * (1 << precision)
+  return starts, np.trunc(np.where(v < 0, v - 0.5, v + 0.5)).astype(np.int64), precision
 
 
 def _resample_axis(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-  """One pass of the separable resize along `axis` of a uint8 [H, W, C] image."""
+  """One pass of the separable resize along `axis` of a uint8 [H, W, C] image (exact integer
+  sums, one tap at a time so memory stays one output image)."""
   in_size = img.shape[axis]
   starts, w, precision = _int16_weights(in_size, out_size)
-  k = w.shape[1]
-  idx = np.minimum(starts[:, None] + np.arange(k)[None, :], in_size - 1)  # zero weight past end
-  x = np.moveaxis(img, axis, 0).astype(np.int64)  # [in, other, C]
-  acc = np.einsum("ok,okxc->oxc", w, x[idx]) + (1 << (precision - 1))
+  x = np.moveaxis(img, axis, 0)  # [in, other, C]
+  acc = np.full((out_size,) + x.shape[1:], 1 << (precision - 1), np.int64)
+  for j in range(w.shape[1]):
+    if w[:, j].any():  # taps past an output's window have weight 0 (index clamped in range)
+      acc += w[:, j, None, None] * x[np.minimum(starts + j, in_size - 1)]
   out = np.clip(acc >> precision, 0, 255).astype(np.uint8)
   return np.moveaxis(out, 0, axis)
 

@@ -177,7 +177,9 @@ def _encode_patches(params: Params, pixel_values: jax.Array, inputs: VisionInput
   P = pixel_values.shape[0]
   x = pixel_values.reshape(P, -1).astype(dtype) @ params["patch_embed"] + params["patch_bias"]
   table = params["pos_emb"].reshape(-1, cfg.hidden_size).astype(jnp.float32)
-  pos = jnp.einsum("pt,ptd->pd", inputs.pos_weight, table[inputs.pos_index])
+  pos = jnp.zeros(x.shape, jnp.float32)
+  for t in range(inputs.pos_index.shape[1]):  # tap by tap: never a [P, 16, D] gather
+    pos = pos + inputs.pos_weight[:, t, None] * table[inputs.pos_index[:, t]]
   x = x + pos.astype(dtype)
   cos, sin = rope_cos_sin(inputs.rope_hw, cfg)
   for layer in params["layers"]:
