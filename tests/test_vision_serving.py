@@ -14,8 +14,7 @@ import numpy as np
 import openai
 from PIL import Image
 
-from engine.runtime.multimodal import (EncoderCache, ImageInput, check_spans,
-                                       expand_placeholders)
+from engine.runtime.multimodal import EncoderCache, ImageInput, check_spans
 from engine.runtime.page_pool import page_keys
 from engine.service import images
 from engine.service.proto import inference_pb2 as pb
@@ -80,10 +79,13 @@ def test_page_keys_name_the_image_content():
 
 
 def test_expand_placeholders_and_spans():
-  ids, spans = expand_placeholders([1, PAD, 2, PAD, 3], PAD, [3, 2])
-  assert ids == [1, PAD, PAD, PAD, 2, PAD, PAD, 3] and spans == [(1, 3), (5, 2)]
-  with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
-    expand_placeholders([1, PAD, PAD], PAD, [4])
+  ids, spans = images.expand([1, PAD, 2, PAD, PAD, 3], PAD, [3, 2, 1])
+  assert ids == [1, PAD, PAD, PAD, 2, PAD, PAD, PAD, 3]
+  assert spans == [(1, 3), (5, 2), (7, 1)]   # adjacent images keep their own spans
+  with pytest.raises(FieldError, match="2 image placeholders") as e:
+    images.expand([1, PAD, PAD], PAD, [4])
+  assert e.value.field == "messages"
+  ids, spans = images.expand([1, PAD, 2, PAD, 3], PAD, [3, 2])
   ims = [image_input(o, n, str(o)) for o, n in spans]
   check_spans(ids, ims, PAD)
   with pytest.raises(ValueError, match="belongs to no image"):

@@ -211,7 +211,7 @@ class Engine:
                   images: Sequence[ImageInput] = ()) -> str:
     """Queues a request; raises ValueError naming the offending field on bad input.
     `images`: its images, each on its own run of media_pad ids in the prompt
-    (`multimodal.expand_placeholders` makes the runs; `engine.service.images` the inputs)."""
+    (`engine.service.images.to_inputs` makes the runs and the inputs)."""
     ids = self._encode(prompt)
     images = tuple(images)
     check_spans(ids, images, self.images.pad_id)

@@ -39,27 +39,6 @@ class ImageInput:
     return self.offset + self.num_tokens
 
 
-def expand_placeholders(ids: Sequence[int], pad_id: int, token_counts: Sequence[int]
-                        ) -> tuple[list[int], list[tuple[int, int]]]:
-  """Each `pad_id` in `ids` (one per image, in order) becomes token_counts[i] pad ids.
-  Returns the new ids and each image's (offset, num_tokens). ValueError when the number of
-  placeholders differs from the number of images."""
-  at = [i for i, t in enumerate(ids) if t == pad_id]
-  if len(at) != len(token_counts):
-    raise ValueError(f"messages: the chat template rendered {len(at)} image placeholders for "
-                     f"{len(token_counts)} images")
-  out: list[int] = []
-  spans = []
-  prev = 0
-  for pos, n in zip(at, token_counts):
-    out += ids[prev:pos]
-    spans.append((len(out), int(n)))
-    out += [pad_id] * int(n)
-    prev = pos + 1
-  out += ids[prev:]
-  return out, spans
-
-
 def check_spans(ids: Sequence[int], images: Sequence[ImageInput], pad_id: int | None) -> None:
   """The request's images sit on runs of `pad_id` in its prompt, in order, one run each, and
   every pad id of the prompt belongs to one (ValueError naming `images` otherwise)."""

@@ -29,8 +29,10 @@ import urllib.parse
 import urllib.request
 from typing import Any, Sequence
 
+import numpy as np
+
 from engine.model import image_processing
-from engine.runtime.multimodal import ImageInput, expand_placeholders
+from engine.runtime.multimodal import ImageInput
 from engine.service.validation import FieldError, RequestLimits
 
 IMAGE_PART_TYPES = ("image_url", "image_bytes")
@@ -178,6 +180,21 @@ def content_hash(image: Any, processor: Any) -> str:
   return h.hexdigest()
 
 
+def expand(ids: Sequence[int], pad_id: int, token_counts: Sequence[int]
+           ) -> tuple[list[int], list[tuple[int, int]]]:
+  """Each image's single placeholder -> its token count of pads
+  (`image_processing.expand_image_placeholders`); returns the ids and each image's (offset,
+  tokens). FieldError("messages") when the template rendered another number of placeholders
+  than there are images."""
+  try:
+    out = image_processing.expand_image_placeholders(ids, token_counts, pad_id)
+  except image_processing.ImageError as e:
+    raise FieldError("messages", f"the chat template rendered: {e}") from None
+  slots = [i for i, t in enumerate(ids) if t == pad_id]
+  grown = np.cumsum([0] + [int(n) - 1 for n in token_counts])
+  return out, [(slot + int(g), int(n)) for slot, g, n in zip(slots, grown, token_counts)]
+
+
 def to_inputs(ids: Sequence[int], found: Sequence[DecodedImage], pad_id: int,
               processor: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
   """Preprocesses the images, expands each placeholder to its token count; returns the
@@ -191,10 +208,7 @@ def to_inputs(ids: Sequence[int], found: Sequence[DecodedImage], pad_id: int,
     grid = tuple(int(x) for x in batch.grid_thws[0])
     batches.append((batch.pixel_values, grid,
                     int(image_processing.num_image_tokens(grid, processor))))
-  try:
-    ids, spans = expand_placeholders(ids, pad_id, [n for _, _, n in batches])
-  except ValueError as e:
-    raise FieldError("messages", str(e).split(": ", 1)[-1]) from None
+  ids, spans = expand(ids, pad_id, [n for _, _, n in batches])
   return ids, tuple(
       ImageInput(pixel_values=pixels, grid_thw=grid, content_hash=content_hash(im.image,
                                                                                processor),
