@@ -130,6 +130,9 @@ class InferenceServer:
     pad_id = engine.images.pad_id  # None: no vision tower (image parts refused)
     self.vision = (chat.Vision(pad_id, engine.image_processor)
                    if pad_id is not None and engine.image_processor is not None else None)
+    if pad_id is not None and self.vision is None:
+      logging.warning("the model has a vision tower but the engine no image_processor "
+                      "(Engine.from_model reads preprocessor_config.json): images refused")
     template = engine.chat_template
     self.chat_family = config.chat_parser or (template.family if template is not None else None
                                               ) or chat_parsers.family_for(engine.cfg.model_type)
