@@ -416,3 +416,19 @@ def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden,
     assert 'moejax:images_encoded_total{model_name="k25"} 1.0' in metrics
     assert 'moejax:encoder_cache_queries_total{model_name="k25"} 1.0' in metrics
   assert_idle(eng)
+
+
+def test_preempted_image_requests_recompute_the_same_tokens(k25, golden):
+  """A pool too small for both golden prompts: one is preempted (pages and features released)
+  and recomputed through the prefix and encoder caches; both still equal the golden tokens."""
+  eng = Engine.from_model(k25, dataclasses.replace(VISION_CONFIG, num_pages=36))
+  pad = eng.images.pad_id
+  rids = [add(eng, collapse(golden[f"prompt_{j}"], pad),
+              [make_image(int(i)) for i in golden[f"prompt_images_{j}"]], max_tokens=12)
+          for j in (0, 1)]
+  reqs = run(eng, *rids)
+  assert eng.stats()["num_preemptions"] >= 1
+  for j, req in enumerate(reqs):
+    assert req.output_ids == golden[f"greedy_{j}"][:12].tolist(), j
+  assert eng.stats()["images_encoded"] == 3   # the recompute found them in the cache
+  eng.pool.check_invariants()
