@@ -45,9 +45,19 @@ def test_kimi_k2_and_k25():
   text = dict(CONFIGS["deepseek_v3"], model_type="deepseek_v3")
   del text["eos_token_id"]
   k25 = {"model_type": "kimi_k25", "text_config": text, "eos_token_id": 7,
-         "vision_config": {"hidden_size": 8}}
+         "vision_config": {"hidden_size": 8, "num_attention_heads": 2},
+         "projection_hidden_size": 8}
   cfg = config_from_dict(k25)
   assert cfg.model_type == "kimi_k25" and cfg.is_mla and cfg.eos_token_ids == (7,)
+  # transformers' defaults fill the rest of the vision config; <|media_pad|> by default
+  assert (cfg.vision.hidden_size, cfg.vision.head_dim, cfg.vision.num_layers) == (8, 4, 27)
+  assert cfg.vision.text_hidden_size == cfg.hidden_size and cfg.media_pad_token_id == 163605
+  assert config_from_dict(dict(k25, image_token_id=77)).media_pad_token_id == 77
+  assert config_from_dict({k: v for k, v in k25.items() if k != "vision_config"}).vision is None
+  with pytest.raises(ConfigError, match="num_attention_heads 16"):
+    config_from_dict(dict(k25, vision_config={"hidden_size": 8}))
+  with pytest.raises(ConfigError, match="projection_hidden_size 1152"):
+    config_from_dict(dict(k25, projection_hidden_size=1152))
 
 
 def test_qwen3_moe_layers_and_gqa():

@@ -25,8 +25,8 @@ import pytest
 import engine
 from engine.model import quantized
 from engine.model.cache import contiguous_page_table, init_cache
-from engine.model.config import ConfigError, config_from_dict
-from engine.model.hf_loader import CheckpointError
+from engine.model.config import ConfigError, config_from_dict, without_vision
+from engine.model.hf_loader import CheckpointError, load_hf_params
 from engine.model.params import init_params
 from engine.model.safetensors_io import SafetensorsError, load_file
 from engine.model.transformer import forward_logits
@@ -72,7 +72,8 @@ def test_config_kimi_k25_layout(model):
   assert cfg.model_type == "kimi_k25" and cfg.num_layers == 2 and cfg.is_moe_layer(1)
   assert cfg.int4 is not None and cfg.int4.group_size == 32
   assert cfg.experts_int4(1) and not cfg.experts_int4(0)
-  assert cfg.vision_config["model_type"] == "kimi_k25_vision"  # kept for the vision issue
+  assert cfg.vision_config["model_type"] == "kimi_k25_vision"
+  assert cfg.vision is not None and "vision" in model.params  # the tower loads, float
   assert not cfg.tie_word_embeddings and "lm_head" in model.params
 
 
@@ -121,11 +122,20 @@ def test_quantization_config_at_top_level_loads_the_same(tmp_path, model):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_load_logs_vision_skip_and_bytes_by_kind(caplog):
+def test_load_logs_bytes_by_kind_and_vision_skip_when_text_only(caplog):
   with caplog.at_level(logging.INFO, logger="moejax"):
     m = engine.load(FIXTURE, dtype="bfloat16", progress=False)
+  assert not [r for r in caplog.records if "vision" in r.getMessage()]
+  assert m.params["vision"]["proj_out"].dtype == jnp.bfloat16  # the tower: float, not INT4
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="moejax"):
+    text_only = load_hf_params(FIXTURE, without_vision(m.config), progress=False)
   vision = [r.getMessage() for r in caplog.records if "vision" in r.getMessage()]
-  assert len(vision) == 1 and "23 vision tensors" in vision[0], vision
+  assert len(vision) == 1 and "23 vision tensors skipped" in vision[0], vision
+  assert "vision" not in text_only
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="moejax"):
+    m = engine.load(FIXTURE, dtype="bfloat16", progress=False)
   mem = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine.load")]
   assert len(mem) == 1, mem
   int4 = sum(x.nbytes for x in jax.tree.leaves(m.params["layers"][1]["moe"]["experts"]))

@@ -10,8 +10,10 @@ What this layer adds, as OpenAI servers do before rendering (vLLM's chat_utils):
   * validation, with a ValueError naming the field (`messages[2].role`, `tools[0].function.name`);
   * `developer` messages become `system` unless the template knows the role;
   * list content: text parts joined with "\\n" for templates that read a string, kept as parts for
-    templates that loop over them; other part types are refused (no image input yet); a
-    tool-call-only assistant turn gets empty content;
+    templates that loop over them; `{"type": "image"}` parts (images the serving edge took out,
+    `engine/service/images.py`) are kept for templates that loop over parts (Kimi's render
+    `<|media_begin|>image<|media_content|><|media_pad|><|media_end|>`) and refused by the
+    others; other part types are refused; a tool-call-only assistant turn gets empty content;
   * a tool call's `arguments` JSON string is parsed for the template (`ToolArguments`, a dict
     that still renders as the original text where a template concatenates it);
   * Kimi K2.5-style templates (they read `tools_ts_str`) get their tools declared in its
@@ -433,19 +435,25 @@ def _content(content: Any, where: str, reads_parts: bool) -> str | list[dict]:
     return content
   if not isinstance(content, list):
     raise ValueError(f"{where}: must be a string or a list of content parts")
-  texts = []
+  parts = []
   for j, part in enumerate(content):
     if not isinstance(part, dict):
       raise ValueError(f"{where}[{j}]: must be an object")
+    if part.get("type") == "image":  # an image the edge took out (engine/service/images.py)
+      if not reads_parts:
+        raise ValueError(f"{where}[{j}]: this model's chat template renders no images")
+      parts.append({"type": "image"})
+      continue
     if part.get("type") != "text":
-      raise ValueError(f"{where}[{j}].type: only 'text' parts are supported "
+      raise ValueError(f"{where}[{j}].type: only 'text' parts (and images, given to the "
+                       f"serving API) are supported "
                        f"(got {part.get('type')!r})")
     if not isinstance(part.get("text"), str):
       raise ValueError(f"{where}[{j}].text: must be a string")
-    texts.append(part["text"])
+    parts.append({"type": "text", "text": part["text"]})
   if reads_parts:
-    return [{"type": "text", "text": t} for t in texts]
-  return "\n".join(texts)
+    return parts
+  return "\n".join(p["text"] for p in parts)
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict]:

@@ -54,6 +54,39 @@ class RopeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """Kimi K2.5's MoonViT tower and patch-merger projector (`vision_config` of config.json,
+  transformers' names, its defaults for missing fields; the hub's remote-code names
+  `init_pos_emb_*`, `mm_hidden_size`, `projector_ln_eps` accepted too)."""
+  patch_size: int = 14
+  hidden_size: int = 1152
+  num_heads: int = 16
+  num_layers: int = 27
+  intermediate_size: int = 4304
+  pos_emb_height: int = 64
+  pos_emb_width: int = 64
+  merge_kernel: tuple[int, int] = (2, 2)
+  rope_theta: float = 10000.0
+  text_hidden_size: int = 7168  # the projector's output width
+  projection_ln_eps: float = 1e-5
+  layer_norm_eps: float = 1e-5  # the tower's LayerNorms (fixed in transformers' code)
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def merge_size(self) -> int:
+    """Patches merged into one token (4 for the 2x2 kernel)."""
+    return self.merge_kernel[0] * self.merge_kernel[1]
+
+  @property
+  def merged_dim(self) -> int:
+    """The projector's input width: merge_size patches of hidden_size."""
+    return self.hidden_size * self.merge_size
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Static description of a decoder-only model. Field names follow Hugging Face where they exist."""
   model_type: str
@@ -106,8 +139,12 @@ class ModelConfig:
   # With fp8_experts: the attention projections, dense and shared MLPs kept FP8 too (every one
   # of them stored F8 with a scale), else those are dequantized at load.
   fp8_dense: bool = False
-  # Kimi K2.5's `vision_config` as canonical JSON (kept for the vision tower; unused so far).
+  # Kimi K2.5's `vision_config` as canonical JSON, and the tower it describes (`vision`, None
+  # for a text-only model: then no `params["vision"]`); images' features replace the
+  # embeddings of `media_pad_token_id` (<|media_pad|>, 163605 in K2.5).
   vision_config_json: str = ""
+  vision: VisionConfig | None = None
+  media_pad_token_id: int | None = None
   # Tokens
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
@@ -177,6 +214,11 @@ def without_mtp(cfg: ModelConfig) -> ModelConfig:
   return dataclasses.replace(cfg, num_nextn_predict_layers=0,
                              moe_layers=cfg.moe_layers[:cfg.num_layers],
                              mtp_layers_absent=cfg.num_nextn_predict_layers)
+
+
+def without_vision(cfg: ModelConfig) -> ModelConfig:
+  """`cfg` serving text only: no vision tower is loaded (its tensors are skipped)."""
+  return dataclasses.replace(cfg, vision=None)
 
 
 def config_dict_without_mtp(d: dict[str, Any]) -> dict[str, Any]:
@@ -388,6 +430,58 @@ def _parse_gqa(f: _Fields) -> ModelConfig:
   )
 
 
+K25_MEDIA_PAD_ID = 163605  # <|media_pad|> in Kimi K2.5's tokenizer
+
+
+def _media_pad_id(d: dict[str, Any]) -> int:
+  for k in ("image_token_id", "media_placeholder_token_id"):
+    for src in (d, d.get("text_config") or {}):
+      if src.get(k) is not None:
+        return int(src[k])
+  return K25_MEDIA_PAD_ID
+
+
+def _parse_vision(top: dict[str, Any], v: dict[str, Any], text_hidden: int) -> VisionConfig:
+  def get(*names: str, default: Any) -> Any:
+    for n in names:
+      if v.get(n) is not None:
+        return v[n]
+    return default
+
+  rope = v.get("rope_parameters") or {}
+  merge = get("merge_kernel_size", default=(2, 2))
+  if isinstance(merge, int):
+    merge = (merge, merge)
+  act = get("hidden_act", default="gelu_pytorch_tanh")
+  if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+    raise ConfigError(f"config.json: vision_config.hidden_act {act!r} is not supported "
+                      f"(gelu_pytorch_tanh)")
+  vc = VisionConfig(
+      patch_size=int(get("patch_size", default=14)),
+      hidden_size=int(get("hidden_size", default=1152)),
+      num_heads=int(get("num_attention_heads", default=16)),
+      num_layers=int(get("num_hidden_layers", default=27)),
+      intermediate_size=int(get("intermediate_size", default=4304)),
+      pos_emb_height=int(get("pos_emb_height", "init_pos_emb_height", default=64)),
+      pos_emb_width=int(get("pos_emb_width", "init_pos_emb_width", default=64)),
+      merge_kernel=(int(merge[0]), int(merge[1])),
+      rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+      text_hidden_size=text_hidden,
+      projection_ln_eps=float(top.get("projection_layer_norm_eps")
+                              or v.get("projector_ln_eps") or 1e-5))
+  proj = top.get("projection_hidden_size") or v.get("mm_hidden_size") or vc.hidden_size
+  if int(proj) != vc.hidden_size:
+    raise ConfigError(f"config.json: projection_hidden_size {proj} != vision_config.hidden_size "
+                      f"{vc.hidden_size} (the projector normalises each patch's features)")
+  if vc.pos_emb_height != vc.pos_emb_width:
+    raise ConfigError(f"config.json: vision_config pos_emb_height {vc.pos_emb_height} != "
+                      f"pos_emb_width {vc.pos_emb_width} (transformers resamples a square table)")
+  if vc.hidden_size % vc.num_heads or vc.head_dim % 4:
+    raise ConfigError(f"config.json: vision_config.hidden_size {vc.hidden_size} must split into "
+                      f"num_attention_heads {vc.num_heads} heads of a multiple of 4 (2D rotary)")
+  return vc
+
+
 def config_from_dict(d: dict[str, Any]) -> ModelConfig:
   """Parses a Hugging Face config dict (as loaded from config.json)."""
   cfg = _config_from_dict(d)
@@ -419,7 +513,9 @@ def _config_from_dict(d: dict[str, Any]) -> ModelConfig:
     cfg = _parse_mla(_Fields(merged, "kimi_k25"))
     vision = d.get("vision_config")
     if isinstance(vision, dict):
-      cfg = dataclasses.replace(cfg, vision_config_json=json.dumps(vision, sort_keys=True))
+      cfg = dataclasses.replace(cfg, vision_config_json=json.dumps(vision, sort_keys=True),
+                                vision=_parse_vision(d, vision, cfg.hidden_size),
+                                media_pad_token_id=_media_pad_id(d))
     return cfg
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise ConfigError(f"config.json: unknown model_type {model_type!r}; supported: "

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from engine.model import vision_checkpoint
 from pallas_kernels.quant import Fp8Weight, Int4Weight
 
 # Our attention leaf -> HF module under self_attn.
@@ -143,6 +144,9 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
     t[pre + "shared_head.head.weight"] = p["lm_head"].T if "lm_head" in p else p["embed"]
   if cfg_dict.get("model_type") == "kimi_k25":
     t = {"language_model." + k: v for k, v in t.items()}
+    if "vision" in p:
+      patch = int(cfg_dict.get("vision_config", {}).get("patch_size", 14))
+      t.update(vision_checkpoint.vision_hf_tensors(p["vision"], patch))
   def cast(name: str, x: np.ndarray) -> np.ndarray:
     # Routers stay float32, as transformers keeps them (`_keep_in_fp32_modules_strict`).
     # INT4 tensors keep their stored types.

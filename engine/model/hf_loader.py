@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.model import quantized
-from engine.model.config import ModelConfig, load_config, without_mtp
+from engine.model import quantized, vision_checkpoint
+from engine.model.config import ModelConfig, load_config, without_mtp, without_vision
 from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
                                  path_str, shape_leaves, shardings_by_leaf)
 from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
@@ -43,9 +43,10 @@ from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, Safeten
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# Kimi-K2.5 is a vision-language checkpoint; only its language model is served.
+# Kimi-K2.5 is a vision-language checkpoint: its language model under this prefix, the vision
+# tower and projector (`vision_checkpoint.py`) loaded when the config has them (`cfg.vision`).
 K25_PREFIX = "language_model."
-K25_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+K25_VISION_PREFIXES = vision_checkpoint.PREFIXES
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
 # Print progress lines (when asked) if stderr is a terminal or the load is at least this large.
 PROGRESS_MIN_BYTES = 1 << 30
@@ -240,6 +241,8 @@ def _build_plan(cfg: ModelConfig, names: set[str] | None) -> _Plan:
       plan.add(hf + "hnorm.weight", ours + "hnorm", (H,), _same)
       plan.add(hf + "eh_proj.weight", ours + "eh_proj", (H, 2 * H), _t)
       plan.add(hf + "shared_head.norm.weight", ours + "final_norm", (H,), _same)
+  if cfg.vision is not None:
+    vision_checkpoint.plan_vision(plan.add, cfg.vision)
   if cfg.int4 is not None:
     quantized.refuse_other_int4(plan.fills, cfg.int4, lambda m: _shown(m, cfg))
   return plan
@@ -354,7 +357,7 @@ def _canonical(name: str, cfg: ModelConfig) -> str | None:
   """Our HF-style name for a raw tensor name, or None if the tensor is knowingly skipped."""
   if cfg.model_type == "kimi_k25":
     if name.startswith(K25_VISION_PREFIXES):
-      return None
+      return vision_checkpoint.canonical(name) if cfg.vision is not None else None
     if name.startswith(K25_PREFIX):
       name = name[len(K25_PREFIX):]
   if name.endswith("rotary_emb.inv_freq"):
@@ -387,16 +390,21 @@ def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
   config.json declares MTP layers but the checkpoint holds none of their tensors (any checkpoint
   saved by transformers, whose DeepseekV3 classes neither build nor save them); with
   `keep_fp8`, routed experts kept as FP8 blocks (`cfg.fp8_experts`) when config.json says FP8
-  and every routed expert matrix is stored F8_E4M3 with its scale_inv. Reads headers."""
+  and every routed expert matrix is stored F8_E4M3 with its scale_inv; `without_vision` when
+  config.json has a vision_config but the checkpoint no vision tensor. Reads headers."""
   ckpt_dir = os.fspath(ckpt_dir)
   cfg = cfg if cfg is not None else load_config(ckpt_dir)
   mtp = cfg.is_mla and cfg.num_nextn_predict_layers
-  if not (mtp or keep_fp8):
+  if not (mtp or keep_fp8 or cfg.vision is not None):
     return cfg
   files, weight_map = _checkpoint_files(ckpt_dir)
   raw = _read_headers(files, weight_map, ckpt_dir)
   if mtp and not _mtp_tensor_names(raw, cfg):
     cfg = without_mtp(cfg)
+  if cfg.vision is not None and not any(n.startswith(K25_VISION_PREFIXES) for n in raw):
+    log.info("hf_loader: config.json has a vision_config but %s no vision tensor: text only",
+             ckpt_dir)
+    cfg = without_vision(cfg)
   if keep_fp8 and cfg.int4 is None and cfg.num_experts:
     dtypes = {_canonical(n, cfg): s.info.dtype for n, s in raw.items()}
     block = quantized.fp8_experts_block(_raw_config(ckpt_dir), dtypes, cfg)
@@ -411,7 +419,9 @@ def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
 
 def _shown(name: str, cfg: ModelConfig) -> str:
   """The name as the checkpoint would spell it (Kimi-K2.5 prefixes its language model)."""
-  return K25_PREFIX + name if cfg.model_type == "kimi_k25" else name
+  if cfg.model_type != "kimi_k25" or name.startswith(K25_VISION_PREFIXES):
+    return name
+  return K25_PREFIX + name
 
 
 def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
@@ -425,10 +435,10 @@ def _resolve(cfg: ModelConfig, raw: dict[str, _Source], raw_cfg: dict[str, Any],
     if c in canon:  # e.g. both "language_model.X" and "X" in a Kimi-K2.5 checkpoint
       raise CheckpointError(f"tensors {canon[c].raw_name!r} and {name!r} both provide {c!r}")
     canon[c] = src
-  skipped = [n for n in raw if cfg.model_type == "kimi_k25" and n.startswith(K25_VISION_PREFIXES)]
+  skipped = [n for n in raw if cfg.model_type == "kimi_k25" and cfg.vision is None
+             and n.startswith(K25_VISION_PREFIXES)]
   if skipped:
-    log.info("hf_loader: %d vision tensors (%s) skipped: the vision tower is not served yet",
-             len(skipped), ", ".join(sorted({n.split(".")[0] for n in skipped})))
+    log.info("hf_loader: %d vision tensors skipped (text only: no vision_config)", len(skipped))
   fp8_example = next((s.raw_name for s in canon.values() if s.info.dtype.startswith("F8")), None)
   block = quantized.fp8_block(raw_cfg, fp8_example, cfg.int4 is not None)
   plan = _build_plan(cfg, set(canon))

@@ -33,10 +33,12 @@ FORMAT = "moejax-orbax"
 VERSION = 1
 MANIFEST = "moejax.json"
 PARAMS_DIR = "params"
-# Tokenizer and generation files copied verbatim (Kimi ships tiktoken.model, not tokenizer.json).
+# Tokenizer, generation and image-preprocessing files copied verbatim (Kimi ships
+# tiktoken.model, not tokenizer.json; K2.5's preprocessor_config.json has its patch limits).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "tokenizer.model", "tiktoken.model", "vocab.json",
-                   "merges.txt", "chat_template.jinja", "chat_template.json")
+                   "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "preprocessor_config.json")
 
 
 def copy_tokenizer_files(src_dir: str, out_dir: str) -> None:

@@ -36,6 +36,18 @@ rules can name it. Layer `i` lives at `params["layers"][i]`.
       enorm [H]  hnorm [H]  eh_proj [2H, H] (input: [enorm(embed(next)), hnorm(hidden)])
       final_norm [H]      (its output head reuses `embed`/`lm_head` of the main model)
 
+    vision       Kimi K2.5's vision tower and projector (`cfg.vision`; `engine.model.vision`),
+                 D = vision hidden, p = patch size, nV heads of hd, I = MLP width, M = merged
+                 patches (4), Ht = the text hidden size; never quantized:
+      patch_embed [3*p*p, D]  patch_bias [D]        (the stride-p conv as a matmul)
+      pos_emb     [pos_emb_height, pos_emb_width, D] (bicubically resampled per image)
+      layers[i]:  attn_norm, attn_norm_bias [D]   q, k, v [D, nV, hd]  q_bias, k_bias, v_bias
+                  [nV, hd] (q, k in rotate-half layout)   o [nV, hd, D]  o_bias [D]
+                  mlp_norm, mlp_norm_bias [D]   fc1 [D, I]  fc1_bias [I]  fc2 [I, D]  fc2_bias [D]
+      final_norm, final_norm_bias [D]
+      proj_norm, proj_norm_bias [D]  proj_in [M*D, M*D]  proj_in_bias [M*D]
+      proj_out [M*D, Ht]  proj_out_bias [Ht]
+
 dn/dr/dv: qk_nope_head_dim, qk_rope_head_dim, v_head_dim.
 """
 
@@ -49,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.model.config import ModelConfig
+from engine.model.config import ModelConfig, VisionConfig
 from pallas_kernels.quant import Fp8Weight, Int4Weight
 
 Params = dict[str, Any]
@@ -135,6 +147,26 @@ def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, Any]:
   return s
 
 
+def vision_param_shapes(v: VisionConfig) -> Params:
+  """The `params["vision"]` subtree's shapes (see the layout above)."""
+  D, nV, hd, I, M = v.hidden_size, v.num_heads, v.head_dim, v.intermediate_size, v.merge_size
+
+  def layer() -> dict[str, tuple[int, ...]]:
+    return {"attn_norm": (D,), "attn_norm_bias": (D,),
+            "q": (D, nV, hd), "k": (D, nV, hd), "v": (D, nV, hd),
+            "q_bias": (nV, hd), "k_bias": (nV, hd), "v_bias": (nV, hd),
+            "o": (nV, hd, D), "o_bias": (D,), "mlp_norm": (D,), "mlp_norm_bias": (D,),
+            "fc1": (D, I), "fc1_bias": (I,), "fc2": (I, D), "fc2_bias": (D,)}
+
+  return {"patch_embed": (3 * v.patch_size ** 2, D), "patch_bias": (D,),
+          "pos_emb": (v.pos_emb_height, v.pos_emb_width, D),
+          "layers": [layer() for _ in range(v.num_layers)],
+          "final_norm": (D,), "final_norm_bias": (D,),
+          "proj_norm": (D,), "proj_norm_bias": (D,), "proj_in": (M * D, M * D),
+          "proj_in_bias": (M * D,), "proj_out": (M * D, v.text_hidden_size),
+          "proj_out_bias": (v.text_hidden_size,)}
+
+
 def param_shapes(cfg: ModelConfig) -> Params:
   """The pytree of parameter shapes (tuples) for `cfg`."""
   H, V = cfg.hidden_size, cfg.vocab_size
@@ -155,6 +187,8 @@ def param_shapes(cfg: ModelConfig) -> Params:
   if cfg.num_nextn_predict_layers:
     tree["mtp"] = [dict(layer(cfg.num_layers + k), enorm=(H,), hnorm=(H,), eh_proj=(2 * H, H),
                         final_norm=(H,)) for k in range(cfg.num_nextn_predict_layers)]
+  if cfg.vision is not None:
+    tree["vision"] = vision_param_shapes(cfg.vision)
   return tree
 
 

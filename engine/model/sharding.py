@@ -91,6 +91,8 @@ def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P
   def t_if(dim: int) -> str | None:  # split over tensor only when it divides evenly
     return "tensor" if shape[dim] % tp == 0 else None
 
+  if parts[0] == "vision":  # the vision tower (~0.4 B parameters in K2.5): on every device
+    return P()
   if path == "embed":
     return P(t_if(0), None)
   if path == "lm_head":

@@ -180,29 +180,49 @@ class _Ctx:
     return self._cos_sin
 
 
+def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """tokens [B, T] -> the token table's rows [B, T, H] (what `forward` embeds by default)."""
+  del cfg  # one table for every family; kept so callers need not know
+  return params["embed"][tokens]
+
+
+def scatter_image_features(embeds: jax.Array, tokens: jax.Array, features: jax.Array,
+                           pad_id: int) -> jax.Array:
+  """embeds [B, T, H] with the positions where `tokens == pad_id` (<|media_pad|>) replaced by
+  the rows of `features` [N, H], in row-major order (row 0's slots first). N must equal the
+  number of such slots: the caller checks (inside a program, missing rows repeat the last)."""
+  mask = tokens == pad_id
+  order = jnp.cumsum(mask.reshape(-1)) - 1
+  rows = features[jnp.clip(order, 0, features.shape[0] - 1)].reshape(embeds.shape)
+  return jnp.where(mask[..., None], rows.astype(embeds.dtype), embeds)
+
+
 def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
             n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-            impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+            impl: KernelChoice = REFERENCE, input_embeds: jax.Array | None = None
+            ) -> tuple[jax.Array, Cache]:
   """Runs the decoder over a block of new tokens: `forward_counting_experts` without the counts.
   Returns (hidden [B, T, H] after the final norm, updated cache)."""
   hidden, cache, _ = _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg,
-                              impl=impl, router_counts=False)
+                              impl=impl, router_counts=False, input_embeds=input_embeds)
   return hidden, cache
 
 
 def forward_counting_experts(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
                              n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-                             impl: KernelChoice = REFERENCE
+                             impl: KernelChoice = REFERENCE,
+                             input_embeds: jax.Array | None = None
                              ) -> tuple[jax.Array, Cache, jax.Array]:
   """`forward`, also returning [n_moe_layers, E] int32 tokens routed to each expert (load
   statistics, DeepSeek's auxiliary-loss-free balancing in training)."""
   return _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
-                  router_counts=True)
+                  router_counts=True, input_embeds=input_embeds)
 
 
 def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
              n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-             impl: KernelChoice, router_counts: bool) -> tuple[jax.Array, Cache, Any]:
+             impl: KernelChoice, router_counts: bool,
+             input_embeds: jax.Array | None = None) -> tuple[jax.Array, Cache, Any]:
   """Runs the decoder over a block of new tokens.
 
   Args:
@@ -213,11 +233,21 @@ def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
     n_new: [B] int32 real tokens in this block (0 for an idle row).
     page_table: [B, max_pages] int32.
     router_counts: count the tokens routed to each expert ([n_moe_layers, E] int32).
+    input_embeds: [B, T, H] used instead of the token table's rows (multimodal prefill:
+      `embed_tokens` with image features scattered into the <|media_pad|> slots); `tokens`
+      still gives the block's shape.
   Returns:
     (hidden [B, T, H] after the final norm, updated cache, router counts or None).
   """
   ctx = _Ctx(start, n_new, tokens.shape[1], page_table, router_counts)
-  x = split_batch_over_data(params["embed"][tokens])
+  if input_embeds is None:
+    x = embed_tokens(params, tokens, cfg)
+  else:
+    if input_embeds.shape != tokens.shape + (cfg.hidden_size,):
+      raise ValueError(f"input_embeds has shape {input_embeds.shape}, expected "
+                       f"{tokens.shape + (cfg.hidden_size,)}")
+    x = input_embeds.astype(params["embed"].dtype)
+  x = split_batch_over_data(x)
   new_cache = []
   for i, layer in enumerate(params["layers"]):
     x, layer_cache = decoder_layer(layer, x, cache[i], ctx, cfg, impl)
@@ -293,7 +323,9 @@ def compute_logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.A
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
 def forward_logits(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
                    n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
-                   impl: KernelChoice = REFERENCE) -> tuple[jax.Array, Cache]:
+                   impl: KernelChoice = REFERENCE, input_embeds: jax.Array | None = None
+                   ) -> tuple[jax.Array, Cache]:
   """Jitted `forward` returning float32 logits for every position: [B, T, V]. Donates `cache`."""
-  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
+  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
+                          input_embeds=input_embeds)
   return compute_logits(params, hidden, cfg), cache

@@ -36,6 +36,8 @@ from engine.model.params import Params
 from engine.model.sharding import cache_sharding
 from engine.runtime import compile_cache, steps
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
+from engine.runtime.multimodal import ImageInput, check_spans
+from engine.runtime.multimodal_step import ImageEncoder
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
 from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopParams,
@@ -80,6 +82,8 @@ class EngineConfig:
   compilation_cache_dir: str | None = dataclasses.field(default_factory=compile_cache.default_dir)
   traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
   kernels: KernelChoice = REFERENCE
+  # Image encoder outputs kept for images sent again (`multimodal.EncoderCache`), in bytes.
+  encoder_cache_bytes: int = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +114,8 @@ class Engine:
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
     self.chat_template: Any = None  # the model's (`engine.load`), for the servers' chat APIs
+    # With a vision tower: `image_processing.ImageProcessorConfig` (the edge preprocesses).
+    self.image_processor: Any = None
     self.eos_token_ids = tuple(eos_token_ids)
     compile_cache.enable(config.compilation_cache_dir)
     max_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
@@ -164,6 +170,7 @@ class Engine:
     self._closed_batch = False  # `generate` runs a batch no request joins: no ramp
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
+    self.images = ImageEncoder(cfg, params, config.encoder_cache_bytes, self.counters)
     if self.spec.enabled:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
     self._take_snapshot()
@@ -178,6 +185,11 @@ class Engine:
                  draft=None if draft_model is None else (draft_model.config,
                                                          draft_model.params))
     eng.chat_template = getattr(model, "chat_template", None)
+    if eng.images.pad_id is not None:
+      eng.image_processor = getattr(model, "image_processor", None)
+      if eng.image_processor is None and getattr(model, "path", ""):
+        from engine.model.image_processing import ImageProcessorConfig
+        eng.image_processor = ImageProcessorConfig.from_dir(model.path)
     return eng
 
   def _on_mesh(self):
@@ -195,9 +207,17 @@ class Engine:
   # ---- requests ------------------------------------------------------------------------------
 
   def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
-                  stop: StopParams = StopParams(), request_id: str | None = None) -> str:
-    """Queues a request; raises ValueError naming the offending field on bad input."""
+                  stop: StopParams = StopParams(), request_id: str | None = None,
+                  images: Sequence[ImageInput] = ()) -> str:
+    """Queues a request; raises ValueError naming the offending field on bad input.
+    `images`: its images, each on its own run of media_pad ids in the prompt
+    (`engine.service.images.to_inputs` makes the runs and the inputs)."""
     ids = self._encode(prompt)
+    images = tuple(images)
+    check_spans(ids, images, self.images.pad_id)
+    if images and self.spec.observes:
+      raise ValueError("images: not served with the mtp or draft drafters (they see "
+                       "placeholder ids, not the image)")
     sampling.validate()
     spec = self.spec.request_state(self.spec.resolve(sampling.drafter))
     stop.validate()
@@ -222,7 +242,8 @@ class Engine:
       if rid in self.requests:
         raise ValueError(f"request_id: {rid!r} is already in use")
       req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
-                    stop_ids=stop_ids, arrival_order=next(self._order), spec=spec)
+                    stop_ids=stop_ids, arrival_order=next(self._order), spec=spec,
+                    images=images)
       self.requests[rid] = req
       self._inbox.append(req)
     self._apply_inbox_if_idle()
@@ -375,8 +396,14 @@ class Engine:
         r += 1
       sampling_rows.append(r - 1 if seg.samples else None)
     mtp_hidden = None
+    image_rows = self.images.block_features(plan.segments, w, b)  # encodes what is missing
     with self._on_mesh():
-      if self.spec.observes:
+      if image_rows is not None:
+        sampled, lps, self.cache = steps.model_step_embeds(
+            self.params, self.cache, tokens, start, n_new, table,
+            self._sampling_arrays(row_req), *image_rows, cfg=self.cfg,
+            impl=self.config.kernels)
+      elif self.spec.observes:
         sampled, lps, mtp_hidden, self.cache = self.spec.model_step(
             self.params, self.cache, tokens, start, n_new, table,
             self._sampling_arrays(row_req), next_tokens, impl=self.config.kernels)
@@ -435,11 +462,15 @@ class Engine:
                            self.sched_config.max_model_len)
     self.counters["generation_tokens"] += len(req.output_ids) - before
     self.scheduler.record_computed(req, num_computed)
+    if req.image_features:  # prefilled past an image: its features are not needed again
+      for i in [i for i in req.image_features if req.images[i].end <= req.num_computed]:
+        del req.image_features[i]
     if reason is not None:
       self._finish(req, reason)
 
   def _finish(self, req: Request, reason: str) -> None:
     self.scheduler.finish(req, reason)
+    req.image_features.clear()
     req.timings.finished = time.monotonic()
     self.counters[f"finished_{reason}"] += 1
 
@@ -497,7 +528,8 @@ class Engine:
                 num_requests_waiting=len(waiting), kv_cache_usage_perc=pool.usage,
                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
                 num_preemptions=self.scheduler.num_preemptions,
-                waiting_tokens=sum(r.num_uncomputed for r in waiting))
+                waiting_tokens=sum(r.num_uncomputed for r in waiting),
+                **self.images.stats())
     if self.spec.enabled:
       snap.update(self.spec.stats())
     with self._inbox_lock:

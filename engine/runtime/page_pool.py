@@ -22,6 +22,8 @@ import collections
 import dataclasses
 from typing import Hashable, Sequence
 
+from engine.runtime.multimodal import ImageInput, page_extras
+
 NULL_PAGE = 0
 
 
@@ -30,17 +32,21 @@ class OutOfPages(Exception):
 
 
 def page_keys(tokens: Sequence[int], page_size: int, salt: Hashable = None,
-              known: Sequence[int] = ()) -> list[int]:
+              known: Sequence[int] = (), images: Sequence[ImageInput] = ()) -> list[int]:
   """Prefix keys of every full page of `tokens` (a key covers all tokens up to its page end).
 
   `salt` separates key spaces (e.g. different models or LoRA adapters sharing a pool).
   `known`: keys already computed for the leading pages of the same tokens; only the pages
-  after them are hashed.
+  after them are hashed. `images`: the request's images; a page overlapping an image's
+  placeholder span also hashes that image's content hash (`multimodal.page_extras`), so the
+  same placeholder ids with other pixels name another prefix.
   """
   keys = list(known)
   parent: Hashable = keys[-1] if keys else ("moejax-prefix", salt)
   for i in range(len(keys), len(tokens) // page_size):
-    parent = hash((parent, tuple(tokens[i * page_size:(i + 1) * page_size])))
+    block = tuple(tokens[i * page_size:(i + 1) * page_size])
+    extras = page_extras(images, i, page_size) if images else ()
+    parent = hash((parent, block, extras) if extras else (parent, block))
     keys.append(parent)
   return keys
 

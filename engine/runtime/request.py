@@ -63,6 +63,7 @@ class Timings:
   first_scheduled: float | None = None
   first_token: float | None = None
   finished: float | None = None
+  encode_s: float = 0.0  # spent encoding its images (calls that encoded one of them)
 
   @property
   def queue_s(self) -> float | None:
@@ -108,6 +109,10 @@ class Request:
   # Speculative decoding: its drafter, estimates and counters (`speculative.runtime.
   # RequestSpec`, set at admission; None: the request drafts nothing).
   spec: Any = None
+  # Images (`multimodal.ImageInput`, in prompt order): their placeholder spans, pixels and
+  # content hashes; `image_features` holds encoder outputs by image index while it prefills.
+  images: tuple[Any, ...] = ()
+  image_features: dict[int, Any] = dataclasses.field(default_factory=dict)
   finish_reason: str | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))

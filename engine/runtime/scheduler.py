@@ -174,7 +174,7 @@ class Scheduler:
     full = min(num_computed, req.num_tokens) // self.pool.page_size
     if full > len(req.page_keys):  # hash only the newly full pages, chained on the last key
       req.page_keys = page_keys(req.all_ids[:full * self.pool.page_size], self.pool.page_size,
-                                self.prefix_salt, known=req.page_keys)
+                                self.prefix_salt, known=req.page_keys, images=req.images)
     for j in range(req.num_cached_pages, full):
       self.pool.cache_page(req.pages[j], req.page_keys[j])
     req.num_cached_pages = max(req.num_cached_pages, full)
@@ -188,7 +188,7 @@ class Scheduler:
       return
     usable = (req.num_tokens - 1) // self.pool.page_size
     keys = page_keys(req.all_ids[:usable * self.pool.page_size], self.pool.page_size,
-                     self.prefix_salt)
+                     self.prefix_salt, images=req.images)
     hits = self.pool.match_prefix(keys)
     req.pages = list(hits)
     req.page_keys = keys[:len(hits)]

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
-from engine.model.transformer import Cache, compute_logits, forward
+from engine.model.transformer import Cache, compute_logits, embed_tokens, forward
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 
 
@@ -44,6 +44,23 @@ def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array
     request's known tokens), its logprobs (`sampling.token_logprobs`), cache).
   """
   hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
+  tokens, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
+  return tokens, lps, cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def model_step_embeds(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                      n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
+                      features: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
+                      impl: KernelChoice = REFERENCE
+                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], Cache]:
+  """`model_step` whose rows hold image placeholders: positions with `mask` [B, W] take
+  `features` [B, W, H] (the image's encoder output rows, `multimodal_step`) as their input
+  embedding instead of the token's."""
+  embeds = embed_tokens(params, tokens, cfg)
+  embeds = jnp.where(mask[..., None], features.astype(embeds.dtype), embeds)
+  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
+                          input_embeds=embeds)
   tokens, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
   return tokens, lps, cache
 

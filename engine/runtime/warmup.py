@@ -6,7 +6,8 @@ no real cache entry changes: mixed prefill/decode shapes (and the draft model's 
 forward at each), the plain decode loop per decode batch size (and the learned table's update
 from its tokens), the speculative loop per decode batch size when the engine has drafters, then
 `SpecRuntime.measure_costs`. The decode loops run every branch once (block widths, logprobs,
-model drafters): a branch's first run is slow (`_spec_branches`).
+model drafters): a branch's first run is slow (`_spec_branches`). A model with a vision tower
+also compiles each mixed shape's image-prefill program (`steps.model_step_embeds`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
           np.zeros((b, w), np.int32), impl=eng.config.kernels)
     elif kind == "step":
       _plain_step(eng, b, w)
+    if kind == "step" and eng.images.pad_id is not None:  # image prefill (`steps.
+      _image_step(eng, b, w)                             # model_step_embeds`)
     elif kind == "spec":
       _spec_branches(eng, zeros, past, table, samp, stop_ids)
     else:  # (once with logprobs: `steps.decode_loop`'s conditional)
@@ -88,3 +91,15 @@ def _plain_step(eng: Any, b: int, w: int) -> None:
   _, _, eng.cache = steps.model_step(
       eng.params, eng.cache, np.zeros((b, w), np.int32), past, np.full((b,), w, np.int32),
       table, eng._sampling_arrays([None] * b), cfg=eng.cfg, impl=eng.config.kernels)
+
+
+def _image_step(eng: Any, b: int, w: int) -> None:
+  """The mixed step whose rows take image features, once (the tower itself compiles per image
+  grid when first met)."""
+  table = np.full((b, eng.max_pages_per_seq), NULL_PAGE, np.int32)
+  past = np.full((b,), eng.max_pages_per_seq * eng.config.page_size, np.int32)
+  _, _, eng.cache = steps.model_step_embeds(
+      eng.params, eng.cache, np.zeros((b, w), np.int32), past, np.full((b,), w, np.int32),
+      table, eng._sampling_arrays([None] * b), np.zeros((b, w, eng.cfg.hidden_size),
+                                                        eng.images.dtype),
+      np.ones((b, w), bool), cfg=eng.cfg, impl=eng.config.kernels)

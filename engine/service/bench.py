@@ -4,6 +4,7 @@
     python -m engine.bench --dataset=shared_prefix --request_rate=4 --json_out=bench.json
     python -m engine.bench --dataset=multi_turn --num_turns=3 --concurrency=4
     python -m engine.bench --backend=openai --base_url=http://127.0.0.1:8000/v1 --dataset=agent
+    python -m engine.bench --dataset=image --image_size=448x448 --images_per_request=2
 
 Requests arrive as a Poisson process (`--request_rate` per second; inf sends at once), at most
 `--concurrency` in flight. Datasets are token ids drawn from the model's vocabulary (from
@@ -14,7 +15,10 @@ and, as chat requests, `agent`: multi-turn tool use, every conversation opening 
 long system prompt and tools; each turn the assistant calls a tool (the call the server parsed
 from the reply, else one in the conversation's script, since a model without tool calling
 never makes one), the tool's result comes back, the next turn extends the conversation (a
-growing prefix shared by all turns, and the system prompt by all conversations).
+growing prefix shared by all turns, and the system prompt by all conversations), and `image`:
+chat requests of `--images_per_request` synthetic PNGs of `--image_size` each
+(`--image_repeat` resends earlier requests: encoder-cache and prefix-cache hits); over gRPC
+the TTFT is split into the server's image encoding time and the rest (queue and prefill).
 `--backend=grpc` (`Generate`, `Chat`) or `openai` (`/v1/completions` with token-id prompts,
 `/v1/chat/completions`, through the `openai` package; `--base_url`).
 
@@ -54,8 +58,8 @@ flags.DEFINE_integer("concurrency", 8, "Most requests (conversations) in flight.
 flags.DEFINE_float("request_rate", math.inf, "Poisson arrival rate per second (inf: all at "
                    "once).")
 flags.DEFINE_integer("seed", 0, "Dataset and arrival seed.")
-flags.DEFINE_enum("dataset", "random", ["random", "shared_prefix", "multi_turn", "agent"],
-                  "Workload.")
+flags.DEFINE_enum("dataset", "random", ["random", "shared_prefix", "multi_turn", "agent",
+                                        "image"], "Workload.")
 flags.DEFINE_integer("input_len", 64, "Mean prompt tokens (new tokens per turn for multi_turn).")
 flags.DEFINE_integer("output_len", 32, "Mean tokens generated per request.")
 flags.DEFINE_float("range_ratio", 0.5, "Lengths are uniform in len * [1 - r, 1 + r].")
@@ -64,6 +68,13 @@ flags.DEFINE_integer("num_prefixes", 4, "shared_prefix: distinct prefixes.")
 flags.DEFINE_integer("num_turns", 3, "multi_turn, agent: turns per conversation.")
 flags.DEFINE_bool("agent_tools", True, "agent: declare the tools in the request (off for "
                   "models whose template has no tool calling, such as the demo's).")
+flags.DEFINE_string("image_size", "448x448", "image: WIDTHxHEIGHT (or one number) of each "
+                    "synthetic image.")
+flags.DEFINE_integer("images_per_request", 1, "image: images in each chat request.",
+                     lower_bound=1)
+flags.DEFINE_float("image_repeat", 0.0, "image: fraction of requests that resend an earlier "
+                   "request's images and text (encoder and prefix cache hits).", lower_bound=0,
+                   upper_bound=1)
 flags.DEFINE_string("json_out", None, "Also write the results here.")
 
 PERCENTILES = (50, 90, 99)
@@ -78,6 +89,51 @@ class Conversation:
 
 
 RequestResult = Sample  # one request's outcome (bench_backends)
+
+
+@dataclasses.dataclass
+class ImageChat:
+  """One chat request: a user message with images (data: URLs) and a short question."""
+  messages: list[dict]
+  output_len: int
+
+
+def synthetic_image(width: int, height: int, rng: np.random.Generator) -> bytes:
+  """A PNG of smooth random colour fields (noise would make every file its maximum size)."""
+  from PIL import Image
+  import io
+  coarse = rng.integers(0, 256, (max(1, height // 32), max(1, width // 32), 3), np.uint8)
+  img = Image.fromarray(coarse).resize((width, height), Image.BILINEAR)
+  buf = io.BytesIO()
+  img.save(buf, format="PNG")
+  return buf.getvalue()
+
+
+def make_image_dataset(num_prompts: int, width: int, height: int, images_per_request: int,
+                       output_len: int, repeat: float = 0.0, range_ratio: float = 0.5,
+                       seed: int = 0) -> list[ImageChat]:
+  """Chat requests of `images_per_request` synthetic images each; a `repeat` fraction sends
+  an earlier request's images and text again (its encoder outputs and KV pages are cached)."""
+  import base64
+  rng, nrng = random.Random(seed), np.random.default_rng(seed)
+  out: list[ImageChat] = []
+  for i in range(num_prompts):
+    if out and rng.random() < repeat:
+      out.append(ImageChat(rng.choice(out).messages, _length(rng, output_len, range_ratio)))
+      continue
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.
+                                                  b64encode(synthetic_image(width, height,
+                                                                            nrng)).decode()}}
+             for _ in range(images_per_request)]
+    parts.append({"type": "text", "text": f"Describe image set {i} in one line."})
+    out.append(ImageChat([{"role": "user", "content": parts}],
+                         _length(rng, output_len, range_ratio)))
+  return out
+
+
+def parse_size(text: str) -> tuple[int, int]:
+  w, _, h = text.lower().partition("x")
+  return int(w), int(h or w)
 
 
 @dataclasses.dataclass
@@ -206,9 +262,15 @@ async def run_benchmark(target: str, conversations: Sequence[Any], concurrency: 
         messages.extend({"role": "tool", "tool_call_id": c["id"],
                          "content": conv.tool_results[turn]} for c in calls)
 
+    async def ask(conv: ImageChat) -> None:
+      results.append(await client.chat(conv.messages, None, conv.output_len))
+
     async def one(conv: Any) -> None:
       async with limit:
-        await (act(conv) if isinstance(conv, AgentConversation) else converse(conv))
+        if isinstance(conv, ImageChat):
+          await ask(conv)
+        else:
+          await (act(conv) if isinstance(conv, AgentConversation) else converse(conv))
 
     t0 = time.perf_counter()
     tasks = []
@@ -239,7 +301,13 @@ def summarize(results: Sequence[Sample], duration_s: float,
       errors[r.error] = errors.get(r.error, 0) + 1
   prompt = sum(r.prompt_tokens for r in ok)
   output = sum(r.output_tokens for r in ok)
-  return dict(
+  # TTFT split (gRPC reports the server's encode time): encode, and the rest (queue+prefill).
+  split = [r for r in ok if r.encode_s is not None]
+  ttft_split = None if not split else dict(
+      encode_ms=_dist_ms([r.encode_s for r in split]),
+      prefill_ms=_dist_ms([max(0.0, r.ttft_s - r.encode_s) for r in split]),
+      encode_share=sum(r.encode_s for r in split) / max(sum(r.ttft_s for r in split), 1e-9))
+  return dict(ttft_split=ttft_split,
       completed=len(ok), failed=len(results) - len(ok), errors=errors,
       duration_s=duration_s, request_throughput=len(ok) / duration_s,
       input_tokens=prompt, output_tokens=output,
@@ -267,10 +335,15 @@ def format_table(summary: dict[str, Any]) -> str:
            + ("n/a" if summary["tool_call_parse_success"] is None
               else f"{summary['tool_call_parse_success']:.1%}") + ")",
            f"{'(ms)':<10}" + "".join(f"{k:>10}" for k in ("mean", "p50", "p90", "p99", "max"))]
-  for name in ("ttft", "tpot", "itl", "e2el"):
-    d = summary[f"{name}_ms"]
-    lines.append(f"{name.upper():<10}" + "".join(f"{d[k]:>10.1f}" for k in
-                                                 ("mean", "p50", "p90", "p99", "max")))
+  rows = [(name.upper(), summary[f"{name}_ms"]) for name in ("ttft", "tpot", "itl", "e2el")]
+  split = summary.get("ttft_split")
+  if split and split["encode_ms"]["max"] > 0:
+    rows[1:1] = [(" encode", split["encode_ms"]), (" prefill", split["prefill_ms"])]
+  for name, d in rows:
+    lines.append(f"{name:<10}" + "".join(f"{d[k]:>10.1f}" for k in
+                                         ("mean", "p50", "p90", "p99", "max")))
+  if split and split["encode_ms"]["max"] > 0:
+    lines.append(f"{'encode share of TTFT':<28}{split['encode_share']:.1%}")
   return "\n".join(lines)
 
 
@@ -304,13 +377,18 @@ def main(argv: list[str]) -> int:
   room = max_model_len - FLAGS.output_len * 2
   input_len = min(FLAGS.input_len, max(1, room // 2))
   prefix_len = min(FLAGS.prefix_len, max(1, room - 2 * input_len))
-  if FLAGS.dataset == "agent":
+  if FLAGS.dataset == "image":
+    width, height = parse_size(FLAGS.image_size)
+    convs: list[Any] = make_image_dataset(FLAGS.num_prompts, width, height,
+                                          FLAGS.images_per_request, FLAGS.output_len,
+                                          FLAGS.image_repeat, FLAGS.range_ratio, FLAGS.seed)
+  elif FLAGS.dataset == "agent":
     # ~3 characters a token for the tools' JSON, ~30 tokens of markup a turn, ~2 tokens a
     # word; the last turn's prompt holds the system prompt, the task, every answer and result.
     budget = (max_model_len - FLAGS.output_len - 30 * FLAGS.num_turns
               - (len(json.dumps(AGENT_TOOLS)) // 3 if FLAGS.agent_tools else 0))
     words = max(1, budget // 2 // (FLAGS.num_turns * 2 + 2))
-    convs: list[Any] = make_agent_dataset(
+    convs = make_agent_dataset(
         FLAGS.num_prompts, FLAGS.num_turns, min(FLAGS.prefix_len, words),
         min(FLAGS.input_len, words), min(FLAGS.output_len, words), FLAGS.range_ratio,
         FLAGS.seed)
@@ -329,7 +407,11 @@ def main(argv: list[str]) -> int:
   summary["config"] = dict(backend=FLAGS.backend, target=target, model=model,
                            dataset=FLAGS.dataset, num_prompts=FLAGS.num_prompts,
                            concurrency=FLAGS.concurrency, request_rate=str(FLAGS.request_rate),
-                           seed=FLAGS.seed, input_len=input_len, output_len=FLAGS.output_len)
+                           seed=FLAGS.seed, input_len=input_len, output_len=FLAGS.output_len,
+                           **(dict(image_size=FLAGS.image_size,
+                                   images_per_request=FLAGS.images_per_request,
+                                   image_repeat=FLAGS.image_repeat)
+                              if FLAGS.dataset == "image" else {}))
   print(f"moejax serving benchmark: {FLAGS.dataset}, {FLAGS.num_prompts} requests, "
         f"concurrency {FLAGS.concurrency}, rate {FLAGS.request_rate}/s against {target} "
         f"({FLAGS.backend})")

@@ -35,6 +35,7 @@ class Sample:
   token_ids: list[int] = dataclasses.field(default_factory=list)
   text: str = ""
   tool_calls: list[dict] = dataclasses.field(default_factory=list)
+  encode_s: float | None = None  # the server's image encoding time (gRPC reports it)
 
 
 def _timed(sent_at: float, times: Sequence[float], **fields: Any) -> Sample:
@@ -100,7 +101,8 @@ class GrpcBackend:
         for c in final.complete_tool_calls]
     u = final.final.usage
     return _timed(sent_at, times, prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
-                  output_tokens=u.completion_tokens, text="".join(text), tool_calls=calls)
+                  output_tokens=u.completion_tokens, text="".join(text), tool_calls=calls,
+                  encode_s=final.final.timings.encode_s)
 
 
 class OpenAIBackend:

@@ -25,7 +25,7 @@ from google.protobuf import json_format
 
 from engine.model import chat_template as templates
 from engine.runtime.request import FINISH_STOP, RequestOutput
-from engine.service import chat_parsers
+from engine.service import chat_parsers, images
 from engine.service.chat_parsers import ChatDelta
 from engine.service import validation
 from engine.service.validation import FieldError, ParsedRequest, RequestLimits
@@ -41,6 +41,14 @@ class ChatInputs:
   family: str  # the output parser family
   starts_in_reasoning: bool
   tools_enabled: bool
+  images: tuple[Any, ...] = ()  # `multimodal.ImageInput`s, on media_pad runs of prompt_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Vision:
+  """What the edge needs of a model's vision tower: its placeholder id and preprocessing."""
+  pad_id: int
+  processor: Any  # image_processing.ImageProcessorConfig
 
 
 def field_error(e: ValueError, default: str = "messages") -> FieldError:
@@ -90,12 +98,18 @@ def _text_size(obj: Any) -> int:
 
 def prepare(template: Any, tokenizer: Any, limits: RequestLimits, *, messages: Any,
             tools: Any, tool_choice: Any, template_kwargs: Any, family: str | None,
-            kwargs_field: str = "chat_template_kwargs") -> ChatInputs:
-  """Validates, renders and tokenises a conversation (runs on a tokenizer thread)."""
+            kwargs_field: str = "chat_template_kwargs", vision: Vision | None = None
+            ) -> ChatInputs:
+  """Validates, renders and tokenises a conversation (runs on a tokenizer thread). Image
+  parts are decoded and checked (`images.extract`), refused where `vision` is None."""
   if template is None or tokenizer is None:
     raise FieldError("messages", "this model has no chat template; use completions")
   if not isinstance(messages, list) or not messages:
     raise FieldError("messages", "must be a non-empty array of messages")
+  messages, found = images.extract(messages, limits)
+  if found and vision is None:
+    raise FieldError(found[0].field, "this model has no vision tower: image inputs are not "
+                     "accepted")
   try:
     tools = templates.validate_tools(tools) or None
   except ValueError as e:
@@ -122,11 +136,14 @@ def prepare(template: Any, tokenizer: Any, limits: RequestLimits, *, messages: A
     raise field_error(e) from None
   if not ids:
     raise FieldError("messages", "the rendered conversation encodes to no tokens")
+  image_inputs: tuple[Any, ...] = ()
+  if vision is not None:  # one <|media_pad|> per image -> its tokens (none without images)
+    ids, image_inputs = images.to_inputs(ids, found, vision.pad_id, vision.processor)
   # Whether the generation prompt opened a think block (K2.5's ends in `<think>`).
   tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
   return ChatInputs(prompt_ids=ids, family=family or template.family or "none",
                     starts_in_reasoning=chat_parsers.starts_in_reasoning(tail),
-                    tools_enabled=mode != "none")
+                    tools_enabled=mode != "none", images=image_inputs)
 
 
 # ---- gRPC `ChatRequest` ----------------------------------------------------------------------
@@ -138,6 +155,13 @@ def proto_conversation(request: Any) -> dict[str, Any]:
   for m in request.messages:
     d: dict[str, Any] = {"role": m.role}
     d["content"] = m.content if m.HasField("content") else None
+    if m.content_parts:
+      if m.HasField("content"):
+        raise FieldError(f"messages[{len(messages)}].content_parts", "give content or "
+                         "content_parts, not both")
+      d["content"] = [{"type": "text", "text": p.text} if p.WhichOneof("part") == "text"
+                      else {"type": "image_bytes", "image_bytes": p.image.data}
+                      for p in m.content_parts]
     if m.reasoning_content:
       d["reasoning_content"] = m.reasoning_content
     if m.tool_calls:
@@ -177,18 +201,19 @@ def proto_conversation(request: Any) -> dict[str, Any]:
 
 
 def parse_chat_request(request: Any, template: Any, tokenizer: Any, limits: RequestLimits,
-                       family: str | None) -> tuple[ParsedRequest, ChatInputs]:
+                       family: str | None, vision: Vision | None = None
+                       ) -> tuple[ParsedRequest, ChatInputs]:
   """Validates a ChatRequest (sampling as Generate's); FieldError names the first bad field."""
   rid = validation.check_request_id(request.request_id, limits)
   inputs = prepare(template, tokenizer, limits, family=family, kwargs_field="template_kwargs",
-                   **proto_conversation(request))
+                   vision=vision, **proto_conversation(request))
   sampling = validation.sampling_params(request.sampling)
   stop = dataclasses.replace(validation.stop_params(request.sampling, len(inputs.prompt_ids),
                                                     limits, "messages"),
                              skip_special_tokens=False)
   spec = validation.check_speculative(request.speculative, limits)
   sampling = dataclasses.replace(sampling, **spec)
-  return ParsedRequest(rid, inputs.prompt_ids, sampling, stop), inputs
+  return ParsedRequest(rid, inputs.prompt_ids, sampling, stop, inputs.images), inputs
 
 
 class ChatStream:

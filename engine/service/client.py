@@ -16,6 +16,7 @@ Errors arrive as `grpc.RpcError` (`.code()`, `.details()`), never inside the str
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import time
@@ -75,8 +76,15 @@ def build_chat_request(messages: Sequence[dict], *, tools: Sequence[dict] | None
   for m in messages:
     msg = req.messages.add(role=m["role"], reasoning_content=m.get("reasoning_content") or "",
                            tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
-    if m.get("content") is not None:
-      msg.content = m["content"]
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI content parts: text, image_url (data: URLs), image
+      for part in content:
+        if part.get("type") == "text":
+          msg.content_parts.add(text=part["text"])
+        else:
+          msg.content_parts.add(image=pb.ImageData(data=_image_bytes(part)))
+    elif content is not None:
+      msg.content = content
     for c in m.get("tool_calls") or ():
       msg.tool_calls.add(id=c.get("id", ""), type=c.get("type", "function"),
                          function=pb.FunctionCall(name=c["function"]["name"],
@@ -93,6 +101,18 @@ def build_chat_request(messages: Sequence[dict], *, tools: Sequence[dict] | None
   if template_kwargs:
     req.template_kwargs.update(template_kwargs)
   return req
+
+
+def _image_bytes(part: dict) -> bytes:
+  """An image part's file bytes: {"type": "image", "image": bytes} or an OpenAI image_url
+  part with a data: URL (the server does not fetch for gRPC clients)."""
+  if part.get("type") == "image":
+    return bytes(part["image"])
+  url = part.get("image_url")
+  url = url.get("url") if isinstance(url, dict) else url
+  if not (isinstance(url, str) and url.startswith("data:") and ";base64," in url):
+    raise ValueError("image parts over gRPC: bytes or a base64 data: URL")
+  return base64.b64decode(url.split(",", 1)[1])
 
 
 @dataclasses.dataclass

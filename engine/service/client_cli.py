@@ -3,6 +3,7 @@ r"""Streams a generation from a running server.
     python -m engine.client --prompt="def fib(n):" --max_tokens=64
     python -m engine.client --target=HOST:PORT --prompt_ids=1,5,6 --json
     python -m engine.client --chat --prompt="def fib(n):"        # one user message, via Chat
+    python -m engine.client --chat --image=cat.png --prompt="What is this?"   # with an image
     python -m engine.client --info                                # model info and server load
     python -m engine.client --list              # services and methods (server reflection)
 
@@ -34,6 +35,8 @@ flags.DEFINE_string("prompt_ids", None, "Comma-separated prompt token ids.")
 flags.DEFINE_bool("chat", False, "Send --prompt as a user message through Chat (the model's "
                   "chat template; reasoning and tool calls parsed).")
 flags.DEFINE_string("system", None, "--chat: a system message first.")
+flags.DEFINE_multi_string("image", [], "--chat: an image file sent before the prompt "
+                          "(repeatable; models with a vision tower).")
 flags.DEFINE_string("request_id", "", "Request id (default: assigned by the server).")
 flags.DEFINE_integer("max_tokens", None, "Tokens to generate (server default 64).")
 flags.DEFINE_integer("min_tokens", None, "Stops are not honoured before this many tokens.")
@@ -79,8 +82,15 @@ def list_services(channel: grpc.Channel) -> list[str]:
 def _chat(client: InferenceClient) -> int:
   if FLAGS.prompt is None:
     raise SystemExit("--chat takes --prompt")
+  user: str | list[dict] = FLAGS.prompt
+  if FLAGS.image:  # image files first, then the text (ContentPart images: the file's bytes)
+    images = []
+    for path in FLAGS.image:
+      with open(path, "rb") as fh:
+        images.append({"type": "image", "image": fh.read()})
+    user = images + [{"type": "text", "text": FLAGS.prompt}]
   messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else []) + [
-      {"role": "user", "content": FLAGS.prompt}]
+      {"role": "user", "content": user}]
   parts: dict[str, list[str]] = {"reasoning_content": [], "content": []}
   final, calls = None, []
   for r in client.chat_stream(messages, stop=[unescape(x) for x in FLAGS.stop],

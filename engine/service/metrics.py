@@ -33,6 +33,12 @@ ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix "
                              "cache (full pages only)."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
+    "images_encoded": ("images_encoded", "Images run through the vision tower."),
+    "encoder_cache_queries": ("encoder_cache_queries", "Images looked up in the encoder-output "
+                              "cache (by content hash)."),
+    "encoder_cache_hits": ("encoder_cache_hits", "Images whose encoder output came from the "
+                           "cache (not encoded again)."),
+    "image_encode_seconds": ("image_encode_seconds", "Seconds spent in vision tower calls."),
 }
 # The pool counts prefix-cache lookups in pages; vLLM's counters are in tokens.
 PAGE_COUNTED = ("prefix_cache_queries", "prefix_cache_hits")

@@ -32,7 +32,7 @@ class ChatPlan:
 
 
 def parse_chat(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits, served: str,
-               family: str | None) -> ChatPlan:
+               family: str | None, vision: chat.Vision | None = None) -> ChatPlan:
   """A /v1/chat/completions body -> engine requests (runs on a tokenizer thread)."""
   body = protocol.load_body(raw)
   if "messages" not in body:
@@ -51,10 +51,10 @@ def parse_chat(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits,
   inputs = chat.prepare(template, tokenizer, limits, messages=body["messages"],
                         tools=body.get("tools"), tool_choice=body.get("tool_choice"),
                         template_kwargs=get(body, "chat_template_kwargs", dict, None),
-                        family=family)
+                        family=family, vision=vision)
   plan_id = f"chatcmpl-{secrets.token_hex(12)}"
   requests = protocol.choice_requests(plan_id, [inputs.prompt_ids], c, skip_special_tokens=False,
-                                      prompt_field="messages")
+                                      prompt_field="messages", images=inputs.images)
   return ChatPlan(plan_id, c, requests, inputs, logprobs)
 
 

@@ -348,7 +348,7 @@ class OpenAIHTTP:
     raw = await self._body(request)
     plan = await srv.tokenize(openai_chat.parse_chat, raw, srv.engine.chat_template,
                               srv.engine.tokenizer, srv.limits, srv.config.model_name,
-                              srv.chat_family)
+                              srv.chat_family, srv.vision)
     choices = openai_chat.ChatChoices(plan, srv.engine.tokenizer)
 
     async def events(group: RequestGroup) -> AsyncIterator[bytes]:

@@ -144,7 +144,7 @@ def common(body: dict, limits: RequestLimits, served: str, *, logprobs: int | No
 
 def choice_requests(base_id: str, prompts: Sequence[list[int]], c: Common,
                     skip_special_tokens: bool = True,
-                    prompt_field: str = "prompt") -> list[ParsedRequest]:
+                    prompt_field: str = "prompt", images: tuple = ()) -> list[ParsedRequest]:
   """One engine request per (prompt, choice), choice index = prompt * n + j. Choice j samples
   with seed + j, so n choices differ and a seeded request repeats."""
   requests = []
@@ -154,7 +154,7 @@ def choice_requests(base_id: str, prompts: Sequence[list[int]], c: Common,
                                  skip_special_tokens=skip_special_tokens, prompt_field=field)
     for j in range(c.n):
       sampling = dataclasses.replace(c.sampling, seed=(c.sampling.seed + j) % 2**32)
-      requests.append(ParsedRequest(f"{base_id}-{p * c.n + j}", ids, sampling, stop))
+      requests.append(ParsedRequest(f"{base_id}-{p * c.n + j}", ids, sampling, stop, images))
   return requests
 
 

@@ -96,6 +96,17 @@ flags.DEFINE_integer("think_end_token_id", None, "Reasoning parser: think-end to
 flags.DEFINE_enum("chat_parser", None, list(PARSER_FAMILIES), "Output parser of chat requests "
                   "(tool calls, reasoning; default: from the chat template's tool markup, else "
                   "the model type).")
+flags.DEFINE_integer("max_images_per_request", 8, "Most images in one chat request.",
+                     lower_bound=0)
+flags.DEFINE_integer("max_image_bytes", 8 << 20, "Largest image file (decoded data: URL, "
+                     "fetched body, gRPC image part).", lower_bound=1)
+flags.DEFINE_integer("max_image_pixels", 4096 * 4096, "Largest image, width x height "
+                     "(checked on the file's header, before decoding).", lower_bound=1)
+flags.DEFINE_bool("allow_image_urls", False, "Fetch http(s) image URLs of chat requests "
+                  "(with --image_url_timeout_s and --max_image_bytes; off: refused with 400).")
+flags.DEFINE_float("image_url_timeout_s", 10.0, "Time limit of one image URL fetch.")
+flags.DEFINE_integer("encoder_cache_mb", 256, "Image encoder outputs kept for images sent "
+                     "again (MiB).", lower_bound=0)
 flags.DEFINE_bool("starts_in_reasoning", False, "Generation starts inside the reasoning (the "
                   "chat template already wrote think-start).")
 
@@ -128,7 +139,9 @@ def server_config() -> ServerConfig:
       max_prompt_chars=FLAGS.max_prompt_chars,
       keepalive_time_ms=FLAGS.keepalive_time_ms, keepalive_timeout_ms=FLAGS.keepalive_timeout_ms,
       stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning,
-      chat_parser=FLAGS.chat_parser)
+      chat_parser=FLAGS.chat_parser, max_images_per_request=FLAGS.max_images_per_request,
+      max_image_bytes=FLAGS.max_image_bytes, max_image_pixels=FLAGS.max_image_pixels,
+      allow_image_urls=FLAGS.allow_image_urls, image_url_timeout_s=FLAGS.image_url_timeout_s)
 
 
 async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> None:
@@ -189,7 +202,8 @@ def main(argv: list[str]) -> int:
         traffic_stats_path=FLAGS.traffic_stats_path,
         speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
         drafters=tuple(FLAGS.drafters), num_draft_tokens=FLAGS.num_draft_tokens,
-        adaptive_k=FLAGS.adaptive_k, measure_spec_costs=FLAGS.measure_spec_costs),
+        adaptive_k=FLAGS.adaptive_k, measure_spec_costs=FLAGS.measure_spec_costs,
+        encoder_cache_bytes=FLAGS.encoder_cache_mb << 20),
         draft_model=draft)
   except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -41,7 +41,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.runtime.engine import Engine
-from engine.service import chat_parsers, reflection, validation, wire
+from engine.service import chat, chat_parsers, reflection, validation, wire
 from engine.service.engine_loop import EngineLoop
 from engine.service.metrics import ServingMetrics
 from engine.service.openai_http import OpenAIHTTP
@@ -82,6 +82,12 @@ class ServerConfig:
   # markup decides, else the model type).
   chat_parser: str | None = None
   warmup: bool = True  # compile every bucket before reporting SERVING
+  # Image inputs of chat requests (`images.py`): per request, per image file, per image.
+  max_images_per_request: int = 8
+  max_image_bytes: int = 8 << 20
+  max_image_pixels: int = 4096 * 4096
+  allow_image_urls: bool = False  # fetch http(s) image URLs (off: refused with 400)
+  image_url_timeout_s: float = 10.0
 
   def grpc_options(self) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", self.max_message_bytes),
@@ -116,7 +122,17 @@ class InferenceServer:
     self.limits = validation.RequestLimits(
         vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
         num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings,
-        max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled)
+        max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled,
+        max_images_per_request=config.max_images_per_request,
+        max_image_bytes=config.max_image_bytes, max_image_pixels=config.max_image_pixels,
+        allow_image_urls=config.allow_image_urls,
+        image_url_timeout_s=config.image_url_timeout_s)
+    pad_id = engine.images.pad_id  # None: no vision tower (image parts refused)
+    self.vision = (chat.Vision(pad_id, engine.image_processor)
+                   if pad_id is not None and engine.image_processor is not None else None)
+    if pad_id is not None and self.vision is None:
+      logging.warning("the model has a vision tower but the engine no image_processor "
+                      "(Engine.from_model reads preprocessor_config.json): images refused")
     template = engine.chat_template
     self.chat_family = config.chat_parser or (template.family if template is not None else None
                                               ) or chat_parsers.family_for(engine.cfg.model_type)
@@ -277,7 +293,8 @@ class InferenceServer:
     if not self.engine_loop.subscribe(rid, deliver):
       raise Rejected(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in use")
     try:
-      self.engine.add_request(parsed.prompt_ids, parsed.sampling, parsed.stop, rid)
+      self.engine.add_request(parsed.prompt_ids, parsed.sampling, parsed.stop, rid,
+                              images=parsed.images)
     except ValueError as e:
       self.engine_loop.unsubscribe(rid)
       raise Rejected(grpc.StatusCode.ALREADY_EXISTS if str(e).startswith("request_id")

@@ -63,6 +63,7 @@ def fill_final(final: pb.FinalInfo, out: RequestOutput) -> None:
   final.timings.queue_s = t.queue_s or 0.0
   final.timings.ttft_s = t.ttft_s or 0.0
   final.timings.e2e_s = t.e2e_s or 0.0
+  final.timings.encode_s = t.encode_s
 
 
 def chat_response(out: RequestOutput, stream: chat.ChatStream) -> pb.ChatResponse:
@@ -169,7 +170,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     srv, engine = self.srv, self.engine
     parsed, inputs = await self._parse(
         context, request.request_id, chat.parse_chat_request, request, engine.chat_template,
-        engine.tokenizer, srv.limits, srv.chat_family)
+        engine.tokenizer, srv.limits, srv.chat_family, srv.vision)
     stream = chat.ChatStream(inputs)
     async for response in self._stream(context, parsed, lambda out: chat_response(out, stream)):
       yield response

@@ -42,6 +42,12 @@ class RequestLimits:
   max_request_id_chars: int = 128
   max_prompt_chars: int = 1 << 20
   drafters: tuple[str, ...] = ()  # drafters the engine enables (requests may choose them)
+  # Images in chat requests (`images.py`).
+  max_images_per_request: int = 8
+  max_image_bytes: int = 8 << 20  # an image file's bytes (decoded base64, fetched body)
+  max_image_pixels: int = 4096 * 4096  # width x height, checked before decoding
+  allow_image_urls: bool = False  # fetch http(s) image URLs (else refused)
+  image_url_timeout_s: float = 10.0
 
   @property
   def max_stop_token_ids(self) -> int:
@@ -55,6 +61,7 @@ class ParsedRequest:
   prompt_ids: list[int]
   sampling: SamplingParams
   stop: StopParams
+  images: tuple[Any, ...] = ()  # `multimodal.ImageInput`s, on media_pad runs of prompt_ids
 
 
 def check_request_id(request_id: str, limits: RequestLimits) -> str:
