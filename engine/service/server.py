@@ -116,7 +116,8 @@ class InferenceServer:
     self.limits = validation.RequestLimits(
         vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
         num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings,
-        max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled)
+        max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled,
+        eos_token_ids=tuple(engine.eos_token_ids))
     template = engine.chat_template
     self.chat_family = config.chat_parser or (template.family if template is not None else None
                                               ) or chat_parsers.family_for(engine.cfg.model_type)

@@ -42,6 +42,7 @@ class RequestLimits:
   max_request_id_chars: int = 128
   max_prompt_chars: int = 1 << 20
   drafters: tuple[str, ...] = ()  # drafters the engine enables (requests may choose them)
+  eos_token_ids: tuple[int, ...] = ()  # the engine's: where a grammar accepts, these may follow
 
   @property
   def max_stop_token_ids(self) -> int:
