@@ -34,12 +34,13 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
-from engine.runtime import compile_cache, steps
+from engine.runtime import compile_cache, steps, structured
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
+from engine.runtime.grammar import compile_grammar
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
-from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopParams,
-                                    TokenLogprob, stop_ids_for)
+from engine.runtime.request import (FINISH_ABORT, FINISH_STOP, Request, RequestOutput,
+                                    StopParams, TokenLogprob, stop_ids_for, wants_logprobs)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
 from engine.runtime.speculative.runtime import SpecRuntime
@@ -80,6 +81,9 @@ class EngineConfig:
   compilation_cache_dir: str | None = dataclasses.field(default_factory=compile_cache.default_dir)
   traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
   kernels: KernelChoice = REFERENCE
+  # Warm-up also compiles the masked step of constrained rows (structured outputs) at every
+  # decode batch size: [B, 1], and [B, num_draft_tokens + 1] with drafters.
+  constrained_warmup: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +170,7 @@ class Engine:
                          finished_stop=0, finished_length=0, finished_abort=0)
     if self.spec.enabled:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
+    self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window)
     self._take_snapshot()
 
   @staticmethod
@@ -200,6 +205,11 @@ class Engine:
     ids = self._encode(prompt)
     sampling.validate()
     spec = self.spec.request_state(self.spec.resolve(sampling.drafter))
+    matcher = None
+    if sampling.structured_outputs is not None:  # GrammarError (a ValueError) with the reason
+      matcher = compile_grammar(sampling.structured_outputs, self.tokenizer,
+                                vocab_size=self.cfg.vocab_size,
+                                eos_token_ids=self.eos_token_ids).matcher()
     stop.validate()
     stop_ids = stop_ids_for(stop, self.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
@@ -222,7 +232,8 @@ class Engine:
       if rid in self.requests:
         raise ValueError(f"request_id: {rid!r} is already in use")
       req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
-                    stop_ids=stop_ids, arrival_order=next(self._order), spec=spec)
+                    stop_ids=stop_ids, arrival_order=next(self._order), spec=spec,
+                    grammar=matcher)
       self.requests[rid] = req
       self._inbox.append(req)
     self._apply_inbox_if_idle()
@@ -302,20 +313,26 @@ class Engine:
       with self._inbox_lock:
         outputs, self._pending = self._pending, []
       plan = self.scheduler.schedule(self._next_decode_steps())
-      if not plan.segments:
+      if not plan.segments and not plan.constrained:
         return outputs
       now = time.monotonic()
-      for seg in plan.segments:
-        if seg.request.timings.first_scheduled is None:
-          seg.request.timings.first_scheduled = now
-      sent = {seg.request.request_id: len(seg.request.output_ids) for seg in plan.segments}
+      reqs = [seg.request for seg in plan.segments] + plan.constrained
+      for req in reqs:
+        if req.timings.first_scheduled is None:
+          req.timings.first_scheduled = now
+      sent = {req.request_id: len(req.output_ids) for req in reqs}
+      # Constrained rows' masks are computed on the worker thread while the main program runs
+      # (`structured.py`); their masked step follows it.
+      masks = (self.constrained.start(plan.constrained, self._draft_limits(plan.constrained))
+               if plan.constrained else None)
       if plan.decode_only:
         self._run_decode_loop(plan)
-      else:
+      elif plan.segments:
         self._run_model_step(plan)
+      if masks is not None:
+        self._run_masked_step(self.constrained.wait(masks))
       self.counters["steps"] += 1
-      for seg in plan.segments:
-        req = seg.request
+      for req in reqs:
         new = req.output_ids[sent[req.request_id]:]
         if new or req.finished:
           outputs.append(request_output(req, new))
@@ -330,6 +347,7 @@ class Engine:
     last row). Returns the call's token budget: a speculative call gets the plain call's time
     and up to num_draft_tokens + 1 tokens per iteration of it."""
     batch = tuple(r.request_id for r in self.scheduler.running)
+    loop_rows = [r for r in self.scheduler.running if not r.constrained]
     if self._closed_batch and not self.scheduler.waiting:
       self._decode_steps = self.config.max_decode_steps  # nothing else can join (`generate`)
     elif self.scheduler.waiting or not set(batch) <= set(self._last_batch):
@@ -337,7 +355,7 @@ class Engine:
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
     self._last_batch = batch
-    self._speculates = self.spec.speculates(self.scheduler.running, self._decode_steps)
+    self._speculates = self.spec.speculates(loop_rows, self._decode_steps)
     return self._decode_steps * ((self.spec.k + 1) if self._speculates else 1)
 
   def _page_table_row(self, req: Request) -> np.ndarray:
@@ -424,6 +442,63 @@ class Engine:
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
                     None if lps is None else [logprob_entry(req, lps, (i, j)) for j in range(n)])
 
+  def _draft_limits(self, reqs: Sequence[Request]) -> list[int]:
+    """Drafts each constrained row may take this step (host n-gram lookup, `structured.py`):
+    rows drafting with "ngram" or "auto", within max_draft_tokens, the tokens the row may still
+    emit and the pages free for them (taken here; nothing is preempted for drafts)."""
+    out = []
+    for req in reqs:
+      k = 0
+      if req.spec is not None and req.spec.drafter in structured.DRAFTERS_ON_HOST:
+        k = min(self.spec.k, req.sampling.max_draft_tokens or self.spec.k,
+                self.scheduler.remaining_tokens(req) - 1)
+        while k > 0 and not self.scheduler.grow(req, req.num_computed + 1 + k):
+          k //= 2
+      out.append(max(k, 0))
+    return out
+
+  def _run_masked_step(self, prep: structured.Prepared) -> None:
+    """The masked step of constrained rows (`steps.masked_step`), then their matchers and
+    stop rules."""
+    reqs = prep.reqs
+    b = self.buckets.decode_rows(len(reqs))
+    tokens, start, n_draft, table, bits = self.constrained.arrays(
+        prep, b, self.max_pages_per_seq, self.config.page_size, self._page_table_row)
+    sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
+    with self._on_mesh():
+      out, counts, lps, self.cache = steps.masked_step(
+          self.params, self.cache, tokens, start, n_draft, table, sampling, bits,
+          wants_logprobs(reqs), cfg=self.cfg, impl=self.config.kernels)
+    out, counts, lps = jax.device_get((out, counts, lps))
+    c = self.constrained.counters
+    c["structured_steps"] += 1
+    for i, req in enumerate(reqs):
+      n, drafted = int(counts[i]), int(n_draft[i])
+      emitted = [int(t) for t in out[i, :n]]
+      c["structured_tokens"] += n
+      if drafted:
+        c["structured_drafted"] += drafted
+        c["structured_accepted"] += n - 1
+        self._count_constrained_drafts(req, drafted, n - 1)
+      for tok in emitted:
+        if not req.grammar.accept(tok):  # cannot happen: every emitted token was allowed
+          raise RuntimeError(f"{req.request_id}: token {tok} outside the grammar's mask "
+                             f"({req.grammar.error()})")
+      self._advance(req, req.num_computed + n, emitted,
+                    None if req.sampling.logprobs is None
+                    else [logprob_entry(req, lps, (i, j)) for j in range(n)])
+      if not req.finished and req.grammar.is_terminated():
+        req.stop_reason = None
+        self._finish(req, FINISH_STOP)
+
+  def _count_constrained_drafts(self, req: Request, drafted: int, accepted: int) -> None:
+    s = req.spec
+    s.drafts, s.drafted, s.accepted = s.drafts + 1, s.drafted + drafted, s.accepted + accepted
+    if self.spec.enabled:
+      self.counters["spec_steps"] += 1
+      self.counters["spec_drafted"] += drafted
+      self.counters["spec_accepted"] += accepted
+
   # ---- host-side token handling (the rules: `outputs.py`) ------------------------------------
 
   def _advance(self, req: Request, num_computed: int, new_ids: list[int],
@@ -493,7 +568,8 @@ class Engine:
     """Stats as of now (step lock held), for readers on other threads."""
     pool = self.pool.stats()
     waiting = list(self.scheduler.waiting)
-    snap = dict(self.counters, num_requests_running=len(self.scheduler.running),
+    snap = dict(self.counters, **self.constrained.counters,
+                num_requests_running=len(self.scheduler.running),
                 num_requests_waiting=len(waiting), kv_cache_usage_perc=pool.usage,
                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
                 num_preemptions=self.scheduler.num_preemptions,
