@@ -250,7 +250,7 @@ def compile_checked(spec: StructuredOutputsParams, field: str, tokenizer: Any,
     raise FieldError(field, "structured outputs need the model's tokenizer; this model has none")
   try:
     compile_grammar(spec, tokenizer, vocab_size=limits.vocab_size,
-                    eos_token_ids=limits.eos_token_ids or None)
+                    eos_token_ids=limits.eos_token_ids)
   except GrammarError as e:
     raise FieldError(field, engine_reason(e)) from None
   return spec
