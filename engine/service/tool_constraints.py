@@ -60,8 +60,8 @@ def parameters_schema(tool: dict) -> dict:
 
 def _with_json_options(schema: Any) -> Any:
   """The engine's JSON options for an inline `%json` (the schema's own x-guidance wins)."""
-  if not isinstance(schema, dict):
-    return schema
+  if isinstance(schema, bool):  # JSON Schema's boolean forms: anything / nothing
+    schema = {} if schema else {"not": {}}
   return {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
 
 
