@@ -82,8 +82,10 @@ class EngineConfig:
   traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
   kernels: KernelChoice = REFERENCE
   # Warm-up also compiles the masked step of constrained rows (structured outputs) at every
-  # decode batch size: [B, 1], and [B, num_draft_tokens + 1] with drafters.
-  constrained_warmup: bool = True
+  # decode batch size: [B, 1], and [B, num_draft_tokens + 1] with drafters. Off by default: on
+  # the 2-core CPU it adds ~25% to warm-up (a serving engine that takes structured outputs
+  # should turn it on; otherwise the first constrained request compiles its shape).
+  constrained_warmup: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
