@@ -235,6 +235,9 @@ def test_response_constraint_after_reasoning_and_strict():
   for strict, want in ((False, True), (True, False)):
     spec = grammar.StructuredOutputsParams(json=structured.schema_text(nested, "s", strict))
     assert accepts(_lark_of(spec), PLAIN, extra) == want
+  # vLLM's disable_additional_properties is the same rule.
+  c = structured.from_structured_outputs({"json": nested, "disable_additional_properties": True})
+  assert not accepts(_lark_of(c.spec), PLAIN, extra) and c.field == "structured_outputs.json"
 
 
 def _lark_of(spec):
@@ -401,6 +404,10 @@ BAD_HTTP = [
     ("completions", dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}),
      "structured_outputs"),
     ("completions", dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+    ("completions", dict(extra_body={"structured_outputs": {"regex": "a", "backend": "outlines"}}),
+     "structured_outputs.backend"),
+    ("completions", dict(extra_body={"structured_outputs": {"structural_tag": "{}"}}),
+     "structured_outputs.structural_tag"),
     ("chat", dict(response_format={"type": "json_object"},
                   extra_body={"structured_outputs": {"regex": "a"}}), "structured_outputs"),
     ("chat", dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),

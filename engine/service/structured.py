@@ -33,10 +33,14 @@ from engine.runtime.grammar import GrammarError, StructuredOutputsParams, compil
 from engine.service import validation
 from engine.service.validation import FieldError, ParsedRequest, RequestLimits
 
-# vLLM's StructuredOutputsParams fields this server honours; its others are refused.
+# vLLM's StructuredOutputsParams: the constraint kinds; options honoured (whitespace is never
+# free here, there is no fallback backend, `disable_additional_properties` is strict); the
+# rest refused.
 _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-_VLLM_REFUSED = ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
-                 "disable_additional_properties", "disable_fallback", "backend")
+_VLLM_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties",
+                 "backend")
+_VLLM_REFUSED = ("structural_tag", "whitespace_pattern")
+_BACKENDS = ("auto", "guidance", "llguidance")
 # vLLM's removed per-kind fields: a client still sending them would get unconstrained output.
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
@@ -152,7 +156,13 @@ def from_structured_outputs(value: Any, field: str = "structured_outputs") -> Co
   for name in _VLLM_REFUSED:
     if value.get(name) not in (None, False):
       raise FieldError(f"{field}.{name}", "is not supported by this server")
-  unknown = sorted(set(value) - set(_VLLM_KINDS) - set(_VLLM_REFUSED))
+  for name in _VLLM_OPTIONS[:3]:
+    _get(value, name, bool, f"{field}.{name}")
+  backend = _get(value, "backend", str, f"{field}.backend")
+  if backend is not None and backend not in _BACKENDS:
+    raise FieldError(f"{field}.backend", f"this server's grammar engine is llguidance; one of "
+                     f"{', '.join(_BACKENDS)}, got {backend!r}")
+  unknown = sorted(set(value) - set(_VLLM_KINDS) - set(_VLLM_OPTIONS) - set(_VLLM_REFUSED))
   if unknown:
     raise FieldError(f"{field}.{unknown[0]}", f"unknown field; one of {', '.join(_VLLM_KINDS)}")
   given = [k for k in _VLLM_KINDS if value.get(k) not in (None, False)]
@@ -168,7 +178,8 @@ def from_structured_outputs(value: Any, field: str = "structured_outputs") -> Co
         v = json.loads(v)
       except ValueError as e:
         raise FieldError(sub, f"not valid JSON: {e}") from None
-    return Constraint(StructuredOutputsParams(json=schema_text(v, sub, strict=False)), sub)
+    strict = value.get("disable_additional_properties") is True
+    return Constraint(StructuredOutputsParams(json=schema_text(v, sub, strict)), sub)
   if kind == "json_object":
     if v is not True:
       raise FieldError(sub, "must be true")
