@@ -173,6 +173,36 @@ def test_tool_grammar_after_reasoning():
         assert len(parsed_calls(family, direct, thinking=True)[0]) == 1
 
 
+def test_kimi_tool_grammar_on_a_tiktoken_tokenizer():
+  """Kimi K2.5's case: a tiktoken tokenizer whose markers and </think> are special ids, a prompt
+  ending in <think>. The control tokens are required; their spelling as text is not them."""
+  from engine.model.tiktoken_tokenizer import KIMI_PAT_STR, NUM_SPECIAL_IDS, TiktokenTokenizer
+  ranks = {bytes([i]): i for i in range(256)}
+  n = len(ranks)
+  names = ["[EOS]", "<|im_end|>", "</think>", KimiK2Parser.tool_begin, KimiK2Parser.section_end,
+           KimiK2Parser.call_begin, KimiK2Parser.header_end, KimiK2Parser.call_end]
+  specials = {f"<|reserved_token_{i}|>": i for i in range(n + len(names), n + NUM_SPECIAL_IDS)}
+  specials.update({name: n + i for i, name in enumerate(names)})
+  tt = TiktokenTokenizer(ranks, specials, set(specials.values()), "[EOS]", pat_str=KIMI_PAT_STR)
+  lark = tool_constraints.tool_call_grammar("kimi_k2", TOOLS, starts_in_reasoning=True,
+                                            tokenizer=tt)
+  assert f"<[{n + 3}]>" in lark and KimiK2Parser.call_begin not in lark
+  m = grammar.compile_grammar(grammar.StructuredOutputsParams(grammar=lark), tt,
+                              vocab_size=n + NUM_SPECIAL_IDS).matcher()
+  text = "The weather, then.</think>" + calls_text(
+      "kimi_k2", [("get_weather", {"city": "Rome", "unit": "c", "days": 2})])
+  ids = tt.encode(text, allow_special_tokens=True).ids
+  assert m.copy().accept_tokens(ids) == len(ids)
+  calls, content = parsed_calls("kimi_k2", tt.decode(ids, skip_special_tokens=False), True)
+  assert [c["id"] for c in calls] == ["functions.get_weather:0"] and not content
+  done = m.copy()
+  done.accept_tokens(ids)
+  assert done.is_terminated()  # then only EOS
+  typed = m.copy()  # the markers typed as text are not the control tokens: still reasoning
+  typed.accept_tokens(tt.encode(text).ids)
+  assert not typed.is_accepting()
+
+
 def random_walk(m, rng, prefer, eos, max_steps=600):
   """Token ids from random choices among the allowed ones (markers preferred when allowed, so
   free text ends); None if the walk did not finish."""
