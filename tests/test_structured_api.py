@@ -13,9 +13,11 @@ output is tool calls that validate, so the constraint is what makes them.
 
 import random
 import re
+import typing
 
 import jsonschema
 import openai
+import pydantic
 from tokenizers import AddedToken, Tokenizer
 
 from engine.model.chat_template import ChatTemplate
@@ -297,6 +299,11 @@ def client_for(bg):
                        max_retries=0, timeout=120)
 
 
+class Entry(pydantic.BaseModel):
+  name: str = pydantic.Field(max_length=12)
+  kind: typing.Literal["file", "dir"]
+
+
 def response_format(schema=ANSWER, strict=True):
   return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
                                                  "strict": strict}}
@@ -310,6 +317,10 @@ def test_response_format_and_structured_outputs_over_http(server):
     choice = got.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), structured.strict_schema(ANSWER))
+  # The client's own structured outputs: a pydantic model as a strict schema, parsed back.
+  got = client.chat.completions.parse(model="demo", messages=USER, max_tokens=64,
+                                      temperature=0, response_format=Entry)
+  assert isinstance(got.choices[0].message.parsed, Entry)
   # Completions: response_format, and vLLM's structured_outputs (choice, regex, json).
   got = client.completions.create(model="demo", prompt="def f(x):", max_tokens=64, temperature=0,
                                   extra_body={"response_format": response_format()})
