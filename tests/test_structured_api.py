@@ -421,6 +421,15 @@ def test_structured_outputs_and_tool_choice_over_grpc(server):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def test_client_command_line_constrains(server):
+  done = subprocess.run(
+      [sys.executable, "-m", "engine.client", f"--target={target(server)}", f"--api_key={KEY}",
+       "--json", "--prompt=import ", "--max_tokens=4", "--choice=os", "--choice=sys"],
+      cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout.strip().splitlines()[-1])["text"] in ("os", "sys")
+
+
 BAD_HTTP = [
     ("chat", dict(response_format={"type": "xml"}), "response_format.type"),
     ("chat", dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
