@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from engine.model.chat_template import ChatTemplate
 from engine.runtime import grammar
-from engine.service import chat_parsers, structured, tool_constraints
+from engine.service import chat_parsers, structured, tool_constraints, validation
 from engine.service.chat_parser_families import DeepSeekV3Parser, KimiK2Parser, Qwen3Parser
 from engine.service.proto import inference_pb2 as pb
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
@@ -203,6 +203,22 @@ def test_kimi_tool_grammar_on_a_tiktoken_tokenizer():
   typed = m.copy()  # the markers typed as text are not the control tokens: still reasoning
   typed.accept_tokens(tt.encode(text).ids)
   assert not typed.is_accepting()
+
+
+def test_tool_choice_needs_a_tool_call_format():
+  limits = validation.RequestLimits(vocab_size=PLAIN.get_vocab_size(), max_model_len=64,
+                                    num_eos_ids=1, eos_token_ids=(2,))
+  kw = dict(parallel=True, starts_in_reasoning=False, fenced=False, tokenizer=PLAIN,
+            limits=limits)
+  with pytest.raises(validation.FieldError) as e:
+    tool_constraints.constraint_for("required", None, TOOLS, family="none", **kw)
+  assert e.value.field == "tool_choice"
+  spaced = [TOOLS[0], {"type": "function", "function": {"name": "read file"}}]
+  with pytest.raises(validation.FieldError) as e:
+    tool_constraints.constraint_for("required", None, spaced, family="kimi_k2", **kw)
+  assert e.value.field == "tools[1].function.name"
+  spec = tool_constraints.constraint_for("named", "read file", spaced, family="qwen3", **kw)
+  assert accepts(spec.grammar, PLAIN, calls_text("qwen3", [("read file", {})]))
 
 
 def random_walk(m, rng, prefer, eos, max_steps=600):
@@ -503,6 +519,9 @@ def test_bad_constraints_are_400_and_invalid_argument(server):
       (chat_request(tools=grpc_tools(), tool_choice=pb.ToolChoice(function_name="nope")),
        "tool_choice.function.name"),
       (chat_request(tool_choice=pb.ToolChoice(mode="required")), "tool_choice"),
+      (chat_request(tools=grpc_tools(), tool_choice=pb.ToolChoice(mode="required"),
+                    structured_outputs=pb.StructuredOutputs(json_object=True)),
+       "structured_outputs"),
       (chat_request(structured_outputs=pb.StructuredOutputs(grammar="start: x\nx: y")),
        "structured_outputs.grammar"),
   ]
