@@ -4,7 +4,7 @@ r"""Streams a generation from a running server.
     python -m engine.client --target=HOST:PORT --prompt_ids=1,5,6 --json
     python -m engine.client --chat --prompt="def fib(n):"        # one user message, via Chat
     python -m engine.client --prompt="import " --choice=os --choice=sys   # constrained output
-    python -m engine.client --prompt="x" --json_schema=@schema.json --strict  # (or --regex, --grammar)
+    python -m engine.client --prompt="x" --json_schema=@schema.json --strict  # or --regex, --grammar
     python -m engine.client --info                                # model info and server load
     python -m engine.client --list              # services and methods (server reflection)
 

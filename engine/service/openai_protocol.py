@@ -5,8 +5,9 @@ OpenAI's `param` would (`messages[1].content`, `max_tokens`), and the HTTP layer
 with it. Fields the engine cannot honour are refused rather than ignored (`echo`, `suffix`,
 non-zero penalties, `logit_bias`); unknown fields are ignored, as OpenAI-compatible servers
 do. `response_format` and vLLM's `structured_outputs` become a compiled output constraint
-(`structured.py`; a bad schema, regex or grammar is a 400 naming it). Sampling defaults are OpenAI's (temperature 1, a random seed
-unless `seed` is given, `max_tokens` up to the context length).
+(`structured.py`; a bad schema, regex or grammar is a 400 naming it). Sampling defaults are
+OpenAI's (temperature 1, a random seed unless `seed` is given, `max_tokens` up to the context
+length).
 """
 
 from __future__ import annotations

@@ -43,7 +43,8 @@ _VLLM_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_addition
 _VLLM_REFUSED = ("structural_tag", "whitespace_pattern")
 _BACKENDS = ("auto", "guidance", "llguidance")
 # vLLM's removed per-kind fields: a client still sending them would get unconstrained output.
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+           "guided_decoding_backend")
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 _ENGINE_PREFIX = re.compile(r"^structured_outputs\.\w+(\[\d+\])?: ")
 
