@@ -86,6 +86,10 @@ class EngineConfig:
   # the 2-core CPU it adds ~25% to warm-up (a serving engine that takes structured outputs
   # should turn it on; otherwise the first constrained request compiles its shape).
   constrained_warmup: bool = False
+  # While constrained rows run (one token per engine step, in the masked step), the other rows'
+  # decode loop runs at most this many iterations per step, so constrained requests are not
+  # starved by long loops (BENCHMARKS.md, "Structured outputs: constrained vs unconstrained").
+  constrained_decode_steps: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +360,8 @@ class Engine:
       self._decode_steps = 1
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
+    if len(loop_rows) < len(self.scheduler.running):  # constrained rows: 1 token per call
+      self._decode_steps = min(self._decode_steps, self.config.constrained_decode_steps)
     self._last_batch = batch
     self._speculates = self.spec.speculates(loop_rows, self._decode_steps)
     return self._decode_steps * ((self.spec.k + 1) if self._speculates else 1)
