@@ -13,6 +13,7 @@ device loop of the other rows). Median of `--repeats` runs. Prints a table, writ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -86,15 +87,21 @@ def main(argv=None):
   warm = time.perf_counter() - t0
   rows = []
   for b in sizes:
-    cases = [("unconstrained", 0, b), ("json schema", b, 0)]
-    if b > 1:
-      cases.append(("mixed half/half", b // 2, b - b // 2))
-    for name, nc, nf in cases:
+    cases = [("unconstrained", 0, b, None), ("json schema", b, 0, None)]
+    if b > 1:  # (the loop cap while constrained rows run: EngineConfig.constrained_decode_steps)
+      cases += [(f"mixed half/half, loop cap {cap}", b // 2, b - b // 2, cap)
+                for cap in (eng.config.constrained_decode_steps, eng.config.max_decode_steps)]
+      cases.append(("unconstrained half alone", 0, b - b // 2, None))
+    default = eng.config
+    for name, nc, nf, cap in cases:
+      eng.config = default if cap is None else dataclasses.replace(
+          default, constrained_decode_steps=cap)
       _run(eng, nc, nf, args.max_tokens)  # first run: traffic-free of compiles and first runs
       runs = [_run(eng, nc, nf, args.max_tokens) for _ in range(args.repeats)]
       med = {k: (statistics.median([r[k] for r in runs]) if isinstance(runs[0][k], float)
                  else runs[0][k]) for k in runs[0]}
       rows.append(dict(batch=b, case=name, **med))
+    eng.config = default
   cols = ["batch", "case", "tok_s", "tok_s_free", "tok_s_constrained", "masked_steps",
           "mask_ms_per_step", "mask_wait_ms_per_step", "finish"]
   print(f"warm-up {warm:.1f} s; max_tokens {args.max_tokens}, ignore_eos, greedy")

@@ -86,6 +86,10 @@ class EngineConfig:
   # the 2-core CPU it adds ~25% to warm-up (a serving engine that takes structured outputs
   # should turn it on; otherwise the first constrained request compiles its shape).
   constrained_warmup: bool = False
+  # While constrained rows run (one token per engine step, in the masked step), the other rows'
+  # decode loop runs at most this many iterations per step, so constrained requests are not
+  # starved by long loops (BENCHMARKS.md, "Structured outputs: constrained vs unconstrained").
+  constrained_decode_steps: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,9 +328,13 @@ class Engine:
           req.timings.first_scheduled = now
       sent = {req.request_id: len(req.output_ids) for req in reqs}
       # Constrained rows' masks are computed on the worker thread while the main program runs
-      # (`structured.py`); their masked step follows it.
-      masks = (self.constrained.start(plan.constrained, self._draft_limits(plan.constrained))
-               if plan.constrained else None)
+      # (`structured.py`), here when there is none (a thread hand-off costs ~3 ms on the CPU);
+      # their masked step follows it.
+      masks = None
+      if plan.constrained:
+        limits = self._draft_limits(plan.constrained)
+        masks = (self.constrained.start(plan.constrained, limits) if plan.segments
+                 else self.constrained.now(plan.constrained, limits))
       if plan.decode_only:
         self._run_decode_loop(plan)
       elif plan.segments:
@@ -356,6 +364,8 @@ class Engine:
       self._decode_steps = 1
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
+    if len(loop_rows) < len(self.scheduler.running):  # constrained rows: 1 token per call
+      self._decode_steps = min(self._decode_steps, self.config.constrained_decode_steps)
     self._last_batch = batch
     self._speculates = self.spec.speculates(loop_rows, self._decode_steps)
     return self._decode_steps * ((self.spec.k + 1) if self._speculates else 1)

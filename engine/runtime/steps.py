@@ -161,7 +161,10 @@ def masked_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Arra
                           impl=impl)
   logits = compute_logits(params, hidden, cfg)  # [B, T, V]
   masked = apply_bitmask(logits.astype(jnp.float32), bitmask)
-  n_acc, extra = verify(masked, tokens[:, 1:], None, n_draft, sampling, start + 1)
+  if t == 1:  # no drafts: verify's rule at K = 0, without its conditionals
+    n_acc, extra = jnp.zeros((b,), jnp.int32), sample(masked[:, 0], sampling, start + 1)
+  else:
+    n_acc, extra = verify(masked, tokens[:, 1:], None, n_draft, sampling, start + 1)
   cols = jnp.arange(t, dtype=jnp.int32)[None, :]
   drafts = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
   emitted = jnp.where(cols < n_acc[:, None], drafts,

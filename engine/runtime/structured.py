@@ -107,6 +107,12 @@ class ConstrainedRows:
   def start(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
     return self._pool.submit(prepare, list(reqs), list(draft_k), self.window, self.vocab_size)
 
+  def now(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
+    """`start`'s work on the calling thread (nothing to overlap: no other rows' program)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(prepare(list(reqs), list(draft_k), self.window, self.vocab_size))
+    return done
+
   def wait(self, future: concurrent.futures.Future) -> Prepared:
     t0 = time.perf_counter()
     prep = future.result()
