@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from engine.model.chat_template import ChatTemplate
 from engine.runtime import grammar
-from engine.service import chat_parsers, structured, tool_constraints, validation
+from engine.service import chat, chat_parsers, structured, tool_constraints, validation
 from engine.service.chat_parser_families import DeepSeekV3Parser, KimiK2Parser, Qwen3Parser
 from engine.service.proto import inference_pb2 as pb
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
@@ -203,6 +203,28 @@ def test_kimi_tool_grammar_on_a_tiktoken_tokenizer():
   typed = m.copy()  # the markers typed as text are not the control tokens: still reasoning
   typed.accept_tokens(tt.encode(text).ids)
   assert not typed.is_accepting()
+
+
+def test_chat_prepare_builds_the_constraint_after_the_prompts_think_block():
+  """`chat.prepare` with the Qwen3-style template's `thinking` prompt (ends in <think>): the
+  answer's schema, and tool_choice's calls, come after free reasoning."""
+  limits = validation.RequestLimits(vocab_size=PLAIN.get_vocab_size(), max_model_len=4096,
+                                    num_eos_ids=1, eos_token_ids=(2,))
+  template = ChatTemplate(TEMPLATE)
+  kw = dict(messages=USER, template_kwargs={"thinking": True}, family=None)
+  answer = '{"name": "a", "size": 3, "kind": "dir"}'
+  c = structured.from_response_format(response_format())
+  inputs = chat.prepare(template, PLAIN, limits, tools=None, tool_choice=None, response=c, **kw)
+  assert inputs.starts_in_reasoning and inputs.family == "qwen3"
+  assert accepts(inputs.constraint.grammar, PLAIN, "Hm.</think>\n" + answer)
+  assert not accepts(inputs.constraint.grammar, PLAIN, answer)
+  plain = chat.prepare(template, PLAIN, limits, tools=None, tool_choice=None, response=c,
+                       **{**kw, "template_kwargs": None})
+  assert plain.constraint == c.spec  # no think block: the schema itself
+  calls = chat.prepare(template, PLAIN, limits, tools=TOOLS, tool_choice="required", **kw)
+  weather = calls_text("qwen3", [("get_weather", {"city": "Rome", "unit": "c", "days": 2})])
+  assert accepts(calls.constraint.grammar, PLAIN, "Hm.</think>\n" + weather)
+  assert not accepts(calls.constraint.grammar, PLAIN, weather)
 
 
 def test_tool_choice_needs_a_tool_call_format():
