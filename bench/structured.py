@@ -59,7 +59,7 @@ def _run(eng, n_constrained: int, n_free: int, max_tokens: int) -> dict:
               tok_s=(tokens_c + tokens_f) / wall,
               tok_s_constrained=rate(done[:n_constrained]) if n_constrained else None,
               tok_s_free=rate(done[n_constrained:]) if n_free else None,
-              masked_steps=steps,
+              masked_steps=steps, engine_steps=after["steps"] - before["steps"],
               mask_ms_per_step=(1e3 * (after["structured_mask_seconds"]
                                        - before["structured_mask_seconds"]) / steps
                                 if steps else None),
@@ -93,16 +93,22 @@ def main(argv=None):
                 for cap in (eng.config.constrained_decode_steps, eng.config.max_decode_steps)]
       cases.append(("unconstrained half alone", 0, b - b // 2, None))
     default = eng.config
-    for name, nc, nf, cap in cases:
-      eng.config = default if cap is None else dataclasses.replace(
-          default, constrained_decode_steps=cap)
-      _run(eng, nc, nf, args.max_tokens)  # first run: traffic-free of compiles and first runs
-      runs = [_run(eng, nc, nf, args.max_tokens) for _ in range(args.repeats)]
-      med = {k: (statistics.median([r[k] for r in runs]) if isinstance(runs[0][k], float)
-                 else runs[0][k]) for k in runs[0]}
-      rows.append(dict(batch=b, case=name, **med))
+    runs = {name: [] for name, *_ in cases}
+    for rep in range(args.repeats + 1):  # cases interleaved (the machine's load drifts)
+      for name, nc, nf, cap in cases:
+        eng.config = default if cap is None else dataclasses.replace(
+            default, constrained_decode_steps=cap)
+        res = _run(eng, nc, nf, args.max_tokens)
+        if rep:  # (the first round: first runs of every branch)
+          runs[name].append(res)
     eng.config = default
-  cols = ["batch", "case", "tok_s", "tok_s_free", "tok_s_constrained", "masked_steps",
+    for name, *_ in cases:
+      rs = runs[name]
+      rows.append(dict(batch=b, case=name, **{
+          k: (statistics.median([r[k] for r in rs]) if isinstance(rs[0][k], float) else rs[0][k])
+          for k in rs[0]}))
+  cols = ["batch", "case", "tok_s", "tok_s_free", "tok_s_constrained", "engine_steps",
+          "masked_steps",
           "mask_ms_per_step", "mask_wait_ms_per_step", "finish"]
   print(f"warm-up {warm:.1f} s; max_tokens {args.max_tokens}, ignore_eos, greedy")
   print("| " + " | ".join(cols) + " |")

@@ -332,7 +332,7 @@ class Engine:
       # their masked step follows it.
       masks = None
       if plan.constrained:
-        limits = self._draft_limits(plan.constrained)
+        limits = structured.draft_limits(plan.constrained, self.scheduler, self.spec.k)
         masks = (self.constrained.start(plan.constrained, limits) if plan.segments
                  else self.constrained.now(plan.constrained, limits))
       if plan.decode_only:
@@ -454,21 +454,6 @@ class Engine:
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
                     None if lps is None else [logprob_entry(req, lps, (i, j)) for j in range(n)])
 
-  def _draft_limits(self, reqs: Sequence[Request]) -> list[int]:
-    """Drafts each constrained row may take this step (host n-gram lookup, `structured.py`):
-    rows drafting with "ngram" or "auto", within max_draft_tokens, the tokens the row may still
-    emit and the pages free for them (taken here; nothing is preempted for drafts)."""
-    out = []
-    for req in reqs:
-      k = 0
-      if req.spec is not None and req.spec.drafter in structured.DRAFTERS_ON_HOST:
-        k = min(self.spec.k, req.sampling.max_draft_tokens or self.spec.k,
-                self.scheduler.remaining_tokens(req) - 1)
-        while k > 0 and not self.scheduler.grow(req, req.num_computed + 1 + k):
-          k //= 2
-      out.append(max(k, 0))
-    return out
-
   def _run_masked_step(self, prep: structured.Prepared) -> None:
     """The masked step of constrained rows (`steps.masked_step`), then their matchers and
     stop rules."""
@@ -489,9 +474,8 @@ class Engine:
       emitted = [int(t) for t in out[i, :n]]
       c["structured_tokens"] += n
       if drafted:
-        c["structured_drafted"] += drafted
-        c["structured_accepted"] += n - 1
-        self._count_constrained_drafts(req, drafted, n - 1)
+        self.constrained.count_drafts(req, drafted, n - 1,
+                                      self.counters if self.spec.enabled else None)
       for tok in emitted:
         if not req.grammar.accept(tok):  # cannot happen: every emitted token was allowed
           raise RuntimeError(f"{req.request_id}: token {tok} outside the grammar's mask "
@@ -502,14 +486,6 @@ class Engine:
       if not req.finished and req.grammar.is_terminated():
         req.stop_reason = None
         self._finish(req, FINISH_STOP)
-
-  def _count_constrained_drafts(self, req: Request, drafted: int, accepted: int) -> None:
-    s = req.spec
-    s.drafts, s.drafted, s.accepted = s.drafts + 1, s.drafted + drafted, s.accepted + accepted
-    if self.spec.enabled:
-      self.counters["spec_steps"] += 1
-      self.counters["spec_drafted"] += drafted
-      self.counters["spec_accepted"] += accepted
 
   # ---- host-side token handling (the rules: `outputs.py`) ------------------------------------
 

@@ -59,6 +59,21 @@ def ngram_draft(ids: Sequence[int], k: int, window: int, min_n: int = NGRAM_MIN,
   return hist[best_end + 1:best_end + 1 + min(k, n - 1 - best_end)]
 
 
+def draft_limits(reqs: Sequence[Any], scheduler: Any, k: int) -> list[int]:
+  """Drafts each constrained row may take this step: rows drafting with "ngram" or "auto",
+  within max_draft_tokens, the tokens the row may still emit and the pages free for them
+  (taken here, `Scheduler.grow`; nothing is preempted for drafts)."""
+  out = []
+  for req in reqs:
+    n = 0
+    if req.spec is not None and req.spec.drafter in DRAFTERS_ON_HOST:
+      n = min(k, req.sampling.max_draft_tokens or k, scheduler.remaining_tokens(req) - 1)
+      while n > 0 and not scheduler.grow(req, req.num_computed + 1 + n):
+        n //= 2
+    out.append(max(n, 0))
+  return out
+
+
 @dataclasses.dataclass
 class Prepared:
   """Host inputs of one masked step."""
@@ -136,6 +151,18 @@ class ConstrainedRows:
       tokens[i, 1:1 + len(d)] = d
       start[i], n_draft[i], table[i] = req.num_computed, len(d), page_row(req)
     return tokens, start, n_draft, table, bits
+
+  def count_drafts(self, req: Any, drafted: int, accepted: int,
+                   engine_counters: dict | None) -> None:
+    """A verified draft of `req`: its own counters, ours and the engine's `spec_*` ones."""
+    self.counters["structured_drafted"] += drafted
+    self.counters["structured_accepted"] += accepted
+    s = req.spec
+    s.drafts, s.drafted, s.accepted = s.drafts + 1, s.drafted + drafted, s.accepted + accepted
+    if engine_counters is not None:
+      engine_counters["spec_steps"] += 1
+      engine_counters["spec_drafted"] += drafted
+      engine_counters["spec_accepted"] += accepted
 
   def close(self) -> None:
     self._pool.shutdown(wait=False)
