@@ -31,6 +31,7 @@ from engine.runtime import compile_cache
 from engine.runtime import batch
 from engine.runtime.batch import SpeculativeConfig
 from engine.runtime.generate import generate_tokens
+from engine.runtime.grammar import StructuredOutputsParams
 from engine.runtime.sampling import SamplingParams
 
 # The bundled demo model (the `checkpoints` package installs beside `engine`).
@@ -176,7 +177,9 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | Sequence[int] = 0, stop_token_ids: Sequence[int] = (),
              ignore_eos: bool = False, min_new_tokens: int = 0,
-             speculative: SpeculativeConfig | None = None
+             speculative: SpeculativeConfig | None = None,
+             structured_outputs: StructuredOutputsParams | Sequence[StructuredOutputsParams
+                                                                    | None] | None = None
              ) -> GenerationResult | list[GenerationResult]:
   """Generates from one prompt or a batch (text or token ids, mixed lengths allowed).
 
@@ -184,6 +187,12 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
   drafter the model supports, chosen per row as it goes) drafts and verifies several tokens
   per target forward without changing the output distribution; the batch then runs on a kept
   serving engine (`generate_on_engine`).
+
+  `structured_outputs` (`StructuredOutputsParams(json=schema_text)`, regex=, choice=,
+  grammar=, json_object=True; one for every prompt or a list with one per prompt, None for
+  unconstrained ones) constrains the output to it (`engine/runtime/grammar.py`: compiled once
+  per tokenizer and spec, GrammarError with the reason); the batch then runs on a kept serving
+  engine, where constrained rows take the masked step (`engine/runtime/structured.py`).
 
   A single prompt returns one `GenerationResult`, a list returns a list. With an int `seed`,
   row i uses `seed + i`; pass a list to set each row's seed.
@@ -196,9 +205,15 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
     if bad:
       raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {vocab})")
   seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
+  if structured_outputs is None or isinstance(structured_outputs, StructuredOutputsParams):
+    constraints = [structured_outputs] * len(ids)
+  else:
+    constraints = list(structured_outputs)
+    if len(constraints) != len(ids):
+      raise ValueError(f"structured_outputs: {len(constraints)} given for {len(ids)} prompts")
   sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                             seed=s) for s in seeds]
-  if speculative is not None:
+                             seed=s, structured_outputs=c) for s, c in zip(seeds, constraints)]
+  if speculative is not None or any(c is not None for c in constraints):
     results = generate_on_engine(
         model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_new_tokens=min_new_tokens,

@@ -304,6 +304,7 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
        "--max_decode_steps=2", "--drain_timeout_s=5", "--speculative=draft",
        "--draft_checkpoint=" + os.path.join(REPO, "checkpoints", "demo", "draft"),
        "--num_draft_tokens=1", "--drafters=ngram", "--nomeasure_spec_costs",
+       "--nostructured_warmup",
        "--http_port=0"],
       cwd=REPO, stderr=subprocess.PIPE, text=True)
   try:

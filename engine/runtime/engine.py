@@ -34,14 +34,15 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
-from engine.runtime import compile_cache, steps
+from engine.runtime import compile_cache, steps, structured
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
 from engine.runtime.multimodal import ImageInput, check_spans
 from engine.runtime.multimodal_step import ImageEncoder
+from engine.runtime.grammar import compile_grammar
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
-from engine.runtime.request import (FINISH_ABORT, Request, RequestOutput, StopParams,
-                                    TokenLogprob, stop_ids_for)
+from engine.runtime.request import (FINISH_ABORT, FINISH_STOP, Request, RequestOutput,
+                                    StopParams, TokenLogprob, stop_ids_for, wants_logprobs)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
 from engine.runtime.speculative.runtime import SpecRuntime
@@ -84,6 +85,15 @@ class EngineConfig:
   kernels: KernelChoice = REFERENCE
   # Image encoder outputs kept for images sent again (`multimodal.EncoderCache`), in bytes.
   encoder_cache_bytes: int = 256 << 20
+  # Warm-up also compiles the masked step of constrained rows (structured outputs) at every
+  # decode batch size: [B, 1], and [B, num_draft_tokens + 1] with drafters. Off by default: on
+  # the 2-core CPU it adds ~25% to warm-up (a serving engine that takes structured outputs
+  # should turn it on; otherwise the first constrained request compiles its shape).
+  constrained_warmup: bool = False
+  # While constrained rows run (one token per engine step, in the masked step), the other rows'
+  # decode loop runs at most this many iterations per step, so constrained requests are not
+  # starved by long loops (BENCHMARKS.md, "Structured outputs: constrained vs unconstrained").
+  constrained_decode_steps: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +183,7 @@ class Engine:
     self.images = ImageEncoder(cfg, params, config.encoder_cache_bytes, self.counters)
     if self.spec.enabled:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
+    self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window)
     self._take_snapshot()
 
   @staticmethod
@@ -220,6 +231,11 @@ class Engine:
                        "placeholder ids, not the image)")
     sampling.validate()
     spec = self.spec.request_state(self.spec.resolve(sampling.drafter))
+    matcher = None
+    if sampling.structured_outputs is not None:  # GrammarError (a ValueError) with the reason
+      matcher = compile_grammar(sampling.structured_outputs, self.tokenizer,
+                                vocab_size=self.cfg.vocab_size,
+                                eos_token_ids=self.eos_token_ids).matcher()
     stop.validate()
     stop_ids = stop_ids_for(stop, self.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
@@ -243,7 +259,7 @@ class Engine:
         raise ValueError(f"request_id: {rid!r} is already in use")
       req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
                     stop_ids=stop_ids, arrival_order=next(self._order), spec=spec,
-                    images=images)
+                    images=images, grammar=matcher)
       self.requests[rid] = req
       self._inbox.append(req)
     self._apply_inbox_if_idle()
@@ -323,20 +339,30 @@ class Engine:
       with self._inbox_lock:
         outputs, self._pending = self._pending, []
       plan = self.scheduler.schedule(self._next_decode_steps())
-      if not plan.segments:
+      if not plan.segments and not plan.constrained:
         return outputs
       now = time.monotonic()
-      for seg in plan.segments:
-        if seg.request.timings.first_scheduled is None:
-          seg.request.timings.first_scheduled = now
-      sent = {seg.request.request_id: len(seg.request.output_ids) for seg in plan.segments}
+      reqs = [seg.request for seg in plan.segments] + plan.constrained
+      for req in reqs:
+        if req.timings.first_scheduled is None:
+          req.timings.first_scheduled = now
+      sent = {req.request_id: len(req.output_ids) for req in reqs}
+      # Constrained rows' masks are computed on the worker thread while the main program runs
+      # (`structured.py`), here when there is none (a thread hand-off costs ~3 ms on the CPU);
+      # their masked step follows it.
+      masks = None
+      if plan.constrained:
+        limits = structured.draft_limits(plan.constrained, self.scheduler, self.spec.k)
+        masks = (self.constrained.start(plan.constrained, limits) if plan.segments
+                 else self.constrained.now(plan.constrained, limits))
       if plan.decode_only:
         self._run_decode_loop(plan)
-      else:
+      elif plan.segments:
         self._run_model_step(plan)
+      if masks is not None:
+        self._run_masked_step(self.constrained.wait(masks))
       self.counters["steps"] += 1
-      for seg in plan.segments:
-        req = seg.request
+      for req in reqs:
         new = req.output_ids[sent[req.request_id]:]
         if new or req.finished:
           outputs.append(request_output(req, new))
@@ -351,14 +377,17 @@ class Engine:
     last row). Returns the call's token budget: a speculative call gets the plain call's time
     and up to num_draft_tokens + 1 tokens per iteration of it."""
     batch = tuple(r.request_id for r in self.scheduler.running)
+    loop_rows = [r for r in self.scheduler.running if not r.constrained]
     if self._closed_batch and not self.scheduler.waiting:
       self._decode_steps = self.config.max_decode_steps  # nothing else can join (`generate`)
     elif self.scheduler.waiting or not set(batch) <= set(self._last_batch):
       self._decode_steps = 1
     else:
       self._decode_steps = min(self._decode_steps * 2, self.config.max_decode_steps)
+    if len(loop_rows) < len(self.scheduler.running):  # constrained rows: 1 token per call
+      self._decode_steps = min(self._decode_steps, self.config.constrained_decode_steps)
     self._last_batch = batch
-    self._speculates = self.spec.speculates(self.scheduler.running, self._decode_steps)
+    self._speculates = self.spec.speculates(loop_rows, self._decode_steps)
     return self._decode_steps * ((self.spec.k + 1) if self._speculates else 1)
 
   def _page_table_row(self, req: Request) -> np.ndarray:
@@ -451,6 +480,39 @@ class Engine:
       self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
                     None if lps is None else [logprob_entry(req, lps, (i, j)) for j in range(n)])
 
+  def _run_masked_step(self, prep: structured.Prepared) -> None:
+    """The masked step of constrained rows (`steps.masked_step`), then their matchers and
+    stop rules."""
+    reqs = prep.reqs
+    b = self.buckets.decode_rows(len(reqs))
+    tokens, start, n_draft, table, bits = self.constrained.arrays(
+        prep, b, self.max_pages_per_seq, self.config.page_size, self._page_table_row)
+    sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
+    with self._on_mesh():
+      out, counts, lps, self.cache = steps.masked_step(
+          self.params, self.cache, tokens, start, n_draft, table, sampling, bits,
+          wants_logprobs(reqs), cfg=self.cfg, impl=self.config.kernels)
+    out, counts, lps = jax.device_get((out, counts, lps))
+    c = self.constrained.counters
+    c["structured_steps"] += 1
+    for i, req in enumerate(reqs):
+      n, drafted = int(counts[i]), int(n_draft[i])
+      emitted = [int(t) for t in out[i, :n]]
+      c["structured_tokens"] += n
+      if drafted:
+        self.constrained.count_drafts(req, drafted, n - 1,
+                                      self.counters if self.spec.enabled else None)
+      for tok in emitted:
+        if not req.grammar.accept(tok):  # cannot happen: every emitted token was allowed
+          raise RuntimeError(f"{req.request_id}: token {tok} outside the grammar's mask "
+                             f"({req.grammar.error()})")
+      self._advance(req, req.num_computed + n, emitted,
+                    None if req.sampling.logprobs is None
+                    else [logprob_entry(req, lps, (i, j)) for j in range(n)])
+      if not req.finished and req.grammar.is_terminated():
+        req.stop_reason = None
+        self._finish(req, FINISH_STOP)
+
   # ---- host-side token handling (the rules: `outputs.py`) ------------------------------------
 
   def _advance(self, req: Request, num_computed: int, new_ids: list[int],
@@ -524,7 +586,8 @@ class Engine:
     """Stats as of now (step lock held), for readers on other threads."""
     pool = self.pool.stats()
     waiting = list(self.scheduler.waiting)
-    snap = dict(self.counters, num_requests_running=len(self.scheduler.running),
+    snap = dict(self.counters, **self.constrained.counters,
+                num_requests_running=len(self.scheduler.running),
                 num_requests_waiting=len(waiting), kv_cache_usage_perc=pool.usage,
                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
                 num_preemptions=self.scheduler.num_preemptions,

@@ -113,6 +113,10 @@ class Request:
   # content hashes; `image_features` holds encoder outputs by image index while it prefills.
   images: tuple[Any, ...] = ()
   image_features: dict[int, Any] = dataclasses.field(default_factory=dict)
+  # Structured outputs: the request's grammar matcher (`grammar.GrammarMatcher`, set at
+  # admission; None: unconstrained). Constrained requests sample only in the engine's masked
+  # step (`steps.masked_step`), never in `model_step` or the decode loops.
+  grammar: Any = None
   finish_reason: str | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))
@@ -137,6 +141,10 @@ class Request:
   def is_decoding(self) -> bool:
     """Only the newest sampled token is missing from the cache."""
     return bool(self.output_ids) and self.num_uncomputed == 1
+
+  @property
+  def constrained(self) -> bool:
+    return self.grammar is not None
 
   @property
   def finished(self) -> bool:

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.runtime.grammar import StructuredOutputsParams
+
 MAX_TOP_LOGPROBS = 20  # top alternatives per token the serving programs compute (static shape)
 # Sampled rows choose among their top PREFILTER_CANDIDATES tokens (lax.top_k) instead of sorting
 # the whole vocabulary (160k for Kimi) whenever that is exact; see `over_kept_tokens`.
@@ -41,6 +43,9 @@ class SamplingParams:
   # "off", or one the engine enables: "ngram", "learned", "mtp", "draft").
   drafter: str | None = None
   max_draft_tokens: int | None = None  # per-request cap on drafts per step (None: the engine's)
+  # Serving and engine.generate: constrain the output to a JSON schema / regex / choice /
+  # grammar (engine/runtime/grammar.py); the allowed-token mask applies before sampling.
+  structured_outputs: StructuredOutputsParams | None = None
 
   def validate(self) -> None:
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -60,6 +65,11 @@ class SamplingParams:
       raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
     if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+    if self.structured_outputs is not None:
+      if not isinstance(self.structured_outputs, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                         f"{type(self.structured_outputs).__name__}")
+      self.structured_outputs.validate()  # GrammarError (a ValueError) naming the field
 
 
 @jax.tree_util.register_dataclass

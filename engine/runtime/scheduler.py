@@ -14,6 +14,12 @@ continuation, so preemption never changes a request's output.
 
 When nothing waits and every running request is decoding, the step may run several decode
 iterations on the device (`num_steps`); pages for all of them are taken up front.
+
+Constrained requests (structured outputs, `Request.constrained`) never sample in a segment:
+their segments stop one token short of the known tokens, and once only that token is left they
+are listed in `SchedulerOutput.constrained` (a page for it taken), for the engine's masked
+step after the step's program. They do not join the decode loop, and do not keep it from
+running for the other rows.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class SchedulerOutput:
   segments: list[Segment]
   num_steps: int = 1  # > 1 only for decode-only steps run as a device loop
   preempted: list[Request] = dataclasses.field(default_factory=list)
+  # Constrained requests whose newest token is the only one not in the cache: the masked step
+  # feeds it and samples under the grammar's mask (a page for it is taken).
+  constrained: list[Request] = dataclasses.field(default_factory=list)
 
   @property
   def decode_only(self) -> bool:
@@ -59,6 +68,11 @@ class SchedulerOutput:
   @property
   def num_tokens(self) -> int:
     return sum(s.num_tokens for s in self.segments)
+
+
+def _masked_ready(req: Request) -> bool:
+  """A constrained request whose one uncomputed token is the masked step's input."""
+  return req.constrained and req.num_uncomputed == 1
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -100,8 +114,8 @@ class Scheduler:
     """Chooses this step's work. `max_decode_steps` caps a decode-only device loop's tokens
     per row; where the free pages cannot hold them, the loop gets half as many, and so on."""
     steps = max_decode_steps
-    while steps > 1 and not self.waiting and self.running and all(
-        r.is_decoding for r in self.running):
+    while (steps > 1 and not self.waiting and any(not r.constrained for r in self.running)
+           and all(r.is_decoding or _masked_ready(r) for r in self.running)):
       out = self._schedule_decode_loop(steps)
       if out is not None:
         return out
@@ -110,11 +124,13 @@ class Scheduler:
     budget = self.config.max_num_batched_tokens
     segments: list[Segment] = []
     preempted: list[Request] = []
+    constrained: list[Request] = []
     scheduled: set[str] = set()
     i = 0
     while i < len(self.running) and budget > 0:
       req = self.running[i]
-      n = min(req.num_uncomputed, budget)
+      masked = _masked_ready(req)
+      n = 1 if masked else min(req.num_uncomputed - req.constrained, budget)
       if n <= 0:
         i += 1
         continue
@@ -127,7 +143,7 @@ class Scheduler:
           break
       if req.status is not Status.RUNNING:
         break  # it preempted itself: everything after it is gone too
-      segments.append(Segment(req, req.num_computed, n))
+      (constrained.append(req) if masked else segments.append(Segment(req, req.num_computed, n)))
       scheduled.add(req.request_id)
       budget -= n
       i += 1
@@ -136,7 +152,8 @@ class Scheduler:
            and len(self.running) < self.config.max_num_seqs):
       req = self.waiting[0]
       self._match_prefix(req)
-      n = min(req.num_uncomputed, budget)
+      masked = _masked_ready(req)
+      n = 1 if masked else min(req.num_uncomputed - req.constrained, budget)
       if not self._grow(req, req.num_computed + n):
         self._release(req)  # keep nothing while it waits (the prefix cache keeps the pages)
         break
@@ -145,21 +162,31 @@ class Scheduler:
         req.cached_tokens = req.num_computed
       req.status = Status.RUNNING
       self.running.append(req)
-      segments.append(Segment(req, req.num_computed, n))
+      (constrained.append(req) if masked else segments.append(Segment(req, req.num_computed, n)))
       budget -= n
-    return SchedulerOutput(segments=segments, preempted=preempted)
+    return SchedulerOutput(segments=segments, preempted=preempted, constrained=constrained)
 
   def _schedule_decode_loop(self, max_steps: int) -> SchedulerOutput | None:
-    """All running requests decode for up to `max_steps` iterations, if the pages suffice."""
-    limits = [min(max_steps, self.remaining_tokens(r)) for r in self.running]
+    """All running requests decode for up to `max_steps` iterations, if the pages suffice
+    (constrained ones: one token, in the masked step)."""
+    limits = [1 if r.constrained else min(max_steps, self.remaining_tokens(r))
+              for r in self.running]
     need = [pages_for(r.num_computed + n, self.pool.page_size) - len(r.pages)
             for r, n in zip(self.running, limits)]
     if sum(max(0, x) for x in need) > self.pool.num_free:
       return None
     for r, n in zip(self.running, limits):
       assert self._grow(r, r.num_computed + n)
-    return SchedulerOutput(segments=[Segment(r, r.num_computed, 1) for r in self.running],
-                           num_steps=max(limits))
+    loop = [r for r in self.running if not r.constrained]
+    return SchedulerOutput(segments=[Segment(r, r.num_computed, 1) for r in loop],
+                           num_steps=max(n for r, n in zip(self.running, limits)
+                                         if not r.constrained),
+                           constrained=[r for r in self.running if r.constrained])
+
+  def grow(self, req: Request, num_tokens: int) -> bool:
+    """Pages for `num_tokens` of a running request if free ones suffice (nothing preempted):
+    the masked step's drafted tokens."""
+    return self._grow(req, num_tokens)
 
   def remaining_tokens(self, req: Request) -> int:
     """How many more tokens `req` may generate (its max_tokens and the model length)."""

@@ -1,4 +1,4 @@
-"""The two jitted programs the serving engine runs; both donate the cache.
+"""The jitted programs the serving engine runs; all donate the cache.
 
 * `model_step`: one forward over a packed block of rows `[B, W]` and one sampled token per
   row. A row is a run of up to W consecutive tokens of one request, so a long prefill chunk
@@ -8,6 +8,9 @@
 * `decode_loop`: up to `num_steps` decode iterations in one `lax.while_loop` for rows that only
   decode, with EOS/stop ids and length limits checked on the device; finished and padding rows
   write nothing. `num_steps` is a traced scalar, so changing it never recompiles.
+* `masked_step`: constrained rows (structured outputs) `[B, T]`: each row's newest token and
+  up to T - 1 drafted ones, one forward, the grammar's allowed-token bitmask per position
+  applied to the logits (-inf elsewhere) before sampling and verification.
 
 Sampling randomness is keyed by (request seed, position of the sampled token) in both, which is
 what makes a request's output independent of its batch, its chunking and preemption.
@@ -25,6 +28,7 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, embed_tokens, forward
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
+from engine.runtime.speculative.acceptance import verify
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
@@ -136,3 +140,61 @@ def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.A
   state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), step, state)
   cache, _, _, _, count, out, stopped, lps = state
   return out, count, stopped, lps, cache
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+  """logits [..., V] with -inf where `bitmask` [..., ceil(V/32)] int32 has the token's bit
+  (bit t % 32 of word t // 32) clear."""
+  v = logits.shape[-1]
+  ids = jnp.arange(v, dtype=jnp.int32)
+  words = jnp.take(bitmask, ids // 32, axis=-1)
+  allowed = ((words >> (ids % 32)) & 1).astype(bool)
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+def masked_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                n_draft: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
+                bitmask: jax.Array, want_logprobs: jax.Array | bool = False, *,
+                cfg: ModelConfig, impl: KernelChoice = REFERENCE):
+  """One masked step of constrained rows: forward over `[newest, d_1 .. d_K]`, then the
+  speculative rule (`acceptance.verify`) on the masked logits. With K = 0 (T = 1) it is plain
+  masked sampling; a draft the mask forbids has logit -inf, so verification rejects it, and
+  the emitted tokens are what masked decoding one token at a time gives (greedy: the argmax
+  over allowed tokens; sampled: the (seed, position) sample of the masked distribution).
+
+  Args:
+    tokens: [B, T] int32, each row's newest token then its drafts (padding past n_draft).
+    start: [B] the newest token's position (= tokens in the cache); n_draft: [B] in [0, T-1]
+      (a padding row: start past the page table, so it writes nothing).
+    bitmask: [B, T, ceil(V/32)] int32: slot i's mask is for the token after tokens[:, i]
+      (valid where d_1 .. d_i are accepted, the only case in which it is read).
+  Returns:
+    (emitted [B, T] int32 (-1 past each row's count), counts [B] (n_accepted + 1), logprobs of
+    the emitted tokens under the model (chosen [B, T], top ids and logprobs [B, T, K]), cache).
+  """
+  b, t = tokens.shape
+  hidden, cache = forward(params, cache, tokens, start, n_draft + 1, page_table, cfg=cfg,
+                          impl=impl)
+  logits = compute_logits(params, hidden, cfg)  # [B, T, V]
+  masked = apply_bitmask(logits.astype(jnp.float32), bitmask)
+  if t == 1:  # no drafts: verify's rule at K = 0, without its conditionals
+    n_acc, extra = jnp.zeros((b,), jnp.int32), sample(masked[:, 0], sampling, start + 1)
+  else:
+    n_acc, extra = verify(masked, tokens[:, 1:], None, n_draft, sampling, start + 1)
+  cols = jnp.arange(t, dtype=jnp.int32)[None, :]
+  drafts = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+  emitted = jnp.where(cols < n_acc[:, None], drafts,
+                      jnp.where(cols == n_acc[:, None], extra[:, None], -1))
+  k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+
+  def record(_):
+    flat = token_logprobs(logits.reshape(b * t, -1), jnp.maximum(emitted, 0).reshape(-1))
+    return (flat[0].reshape(b, t), flat[1].reshape(b, t, k), flat[2].reshape(b, t, k))
+
+  def skip(_):
+    return (jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, k), jnp.int32),
+            jnp.zeros((b, t, k), jnp.float32))
+
+  lps = jax.lax.cond(want_logprobs, record, skip, None)
+  return emitted, n_acc + 1, lps, cache

@@ -5,9 +5,10 @@ Each program runs on the null page (writes at positions past the page table are 
 no real cache entry changes: mixed prefill/decode shapes (and the draft model's catch-up
 forward at each), the plain decode loop per decode batch size (and the learned table's update
 from its tokens), the speculative loop per decode batch size when the engine has drafters, then
-`SpecRuntime.measure_costs`. The decode loops run every branch once (block widths, logprobs,
-model drafters): a branch's first run is slow (`_spec_branches`). A model with a vision tower
-also compiles each mixed shape's image-prefill program (`steps.model_step_embeds`).
+`SpecRuntime.measure_costs`; the masked step of constrained rows per decode batch size
+(`EngineConfig.constrained_warmup`). The decode loops run every branch once (block widths,
+logprobs, model drafters): a branch's first run is slow (`_spec_branches`). A model with a vision
+tower also compiles each mixed shape's image-prefill program (`steps.model_step_embeds`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from engine.runtime import steps
+from engine.runtime.grammar import bitmask_words
 from engine.runtime.page_pool import NULL_PAGE
 from engine.runtime.speculative import catch_up
 from engine.runtime.speculative.loop import DETERMINISTIC
@@ -31,6 +33,9 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
   shapes += [("decode", b, 1) for b in eng.buckets.decode]
   if eng.spec.enabled:
     shapes += [("spec", b, 1) for b in eng.buckets.decode]
+  if eng.config.constrained_warmup:  # structured outputs' masked step (with drafts: k + 1)
+    widths = (1, eng.spec.k + 1) if eng.spec.enabled else (1,)
+    shapes += [("masked", b, t) for b in eng.buckets.decode for t in widths]
   for i, (kind, b, w) in enumerate(shapes):
     table = np.full((b, eng.max_pages_per_seq), NULL_PAGE, np.int32)
     zeros = np.zeros((b,), np.int32)
@@ -49,8 +54,8 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
           np.zeros((b, w), np.int32), impl=eng.config.kernels)
     elif kind == "step":
       _plain_step(eng, b, w)
-    if kind == "step" and eng.images.pad_id is not None:  # image prefill (`steps.
-      _image_step(eng, b, w)                             # model_step_embeds`)
+    elif kind == "masked":
+      _masked_step(eng, b, w)
     elif kind == "spec":
       _spec_branches(eng, zeros, past, table, samp, stop_ids)
     else:  # (once with logprobs: `steps.decode_loop`'s conditional)
@@ -58,6 +63,8 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
         *_, eng.cache = eng.spec.decode(
             eng.params, eng.cache, [], zeros, past, table, samp, stop_ids, ones, zeros, 1, {},
             speculate=False, impl=eng.config.kernels, logprobs=logprobs)
+    if kind == "step" and eng.images.pad_id is not None:  # image prefill (`steps.
+      _image_step(eng, b, w)                             # model_step_embeds`)
     if progress is not None:
       progress(i + 1, len(shapes), f"{kind} [{b}x{w}]")
   if eng.spec.enabled and eng.config.measure_spec_costs:
@@ -103,3 +110,15 @@ def _image_step(eng: Any, b: int, w: int) -> None:
       table, eng._sampling_arrays([None] * b), np.zeros((b, w, eng.cfg.hidden_size),
                                                         eng.images.dtype),
       np.ones((b, w), bool), cfg=eng.cfg, impl=eng.config.kernels)
+
+
+def _masked_step(eng: Any, b: int, t: int) -> None:
+  """The constrained rows' masked step, b rows of t tokens (positions past the page table)."""
+  table = np.full((b, eng.max_pages_per_seq), NULL_PAGE, np.int32)
+  past = np.full((b,), eng.max_pages_per_seq * eng.config.page_size, np.int32)
+  bits = np.full((b, t, bitmask_words(eng.cfg.vocab_size)), -1, np.int32)
+  for logprobs in (False, True):  # (its logprobs are a conditional)
+    *_, eng.cache = steps.masked_step(
+        eng.params, eng.cache, np.zeros((b, t), np.int32), past,
+        np.full((b,), t - 1, np.int32), table, eng._sampling_arrays([None] * b), bits,
+        np.bool_(logprobs), cfg=eng.cfg, impl=eng.config.kernels)

@@ -10,8 +10,11 @@ parser (`chat_parsers`) to split content, reasoning and tool calls. Bad input ra
 
 `tool_choice`: "none" renders no tools and parses none (tool markup the model writes anyway
 stays content); "auto" (the default with tools) renders and parses them; "required" and a named
-function are honoured at the prompt level only (a named function is the only tool rendered):
-nothing constrains decoding to call it yet.
+function (the only tool rendered) constrain decoding to the family's tool-call syntax with each
+tool's parameter schema (`tool_constraints.py`): required is one or more calls of any listed
+tool, a named function exactly one call of it, so the parsed calls always follow the schemas.
+A `response_format` / `structured_outputs` constraint (`structured.py`) applies otherwise; both
+are compiled here, on the tokenizer thread, and a bad one is a FieldError naming its field.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Any
 from google.protobuf import json_format
 
 from engine.model import chat_template as templates
+from engine.runtime.grammar import StructuredOutputsParams
 from engine.runtime.request import FINISH_STOP, RequestOutput
-from engine.service import chat_parsers, images
+from engine.service import chat_parsers, images, structured, tool_constraints
 from engine.service.chat_parsers import ChatDelta
 from engine.service import validation
 from engine.service.validation import FieldError, ParsedRequest, RequestLimits
@@ -42,6 +46,8 @@ class ChatInputs:
   starts_in_reasoning: bool
   tools_enabled: bool
   images: tuple[Any, ...] = ()  # `multimodal.ImageInput`s, on media_pad runs of prompt_ids
+  # The compiled output constraint (tool_choice required/named, or a response format).
+  constraint: StructuredOutputsParams | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +104,13 @@ def _text_size(obj: Any) -> int:
 
 def prepare(template: Any, tokenizer: Any, limits: RequestLimits, *, messages: Any,
             tools: Any, tool_choice: Any, template_kwargs: Any, family: str | None,
-            kwargs_field: str = "chat_template_kwargs", vision: Vision | None = None
-            ) -> ChatInputs:
-  """Validates, renders and tokenises a conversation (runs on a tokenizer thread). Image
-  parts are decoded and checked (`images.extract`), refused where `vision` is None."""
+            kwargs_field: str = "chat_template_kwargs", vision: Vision | None = None,
+            parallel_tool_calls: bool = True,
+            response: structured.Constraint | None = None) -> ChatInputs:
+  """Validates, renders and tokenises a conversation and compiles its output constraint
+  (`response`: a response format's, refused with tool_choice required/named; runs on a
+  tokenizer thread). Image parts are decoded and checked (`images.extract`), refused
+  where `vision` is None."""
   if template is None or tokenizer is None:
     raise FieldError("messages", "this model has no chat template; use completions")
   if not isinstance(messages, list) or not messages:
@@ -115,6 +124,10 @@ def prepare(template: Any, tokenizer: Any, limits: RequestLimits, *, messages: A
   except ValueError as e:
     raise field_error(e, "tools") from None
   mode, name = check_tool_choice(tool_choice, tools)
+  if response is not None and mode in ("required", "named"):
+    raise FieldError(response.field.split(".")[0], f"cannot be combined with tool_choice "
+                     f"{'required' if mode == 'required' else 'naming a function'} (the output "
+                     "is then the tool calls)")
   if template_kwargs is None:
     template_kwargs = {}
   if not isinstance(template_kwargs, dict):
@@ -141,16 +154,30 @@ def prepare(template: Any, tokenizer: Any, limits: RequestLimits, *, messages: A
     ids, image_inputs = images.to_inputs(ids, found, vision.pad_id, vision.processor)
   # Whether the generation prompt opened a think block (K2.5's ends in `<think>`).
   tail = tokenizer.decode(ids[-16:], skip_special_tokens=False)
-  return ChatInputs(prompt_ids=ids, family=family or template.family or "none",
-                    starts_in_reasoning=chat_parsers.starts_in_reasoning(tail),
-                    tools_enabled=mode != "none", images=image_inputs)
+  family = family or template.family or "none"
+  thinking = chat_parsers.starts_in_reasoning(tail)
+  constraint = None
+  if mode in ("required", "named"):
+    fenced = "```json" in "\n".join(template.templates.values())  # DeepSeek V3's call form
+    constraint = tool_constraints.constraint_for(
+        mode, name, tools, family=family, parallel=parallel_tool_calls,
+        starts_in_reasoning=thinking, fenced=fenced, tokenizer=tokenizer, limits=limits)
+  elif response is not None:
+    constraint = structured.compile_checked(response.spec, response.field, tokenizer, limits)
+    if thinking:  # reasoning first, then the constrained answer
+      constraint = structured.compile_checked(
+          tool_constraints.response_after_reasoning(constraint, family, tokenizer),
+          response.field, tokenizer, limits)
+  return ChatInputs(prompt_ids=ids, family=family, starts_in_reasoning=thinking,
+                    tools_enabled=mode != "none", constraint=constraint,
+                    images=image_inputs)
 
 
 # ---- gRPC `ChatRequest` ----------------------------------------------------------------------
 
 def proto_conversation(request: Any) -> dict[str, Any]:
-  """A ChatRequest's messages, tools, tool_choice and template kwargs in OpenAI's shapes (the
-  same field names, so errors name the same paths)."""
+  """A ChatRequest's messages, tools, tool_choice, template kwargs and output constraint in
+  OpenAI's shapes (the same field names, so errors name the same paths)."""
   messages = []
   for m in request.messages:
     d: dict[str, Any] = {"role": m.role}
@@ -196,8 +223,11 @@ def proto_conversation(request: Any) -> dict[str, Any]:
     choice = {"type": "function", "function": {"name": request.tool_choice.function_name}}
   kwargs = (json_format.MessageToDict(request.template_kwargs)
             if request.HasField("template_kwargs") else None)
+  response = (structured.from_proto(request.structured_outputs)
+              if request.HasField("structured_outputs") else None)
+  parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
   return dict(messages=messages, tools=tools or None, tool_choice=choice,
-              template_kwargs=kwargs)
+              template_kwargs=kwargs, response=response, parallel_tool_calls=parallel)
 
 
 def parse_chat_request(request: Any, template: Any, tokenizer: Any, limits: RequestLimits,
@@ -212,7 +242,7 @@ def parse_chat_request(request: Any, template: Any, tokenizer: Any, limits: Requ
                                                     limits, "messages"),
                              skip_special_tokens=False)
   spec = validation.check_speculative(request.speculative, limits)
-  sampling = dataclasses.replace(sampling, **spec)
+  sampling = dataclasses.replace(sampling, **spec, structured_outputs=inputs.constraint)
   return ParsedRequest(rid, inputs.prompt_ids, sampling, stop, inputs.images), inputs
 
 

@@ -40,8 +40,11 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
                   stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, include_stop_str_in_output: bool = False,
                   logprobs: bool = False, drafter: str = "",
-                  max_draft_tokens: int | None = None, **sampling: Any) -> pb.GenerateRequest:
-  """A GenerateRequest; `sampling` takes SAMPLING_FIELDS (unset ones keep server defaults)."""
+                  max_draft_tokens: int | None = None,
+                  structured_outputs: pb.StructuredOutputs | None = None,
+                  **sampling: Any) -> pb.GenerateRequest:
+  """A GenerateRequest; `sampling` takes SAMPLING_FIELDS (unset ones keep server defaults);
+  `structured_outputs` constrains the output (pb.StructuredOutputs(json_schema=...))."""
   unknown = set(sampling) - set(SAMPLING_FIELDS)
   if unknown:
     raise TypeError(f"unknown sampling fields {sorted(unknown)}")
@@ -61,6 +64,8 @@ def build_request(prompt: str | Sequence[int], *, request_id: str = "",
   req.speculative.drafter = drafter
   if max_draft_tokens is not None:
     req.speculative.max_draft_tokens = max_draft_tokens
+  if structured_outputs is not None:
+    req.structured_outputs.CopyFrom(structured_outputs)
   return req
 
 
@@ -68,11 +73,14 @@ def build_chat_request(messages: Sequence[dict], *, tools: Sequence[dict] | None
                        tool_choice: str | dict | None = None,
                        template_kwargs: dict | None = None, request_id: str = "",
                        stop: Sequence[str] = (), ignore_eos: bool = False,
+                       structured_outputs: pb.StructuredOutputs | None = None,
                        **sampling: Any) -> pb.ChatRequest:
   """A ChatRequest from OpenAI-shaped messages, tools and tool_choice ("auto", "none",
-  "required" or {"type": "function", "function": {"name": ...}})."""
+  "required" or {"type": "function", "function": {"name": ...}}; required and a named function
+  constrain the output to tool calls) and an optional answer constraint."""
   base = build_request([], stop=stop, ignore_eos=ignore_eos, **sampling)
-  req = pb.ChatRequest(request_id=request_id, sampling=base.sampling)
+  req = pb.ChatRequest(request_id=request_id, sampling=base.sampling,
+                       structured_outputs=structured_outputs)
   for m in messages:
     msg = req.messages.add(role=m["role"], reasoning_content=m.get("reasoning_content") or "",
                            tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")

@@ -4,6 +4,8 @@ r"""Streams a generation from a running server.
     python -m engine.client --target=HOST:PORT --prompt_ids=1,5,6 --json
     python -m engine.client --chat --prompt="def fib(n):"        # one user message, via Chat
     python -m engine.client --chat --image=cat.png --prompt="What is this?"   # with an image
+    python -m engine.client --prompt="import " --choice=os --choice=sys   # constrained output
+    python -m engine.client --prompt="x" --json_schema=@schema.json --strict  # or --regex, --grammar
     python -m engine.client --info                                # model info and server load
     python -m engine.client --list              # services and methods (server reflection)
 
@@ -27,6 +29,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase)
 
 from engine.service.client import FINISH_NAMES, Completion, InferenceClient, build_request
+from engine.service.proto import inference_pb2 as pb
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "127.0.0.1:50051", "Server address HOST:PORT.")
@@ -49,6 +52,13 @@ flags.DEFINE_multi_string("stop", [], "Stop string (repeatable); backslash escap
                           "\\n, \\t, \\\\ and \\uXXXX are decoded.")
 flags.DEFINE_multi_integer("stop_token_id", [], "Stop token id (repeatable).")
 flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
+flags.DEFINE_string("json_schema", None, "Constrain the output to a JSON schema (JSON text, or "
+                    "@FILE).")
+flags.DEFINE_bool("strict", False, "--json_schema: only the declared keys.")
+flags.DEFINE_string("regex", None, "Constrain the output to a regular expression.")
+flags.DEFINE_multi_string("choice", [], "Constrain the output to one of these (repeatable).")
+flags.DEFINE_string("grammar", None, "Constrain the output to an llguidance Lark grammar (text, "
+                    "or @FILE).")
 flags.DEFINE_string("api_key", None, "API key (default: $MOEJAX_API_KEY).")
 flags.DEFINE_bool("tls", False, "Use TLS (system roots, or --ca_cert).")
 flags.DEFINE_string("ca_cert", None, "PEM root certificate for TLS.")
@@ -66,6 +76,30 @@ def unescape(text: str) -> str:
     return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
   except UnicodeDecodeError as e:
     raise SystemExit(f"--stop: bad backslash escape in {text!r} ({e.reason})") from None
+
+
+def _text_or_file(value: str) -> str:
+  if value.startswith("@"):
+    with open(value[1:], encoding="utf-8") as fh:
+      return fh.read()
+  return value
+
+
+def structured_outputs() -> pb.StructuredOutputs | None:
+  """The constraint flags as a StructuredOutputs (the server validates it)."""
+  given = [name for name in ("json_schema", "regex", "choice", "grammar") if FLAGS[name].value]
+  if len(given) > 1:
+    raise SystemExit(f"give at most one of --json_schema, --regex, --choice, --grammar "
+                     f"(got {', '.join('--' + g for g in given)})")
+  if not given:
+    return None
+  if given[0] == "choice":
+    return pb.StructuredOutputs(choice=pb.Choices(values=FLAGS.choice))
+  if given[0] == "regex":
+    return pb.StructuredOutputs(regex=FLAGS.regex)
+  if given[0] == "grammar":
+    return pb.StructuredOutputs(grammar=_text_or_file(FLAGS.grammar))
+  return pb.StructuredOutputs(json_schema=_text_or_file(FLAGS.json_schema), strict=FLAGS.strict)
 
 
 def list_services(channel: grpc.Channel) -> list[str]:
@@ -96,7 +130,8 @@ def _chat(client: InferenceClient) -> int:
   for r in client.chat_stream(messages, stop=[unescape(x) for x in FLAGS.stop],
                               ignore_eos=FLAGS.ignore_eos, max_tokens=FLAGS.max_tokens,
                               temperature=FLAGS.temperature, top_p=FLAGS.top_p,
-                              seed=FLAGS.seed, request_id=FLAGS.request_id):
+                              seed=FLAGS.seed, request_id=FLAGS.request_id,
+                              structured_outputs=structured_outputs()):
     parts["reasoning_content"].append(r.reasoning_content)
     parts["content"].append(r.content)
     if not FLAGS.json:
@@ -149,7 +184,7 @@ def main(argv: list[str]) -> int:
         stop_token_ids=FLAGS.stop_token_id, ignore_eos=FLAGS.ignore_eos,
         max_tokens=FLAGS.max_tokens, min_tokens=FLAGS.min_tokens,
         temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
-        seed=FLAGS.seed)
+        seed=FLAGS.seed, structured_outputs=structured_outputs())
     done = Completion(sent_at=time.perf_counter())
     for chunk in client.stream(request):
       done.add(chunk)

@@ -1,6 +1,7 @@
 """`/v1/chat/completions`: the request body -> engine requests, outputs -> OpenAI objects.
 
-The conversation goes through `chat.prepare` (template, tools, tool_choice, template kwargs);
+The conversation goes through `chat.prepare` (template, tools, tool_choice, template kwargs,
+and the output constraint: tool_choice required/named or `response_format`);
 sampling, stop and stream fields through `openai_protocol.common`, as for completions, with
 `max_completion_tokens` preferred over `max_tokens`. Each choice's output is parsed by its own
 `chat.ChatStream`: `content`, `reasoning_content` and `tool_calls` in deltas and messages, and
@@ -15,7 +16,7 @@ from typing import Any
 
 from engine.runtime.request import RequestOutput
 from engine.runtime.sampling import MAX_TOP_LOGPROBS
-from engine.service import chat
+from engine.service import chat, structured
 from engine.service import openai_protocol as protocol
 from engine.service.chat_parsers import ChatDelta, ToolCallDelta
 from engine.service.openai_protocol import get
@@ -46,15 +47,17 @@ def parse_chat(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits,
       raise FieldError("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
   c = protocol.common(body, limits, served, logprobs=(top or 0) if logprobs else None,
                       max_tokens_names=("max_completion_tokens", "max_tokens"))
-  get(body, "parallel_tool_calls", bool, True)
+  parallel = get(body, "parallel_tool_calls", bool, True)
   get(body, "reasoning_effort", str, None)
   inputs = chat.prepare(template, tokenizer, limits, messages=body["messages"],
                         tools=body.get("tools"), tool_choice=body.get("tool_choice"),
                         template_kwargs=get(body, "chat_template_kwargs", dict, None),
-                        family=family, vision=vision)
+                        family=family, vision=vision, parallel_tool_calls=parallel,
+                        response=c.constraint)
   plan_id = f"chatcmpl-{secrets.token_hex(12)}"
   requests = protocol.choice_requests(plan_id, [inputs.prompt_ids], c, skip_special_tokens=False,
                                       prompt_field="messages", images=inputs.images)
+  requests = structured.constrain(requests, inputs.constraint)
   return ChatPlan(plan_id, c, requests, inputs, logprobs)
 
 

@@ -3,9 +3,11 @@
 Validation follows `validation.py`: every check raises `FieldError` naming the JSON field as
 OpenAI's `param` would (`messages[1].content`, `max_tokens`), and the HTTP layer answers 400
 with it. Fields the engine cannot honour are refused rather than ignored (`echo`, `suffix`,
-non-zero penalties, `logit_bias`, a JSON `response_format`); unknown fields are ignored, as
-OpenAI-compatible servers do. Sampling defaults are OpenAI's (temperature 1, a random seed
-unless `seed` is given, `max_tokens` up to the context length).
+non-zero penalties, `logit_bias`); unknown fields are ignored, as OpenAI-compatible servers
+do. `response_format` and vLLM's `structured_outputs` become a compiled output constraint
+(`structured.py`; a bad schema, regex or grammar is a 400 naming it). Sampling defaults are
+OpenAI's (temperature 1, a random seed unless `seed` is given, `max_tokens` up to the context
+length).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Sequence
 
 from engine.runtime.request import RequestOutput, TokenLogprob, Usage
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from engine.service import validation
+from engine.service import structured, validation
 from engine.service.validation import FieldError, ParsedRequest, RequestLimits
 
 MAX_N = 16  # choices per request (each is an engine request)
@@ -72,6 +74,7 @@ class Common:
   include_usage: bool
   sampling: SamplingParams
   stop_fields: dict  # validation.check_stop keywords but the prompt length
+  constraint: structured.Constraint | None = None  # response_format / structured_outputs
 
 
 def check_model(body: dict, served: str) -> str:
@@ -90,10 +93,6 @@ def _refuse_unsupported(body: dict) -> None:
     raise FieldError("repetition_penalty", "is not supported by this server (only 1)")
   if get(body, "logit_bias", dict, {}):
     raise FieldError("logit_bias", "is not supported by this server")
-  fmt = get(body, "response_format", dict, None)
-  if fmt is not None and get(fmt, "type", str, "text", "response_format.type") != "text":
-    raise FieldError("response_format.type", "only 'text': structured outputs are not "
-                     "supported by this server yet")
 
 
 def common(body: dict, limits: RequestLimits, served: str, *, logprobs: int | None,
@@ -139,7 +138,7 @@ def common(body: dict, limits: RequestLimits, served: str, *, logprobs: int | No
                                                     False),
                      limits=limits, default_max_tokens=None)
   return Common(model=model, n=n, stream=stream, include_usage=include_usage,
-                sampling=sampling, stop_fields=stop_fields)
+                sampling=sampling, stop_fields=stop_fields, constraint=structured.from_body(body))
 
 
 def choice_requests(base_id: str, prompts: Sequence[list[int]], c: Common,
@@ -219,8 +218,12 @@ def parse_completion(raw: bytes, tokenizer: Any, limits: RequestLimits,
   if best_of is not None and best_of != c.n:
     raise FieldError("best_of", "is not supported by this server (only equal to n)")
   prompts = _prompts(body, tokenizer, limits)
+  spec = None
+  if c.constraint is not None:
+    spec = structured.compile_checked(c.constraint.spec, c.constraint.field, tokenizer, limits)
   plan_id = f"cmpl-{secrets.token_hex(12)}"
-  return CompletionPlan(plan_id, c, choice_requests(plan_id, prompts, c), logprobs,
+  requests = structured.constrain(choice_requests(plan_id, prompts, c), spec)
+  return CompletionPlan(plan_id, c, requests, logprobs,
                         get(body, "return_token_ids", bool, False))
 
 

@@ -68,6 +68,9 @@ flags.DEFINE_bool("adaptive_k", False, "Choose the draft length every step from 
                   "acceptance and costs measured at warm-up (k = 0 where drafting does not pay).")
 flags.DEFINE_bool("measure_spec_costs", True, "Time the speculative cost table at warm-up "
                   "(else the roofline: a decode step reads the weights once).")
+flags.DEFINE_bool("structured_warmup", True, "Warm-up also compiles the masked step of "
+                  "constrained rows (structured outputs, tool_choice required), so the first "
+                  "such request does not compile it.")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory (same tokenizer) for the "
                     "'draft' drafter.")
 flags.DEFINE_string("traffic_stats_path", None, "Histogram of step shapes: read at start to "
@@ -203,7 +206,8 @@ def main(argv: list[str]) -> int:
         speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
         drafters=tuple(FLAGS.drafters), num_draft_tokens=FLAGS.num_draft_tokens,
         adaptive_k=FLAGS.adaptive_k, measure_spec_costs=FLAGS.measure_spec_costs,
-        encoder_cache_bytes=FLAGS.encoder_cache_mb << 20),
+        encoder_cache_bytes=FLAGS.encoder_cache_mb << 20,
+        constrained_warmup=FLAGS.structured_warmup),
         draft_model=draft)
   except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -41,7 +41,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.runtime.engine import Engine
-from engine.service import chat, chat_parsers, reflection, validation, wire
+from engine.service import chat, chat_parsers, reflection, structured, validation, wire
 from engine.service.engine_loop import EngineLoop
 from engine.service.metrics import ServingMetrics
 from engine.service.openai_http import OpenAIHTTP
@@ -126,7 +126,8 @@ class InferenceServer:
         max_images_per_request=config.max_images_per_request,
         max_image_bytes=config.max_image_bytes, max_image_pixels=config.max_image_pixels,
         allow_image_urls=config.allow_image_urls,
-        image_url_timeout_s=config.image_url_timeout_s)
+        image_url_timeout_s=config.image_url_timeout_s,
+        eos_token_ids=tuple(engine.eos_token_ids))
     pad_id = engine.images.pad_id  # None: no vision tower (image parts refused)
     self.vision = (chat.Vision(pad_id, engine.image_processor)
                    if pad_id is not None and engine.image_processor is not None else None)
@@ -188,6 +189,15 @@ class InferenceServer:
       t0 = time.perf_counter()
       n = await asyncio.to_thread(self.engine.warmup)
       logging.info("warm-up compiled %d programs in %.1fs", n, time.perf_counter() - t0)
+      if self.engine.tokenizer is not None:  # structured outputs' tokenizer, built once
+        t0 = time.perf_counter()
+        why = await asyncio.to_thread(structured.prepare_tokenizer, self.engine.tokenizer,
+                                      self.limits)
+        if why is None:
+          logging.info("structured outputs: grammar tokenizer built in %.2fs",
+                       time.perf_counter() - t0)
+        else:
+          logging.warning("structured outputs unavailable: %s", why)
     self.state = "serving"
     await self._set_health(SERVING)
     self._tasks.append(asyncio.create_task(self._stats_loop()))

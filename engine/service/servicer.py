@@ -15,7 +15,7 @@ import grpc
 from absl import logging
 
 from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
-from engine.service import chat, validation, wire
+from engine.service import chat, structured, validation, wire
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
 from engine.service.reasoning import ReasoningState
@@ -147,7 +147,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
   async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
     srv, engine = self.srv, self.engine
-    parsed = await self._parse(context, request.request_id, validation.parse_generate,
+    parsed = await self._parse(context, request.request_id, structured.parse_generate,
                                request, engine.tokenizer, srv.limits)
     reasoning = (ReasoningState(srv.config.reasoning, engine.tokenizer)
                  if srv.config.reasoning is not None else None)

@@ -48,6 +48,7 @@ class RequestLimits:
   max_image_pixels: int = 4096 * 4096  # width x height, checked before decoding
   allow_image_urls: bool = False  # fetch http(s) image URLs (else refused)
   image_url_timeout_s: float = 10.0
+  eos_token_ids: tuple[int, ...] = ()  # the engine's: where a grammar accepts, these may follow
 
   @property
   def max_stop_token_ids(self) -> int:

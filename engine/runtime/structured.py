@@ -1,0 +1,168 @@
+"""The serving engine's constrained rows (structured outputs): masks on the host, one masked
+program on the device, matchers advanced with every emitted token.
+
+A constrained request (`Request.grammar`, a `grammar.GrammarMatcher`) never samples in
+`model_step` or the decode loops: the scheduler stops its segments one token short and lists
+it in `SchedulerOutput.constrained` once only its newest token is uncomputed. Each engine step
+then, for those rows:
+
+1. `prepare` (on a worker thread, started before the step's main program is dispatched, so the
+   llguidance mask computation overlaps the unconstrained rows' device loop; llguidance drops
+   the GIL while it computes): per row, drafts (n-gram prompt lookup on the host, for rows
+   whose drafter is "ngram" or "auto", when the engine speculates) cut at the first one the
+   grammar forbids, and the allowed-token bitmask at every position of [newest, d_1 .. d_k]
+   (the matcher advanced along the drafts, then rolled back).
+2. `steps.masked_step` after the main program: one forward over `[B, 1]` (no drafts) or
+   `[B, k + 1]`, masked logits, the speculative rule (greedy: argmax over allowed tokens;
+   sampled: the (seed, position) sample of the masked distribution), so drafting changes
+   nothing in the output.
+3. `finish`: the emitted tokens go to the matcher; a matcher that admits nothing but EOS ends
+   the request (finish reason "stop"); EOS itself is allowed only where the grammar accepts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.runtime.grammar import bitmask_words
+from engine.runtime.page_pool import NULL_PAGE
+from engine.runtime.speculative.drafters import NGRAM_MAX, NGRAM_MIN
+
+DRAFTERS_ON_HOST = ("ngram", "auto")  # constrained rows draft by host prompt lookup only
+
+
+def ngram_draft(ids: Sequence[int], k: int, window: int, min_n: int = NGRAM_MIN,
+                max_n: int = NGRAM_MAX) -> list[int]:
+  """`drafters.ngram_propose` on the host: the longest suffix (max_n down to min_n tokens) of
+  the last `window` tokens that occurred before; up to k tokens that followed its most recent
+  occurrence."""
+  hist = list(ids[-window:])
+  n = len(hist)
+  if k <= 0 or n < min_n + 1:
+    return []
+  best_end, best_run = -1, 0
+  for end in range(n - 2, -1, -1):  # most recent first; a continuation must exist
+    run = 0
+    while run < max_n and end - run >= 0 and hist[end - run] == hist[n - 1 - run]:
+      run += 1
+    if run >= min_n and run > best_run:
+      best_end, best_run = end, run
+      if run == max_n:
+        break
+  if best_end < 0:
+    return []
+  return hist[best_end + 1:best_end + 1 + min(k, n - 1 - best_end)]
+
+
+def draft_limits(reqs: Sequence[Any], scheduler: Any, k: int) -> list[int]:
+  """Drafts each constrained row may take this step: rows drafting with "ngram" or "auto",
+  within max_draft_tokens, the tokens the row may still emit and the pages free for them
+  (taken here, `Scheduler.grow`; nothing is preempted for drafts)."""
+  out = []
+  for req in reqs:
+    n = 0
+    if req.spec is not None and req.spec.drafter in DRAFTERS_ON_HOST:
+      n = min(k, req.sampling.max_draft_tokens or k, scheduler.remaining_tokens(req) - 1)
+      while n > 0 and not scheduler.grow(req, req.num_computed + 1 + n):
+        n //= 2
+    out.append(max(n, 0))
+  return out
+
+
+@dataclasses.dataclass
+class Prepared:
+  """Host inputs of one masked step."""
+  reqs: list[Any]
+  drafts: list[list[int]]
+  bitmask: np.ndarray  # [len(reqs), T, W] int32
+  seconds: float  # host time spent computing them
+
+
+def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size: int
+            ) -> Prepared:
+  """Drafts and masks for constrained rows (see the module docstring); draft_k[i]: the most
+  drafts row i may take (0: none)."""
+  t0 = time.perf_counter()
+  drafts = []
+  for req, k in zip(reqs, draft_k):
+    drafts.append(ngram_draft(req.all_ids, k, window) if k > 0 else [])
+  t = 1 + max((len(d) for d in drafts), default=0)
+  # Slots past a row's drafts are never read; all-allowed keeps their logits finite.
+  bits = np.full((len(reqs), t, bitmask_words(vocab_size)), -1, np.int32)
+  for i, (req, d) in enumerate(zip(reqs, drafts)):
+    m = req.grammar
+    m.fill_bitmask(bits[i, 0])
+    ok = 0
+    for tok in d:  # a draft the grammar forbids ends the row's drafts (it would be rejected)
+      if not m.accept(tok):
+        break
+      ok += 1
+      m.fill_bitmask(bits[i, ok])
+    if ok:
+      m.rollback(ok)
+    del d[ok:]
+  return Prepared(list(reqs), drafts, bits, time.perf_counter() - t0)
+
+
+class ConstrainedRows:
+  """The engine's worker thread for masks and the masked step's host arrays."""
+
+  def __init__(self, vocab_size: int, ngram_window: int):
+    self.vocab_size, self.window = vocab_size, ngram_window
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moejax-masks")
+    self.counters = dict(structured_steps=0, structured_tokens=0, structured_drafted=0,
+                         structured_accepted=0, structured_mask_seconds=0.0,
+                         structured_mask_wait_seconds=0.0)
+
+  def start(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
+    return self._pool.submit(prepare, list(reqs), list(draft_k), self.window, self.vocab_size)
+
+  def now(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
+    """`start`'s work on the calling thread (nothing to overlap: no other rows' program)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result(prepare(list(reqs), list(draft_k), self.window, self.vocab_size))
+    return done
+
+  def wait(self, future: concurrent.futures.Future) -> Prepared:
+    t0 = time.perf_counter()
+    prep = future.result()
+    self.counters["structured_mask_wait_seconds"] += time.perf_counter() - t0
+    self.counters["structured_mask_seconds"] += prep.seconds
+    return prep
+
+  def arrays(self, prep: Prepared, b: int, max_pages: int, page_size: int,
+             page_row) -> tuple[np.ndarray, ...]:
+    """(tokens [b, T], start [b], n_draft [b], page table [b, P], bitmask [b, T, W]) with rows
+    past the requests as padding (positions past the page table: nothing written)."""
+    n, t = len(prep.reqs), prep.bitmask.shape[1]
+    tokens = np.zeros((b, t), np.int32)
+    start = np.full((b,), max_pages * page_size, np.int32)
+    n_draft = np.zeros((b,), np.int32)
+    table = np.full((b, max_pages), NULL_PAGE, np.int32)
+    bits = np.full((b, t, prep.bitmask.shape[2]), -1, np.int32)
+    bits[:n] = prep.bitmask
+    for i, (req, d) in enumerate(zip(prep.reqs, prep.drafts)):
+      tokens[i, 0] = req.all_ids[-1]
+      tokens[i, 1:1 + len(d)] = d
+      start[i], n_draft[i], table[i] = req.num_computed, len(d), page_row(req)
+    return tokens, start, n_draft, table, bits
+
+  def count_drafts(self, req: Any, drafted: int, accepted: int,
+                   engine_counters: dict | None) -> None:
+    """A verified draft of `req`: its own counters, ours and the engine's `spec_*` ones."""
+    self.counters["structured_drafted"] += drafted
+    self.counters["structured_accepted"] += accepted
+    s = req.spec
+    s.drafts, s.drafted, s.accepted = s.drafts + 1, s.drafted + drafted, s.accepted + accepted
+    if engine_counters is not None:
+      engine_counters["spec_steps"] += 1
+      engine_counters["spec_drafted"] += drafted
+      engine_counters["spec_accepted"] += accepted
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False)
