@@ -5,13 +5,17 @@
 
 * T <= DECODE_MAX_TOKENS: `decode_mlp_mgpu` (tokens on WGMMA's N axis, one slot per active
   expert, reads only active experts' weights);
-* otherwise `grouped_mlp_mgpu` (64-row tiles of sorted token copies, fused gate/up + SiLU).
+* otherwise `grouped_mlp_mgpu` (64-row tiles of sorted token copies, fused gate/up + SiLU);
+* INT4 experts (`Int4Weight`), any T: `int4_mlp_mgpu` (W4A16: the packed tiles dequantized in
+  registers into bf16 SMEM tiles per K step, tokens on WGMMA's N axis, one slot per active
+  expert up to 64 tokens, 64-row slots above).
 
 Both run `permute.route_copies` / `permute` before and `permute.combine` after (plain JAX).
 `route` is `routing.route` (plain JAX, no sort/top-k primitive).
 
 Requirements (raise otherwise, no silent fallback): bf16/f16 activations and weights (Hopper
-WGMMA takes transposed 16-bit operands only); hidden and expert width multiples of 64. Tile
+WGMMA takes transposed 16-bit operands only), or INT4 experts with bf16 activations; hidden and
+expert width multiples of 64 (of 128 for INT4). FP8 experts are refused (no W8A16 kernel). Tile
 choices assume an H100/H200 (132 SMs, 227 KiB SMEM).
 
 Shapes: x [T, H], weights [T, k] float32, expert_ids [T, k] int32 (global ids, distinct per
@@ -22,8 +26,8 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, routing
-from pallas_kernels.quant import is_quantized
+from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, int4_mlp_mgpu, routing
+from pallas_kernels.quant import is_int4, is_quantized
 
 DECODE_MAX_TOKENS = 64
 
@@ -38,12 +42,19 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
                 w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0,
                 num_sms: int = 132) -> jax.Array:
   """Weighted sum of the chosen experts' SwiGLU MLPs over a local shard (see module doc)."""
-  if is_quantized(w_gate):
-    raise NotImplementedError("moe='mosaic_gpu' takes bf16/f16 expert weights; INT4 / FP8 "
-                              "(kept quantized) experts run with moe='reference' (no W4A16 / "
-                              "W8A16 kernel yet)")
   t, h = x.shape
   inter = w_gate.shape[2]
+  if is_int4(w_gate):
+    if h % 128 or inter % 128:
+      raise NotImplementedError(f"mosaic_gpu INT4 MoE needs hidden ({h}) and expert width "
+                                f"({inter}) to be multiples of 128 (its K step)")
+    return int4_mlp_mgpu.moe_experts_int4(x, weights, expert_ids, w_gate, w_up, w_down,
+                                          expert_offset=expert_offset,
+                                          cfg=int4_mlp_mgpu.Int4Config(num_sms=num_sms))
+  if is_quantized(w_gate):
+    raise NotImplementedError("moe='mosaic_gpu' takes bf16/f16 or INT4 expert weights; FP8 "
+                              "(kept quantized) experts run with moe='reference' (no W8A16 "
+                              "kernel yet)")
   if h % 64 or inter % 64:
     raise NotImplementedError(f"mosaic_gpu MoE needs hidden ({h}) and expert width ({inter}) "
                               "to be multiples of 64")

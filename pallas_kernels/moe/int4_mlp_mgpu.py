@@ -1,0 +1,239 @@
+"""W4A16 expert SwiGLU MLP on INT4 experts: Pallas Mosaic GPU (Hopper WGMMA), from packed weights.
+
+The kernels read `Int4Weight` experts as stored (`pallas_kernels/quant.py`): packed uint8
+[E, K/2, N] (byte j of column n = elements 2j (low nibble) and 2j + 1 (high), each q + 8) and
+bf16 scales [E, K/group, N]. Each K step dequantizes its weight tile in registers and writes it
+to SMEM as bf16 for the tensor cores; nothing else ever holds a float copy of a weight.
+
+Layout (tokens on WGMMA's N axis, weights on M, as `decode_mlp_mgpu`): every active local expert
+owns slots of `block_tokens` rows in the permuted layout of `permute.py`; a work item is (slot,
+64 output columns), unused slots are skipped without reading their weights.
+
+  gate_up:  hT[s, I, Nt] = silu(Wg[e]^T @ xs[s]^T) * (Wu[e]^T @ xs[s]^T)
+  down:     yT[s, H, Nt] = Wd[e]^T @ h[s]^T
+
+One K step of `block_k` (bk, a multiple of 128) inputs and 64 output columns:
+  TMA     packed [bk/2, 64] uint8, scale [bk/group, 64] bf16, activations [Nt, bk] bf16 -> SMEM
+  dequant for each 64-row chunk of packed bytes (4 scale groups of 16 byte rows at group 32):
+          lo = (b & 0xF) - 8, hi = (b & 0xF0) / 16 - 8 in f32, times the chunk's scales (each
+          group's 64-column scale row broadcast over its rows, selected by row // (group / 2)),
+          rounded to bf16 (= compressed-tensors' bf16 product), stored to a bf16 SMEM tile
+          [bk, 64] with all low nibbles first (rows 0..bk/2) and all high nibbles after
+  WGMMA   acc[64, Nt] += tile^T @ act^T   (f32 accumulator; the tile is double-buffered so the
+          next step's dequant overlaps this step's MMA)
+The tile's rows are a fixed permutation of the step's K: row r < bk/2 is input 2r, row bk/2 + r
+is input 2r + 1. The activations are permuted the same way outside the kernel (`permute_k`, an
+XLA transpose of the [rows, K] activations), so the sum over K is unchanged. Every K step
+starts on a group boundary (bk is a multiple of the group), so a step's scales are its own
+bk/group scale rows and no scale straddles two steps.
+
+Shapes: xs [S * Nt, K] (K-permuted), packed [E, K/2, N] uint8, scale [E, K/group, N],
+slot_expert [S] int32, num_slots [1] int32 -> [S, N, Nt] (unused slots unwritten).
+
+Limits: bf16 activations; group 32, 64 or 128 (a divisor of 128); K a multiple of block_k;
+N a multiple of 64; block_tokens a multiple of 8, at most 128 (SMEM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.moe import permute as permute_lib
+from pallas_kernels.moe.decode_mlp_mgpu import block_tokens_for
+from pallas_kernels.quant import INT4_OFFSET, Int4Weight, dequantize, is_int4
+
+_WEIGHT_TILE = 64  # WGMMA's M: weight columns per work item
+_CHUNK = 64  # packed byte rows dequantized at once (one WGMMA-layout register tile)
+PREFILL_TOKENS = 64  # slot height above the decode sizes (tokens on WGMMA N)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Config:
+  """block_k: inputs per K step (multiple of 128 and of the group); max_concurrent_steps: TMA
+  pipeline depth; num_sms: persistent CTAs (132 on H100/H200 SXM)."""
+  block_k: int = 128
+  max_concurrent_steps: int = 4
+  num_sms: int = 132
+
+
+def permute_k(x: jax.Array, block_k: int) -> jax.Array:
+  """Columns of x [R, K] in the kernel's K order: within each block_k block, the even inputs
+  first, then the odd ones (the dequantized tile's rows: low nibbles, then high)."""
+  r, k = x.shape
+  return x.reshape(r, k // block_k, block_k // 2, 2).swapaxes(-1, -2).reshape(r, k)
+
+
+def _check(dtype, w: Int4Weight, nt: int, cfg: Int4Config) -> None:
+  if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+    raise NotImplementedError(f"Mosaic GPU W4A16 MLP takes bf16 activations, got {dtype}")
+  _, k, n = w.shape
+  bk, g = cfg.block_k, w.group
+  if 128 % g or g % 2:
+    raise NotImplementedError(f"INT4 group {g}: the kernel takes groups dividing 128")
+  if bk % 128 or k % bk:
+    raise ValueError(f"K={k} must be a multiple of block_k={bk}, itself a multiple of 128")
+  if n % _WEIGHT_TILE:
+    raise ValueError(f"N={n} must be a multiple of {_WEIGHT_TILE}")
+  if nt % 8 or nt > 128:
+    raise ValueError(f"block_tokens={nt} must be a multiple of 8, at most 128")
+
+
+def _dequantize_tile(p_smem, s_smem, dst, group: int, bk: int) -> None:
+  """bf16 tile [bk, 64] in `dst` (rows: low nibbles, then high) of the packed [bk/2, 64] bytes
+  and [bk/group, 64] scales in SMEM."""
+  rows_per_group = group // 2  # packed byte rows per scale row
+  groups_per_chunk = _CHUNK // rows_per_group
+  row_group = jax.lax.broadcasted_iota(jnp.int32, (_CHUNK, _WEIGHT_TILE), 0) // rows_per_group
+  for c in range(bk // 2 // _CHUNK):
+    b = p_smem[pl.ds(c * _CHUNK, _CHUNK), :]  # uint8 [64, 64]
+    scale = None
+    for g in range(groups_per_chunk):
+      row = s_smem[c * groups_per_chunk + g, :].astype(jnp.float32)
+      s_g = jax.lax.broadcast_in_dim(row, (_CHUNK, _WEIGHT_TILE), (1,))
+      scale = s_g if scale is None else jnp.where(row_group == g, s_g, scale)
+    # Mosaic GPU does bitwise ops only on 8-bit values: mask both nibbles in uint8, shift the
+    # high one by a multiply (exact) after the conversion.
+    lo = (b & 0xF).astype(jnp.float32) - INT4_OFFSET
+    hi = (b & 0xF0).astype(jnp.float32) * (1 / 16) - INT4_OFFSET
+    dst[pl.ds(c * _CHUNK, _CHUNK), :] = (lo * scale).astype(dst.dtype)
+    dst[pl.ds(bk // 2 + c * _CHUNK, _CHUNK), :] = (hi * scale).astype(dst.dtype)
+
+
+def _int4_swapped_matmul(act: jax.Array, weights: tuple[Int4Weight, ...], slot_expert: jax.Array,
+                         num_slots: jax.Array, nt: int, cfg: Int4Config) -> jax.Array:
+  """outT[s, N, nt] = W[e]^T @ act[s]^T (one weight) or the SwiGLU of two, per active slot;
+  act [S * nt, K] already in `permute_k` order."""
+  rows, k = act.shape
+  for w in weights:
+    _check(act.dtype, w, nt, cfg)
+  n = weights[0].shape[2]
+  group = weights[0].group
+  slots = rows // nt
+  grid_n = n // _WEIGHT_TILE
+  bk = cfg.block_k
+  nw = len(weights)
+
+  def body(slot_expert_gmem, num_slots_gmem, act_gmem, *refs, w_smem):
+    w_gmems, out_gmem = refs[:-1], refs[-1]
+    used_slots = num_slots_gmem[0]
+
+    # Slot-major order: consecutive SMs take neighbouring column tiles of one expert.
+    @plgpu.nd_loop((slots, grid_n), collective_axes="sm")
+    def _work_item(loop_info: plgpu.NDLoopInfo):
+      si, ni = loop_info.index
+
+      @pl.when(si < used_slots)
+      def _():
+        expert = slot_expert_gmem[si]
+
+        def acc_scope(*accs):
+          def step(idx, a_smem, *q_smems):
+            buf = jax.lax.rem(idx[0], 2)
+            for wi in range(nw):
+              _dequantize_tile(q_smems[2 * wi], q_smems[2 * wi + 1], w_smem.at[wi, buf],
+                               group, bk)
+            plgpu.commit_smem()  # generic-proxy stores -> visible to WGMMA (async proxy)
+            for wi, acc in enumerate(accs):
+              plgpu.wgmma(acc, w_smem.at[wi, buf].transpose((1, 0)), a_smem.transpose((1, 0)))
+            # Keep at most the last MMA in flight: the previous step's are done, so the next
+            # step may overwrite their tile buffer and the pipeline may refill their inputs.
+            plgpu.wgmma_wait(1)
+
+          q_specs = []
+          for _ in range(nw):
+            q_specs += [
+                plgpu.BlockSpec((bk // 2, _WEIGHT_TILE), lambda kk: (kk, ni), delay_release=1),
+                plgpu.BlockSpec((bk // group, _WEIGHT_TILE), lambda kk: (kk, ni),
+                                delay_release=1)]
+          plgpu.emit_pipeline(
+              step,
+              grid=(k // bk,),
+              in_specs=[plgpu.BlockSpec((nt, bk), lambda kk: (si, kk), delay_release=1)]
+              + q_specs,
+              max_concurrent_steps=cfg.max_concurrent_steps,
+          )(act_gmem, *(ref.at[expert] for ref in w_gmems))
+          plgpu.wgmma_wait(0)
+          return tuple(acc[...] for acc in accs)
+
+        accs = pl.run_scoped(acc_scope, *[plgpu.ACC((_WEIGHT_TILE, nt))] * nw)
+        result = (accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1]) if nw == 2 else accs[0]
+
+        @functools.partial(pl.run_scoped,
+                           o_smem=plgpu.SMEM((_WEIGHT_TILE, nt), out_gmem.dtype))
+        def _store(o_smem):
+          o_smem[...] = result.astype(o_smem.dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * _WEIGHT_TILE,
+                                                                _WEIGHT_TILE)])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((slots, n, nt), act.dtype),
+      grid=(cfg.num_sms,),
+      grid_names=("sm",),
+      scratch_types=dict(w_smem=plgpu.SMEM((nw, 2, bk, _WEIGHT_TILE), act.dtype)),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  leaves = [leaf for w in weights for leaf in (w.packed, w.scale)]
+  return kernel(slot_expert, num_slots, act, *leaves)
+
+
+def int4_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
+                w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, block_tokens: int,
+                cfg: Int4Config = Int4Config()) -> jax.Array:
+  """ys [S * Nt, H] = down(silu(xs @ gate) * (xs @ up)) per slot's expert, the weights INT4;
+  xs [S * Nt, H] in natural K order; rows of unused slots are zero."""
+  nt = block_tokens
+  for w in (w_gate, w_up, w_down):  # before the K permutation, which needs whole K steps
+    _check(xs.dtype, w, nt, cfg)
+  slots = xs.shape[0] // nt
+  used = (jnp.arange(slots) < num_slots[0])[:, None, None]
+  h_t = _int4_swapped_matmul(permute_k(xs, cfg.block_k), (w_gate, w_up), slot_expert,
+                             num_slots, nt, cfg)  # [S, I, nt]
+  # Unused slots were never written: zero them so nothing uninitialised flows on.
+  h = jnp.where(used, h_t, 0).transpose(0, 2, 1).reshape(slots * nt, -1)
+  y_t = _int4_swapped_matmul(permute_k(h, cfg.block_k), (w_down,), slot_expert, num_slots,
+                             nt, cfg)  # [S, H, nt]
+  return jnp.where(used, y_t, 0).transpose(0, 2, 1).reshape(slots * nt, -1)
+
+
+def int4_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
+                          w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight,
+                          block_tokens: int, cfg: Int4Config = Int4Config()) -> jax.Array:
+  """Plain JAX of `int4_swiglu`: the weights dequantized (bf16 product, as compressed-tensors),
+  then the tiled SwiGLU reference of the bf16 kernels."""
+  del cfg
+  w = [dequantize(v, xs.dtype) for v in (w_gate, w_up, w_down)]
+  return permute_lib.tiled_swiglu_reference(xs, slot_expert, num_slots, *w, block_tokens)
+
+
+def block_tokens_int4(num_tokens: int) -> int:
+  """Slot height: the decode sizes' (tokens rounded up to 8), PREFILL_TOKENS above them."""
+  return min(block_tokens_for(num_tokens), PREFILL_TOKENS)
+
+
+def moe_experts_int4(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                     w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, *,
+                     expert_offset: int = 0, cfg: Int4Config = Int4Config()) -> jax.Array:
+  """`reference.moe_experts` contract through the W4A16 kernels, any token count: up to 64
+  tokens each active expert gets one slot of block_tokens_for(T) rows (reads only the hit
+  experts); above, slots of 64 rows (a group of many copies spans several slots)."""
+  if not all(is_int4(w) for w in (w_gate, w_up, w_down)):
+    raise TypeError("moe_experts_int4 takes Int4Weight experts")
+  t, k = expert_ids.shape
+  e_local = w_gate.shape[0]
+  nt = block_tokens_int4(t)
+  rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
+  perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
+                                  expert_offset=expert_offset, block_rows=nt, num_rows=rows)
+  xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
+  ys = int4_swiglu(xs, perm.tile_expert, perm.num_tiles, w_gate, w_up, w_down, nt, cfg)
+  return permute_lib.combine(ys, perm, weights, x.dtype)
