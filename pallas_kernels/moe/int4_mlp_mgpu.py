@@ -5,7 +5,8 @@ The kernels read `Int4Weight` experts as stored (`pallas_kernels/quant.py`): pac
 bf16 scales [E, K/group, N]. Each K step dequantizes its weight tile in registers and writes it
 to SMEM as bf16 for the tensor cores; nothing else ever holds a float copy of a weight.
 
-Layout (tokens on WGMMA's N axis, weights on M, as `decode_mlp_mgpu`): every active local expert
+Layout (the matmul skeleton in `dequant_mlp_mgpu`: tokens on WGMMA's N axis, weights on M, as
+`decode_mlp_mgpu`): every active local expert
 owns slots of `block_tokens` rows in the permuted layout of `permute.py`; a work item is (slot,
 64 output columns), unused slots are skipped without reading their weights.
 
@@ -36,30 +37,25 @@ N a multiple of 64; block_tokens a multiple of 8, at most 128 (SMEM).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe import dequant_mlp_mgpu as dequant_lib
 from pallas_kernels.moe import permute as permute_lib
 from pallas_kernels.moe.decode_mlp_mgpu import block_tokens_for
 from pallas_kernels.quant import INT4_OFFSET, Int4Weight, dequantize, is_int4
 
-_WEIGHT_TILE = 64  # WGMMA's M: weight columns per work item
+_WEIGHT_TILE = dequant_lib.WEIGHT_TILE
 _CHUNK = 64  # packed byte rows dequantized at once (one WGMMA-layout register tile)
 PREFILL_TOKENS = 64  # slot height above the decode sizes (tokens on WGMMA N)
 
 
-@dataclasses.dataclass(frozen=True)
-class Int4Config:
-  """block_k: inputs per K step (multiple of 128 and of the group); max_concurrent_steps: TMA
-  pipeline depth; num_sms: persistent CTAs (132 on H100/H200 SXM)."""
-  block_k: int = 128
-  max_concurrent_steps: int = 4
-  num_sms: int = 132
+# block_k: inputs per K step (a multiple of 128, hence of the group); max_concurrent_steps,
+# num_sms as in `dequant_mlp_mgpu`.
+Int4Config = dequant_lib.DequantConfig
 
 
 def permute_k(x: jax.Array, block_k: int) -> jax.Array:
@@ -105,85 +101,25 @@ def _dequantize_tile(p_smem, s_smem, dst, group: int, bk: int) -> None:
     dst[pl.ds(bk // 2 + c * _CHUNK, _CHUNK), :] = (hi * scale).astype(dst.dtype)
 
 
+def _int4_tiles(w: Int4Weight, bk: int) -> dequant_lib.WeightTiles:
+  group = w.group
+
+  def deq(kk, ni, expert, tiles, side, dst):
+    del kk, ni, expert, side
+    _dequantize_tile(tiles[0], tiles[1], dst, group, bk)
+
+  return dequant_lib.WeightTiles(tiled=(w.packed, w.scale), block_rows=(bk // 2, bk // group),
+                                 side=(), dequantize=deq)
+
+
 def _int4_swapped_matmul(act: jax.Array, weights: tuple[Int4Weight, ...], slot_expert: jax.Array,
                          num_slots: jax.Array, nt: int, cfg: Int4Config) -> jax.Array:
   """outT[s, N, nt] = W[e]^T @ act[s]^T (one weight) or the SwiGLU of two, per active slot;
   act [S * nt, K] already in `permute_k` order."""
-  rows, k = act.shape
   for w in weights:
     _check(act.dtype, w, nt, cfg)
-  n = weights[0].shape[2]
-  group = weights[0].group
-  slots = rows // nt
-  grid_n = n // _WEIGHT_TILE
-  bk = cfg.block_k
-  nw = len(weights)
-
-  def body(slot_expert_gmem, num_slots_gmem, act_gmem, *refs, w_smem):
-    w_gmems, out_gmem = refs[:-1], refs[-1]
-    used_slots = num_slots_gmem[0]
-
-    # Slot-major order: consecutive SMs take neighbouring column tiles of one expert.
-    @plgpu.nd_loop((slots, grid_n), collective_axes="sm")
-    def _work_item(loop_info: plgpu.NDLoopInfo):
-      si, ni = loop_info.index
-
-      @pl.when(si < used_slots)
-      def _():
-        expert = slot_expert_gmem[si]
-
-        def acc_scope(*accs):
-          def step(idx, a_smem, *q_smems):
-            buf = jax.lax.rem(idx[0], 2)
-            for wi in range(nw):
-              _dequantize_tile(q_smems[2 * wi], q_smems[2 * wi + 1], w_smem.at[wi, buf],
-                               group, bk)
-            plgpu.commit_smem()  # generic-proxy stores -> visible to WGMMA (async proxy)
-            for wi, acc in enumerate(accs):
-              plgpu.wgmma(acc, w_smem.at[wi, buf].transpose((1, 0)), a_smem.transpose((1, 0)))
-            # Keep at most the last MMA in flight: the previous step's are done, so the next
-            # step may overwrite their tile buffer and the pipeline may refill their inputs.
-            plgpu.wgmma_wait(1)
-
-          q_specs = []
-          for _ in range(nw):
-            q_specs += [
-                plgpu.BlockSpec((bk // 2, _WEIGHT_TILE), lambda kk: (kk, ni), delay_release=1),
-                plgpu.BlockSpec((bk // group, _WEIGHT_TILE), lambda kk: (kk, ni),
-                                delay_release=1)]
-          plgpu.emit_pipeline(
-              step,
-              grid=(k // bk,),
-              in_specs=[plgpu.BlockSpec((nt, bk), lambda kk: (si, kk), delay_release=1)]
-              + q_specs,
-              max_concurrent_steps=cfg.max_concurrent_steps,
-          )(act_gmem, *(ref.at[expert] for ref in w_gmems))
-          plgpu.wgmma_wait(0)
-          return tuple(acc[...] for acc in accs)
-
-        accs = pl.run_scoped(acc_scope, *[plgpu.ACC((_WEIGHT_TILE, nt))] * nw)
-        result = (accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1]) if nw == 2 else accs[0]
-
-        @functools.partial(pl.run_scoped,
-                           o_smem=plgpu.SMEM((_WEIGHT_TILE, nt), out_gmem.dtype))
-        def _store(o_smem):
-          o_smem[...] = result.astype(o_smem.dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * _WEIGHT_TILE,
-                                                                _WEIGHT_TILE)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  kernel = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((slots, n, nt), act.dtype),
-      grid=(cfg.num_sms,),
-      grid_names=("sm",),
-      scratch_types=dict(w_smem=plgpu.SMEM((nw, 2, bk, _WEIGHT_TILE), act.dtype)),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )
-  leaves = [leaf for w in weights for leaf in (w.packed, w.scale)]
-  return kernel(slot_expert, num_slots, act, *leaves)
+  return dequant_lib.swapped_matmul(act, [_int4_tiles(w, cfg.block_k) for w in weights],
+                                    weights[0].shape[2], slot_expert, num_slots, nt, cfg)
 
 
 def int4_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
@@ -191,18 +127,15 @@ def int4_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
                 cfg: Int4Config = Int4Config()) -> jax.Array:
   """ys [S * Nt, H] = down(silu(xs @ gate) * (xs @ up)) per slot's expert, the weights INT4;
   xs [S * Nt, H] in natural K order; rows of unused slots are zero."""
-  nt = block_tokens
+  nt, bk = block_tokens, cfg.block_k
   for w in (w_gate, w_up, w_down):  # before the K permutation, which needs whole K steps
     _check(xs.dtype, w, nt, cfg)
-  slots = xs.shape[0] // nt
-  used = (jnp.arange(slots) < num_slots[0])[:, None, None]
-  h_t = _int4_swapped_matmul(permute_k(xs, cfg.block_k), (w_gate, w_up), slot_expert,
-                             num_slots, nt, cfg)  # [S, I, nt]
-  # Unused slots were never written: zero them so nothing uninitialised flows on.
-  h = jnp.where(used, h_t, 0).transpose(0, 2, 1).reshape(slots * nt, -1)
-  y_t = _int4_swapped_matmul(permute_k(h, cfg.block_k), (w_down,), slot_expert, num_slots,
-                             nt, cfg)  # [S, H, nt]
-  return jnp.where(used, y_t, 0).transpose(0, 2, 1).reshape(slots * nt, -1)
+  mm = functools.partial(_int4_swapped_matmul, slot_expert=slot_expert, num_slots=num_slots,
+                         nt=nt, cfg=cfg)
+  return dequant_lib.swiglu_two_kernels(
+      xs, slot_expert, num_slots, nt,
+      gate_up=lambda a: mm(permute_k(a, bk), (w_gate, w_up)),  # [S, I, nt]
+      down=lambda h: mm(permute_k(h, bk), (w_down,)))  # [S, H, nt]
 
 
 def int4_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
