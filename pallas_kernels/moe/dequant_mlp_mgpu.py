@@ -28,6 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe import permute as permute_lib
+from pallas_kernels.moe.decode_mlp_mgpu import block_tokens_for
+
 WEIGHT_TILE = 64  # WGMMA's M: weight columns per work item
 
 
@@ -143,3 +146,29 @@ def swiglu_two_kernels(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Arr
   used = (jnp.arange(slots) < num_slots[0])[:, None, None]
   h = jnp.where(used, gate_up(xs), 0).transpose(0, 2, 1).reshape(slots * nt, -1)
   return jnp.where(used, down(h), 0).transpose(0, 2, 1).reshape(slots * nt, -1)
+
+
+PREFILL_TOKENS = 64  # slot height above the decode sizes (tokens on WGMMA N)
+
+
+def block_tokens(num_tokens: int) -> int:
+  """Slot height: the decode sizes' (tokens rounded up to 8, so up to 64 tokens each active
+  expert owns exactly one slot), PREFILL_TOKENS above them (a big group spans several)."""
+  return min(block_tokens_for(num_tokens), PREFILL_TOKENS)
+
+
+def moe_experts_slots(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, e_local: int,
+                      expert_offset: int,
+                      swiglu: Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
+                      ) -> jax.Array:
+  """`reference.moe_experts` contract around a slot kernel pair: swiglu(xs, slot_expert,
+  num_slots, block_tokens) -> ys, with the permutation of `permute.py` before and the
+  weighted combine after."""
+  t, k = expert_ids.shape
+  nt = block_tokens(t)
+  rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
+  perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
+                                  expert_offset=expert_offset, block_rows=nt, num_rows=rows)
+  xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
+  ys = swiglu(xs, perm.tile_expert, perm.num_tiles, nt)
+  return permute_lib.combine(ys, perm, weights, x.dtype)

@@ -45,12 +45,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.moe import dequant_mlp_mgpu as dequant_lib
 from pallas_kernels.moe import permute as permute_lib
-from pallas_kernels.moe.decode_mlp_mgpu import block_tokens_for
 from pallas_kernels.quant import INT4_OFFSET, Int4Weight, dequantize, is_int4
 
 _WEIGHT_TILE = dequant_lib.WEIGHT_TILE
 _CHUNK = 64  # packed byte rows dequantized at once (one WGMMA-layout register tile)
-PREFILL_TOKENS = 64  # slot height above the decode sizes (tokens on WGMMA N)
 
 
 # block_k: inputs per K step (a multiple of 128, hence of the group); max_concurrent_steps,
@@ -148,25 +146,13 @@ def int4_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.
   return permute_lib.tiled_swiglu_reference(xs, slot_expert, num_slots, *w, block_tokens)
 
 
-def block_tokens_int4(num_tokens: int) -> int:
-  """Slot height: the decode sizes' (tokens rounded up to 8), PREFILL_TOKENS above them."""
-  return min(block_tokens_for(num_tokens), PREFILL_TOKENS)
-
-
 def moe_experts_int4(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                      w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, *,
                      expert_offset: int = 0, cfg: Int4Config = Int4Config()) -> jax.Array:
-  """`reference.moe_experts` contract through the W4A16 kernels, any token count: up to 64
-  tokens each active expert gets one slot of block_tokens_for(T) rows (reads only the hit
-  experts); above, slots of 64 rows (a group of many copies spans several slots)."""
+  """`reference.moe_experts` contract through the W4A16 kernels, any token count (slots:
+  `dequant_mlp_mgpu.block_tokens`)."""
   if not all(is_int4(w) for w in (w_gate, w_up, w_down)):
     raise TypeError("moe_experts_int4 takes Int4Weight experts")
-  t, k = expert_ids.shape
-  e_local = w_gate.shape[0]
-  nt = block_tokens_int4(t)
-  rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
-  perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
-                                  expert_offset=expert_offset, block_rows=nt, num_rows=rows)
-  xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
-  ys = int4_swiglu(xs, perm.tile_expert, perm.num_tiles, w_gate, w_up, w_down, nt, cfg)
-  return permute_lib.combine(ys, perm, weights, x.dtype)
+  return dequant_lib.moe_experts_slots(
+      x, weights, expert_ids, w_gate.shape[0], expert_offset,
+      lambda xs, se, ns, nt: int4_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg))

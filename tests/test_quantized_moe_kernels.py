@@ -1,10 +1,12 @@
-"""The W4A16 Mosaic GPU expert kernel (`pallas_kernels/moe/int4_mlp_mgpu.py`) on packed INT4
-experts: GPU interpret mode on CPU against the dequantize-then-compute reference, and the CUDA
-lowering (an abstract H200) of the kernel at Kimi K2.5 shapes and of the MoE layer that uses it.
+"""The quantized-expert Mosaic GPU kernels, W4A16 on packed INT4 experts (`int4_mlp_mgpu`) and
+W8A16 on FP8 block-scaled experts (`fp8_mlp_mgpu`): GPU interpret mode on CPU against the
+dequantize-then-compute reference, and the CUDA lowering (an abstract H200) of each kernel at
+Kimi K2.5 shapes and of the MoE layer that uses it.
 
 Interpret mode poisons unwritten memory with NaN, so a kernel that skips part of a tile fails.
-The references take the same dequantized weights (compressed-tensors' bf16 product) in float32:
-the kernel's only roundings are bf16 h between the two kernels and its bf16 output.
+The references take the same dequantized weights (INT4: compressed-tensors' bf16 product; FP8:
+the float32 product rounded to bf16, as the kernels do) in float32: the kernels' only other
+roundings are bf16 h between the two kernels and their bf16 output.
 """
 
 import contextlib
@@ -24,8 +26,8 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params
 from engine.model.transformer import moe as moe_layer
 from model_configs import CONFIGS
-from pallas_kernels.moe import int4_mlp_mgpu, moe_mgpu, reference
-from pallas_kernels.quant import Int4Weight, dequantize
+from pallas_kernels.moe import fp8_mlp_mgpu, int4_mlp_mgpu, moe_mgpu, reference
+from pallas_kernels.quant import Fp8Weight, Int4Weight, dequantize
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -58,8 +60,25 @@ def _problem(seed, t, e, k, h, i, group=32, ids=None):
   return x, w, jnp.asarray(ids, jnp.int32), *ws
 
 
+def _fp8(rng, e, k, n):
+  w = jnp.asarray(np.clip(rng.standard_normal((e, k, n)) * 32, -448, 448), jnp.float8_e4m3fn)
+  scale = (0.5 + rng.random((e, k // 128, -(-n // 128)))) / (32 * np.sqrt(k))
+  return Fp8Weight(w, jnp.asarray(scale, jnp.float32))
+
+
+def _fp8_problem(seed, t, e, k, h, i, ids=None):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+  if ids is None:
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
+  w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
+  return (x, w, jnp.asarray(ids, jnp.int32),
+          _fp8(rng, e, h, i), _fp8(rng, e, h, i), _fp8(rng, e, i, h))
+
+
 def _reference_f32(x, w, ids, wg, wu, wd, expert_offset=0):
-  deq = [dequantize(v, jnp.float32) for v in (wg, wu, wd)]
+  # (bf16 first: the weights the kernels multiply, for FP8 the float32 product rounded)
+  deq = [dequantize(v, jnp.bfloat16).astype(jnp.float32) for v in (wg, wu, wd)]
   return reference.moe_experts_dense(x.astype(jnp.float32), w, ids, *deq,
                                      expert_offset=expert_offset)
 
@@ -149,22 +168,74 @@ def test_int4_kernel_refuses_what_it_cannot_compute():
     moe_mgpu.moe_experts(x, w, ids, wg, wu, wd)
 
 
+# ---- FP8 (W8A16) ---------------------------------------------------------------------------
+
+FP8_CASES = {
+    # name: (t, experts, top-k, hidden, expert width, block_k, expert ids or None)
+    "decode_1_token": (1, 6, 2, 128, 256, 128, None),
+    "decode_5_tokens_bk256": (5, 6, 3, 256, 256, 256, None),
+    "prefill_one_huge_group_empty_experts": (70, 6, 2, 128, 128, 128, "4,1"),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_CASES))
+def test_fp8_kernel_equals_reference(name):
+  t, e, k, h, i, bk, ids = FP8_CASES[name]
+  ids = None if ids is None else np.tile([int(v) for v in ids.split(",")], (t, 1))
+  args = _fp8_problem(hash(name) % 1000, t, e, k, h, i, ids)
+  with gpu_interpret():
+    got = fp8_mlp_mgpu.moe_experts_fp8(*args, cfg=dataclasses.replace(SMALL, block_k=bk))
+  _assert_close(got, _reference_f32(*args))
+
+
+def test_fp8_matmul_half_scale_block_and_shard():
+  # N = 192: the last 64-column tile is the first half of a 128-column scale block, whose
+  # second half does not exist; experts 3.. of a shard (offset scales index by local expert).
+  rng = np.random.default_rng(8)
+  wt = _fp8(rng, 5, 128, 192)[2:]
+  nt = 8
+  xs = jnp.asarray(rng.standard_normal((2 * nt, 128)), jnp.bfloat16)
+  slot_expert = jnp.asarray([2, 0], jnp.int32)
+  with gpu_interpret():
+    got = fp8_mlp_mgpu._fp8_swapped_matmul(xs, (wt,), slot_expert, jnp.asarray([2], jnp.int32),
+                                           nt, SMALL)
+  deq = dequantize(wt, jnp.bfloat16).astype(jnp.float32)
+  want = jnp.einsum("stk,skn->snt", xs.astype(jnp.float32).reshape(2, nt, 128),
+                    deq[slot_expert])
+  _assert_close(got, want)
+
+
+def test_fp8_kernel_refuses_other_blocks():
+  x, w, ids, wg, wu, wd = _fp8_problem(2, 2, 4, 2, 128, 128)
+  other = Fp8Weight(wg.w, wg.scale_inv, block=(64, 128))
+  with pytest.raises(NotImplementedError, match="128 x 128"):
+    fp8_mlp_mgpu.moe_experts_fp8(x, w, ids, other, wu, wd)
+
+
 # ---- the MoE layer through the engine's switch ------------------------------------------------
 
-def _int4_moe_config():
+def _quantized_moe_config(fmt):
   d = dict(CONFIGS["deepseek_v3"], hidden_size=128, moe_intermediate_size=128,
            intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2)
-  return dataclasses.replace(config_from_dict(d), int4=INT4)
+  cfg = config_from_dict(d)
+  if fmt == "int4":
+    return dataclasses.replace(cfg, int4=INT4)
+  return dataclasses.replace(cfg, fp8_experts=(128, 128))
 
 
-def test_moe_layer_with_int4_experts_uses_the_kernel_and_equals_reference():
-  cfg = _int4_moe_config()
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_moe_layer_with_quantized_experts_uses_the_kernel_and_equals_reference(fmt):
+  cfg = _quantized_moe_config(fmt)
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
   p = params["layers"][1]["moe"]
-  assert isinstance(p["experts"]["gate"], Int4Weight)
+  assert isinstance(p["experts"]["gate"], Int4Weight if fmt == "int4" else Fp8Weight)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, cfg.hidden_size)),
                   jnp.bfloat16)
+  # (the reference in float32; FP8 experts as the bf16 weights the kernel multiplies)
   f32 = jax.tree.map(lambda v: v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v, p)
+  if fmt == "fp8":
+    f32["experts"] = {n: dequantize(v, jnp.bfloat16).astype(jnp.float32)
+                      for n, v in p["experts"].items()}
   want = moe_layer(f32, x.astype(jnp.float32), cfg, REFERENCE)
   with gpu_interpret():
     got = moe_layer(p, x, cfg, KernelChoice(moe="mosaic_gpu"))
@@ -176,23 +247,28 @@ def test_moe_layer_with_int4_experts_uses_the_kernel_and_equals_reference():
 KIMI_H, KIMI_I, KIMI_K = 7168, 2048, 8
 
 
-def _int4_spec(e, k, n):
+def _spec(fmt, e, k, n):
   s = jax.ShapeDtypeStruct
-  return Int4Weight(s((e, k // 2, n), jnp.uint8), s((e, k // 32, n), jnp.bfloat16))
+  if fmt == "int4":
+    return Int4Weight(s((e, k // 2, n), jnp.uint8), s((e, k // 32, n), jnp.bfloat16))
+  return Fp8Weight(s((e, k, n), jnp.float8_e4m3fn), s((e, k // 128, n // 128), jnp.float32))
 
 
-@pytest.mark.parametrize("t,e,offset", [(1, 384, 0), (64, 384, 0), (512, 48, 96)])
-def test_int4_moe_experts_lowers_for_cuda_at_kimi_shapes(t, e, offset):
+@pytest.mark.parametrize("fmt,t,e,offset", [("int4", 1, 384, 0), ("int4", 64, 384, 0),
+                                            ("int4", 512, 48, 96), ("fp8", 8, 384, 0),
+                                            ("fp8", 512, 48, 96)])
+def test_quantized_moe_experts_lower_for_cuda_at_kimi_shapes(fmt, t, e, offset):
   s = jax.ShapeDtypeStruct
   calls = export_cuda_calls(
       lambda *a: moe_mgpu.moe_experts(*a, expert_offset=offset),
       s((t, KIMI_H), jnp.bfloat16), s((t, KIMI_K), jnp.float32), s((t, KIMI_K), jnp.int32),
-      _int4_spec(e, KIMI_H, KIMI_I), _int4_spec(e, KIMI_H, KIMI_I), _int4_spec(e, KIMI_I, KIMI_H))
+      _spec(fmt, e, KIMI_H, KIMI_I), _spec(fmt, e, KIMI_H, KIMI_I), _spec(fmt, e, KIMI_I, KIMI_H))
   assert calls.count(MOSAIC_CALL) == 2, calls  # gate/up + SwiGLU, down
 
 
-def test_int4_moe_layer_lowers_for_cuda():
-  cfg = _int4_moe_config()
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quantized_moe_layer_lowers_for_cuda(fmt):
+  cfg = _quantized_moe_config(fmt)
   p = init_params(cfg, seed=3, dtype=jnp.bfloat16)["layers"][1]["moe"]
   specs = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), p)
   x = jax.ShapeDtypeStruct((2, 4, cfg.hidden_size), jnp.bfloat16)
