@@ -7,8 +7,8 @@ exactly as the model calls them. Shapes: MLA decode / speculative verify / prefi
 paged latent cache (shuffled page tables, ragged lengths, Kimi widths 512 + 64), GQA decode and
 prefill, MoE experts at decode (1, 8, 64 tokens) and prefill (512) sizes with an expert-parallel
 shard, in bf16 and with the experts kept INT4 / FP8 (the W4A16 / W8A16 kernels against the
-plain-JAX path on the same quantized experts). bf16 inputs, relative tolerance 2e-2 of the reference's largest magnitude. Off a GPU it
-says so and exits 0 without checking (the CPU tests run these kernels in interpret mode).
+plain-JAX path on the same quantized experts). bf16 inputs, relative tolerance 2e-2 of the
+reference's largest magnitude. Off a GPU it says so and exits 0 without checking (the CPU tests run these kernels in interpret mode).
 """
 
 from __future__ import annotations

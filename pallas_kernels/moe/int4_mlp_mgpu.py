@@ -5,10 +5,10 @@ The kernels read `Int4Weight` experts as stored (`pallas_kernels/quant.py`): pac
 bf16 scales [E, K/group, N]. Each K step dequantizes its weight tile in registers and writes it
 to SMEM as bf16 for the tensor cores; nothing else ever holds a float copy of a weight.
 
-Layout (the matmul skeleton in `dequant_mlp_mgpu`: tokens on WGMMA's N axis, weights on M, as
-`decode_mlp_mgpu`): every active local expert
-owns slots of `block_tokens` rows in the permuted layout of `permute.py`; a work item is (slot,
-64 output columns), unused slots are skipped without reading their weights.
+Layout (the matmul skeleton in `dequant_mlp_mgpu`; tokens on WGMMA's N axis, weights on M, as
+`decode_mlp_mgpu`): every active local expert owns slots of `block_tokens` rows in the permuted
+layout of `permute.py`; a work item is (slot, 64 output columns), unused slots are skipped
+without reading their weights.
 
   gate_up:  hT[s, I, Nt] = silu(Wg[e]^T @ xs[s]^T) * (Wu[e]^T @ xs[s]^T)
   down:     yT[s, H, Nt] = Wd[e]^T @ h[s]^T
@@ -31,8 +31,10 @@ bk/group scale rows and no scale straddles two steps.
 Shapes: xs [S * Nt, K] (K-permuted), packed [E, K/2, N] uint8, scale [E, K/group, N],
 slot_expert [S] int32, num_slots [1] int32 -> [S, N, Nt] (unused slots unwritten).
 
-Limits: bf16 activations; group 32, 64 or 128 (a divisor of 128); K a multiple of block_k;
-N a multiple of 64; block_tokens a multiple of 8, at most 128 (SMEM).
+Limits: bf16 activations; group 32 (K2.5's, tested) or 64, 128 (same code, untested); K a
+multiple of block_k; N a multiple of 64; block_tokens a multiple of 8, at most 128 (SMEM: the fused gate/up
+pipeline at block_tokens 64, block_k 128, 4 stages takes 164 KiB of the 227; Mosaic refuses
+at lowering a configuration that does not fit).
 """
 
 from __future__ import annotations
