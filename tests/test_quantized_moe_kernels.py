@@ -21,10 +21,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from bench.expert_bytes import INT4
 from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
+from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params
-from engine.model.transformer import moe as moe_layer
+from engine.model.transformer import forward, moe as moe_layer
 from model_configs import CONFIGS
 from pallas_kernels.moe import fp8_mlp_mgpu, int4_mlp_mgpu, moe_mgpu, reference
 from pallas_kernels.quant import Fp8Weight, Int4Weight, dequantize
@@ -272,3 +273,19 @@ def test_quantized_moe_layer_lowers_for_cuda(fmt):
   assert calls.count(MOSAIC_CALL) == 2, calls
   assert export_cuda_calls(lambda p, x: moe_layer(p, x, cfg, REFERENCE),
                            specs, x).count(MOSAIC_CALL) == 0
+
+
+def test_int4_decode_forward_lowers_for_cuda():
+  # A whole decode forward (T = 1, 4 rows) with INT4 experts: every MoE layer's experts go
+  # through the W4A16 kernel pair, the rest is plain JAX.
+  cfg = _quantized_moe_config("int4")
+  params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
+  spec = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), tree)
+  b, pages, ps = 4, 8, 16
+  cache = init_cache(cfg, pages, ps, jnp.bfloat16)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  fwd = jax.jit(lambda *a: forward(*a, cfg=cfg, impl=KernelChoice(moe="mosaic_gpu")))
+  calls = export_cuda_calls(fwd, spec(params), spec(cache), i32(b, 1), i32(b), i32(b),
+                            i32(b, pages // b))
+  n_moe = sum("moe" in layer for layer in params["layers"])
+  assert n_moe > 0 and calls.count(MOSAIC_CALL) == 2 * n_moe, calls
