@@ -289,3 +289,44 @@ def test_int4_decode_forward_lowers_for_cuda():
                             i32(b, pages // b))
   n_moe = sum("moe" in layer for layer in params["layers"])
   assert n_moe > 0 and calls.count(MOSAIC_CALL) == 2 * n_moe, calls
+
+
+@pytest.mark.parametrize("fmt,mode", [("int4", "psum"), ("int4", "dispatch"), ("bf16", "psum")])
+def test_experts_split_over_8_h200s_lower_for_cuda(fmt, mode):
+  # Expert parallelism over an abstract mesh of 8 H200s (expert:8): each device's kernel pair
+  # gets its 48 experts (INT4: still packed, both leaves split by whole experts). The psum
+  # path's per-device expert offset once broke tracing (searchsorted in `permute`), bf16 too.
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from engine.model import expert_parallel, sharding
+  mesh = jax.sharding.AbstractMesh((1, 8, 1), sharding.MESH_AXES,
+                                   axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                                   abstract_device=jax.sharding.AbstractDevice(
+                                       device_kind="NVIDIA H200", platform="gpu",
+                                       num_cores=132))
+  t, e = 64, 384
+  tok = NamedSharding(mesh, P(("data", "expert", "tensor")) if mode == "dispatch" else P())
+  exp = NamedSharding(mesh, P(("expert", "tensor")))
+  s = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+  if fmt == "int4":
+    w = lambda k, n: Int4Weight(s((e, k // 2, n), jnp.uint8, exp),
+                                s((e, k // 32, n), jnp.bfloat16, exp))
+  else:
+    w = lambda k, n: s((e, k, n), jnp.bfloat16, exp)
+  impl = KernelChoice(moe="mosaic_gpu", expert_parallel=mode)
+
+  def fn(x, w, ids, gate, up, down):
+    return expert_parallel.routed_experts(impl, x, w, ids, dict(gate=gate, up=up, down=down))
+
+  with jax.sharding.use_abstract_mesh(mesh):
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(c)
+                         for c in (MOSAIC_CALL, "ragged_all_to_all")])(
+            s((t, KIMI_H), jnp.bfloat16, tok), s((t, KIMI_K), jnp.float32, tok),
+            s((t, KIMI_K), jnp.int32, tok), w(KIMI_H, KIMI_I), w(KIMI_H, KIMI_I),
+            w(KIMI_I, KIMI_H))
+  text = exported.mlir_module()
+  assert exported.nr_devices == 8
+  assert text.count(f"custom_call @{MOSAIC_CALL}") == 2
+  if fmt == "int4":
+    assert "tensor<48x3584x2048xui8>" in text  # a device's packed gate / up
