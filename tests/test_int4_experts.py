@@ -201,7 +201,7 @@ def test_no_float_copy_of_all_experts_in_the_program():
 
 
 def test_mosaic_gpu_refuses_packed_experts_it_cannot_tile():
-  # (the W4A16 kernel itself: tests/test_int4_moe_kernel.py)
+  # (the W4A16 kernel itself: tests/test_quantized_moe_kernels.py)
   from pallas_kernels.moe import moe_mgpu
   rng = np.random.default_rng(0)
   wg = _random_int4(rng, 4, 64, 64)
