@@ -144,6 +144,30 @@ def test_int4_swiglu_skips_unused_slots_and_equals_its_reference():
   assert not np.asarray(got)[3 * nt:].any()
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_dequantized_tiles_are_bitwise_the_reference_weights(fmt):
+  # One-hot activations pick single weight rows: each output is one bf16 weight times 1,
+  # accumulated alone in f32, so the kernel must return the reference's dequantized weights
+  # exactly (INT4: compressed-tensors' bf16 product; FP8: the float32 product, then bf16),
+  # every input row k of both K steps included (the tile's even/odd K order undone).
+  rng = np.random.default_rng(21)
+  k, n, nt = 256, 128, 64
+  w = _int4(rng, 3, k, n) if fmt == "int4" else _fp8(rng, 3, k, n)
+  rows = np.stack([rng.permutation(k)[:nt] for _ in range(2)])  # [slots, nt] input rows
+  xs = jnp.asarray(np.eye(k)[rows.reshape(-1)], jnp.bfloat16)  # [2 * nt, k]
+  slot_expert = jnp.asarray([2, 0], jnp.int32)
+  used = jnp.asarray([2], jnp.int32)
+  with gpu_interpret():
+    if fmt == "int4":
+      got = int4_mlp_mgpu._int4_swapped_matmul(int4_mlp_mgpu.permute_k(xs, 128), (w,),
+                                               slot_expert, used, nt, SMALL)
+    else:
+      got = fp8_mlp_mgpu._fp8_swapped_matmul(xs, (w,), slot_expert, used, nt, SMALL)
+  want = np.asarray(dequantize(w, jnp.bfloat16), np.float32)[np.asarray(slot_expert)[:, None],
+                                                             rows]  # [slots, nt, n]
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want.transpose(0, 2, 1))
+
+
 def test_int4_kernel_has_no_races():
   # Several work items per simulated SM: the double-buffered bf16 tile, SMEM reuse across
   # items and TMA/WGMMA ordering, checked by the interpreter's race detector.

@@ -15,11 +15,13 @@ without reading their weights.
 
 One K step of `block_k` (bk, a multiple of 128) inputs and 64 output columns:
   TMA     packed [bk/2, 64] uint8, scale [bk/group, 64] bf16, activations [Nt, bk] bf16 -> SMEM
-  dequant for each 64-row chunk of packed bytes (4 scale groups of 16 byte rows at group 32):
-          lo = (b & 0xF) - 8, hi = (b & 0xF0) / 16 - 8 in f32, times the chunk's scales (each
-          group's 64-column scale row broadcast over its rows, selected by row // (group / 2)),
-          rounded to bf16 (= compressed-tensors' bf16 product), stored to a bf16 SMEM tile
-          [bk, 64] with all low nibbles first (rows 0..bk/2) and all high nibbles after
+  dequant for each 64-row chunk of packed bytes (4 scale groups of 16 byte rows at group 32),
+          in the WGMMA register layout, all in 16-bit pairs: bytes widened to uint16, each
+          nibble n OR 0x4300 is the bf16 128 + n (no int -> float conversion), minus 136 is
+          q = n - 8 (exact), times the chunk's bf16 scales in bf16 (each group's 64-column
+          scale row broadcast over its rows, selected by row // (group / 2)): bitwise the
+          bf16 product compressed-tensors defines; stored to a bf16 SMEM tile [bk, 64] with
+          all low nibbles first (rows 0..bk/2) and all high nibbles after
   WGMMA   acc[64, Nt] += tile^T @ act^T   (f32 accumulator; the tile is double-buffered so the
           next step's dequant overlaps this step's MMA)
 The tile's rows are a fixed permutation of the step's K: row r < bk/2 is input 2r, row bk/2 + r
@@ -80,6 +82,10 @@ def _check(dtype, w: Int4Weight, nt: int, cfg: Int4Config) -> None:
     raise ValueError(f"block_tokens={nt} must be a multiple of 8, at most 128")
 
 
+# bf16 with exponent field 2^7: bits 0x4300 | n (n < 128) are the value 128 + n exactly.
+_BF16_128 = 0x4300
+
+
 def _dequantize_tile(p_smem, s_smem, dst, group: int, bk: int) -> None:
   """bf16 tile [bk, 64] in `dst` (rows: low nibbles, then high) of the packed [bk/2, 64] bytes
   and [bk/group, 64] scales in SMEM."""
@@ -87,18 +93,20 @@ def _dequantize_tile(p_smem, s_smem, dst, group: int, bk: int) -> None:
   groups_per_chunk = _CHUNK // rows_per_group
   row_group = jax.lax.broadcasted_iota(jnp.int32, (_CHUNK, _WEIGHT_TILE), 0) // rows_per_group
   for c in range(bk // 2 // _CHUNK):
-    b = p_smem[pl.ds(c * _CHUNK, _CHUNK), :]  # uint8 [64, 64]
+    # Mosaic GPU does only bitwise ops on 8-bit values: widen to 16 bits, then each nibble n
+    # becomes the bf16 128 + n by its bit pattern (no int -> float conversion), minus 136
+    # (exact) is q = n - 8; q times the bf16 scale in bf16 is compressed-tensors' product.
+    b = p_smem[pl.ds(c * _CHUNK, _CHUNK), :].astype(jnp.uint16)  # [64, 64]
+    lo = jax.lax.bitcast_convert_type((b & 0xF) | _BF16_128, jnp.bfloat16)
+    hi = jax.lax.bitcast_convert_type((b >> 4) | _BF16_128, jnp.bfloat16)
+    offset = jnp.asarray(128 + INT4_OFFSET, jnp.bfloat16)
     scale = None
     for g in range(groups_per_chunk):
-      row = s_smem[c * groups_per_chunk + g, :].astype(jnp.float32)
+      row = s_smem[c * groups_per_chunk + g, :]
       s_g = jax.lax.broadcast_in_dim(row, (_CHUNK, _WEIGHT_TILE), (1,))
       scale = s_g if scale is None else jnp.where(row_group == g, s_g, scale)
-    # Mosaic GPU does bitwise ops only on 8-bit values: mask both nibbles in uint8, shift the
-    # high one by a multiply (exact) after the conversion.
-    lo = (b & 0xF).astype(jnp.float32) - INT4_OFFSET
-    hi = (b & 0xF0).astype(jnp.float32) * (1 / 16) - INT4_OFFSET
-    dst[pl.ds(c * _CHUNK, _CHUNK), :] = (lo * scale).astype(dst.dtype)
-    dst[pl.ds(bk // 2 + c * _CHUNK, _CHUNK), :] = (hi * scale).astype(dst.dtype)
+    dst[pl.ds(c * _CHUNK, _CHUNK), :] = ((lo - offset) * scale).astype(dst.dtype)
+    dst[pl.ds(bk // 2 + c * _CHUNK, _CHUNK), :] = ((hi - offset) * scale).astype(dst.dtype)
 
 
 def _int4_tiles(w: Int4Weight, bk: int) -> dequant_lib.WeightTiles:
