@@ -136,12 +136,11 @@ def swapped_matmul(act: jax.Array, weights: Sequence[WeightTiles], n: int,
   return kernel(slot_expert, num_slots, act, *leaves)
 
 
-def swiglu_two_kernels(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array, nt: int,
+def swiglu_two_kernels(xs: jax.Array, num_slots: jax.Array, nt: int,
                        gate_up: Callable[[jax.Array], jax.Array],
                        down: Callable[[jax.Array], jax.Array]) -> jax.Array:
   """ys [S * nt, H] from the two kernel calls (gate_up(xs) -> hT [S, I, nt], down(h) ->
   yT [S, H, nt]); unused slots' rows are zero (the kernels never write them)."""
-  del slot_expert
   slots = xs.shape[0] // nt
   used = (jnp.arange(slots) < num_slots[0])[:, None, None]
   h = jnp.where(used, gate_up(xs), 0).transpose(0, 2, 1).reshape(slots * nt, -1)

@@ -90,7 +90,7 @@ def fp8_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
   rows of unused slots are zero."""
   mm = functools.partial(_fp8_swapped_matmul, slot_expert=slot_expert, num_slots=num_slots,
                          nt=block_tokens, cfg=cfg)
-  return dequant_lib.swiglu_two_kernels(xs, slot_expert, num_slots, block_tokens,
+  return dequant_lib.swiglu_two_kernels(xs, num_slots, block_tokens,
                                         gate_up=lambda a: mm(a, (w_gate, w_up)),
                                         down=lambda h: mm(h, (w_down,)))
 

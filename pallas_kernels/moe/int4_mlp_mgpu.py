@@ -141,7 +141,7 @@ def int4_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
   mm = functools.partial(_int4_swapped_matmul, slot_expert=slot_expert, num_slots=num_slots,
                          nt=nt, cfg=cfg)
   return dequant_lib.swiglu_two_kernels(
-      xs, slot_expert, num_slots, nt,
+      xs, num_slots, nt,
       gate_up=lambda a: mm(permute_k(a, bk), (w_gate, w_up)),  # [S, I, nt]
       down=lambda h: mm(permute_k(h, bk), (w_down,)))  # [S, H, nt]
 
