@@ -47,12 +47,16 @@ class DequantConfig:
 class WeightTiles:
   """One quantized weight as the skeleton sees it. tiled: [E, ...] arrays TMA-loaded per K step
   in blocks of `block_rows[i]` x 64 columns; side: [E, ...] arrays left in GMEM for the
-  format's scalar reads; dequantize(kk, ni, expert, tile_smems, side_gmems, dst) writes the
-  bf16 [bk, 64] tile of K step kk, column tile ni into the SMEM ref dst."""
+  format's scalar reads; dequantize(kk, ni, expert, tile_smems, side_gmems, dst, fetched)
+  writes the bf16 [bk, 64] tile of K step kk, column tile ni into the SMEM ref dst. prefetch
+  (kk, ni, expert, side_gmems), if given, reads what step kk needs from GMEM one step ahead
+  (carried through the pipeline, so the load's latency hides behind a step's work); its
+  result for kk arrives as `fetched`."""
   tiled: Sequence[jax.Array]
   block_rows: Sequence[int]
   side: Sequence[jax.Array]
   dequantize: Callable[..., None]
+  prefetch: Callable[..., Any] | None = None
 
 
 def swapped_matmul(act: jax.Array, weights: Sequence[WeightTiles], n: int,
@@ -84,20 +88,28 @@ def swapped_matmul(act: jax.Array, weights: Sequence[WeightTiles], n: int,
       def _():
         expert = slot_expert_gmem[si]
 
+        def fetch(kk):
+          return tuple(None if w.prefetch is None else
+                       w.prefetch(kk, ni, expert, side_gmems[wi])
+                       for wi, w in enumerate(weights))
+
         def acc_scope(*accs):
-          def step(idx, a_smem, *tile_smems):
+          def step(idx, a_smem, *tile_smems_and_carry):
+            *tile_smems, fetched = tile_smems_and_carry
             kk = idx[0]
             buf = jax.lax.rem(kk, 2)
+            ahead = fetch(jnp.minimum(kk + 1, k // bk - 1))
             for wi, w in enumerate(weights):
-              mine = tile_smems[:len(w.tiled)]
-              tile_smems = tile_smems[len(w.tiled):]
-              w.dequantize(kk, ni, expert, mine, side_gmems[wi], w_smem.at[wi, buf])
+              mine, tile_smems = tile_smems[:len(w.tiled)], tile_smems[len(w.tiled):]
+              w.dequantize(kk, ni, expert, mine, side_gmems[wi], w_smem.at[wi, buf],
+                           fetched[wi])
             plgpu.commit_smem()  # generic-proxy stores -> visible to WGMMA (async proxy)
             for wi, acc in enumerate(accs):
               plgpu.wgmma(acc, w_smem.at[wi, buf].transpose((1, 0)), a_smem.transpose((1, 0)))
             # At most the last MMA in flight: the previous step's are done, so the next step
             # may overwrite their bf16 buffer and the pipeline may refill their inputs.
             plgpu.wgmma_wait(1)
+            return ahead
 
           specs = [plgpu.BlockSpec((nt, bk), lambda kk: (si, kk), delay_release=1)]
           for w in weights:
@@ -105,7 +117,7 @@ def swapped_matmul(act: jax.Array, weights: Sequence[WeightTiles], n: int,
                       for r in w.block_rows]
           plgpu.emit_pipeline(
               step, grid=(k // bk,), in_specs=specs,
-              max_concurrent_steps=cfg.max_concurrent_steps,
+              max_concurrent_steps=cfg.max_concurrent_steps, init_carry=fetch(0),
           )(act_gmem, *(ref.at[expert] for refs_w in tiled_gmems for ref in refs_w))
           plgpu.wgmma_wait(0)
           return tuple(acc[...] for acc in accs)

@@ -11,7 +11,8 @@ WGMMA's N axis, 64 weight columns per work item, unused slots skipped unread).
 One K step of block_k (bk, a multiple of 128) inputs and 64 output columns:
   TMA     w [bk, 64] e4m3 (64-byte rows), activations [Nt, bk] bf16 -> SMEM
   dequant each 64-row chunk to f32 times its block's scale (one scalar per 128 x 128 block,
-          read from GMEM: block row kk * bk / 128 + chunk // 2, block column = tile // 2),
+          read from GMEM one K step ahead and carried through the pipeline: block row
+          kk * bk / 128 + chunk // 2, block column = tile // 2),
           rounded to bf16 (= `dequantize`'s float32 product, then bf16), into the bf16 SMEM tile
   WGMMA   acc[64, Nt] += tile^T @ act^T   (f32)
 K order is natural (no packing), so the activations go in as they are. A 64-column tile lies
@@ -62,16 +63,22 @@ def _check(dtype, w: Fp8Weight, nt: int, cfg: Fp8Config) -> None:
 
 
 def _fp8_tiles(w: Fp8Weight, bk: int) -> dequant_lib.WeightTiles:
-  def deq(kk, ni, expert, tiles, side, dst):
-    w_smem, (scale_gmem,) = tiles[0], side
+  rows = bk // _BLOCK  # scale block rows per K step
+
+  def prefetch(kk, ni, expert, side):
+    (scale_gmem,) = side
     block_col = ni * _WEIGHT_TILE // _BLOCK
+    return tuple(scale_gmem[expert, kk * rows + r, block_col] for r in range(rows))
+
+  def deq(kk, ni, expert, tiles, side, dst, scales):
+    del kk, ni, expert, side
     for c in range(bk // _CHUNK):
-      scale = scale_gmem[expert, kk * (bk // _BLOCK) + c * _CHUNK // _BLOCK, block_col]
-      v = w_smem[pl.ds(c * _CHUNK, _CHUNK), :].astype(jnp.float32) * scale
+      v = tiles[0][pl.ds(c * _CHUNK, _CHUNK), :].astype(jnp.float32) * scales[
+          c * _CHUNK // _BLOCK]
       dst[pl.ds(c * _CHUNK, _CHUNK), :] = v.astype(dst.dtype)
 
   return dequant_lib.WeightTiles(tiled=(w.w,), block_rows=(bk,), side=(w.scale_inv,),
-                                 dequantize=deq)
+                                 dequantize=deq, prefetch=prefetch)
 
 
 def _fp8_swapped_matmul(act: jax.Array, weights: tuple[Fp8Weight, ...], slot_expert: jax.Array,

@@ -112,8 +112,8 @@ def _dequantize_tile(p_smem, s_smem, dst, group: int, bk: int) -> None:
 def _int4_tiles(w: Int4Weight, bk: int) -> dequant_lib.WeightTiles:
   group = w.group
 
-  def deq(kk, ni, expert, tiles, side, dst):
-    del kk, ni, expert, side
+  def deq(kk, ni, expert, tiles, side, dst, fetched):
+    del kk, ni, expert, side, fetched
     _dequantize_tile(tiles[0], tiles[1], dst, group, bk)
 
   return dequant_lib.WeightTiles(tiled=(w.packed, w.scale), block_rows=(bk // 2, bk // group),
