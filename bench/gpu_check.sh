@@ -80,7 +80,7 @@ stage kernel_check 120 $PY -m bench.kernel_check --out="$OUT/kernel_check.json"
 stage attention 90 $PY -m bench.attention_kernels --out "$OUT/attention.json"
 stage moe 90 $PY -m bench.moe_kernels --out "$OUT/moe.json" --tokens 1 8 64 512 8192
 stage quant_experts 120 $PY -m bench.moe_kernels --out "$OUT/quant_experts.json" --tokens 1 64 \
-  --experts 384 --formats int4 fp8
+  --experts 384 --formats int4 fp8 --iters 3 --reps 5
 stage sampling 30 $PY -m bench.sampling --vocab=163840 --rows=1,8,40,320 --out="$OUT/sampling.json"
 stage e2e_kernels 150 $PY -m bench.decode_profile --model=$MODEL --batch=1,8,64 --ablate=8 \
   --kernels=$KERNELS --nohost --iters=5 --out="$OUT/e2e_kernels.json"
