@@ -6,8 +6,11 @@
 # has its own time limit and a failing stage does not stop the others. Writes JSON per stage and
 # $OUT/summary.md (a markdown table per stage) for BENCHMARKS.md.
 #   1. compiled kernels vs references (bench.kernel_check)        exit status = correctness
-#   2. kernel benchmarks with measured copy bandwidth / matmul rate (attention, MoE); sampling
-#      at Kimi's vocabulary (candidate prefilter vs full sort)
+#   2. kernel benchmarks with measured copy bandwidth / matmul rate (attention, MoE); the
+#      quantized expert kernels (W4A16 INT4, W8A16 FP8) at Kimi K2.5 decode shapes (384 experts,
+#      hidden 7168, expert width 2048, top-8; batch 1 and 64) against the dequantize-then-bf16
+#      path, bytes of the hit experts as stored per second vs the measured copy bandwidth
+#      (stage quant_experts); sampling at Kimi's vocabulary (candidate prefilter vs full sort)
 #   3. end-to-end decode of a DeepSeek-V2-Lite-shaped random model at batch 1, 8, 64 against
 #      the bandwidth floor, Mosaic GPU kernels (breakdown by ablation at batch 8), and the XLA
 #      reference at batch 8
@@ -36,7 +39,7 @@ KERNELS=${KERNELS:-mosaic_gpu}
 BUDGET_S=${BUDGET_S:-570}   # whole script, summary included; the device tool stops at 600 s
 STAGES=${STAGES:-}          # comma-separated stage names; empty = every stage
 # Every stage in order with its limit when all run (keep in step with the calls below).
-ORDER="kernel_check:120 attention:90 moe:90 sampling:30 e2e_kernels:150 e2e_reference:60
+ORDER="kernel_check:120 attention:90 moe:90 quant_experts:120 sampling:30 e2e_kernels:150 e2e_reference:60
 verify_cost:90 speculative:120 dispatch:60 spec_serving:150"
 status=0
 selected() { [ -z "$STAGES" ] || [[ ",$STAGES," == *",$1,"* ]]; }
@@ -76,6 +79,8 @@ git rev-parse HEAD 2>/dev/null > "$OUT/commit.txt"
 stage kernel_check 120 $PY -m bench.kernel_check --out="$OUT/kernel_check.json"
 stage attention 90 $PY -m bench.attention_kernels --out "$OUT/attention.json"
 stage moe 90 $PY -m bench.moe_kernels --out "$OUT/moe.json" --tokens 1 8 64 512 8192
+stage quant_experts 120 $PY -m bench.moe_kernels --out "$OUT/quant_experts.json" --tokens 1 64 \
+  --experts 384 --formats int4 fp8 --iters 3 --reps 5
 stage sampling 30 $PY -m bench.sampling --vocab=163840 --rows=1,8,40,320 --out="$OUT/sampling.json"
 stage e2e_kernels 150 $PY -m bench.decode_profile --model=$MODEL --batch=1,8,64 --ablate=8 \
   --kernels=$KERNELS --nohost --iters=5 --out="$OUT/e2e_kernels.json"

@@ -6,8 +6,9 @@ The kernels are reached through the engine's kernel switch (`KernelChoice(...="m
 exactly as the model calls them. Shapes: MLA decode / speculative verify / prefill chunk over a
 paged latent cache (shuffled page tables, ragged lengths, Kimi widths 512 + 64), GQA decode and
 prefill, MoE experts at decode (1, 8, 64 tokens) and prefill (512) sizes with an expert-parallel
-shard. bf16 inputs, relative tolerance 2e-2 of the reference's largest magnitude. Off a GPU it
-says so and exits 0 without checking (the CPU tests run these kernels in interpret mode).
+shard, in bf16 and with the experts kept INT4 / FP8 (the W4A16 / W8A16 kernels against the
+plain-JAX path on the same quantized experts). bf16 inputs, relative tolerance 2e-2 of the
+reference's largest magnitude. Off a GPU it says so and exits 0 without checking (the CPU tests run these kernels in interpret mode).
 """
 
 from __future__ import annotations
@@ -99,6 +100,17 @@ def moe_cases(impl: KernelChoice):
     got = f(impl)(x, weights, ids.astype(jnp.int32), *w)
     want = f(ref)(x, weights, ids.astype(jnp.int32), *w)
     out.append(dict(kernel="moe_experts", tokens=tokens, rel_err=_rel_err(got, want)))
+  from bench.moe_kernels import _quantized  # the benchmark's INT4 / FP8 experts
+  for fmt in ("int4", "fp8"):
+    wq = _quantized(fmt, w)
+    for tokens in (1, 64, 512):
+      x = jax.random.normal(keys[3], (tokens, h), jnp.float32).astype(jnp.bfloat16)
+      logits = jax.random.normal(keys[4], (tokens, 384), jnp.float32)
+      weights, ids = jax.lax.top_k(jax.nn.sigmoid(logits), k)
+      f = lambda name: jax.jit(lambda *a: kernels.moe_experts(name)(*a, expert_offset=96))
+      got = f(impl)(x, weights, ids.astype(jnp.int32), *wq)
+      want = f(ref)(x, weights, ids.astype(jnp.int32), *wq)
+      out.append(dict(kernel=f"moe_experts_{fmt}", tokens=tokens, rel_err=_rel_err(got, want)))
   return out
 
 

@@ -1,6 +1,7 @@
 """MoE expert-layer benchmark: Mosaic GPU kernels vs `lax.ragged_dot` vs the dense reference.
 
   python -m bench.moe_kernels --out moe.json [--tokens 1 8 64 512 8192] [--experts 384 48]
+      [--formats bf16 int4 fp8]
 
 On a GPU: Kimi-K2.5 shapes (hidden 7168, expert width 2048, 384 routed experts, top-8; 48 local
 experts = one expert-parallel shard of 8). Routing is real (`routing.route` on random logits).
@@ -12,6 +13,16 @@ matmul rate (8192^3), and reports each implementation as
                           matmul rate.
 `lax.ragged_dot` and the dense reference (every expert on every token) are baselines; each runs
 only where it fits (failures are recorded, not fatal).
+
+`--formats int4 fp8`: the routed experts kept quantized (`Int4Weight`: packed nibbles + bf16
+scale per 32 inputs, 0.5625 bytes per weight; `Fp8Weight`: e4m3 + float32 scale per 128 x 128
+block), each implementation's weight bytes counted in that format:
+  mosaic_gpu           the W4A16 / W8A16 kernels (`int4_mlp_mgpu`, `fp8_mlp_mgpu`), reading the
+                       hit experts' quantized tiles once;
+  dequant_bf16_kernel  every local expert dequantized to bf16 in XLA, then the bf16 Mosaic
+                       kernels (what the engine would do without a quantized kernel on a GPU);
+  reference            the engine's plain-JAX path on quantized experts (dequantizes only the
+                       gathered experts, or one at a time).
 
 On CPU: reference implementations only, at small shapes (the Mosaic GPU kernels need a GPU;
 interpret mode is a simulator, not a benchmark). The output says so.
@@ -29,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.moe import moe_mgpu, reference, routing
+from pallas_kernels.quant import Fp8Weight, Int4Weight, dequantize
 
 KIMI = dict(hidden=7168, inter=2048, experts=384, top_k=8, scale=2.827)
 SMALL = dict(hidden=256, inter=128, experts=16, top_k=4, scale=2.827)
@@ -69,6 +81,42 @@ def _weights(e: int, h: int, i: int, seed: int):
   return make(keys[0], (e, h, i)), make(keys[1], (e, h, i)), make(keys[2], (e, i, h))
 
 
+# Bytes per weight as stored, scales included (INT4: group 32; FP8: 128 x 128 blocks).
+BYTES_PER_WEIGHT = {"bf16": 2.0, "int4": 0.5 + 2 / 32, "fp8": 1.0 + 4 / (128 * 128)}
+
+
+def _quantized(fmt: str, ws):
+  """bf16 weights [E, K, N] -> the same experts kept quantized (random nibbles / e4m3 values
+  with scales of the bf16 weights' size; values do not matter for timing)."""
+  out = []
+  for i, w in enumerate(ws):
+    e, k, n = w.shape
+    key = jax.random.key(100 + i)
+    if fmt == "int4":
+      packed = jax.jit(lambda kk: jax.random.randint(kk, (e, k // 2, n), 0, 256, jnp.int32)
+                       .astype(jnp.uint8))(key)
+      out.append(Int4Weight(packed, jnp.full((e, k // 32, n), 0.02 / 4.6, jnp.bfloat16)))
+    else:
+      vals = jax.jit(lambda v: jnp.clip(v.astype(jnp.float32) * 1600, -448, 448)
+                     .astype(jnp.float8_e4m3fn))(w)
+      out.append(Fp8Weight(vals, jnp.full((e, k // 128, -(-n // 128)), 1 / 1600, jnp.float32)))
+  return tuple(out)
+
+
+def _dequant_then_bf16_kernel(x, weights, ids, *ws, **kw):
+  return moe_mgpu.moe_experts(x, weights, ids, *(dequantize(w, x.dtype) for w in ws), **kw)
+
+
+def _impls(fmt: str, on_gpu: bool) -> dict:
+  if fmt == "bf16":
+    impls = {"ragged_dot": reference.moe_experts, "dense": reference.moe_experts_dense}
+    return {"mosaic_gpu": moe_mgpu.moe_experts, **impls} if on_gpu else impls
+  if on_gpu:
+    return {"mosaic_gpu": moe_mgpu.moe_experts, "dequant_bf16_kernel": _dequant_then_bf16_kernel,
+            "reference": reference.moe_experts}
+  return {"reference": reference.moe_experts}
+
+
 def run(args) -> dict:
   on_gpu = jax.default_backend() == "gpu"
   shape = KIMI if on_gpu and not args.small else SMALL
@@ -80,43 +128,43 @@ def run(args) -> dict:
   else:
     result["note"] = ("CPU: reference implementations only, small shapes; the Mosaic GPU "
                       "kernels need a GPU (no rates, no kernel timings)")
-  impls = {"ragged_dot": reference.moe_experts, "dense": reference.moe_experts_dense}
-  if on_gpu:
-    impls = {"mosaic_gpu": moe_mgpu.moe_experts, **impls}
   route = jax.jit(lambda lg: routing.route(
       lg, jnp.zeros((e_total,), jnp.float32), scoring_func="sigmoid", topk_method="noaux_tc",
       top_k=k, n_group=1, topk_group=1, norm_topk_prob=True,
       routed_scaling_factor=shape["scale"]))
   experts_list = args.experts or ([e_total, e_total // 8] if on_gpu else [e_total, e_total // 4])
   for e_local in experts_list:
-    w_gate, w_up, w_down = _weights(e_local, h, inter, seed=e_local)
-    for t in args.tokens:
-      kx, kl = jax.random.split(jax.random.key(t))
-      x = (jax.random.normal(kx, (t, h), jnp.float32)).astype(jnp.bfloat16)
-      weights, ids = route(jax.random.normal(kl, (t, e_total), jnp.float32))
-      local = np.asarray(ids).reshape(-1)
-      local = local[local < e_local]  # the shard owns experts [0, e_local)
-      experts_hit = len(np.unique(local))
-      weight_bytes = experts_hit * 3 * h * inter * 2
-      flops = 2 * 3 * h * inter * len(local)
-      for name, fn in impls.items():
-        row = {"impl": name, "tokens": t, "local_experts": e_local,
-               "experts_hit": experts_hit, "weight_bytes": weight_bytes, "flops": flops}
-        if name == "dense" and t > 64:
-          row["skipped"] = "dense reference runs every expert on every token; decode sizes only"
-        else:
-          try:
-            f = jax.jit(fn)
-            s = _time(f, x, weights, ids, w_gate, w_up, w_down, iters=args.iters,
-                      reps=args.reps)
-            row.update(seconds=s, gb_per_s=weight_bytes / s / 1e9, tflop_per_s=flops / s / 1e12)
-            if on_gpu:
-              row["frac_copy_bw"] = weight_bytes / s / result["copy_bytes_per_s"]
-              row["frac_matmul"] = flops / s / result["bf16_matmul_flops"]
-          except Exception as err:  # OOM or unsupported: record and go on
-            row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-        result["rows"].append(row)
-    del w_gate, w_up, w_down
+    for fmt in args.formats:
+      ws = _weights(e_local, h, inter, seed=e_local)
+      if fmt != "bf16":
+        ws = _quantized(fmt, ws)
+      for t in args.tokens:
+        kx, kl = jax.random.split(jax.random.key(t))
+        x = (jax.random.normal(kx, (t, h), jnp.float32)).astype(jnp.bfloat16)
+        weights, ids = route(jax.random.normal(kl, (t, e_total), jnp.float32))
+        local = np.asarray(ids).reshape(-1)
+        local = local[local < e_local]  # the shard owns experts [0, e_local)
+        experts_hit = len(np.unique(local))
+        weight_bytes = int(experts_hit * 3 * h * inter * BYTES_PER_WEIGHT[fmt])
+        flops = 2 * 3 * h * inter * len(local)
+        for name, fn in _impls(fmt, on_gpu).items():
+          row = {"impl": name, "format": fmt, "tokens": t, "local_experts": e_local,
+                 "experts_hit": experts_hit, "weight_bytes": weight_bytes, "flops": flops}
+          if name == "dense" and t > 64:
+            row["skipped"] = "dense reference runs every expert on every token; decode sizes only"
+          else:
+            try:
+              f = jax.jit(fn)
+              s = _time(f, x, weights, ids, *ws, iters=args.iters, reps=args.reps)
+              row.update(seconds=s, gb_per_s=weight_bytes / s / 1e9,
+                         tflop_per_s=flops / s / 1e12)
+              if on_gpu:
+                row["frac_copy_bw"] = weight_bytes / s / result["copy_bytes_per_s"]
+                row["frac_matmul"] = flops / s / result["bf16_matmul_flops"]
+            except Exception as err:  # OOM or unsupported: record and go on
+              row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+          result["rows"].append(row)
+      del ws
   return result
 
 
@@ -127,10 +175,11 @@ def print_table(result: dict) -> None:
   if "copy_bytes_per_s" in result:
     print(f"measured copy {result['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
           f"bf16 matmul {result['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
-  print(f"{'impl':>11} {'E':>4} {'T':>5} {'hit':>4} {'time us':>10} {'GB/s':>8} {'%copy':>6} "
-        f"{'TFLOP/s':>8} {'%mm':>6}")
+  print(f"{'impl':>19} {'fmt':>4} {'E':>4} {'T':>5} {'hit':>4} {'time us':>10} {'GB/s':>8} "
+        f"{'%copy':>6} {'TFLOP/s':>8} {'%mm':>6}")
   for r in result["rows"]:
-    head = f"{r['impl']:>11} {r['local_experts']:>4} {r['tokens']:>5} {r['experts_hit']:>4}"
+    head = (f"{r['impl']:>19} {r.get('format', 'bf16'):>4} {r['local_experts']:>4} "
+            f"{r['tokens']:>5} {r['experts_hit']:>4}")
     if "seconds" not in r:
       print(f"{head} {r.get('skipped') or r.get('error')}")
       continue
@@ -149,6 +198,8 @@ def main(argv=None) -> dict:
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--small", action="store_true", help="small shapes even on a GPU")
+  p.add_argument("--formats", nargs="+", default=["bf16"], choices=sorted(BYTES_PER_WEIGHT),
+                 help="routed expert formats (int4 / fp8: kept quantized)")
   args = p.parse_args(argv)
   result = run(args)
   print_table(result)

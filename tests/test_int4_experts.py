@@ -210,11 +210,12 @@ def test_no_float_copy_of_all_experts_in_the_program():
     assert "u8[16,32,32]" in hlo  # the packed weights are the program's inputs
 
 
-def test_mosaic_gpu_refuses_packed_experts():
+def test_mosaic_gpu_refuses_packed_experts_it_cannot_tile():
+  # (the W4A16 kernel itself: tests/test_quantized_moe_kernels.py)
   from pallas_kernels.moe import moe_mgpu
   rng = np.random.default_rng(0)
   wg = _random_int4(rng, 4, 64, 64)
-  with pytest.raises(NotImplementedError, match="INT4"):
+  with pytest.raises(NotImplementedError, match="INT4 MoE needs hidden"):
     moe_mgpu.moe_experts(jnp.zeros((2, 64), jnp.bfloat16), jnp.ones((2, 1)),
                          jnp.zeros((2, 1), jnp.int32), wg, wg, wg)
 

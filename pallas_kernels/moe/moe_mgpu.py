@@ -5,13 +5,19 @@
 
 * T <= DECODE_MAX_TOKENS: `decode_mlp_mgpu` (tokens on WGMMA's N axis, one slot per active
   expert, reads only active experts' weights);
-* otherwise `grouped_mlp_mgpu` (64-row tiles of sorted token copies, fused gate/up + SiLU).
+* otherwise `grouped_mlp_mgpu` (64-row tiles of sorted token copies, fused gate/up + SiLU);
+* INT4 experts (`Int4Weight`), any T: `int4_mlp_mgpu` (W4A16: the packed tiles dequantized in
+  registers into bf16 SMEM tiles per K step, tokens on WGMMA's N axis, one slot per active
+  expert up to 64 tokens, 64-row slots above);
+* FP8 experts (`Fp8Weight`, 128 x 128 blocks), any T: `fp8_mlp_mgpu` (W8A16, the same
+  skeleton: e4m3 tiles times their block's scale into bf16 SMEM tiles).
 
 Both run `permute.route_copies` / `permute` before and `permute.combine` after (plain JAX).
 `route` is `routing.route` (plain JAX, no sort/top-k primitive).
 
 Requirements (raise otherwise, no silent fallback): bf16/f16 activations and weights (Hopper
-WGMMA takes transposed 16-bit operands only); hidden and expert width multiples of 64. Tile
+WGMMA takes transposed 16-bit operands only), or INT4 / FP8 experts with bf16 activations; hidden
+and expert width multiples of 64 (of 128 for INT4 / FP8: their K step). Tile
 choices assume an H100/H200 (132 SMs, 227 KiB SMEM).
 
 Shapes: x [T, H], weights [T, k] float32, expert_ids [T, k] int32 (global ids, distinct per
@@ -22,8 +28,9 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, routing
-from pallas_kernels.quant import is_quantized
+from pallas_kernels.moe import (decode_mlp_mgpu, dequant_mlp_mgpu, fp8_mlp_mgpu, grouped_mlp_mgpu,
+                                int4_mlp_mgpu, routing)
+from pallas_kernels.quant import is_fp8, is_int4
 
 DECODE_MAX_TOKENS = 64
 
@@ -38,12 +45,16 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
                 w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0,
                 num_sms: int = 132) -> jax.Array:
   """Weighted sum of the chosen experts' SwiGLU MLPs over a local shard (see module doc)."""
-  if is_quantized(w_gate):
-    raise NotImplementedError("moe='mosaic_gpu' takes bf16/f16 expert weights; INT4 / FP8 "
-                              "(kept quantized) experts run with moe='reference' (no W4A16 / "
-                              "W8A16 kernel yet)")
   t, h = x.shape
   inter = w_gate.shape[2]
+  if is_int4(w_gate) or is_fp8(w_gate):
+    kind = "INT4" if is_int4(w_gate) else "FP8"
+    if h % 128 or inter % 128:
+      raise NotImplementedError(f"mosaic_gpu {kind} MoE needs hidden ({h}) and expert width "
+                                f"({inter}) to be multiples of 128 (its K step)")
+    fn = int4_mlp_mgpu.moe_experts_int4 if kind == "INT4" else fp8_mlp_mgpu.moe_experts_fp8
+    return fn(x, weights, expert_ids, w_gate, w_up, w_down, expert_offset=expert_offset,
+              cfg=dequant_mlp_mgpu.DequantConfig(num_sms=num_sms))
   if h % 64 or inter % 64:
     raise NotImplementedError(f"mosaic_gpu MoE needs hidden ({h}) and expert width ({inter}) "
                               "to be multiples of 64")

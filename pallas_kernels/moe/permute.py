@@ -84,8 +84,11 @@ def route_copies(expert_ids: jax.Array, *, num_local_experts: int, expert_offset
   used_tiles = jnp.sum(padded_sizes) // block_rows
   tile_start = jnp.arange(num_tiles_total, dtype=jnp.int32) * block_rows
   padded_ends = padded_starts + padded_sizes
-  # Tile i belongs to the first expert whose padded group ends after the tile's first row.
-  tile_expert = jnp.searchsorted(padded_ends, tile_start, side="right").astype(jnp.int32)
+  # Tile i belongs to the first expert whose padded group ends after the tile's first row: the
+  # count of ends at or before it (searchsorted side="right", which jax 0.11.2 cannot trace
+  # inside shard_map when only one operand varies over the mesh: the psum expert-parallel
+  # path, whose expert offset is per device).
+  tile_expert = jnp.sum(padded_ends[None, :] <= tile_start[:, None], axis=1, dtype=jnp.int32)
   return Permutation(row_of_copy=row_of_copy, group_sizes=sizes[:e_local],
                      group_starts=padded_starts.astype(jnp.int32),
                      tile_expert=jnp.minimum(tile_expert, e_local - 1),
