@@ -49,9 +49,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def eng(model):
-  """Speculative (n-gram) engine; requests choose drafter "off" for plain decoding."""
+  """Speculative (n-gram) engine; requests choose drafter "off" for plain decoding. 8 usable
+  pages of 16 tokens: four JSON outputs at once preempt each other."""
   return Engine.from_model(model, EngineConfig(
       max_num_seqs=4, max_num_batched_tokens=64, row_widths=(16, 64), max_model_len=256,
+      num_pages=9,
       max_decode_steps=8, speculative="ngram", num_draft_tokens=4, measure_spec_costs=False,
       constrained_warmup=False))
 
@@ -104,10 +106,14 @@ def test_json_schemas_validate_greedy_and_sampled(model, eng):
   cases = [(name, t, seed) for name in SCHEMAS for t, seed in ((0.0, 0), (1.0, 1), (1.0, 2))]
   sampling = [plain(S(json=json.dumps(SCHEMAS[name])), temperature=t, seed=seed)
               for name, t, seed in cases]
+  preempted = eng.scheduler.num_preemptions
   results, _ = run(eng, [PROMPT] * len(cases), sampling, max_tokens=64)
   for (name, t, seed), (ids, reason) in zip(cases, results):
     assert reason == "stop", (name, t, seed, text(model, ids))
     jsonschema.validate(json.loads(text(model, ids)), SCHEMAS[name])
+  assert eng.scheduler.num_preemptions > preempted  # constrained rows were recomputed ...
+  for i in (0, 3):  # ... without changing their outputs (greedy and sampled, run alone)
+    assert run(eng, [PROMPT], [sampling[i]], max_tokens=64)[0] == [results[i]]
 
 
 def test_regex_choice_and_lark_grammar_outputs_match(model, eng):
