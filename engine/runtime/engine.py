@@ -176,7 +176,8 @@ class Engine:
                          finished_stop=0, finished_length=0, finished_abort=0)
     if self.spec.enabled:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
-    self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window)
+    self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window,
+                                                  self.spec.k)
     self._take_snapshot()
 
   @staticmethod
