@@ -151,3 +151,30 @@ def test_host_ngram_draft_equals_the_device_drafter():
     padded[0, :len(hist)] = hist
     draft, n = ngram_propose(jnp.asarray(padded), jnp.asarray([len(hist) - 1]), k)
     assert ngram_draft(hist, k, width) == np.asarray(draft)[0, :int(n[0])].tolist()
+
+
+def test_prepare_cuts_drafts_at_a_forbidden_token_and_pads_to_the_compiled_width(tok):
+  """`structured.prepare`: drafts by prompt lookup, cut where the grammar forbids one, a mask
+  per position along them (the matcher left where it was), and a block of 1 or k + 1 columns."""
+  import types
+  from engine.runtime.structured import prepare
+  grammar = compile_grammar(S(regex=r"(ab)+"), tok, vocab_size=8192, eos_token_ids=[EOS])
+  a, b = encode(tok, "a")[0], encode(tok, "b")[0]
+  x = encode(tok, "x")[0]
+  m = grammar.matcher()
+  assert m.accept(a) and m.accept(b)
+  before = m.allowed_tokens().tolist()
+  # History a b a b a x a b a b: the suffix "a b a b" recurs at the start, so the lookup
+  # drafts a x a b; the grammar allows a, then forbids x.
+  row = types.SimpleNamespace(all_ids=[a, b, a, b, a, x, a, b, a, b], grammar=m)
+  free = types.SimpleNamespace(all_ids=[5, 6, 7], grammar=grammar.matcher())
+  prep = prepare([row, free], [4, 4], window=64, vocab_size=8192, max_drafts=4)
+  assert prep.drafts == [[a], []]
+  assert prep.bitmask.shape[:2] == (2, 5)  # k + 1 columns, whatever the drafts' lengths
+  after_a = grammar.matcher()
+  for t in (a, b, a):
+    assert after_a.accept(t)
+  masks = [np.flatnonzero(g.unpack_bitmask(prep.bitmask[0, j], 8192)).tolist() for j in (0, 1)]
+  assert masks == [before, after_a.allowed_tokens().tolist()]
+  assert m.num_accepted == 2 and m.allowed_tokens().tolist() == before  # rolled back
+  assert prepare([free], [4], 64, 8192, 4).bitmask.shape[:2] == (1, 1)  # no draft: one column

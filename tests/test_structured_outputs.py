@@ -14,6 +14,7 @@ import pytest
 import engine
 from engine.model.cache import init_cache
 from engine.model.transformer import forward_logits
+from engine.runtime import steps
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.grammar import GrammarError, StructuredOutputsParams as S, compile_grammar
 from engine.runtime.request import StopParams
@@ -49,9 +50,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def eng(model):
-  """Speculative (n-gram) engine; requests choose drafter "off" for plain decoding."""
+  """Speculative (n-gram) engine; requests choose drafter "off" for plain decoding. 8 usable
+  pages of 16 tokens: four JSON outputs at once preempt each other."""
   return Engine.from_model(model, EngineConfig(
       max_num_seqs=4, max_num_batched_tokens=64, row_widths=(16, 64), max_model_len=256,
+      num_pages=9,
       max_decode_steps=8, speculative="ngram", num_draft_tokens=4, measure_spec_costs=False,
       constrained_warmup=False))
 
@@ -104,10 +107,14 @@ def test_json_schemas_validate_greedy_and_sampled(model, eng):
   cases = [(name, t, seed) for name in SCHEMAS for t, seed in ((0.0, 0), (1.0, 1), (1.0, 2))]
   sampling = [plain(S(json=json.dumps(SCHEMAS[name])), temperature=t, seed=seed)
               for name, t, seed in cases]
+  preempted = eng.scheduler.num_preemptions
   results, _ = run(eng, [PROMPT] * len(cases), sampling, max_tokens=64)
   for (name, t, seed), (ids, reason) in zip(cases, results):
     assert reason == "stop", (name, t, seed, text(model, ids))
     jsonschema.validate(json.loads(text(model, ids)), SCHEMAS[name])
+  assert eng.scheduler.num_preemptions > preempted  # constrained rows were recomputed ...
+  for i in (0, 3):  # ... without changing their outputs (greedy and sampled, run alone)
+    assert run(eng, [PROMPT], [sampling[i]], max_tokens=64)[0] == [results[i]]
 
 
 def test_regex_choice_and_lark_grammar_outputs_match(model, eng):
@@ -141,7 +148,8 @@ def test_unconstrained_rows_beside_constrained_ones_are_unchanged(model, eng):
 
 
 def test_speculative_constrained_output_equals_plain_constrained(model, eng):
-  spec = S(regex=r"(x = 1\n|y = 2\n|z = [0-9]\n){1,12}")
+  # The prompt's "y = 2" is forbidden: drafts that copy it are cut where the grammar refuses.
+  spec = S(regex=r"(x = 1\n|y = 3\n|z = [0-9]\n){1,12}")
   stats0 = eng.stats()
   rows = [(0.0, 0), (1.0, 4)]
   spec_out, _ = run(eng, [REPETITIVE] * 2,
@@ -153,6 +161,8 @@ def test_speculative_constrained_output_equals_plain_constrained(model, eng):
   assert stats1["structured_drafted"] > stats0["structured_drafted"]  # drafts were proposed
   assert stats1["spec_accepted"] > stats0["spec_accepted"]  # and some were accepted
   assert spec_out == plain_out
+  # Compiled widths only: [B, 1] and [B, k + 1] per decode bucket (what warm-up compiles).
+  assert steps.masked_step._cache_size() <= 2 * len(eng.buckets.decode)
   for ids, _ in spec_out:
     assert re.fullmatch(spec.regex, text(model, ids))
 

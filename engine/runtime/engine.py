@@ -183,7 +183,8 @@ class Engine:
     self.images = ImageEncoder(cfg, params, config.encoder_cache_bytes, self.counters)
     if self.spec.enabled:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
-    self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window)
+    self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window,
+                                                  self.spec.k)
     self._take_snapshot()
 
   @staticmethod
@@ -233,9 +234,7 @@ class Engine:
     spec = self.spec.request_state(self.spec.resolve(sampling.drafter))
     matcher = None
     if sampling.structured_outputs is not None:  # GrammarError (a ValueError) with the reason
-      matcher = compile_grammar(sampling.structured_outputs, self.tokenizer,
-                                vocab_size=self.cfg.vocab_size,
-                                eos_token_ids=self.eos_token_ids).matcher()
+      matcher = self.compile_grammar(sampling.structured_outputs).matcher()
     stop.validate()
     stop_ids = stop_ids_for(stop, self.eos_token_ids)
     if len(stop_ids) > MAX_STOP_IDS:
@@ -264,6 +263,12 @@ class Engine:
       self._inbox.append(req)
     self._apply_inbox_if_idle()
     return rid
+
+  def compile_grammar(self, spec: Any) -> Any:
+    """`grammar.compile_grammar` for this engine's tokenizer, vocabulary and EOS ids (cached;
+    the edges may call it to validate a request: GrammarError with the reason)."""
+    return compile_grammar(spec, self.tokenizer, vocab_size=self.cfg.vocab_size,
+                           eos_token_ids=self.eos_token_ids)
 
   def _encode(self, prompt: str | Sequence[int]) -> list[int]:
     if isinstance(prompt, str):

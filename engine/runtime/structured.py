@@ -83,49 +83,52 @@ class Prepared:
   seconds: float  # host time spent computing them
 
 
-def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size: int
-            ) -> Prepared:
+def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size: int,
+            max_drafts: int) -> Prepared:
   """Drafts and masks for constrained rows (see the module docstring); draft_k[i]: the most
-  drafts row i may take (0: none)."""
+  drafts row i may take (0: none, at most max_drafts). The block is [1] without drafts, else
+  [max_drafts + 1] (the compiled widths)."""
   t0 = time.perf_counter()
   drafts = []
   for req, k in zip(reqs, draft_k):
     drafts.append(ngram_draft(req.all_ids, k, window) if k > 0 else [])
-  t = 1 + max((len(d) for d in drafts), default=0)
+  t = 1 + max_drafts if any(drafts) else 1
   # Slots past a row's drafts are never read; all-allowed keeps their logits finite.
   bits = np.full((len(reqs), t, bitmask_words(vocab_size)), -1, np.int32)
   for i, (req, d) in enumerate(zip(reqs, drafts)):
     m = req.grammar
     m.fill_bitmask(bits[i, 0])
-    ok = 0
-    for tok in d:  # a draft the grammar forbids ends the row's drafts (it would be rejected)
+    # A draft the grammar forbids ends the row's drafts (verification would reject it); checked
+    # before consuming, since a refused token leaves the matcher in its error state for good.
+    del d[m.allowed_prefix(d):]
+    for j, tok in enumerate(d):
       if not m.accept(tok):
-        break
-      ok += 1
-      m.fill_bitmask(bits[i, ok])
-    if ok:
-      m.rollback(ok)
-    del d[ok:]
+        raise RuntimeError(f"grammar matcher refused a token it allowed: {m.error()}")
+      m.fill_bitmask(bits[i, j + 1])
+    if d:
+      m.rollback(len(d))
   return Prepared(list(reqs), drafts, bits, time.perf_counter() - t0)
 
 
 class ConstrainedRows:
   """The engine's worker thread for masks and the masked step's host arrays."""
 
-  def __init__(self, vocab_size: int, ngram_window: int):
-    self.vocab_size, self.window = vocab_size, ngram_window
+  def __init__(self, vocab_size: int, ngram_window: int, max_drafts: int):
+    self.vocab_size, self.window, self.max_drafts = vocab_size, ngram_window, max_drafts
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moejax-masks")
     self.counters = dict(structured_steps=0, structured_tokens=0, structured_drafted=0,
                          structured_accepted=0, structured_mask_seconds=0.0,
                          structured_mask_wait_seconds=0.0)
 
   def start(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
-    return self._pool.submit(prepare, list(reqs), list(draft_k), self.window, self.vocab_size)
+    return self._pool.submit(prepare, list(reqs), list(draft_k), self.window, self.vocab_size,
+                             self.max_drafts)
 
   def now(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
     """`start`'s work on the calling thread (nothing to overlap: no other rows' program)."""
     done: concurrent.futures.Future = concurrent.futures.Future()
-    done.set_result(prepare(list(reqs), list(draft_k), self.window, self.vocab_size))
+    done.set_result(prepare(list(reqs), list(draft_k), self.window, self.vocab_size,
+                            self.max_drafts))
     return done
 
   def wait(self, future: concurrent.futures.Future) -> Prepared:
