@@ -204,11 +204,19 @@ class CompiledGrammar:
   eos_token_ids: tuple[int, ...]
 
   def matcher(self) -> "GrammarMatcher":
-    m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=_LOG_SILENT,
-                             limits=PARSER_LIMITS)
-    if m.is_error():
-      raise GrammarError(f"structured_outputs.{self.spec.kind()}: {m.get_error()}")
-    return GrammarMatcher(m, self)
+    """A fresh matcher: a copy of the one built at first use (building parses the grammar
+    again, ~6-18 ms for a 20-tool grammar; a copy ~0.02 ms)."""
+    with _LOCK:
+      start = self.__dict__.get("_start")
+    if start is None:
+      start = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=_LOG_SILENT,
+                                   limits=PARSER_LIMITS)
+      if start.is_error():
+        raise GrammarError(f"structured_outputs.{self.spec.kind()}: {start.get_error()}")
+      with _LOCK:
+        start = self.__dict__.setdefault("_start", start)
+    with _LOCK:  # (the start matcher is shared: copy it under the lock)
+      return GrammarMatcher(start.deep_copy(), self)
 
 
 class GrammarMatcher:
