@@ -48,6 +48,18 @@ PROMPT = "def read_config(path):"
 ENGINE_CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, row_widths=(32,),
                              max_model_len=128, max_decode_steps=4)
 BASE = ServerConfig(port=0, warmup=False, stats_log_interval_s=0)
+# ChatML-like, Qwen3-style tool markup (a server with it parses with the qwen3 family): tools
+# first, so a conversation's turns share their prefix; `thinking` opens a think block.
+CHATML_TOOLS_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}</tools>\n"
+    "{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>\n"
+    "{%- if m.content %}{{ m.content }}{% endif %}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}\n"
+    "{% endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% if thinking %}<think>\n{% endif %}"
+    "{% endif %}")
 
 
 @pytest.fixture(scope="module")

@@ -22,18 +22,7 @@ from engine.service.proto import inference_pb2 as pb
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
 KEY = "chat-key"
-# ChatML-like, Qwen3-style tool markup (so the server parses with the qwen3 family); tools
-# first, so a conversation's turns share their prefix; `thinking` opens a think block.
-TEMPLATE = (
-    "{%- if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}</tools>\n"
-    "{% endif %}"
-    "{%- for m in messages %}<|{{ m.role }}|>\n"
-    "{%- if m.content %}{{ m.content }}{% endif %}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}\n"
-    "{% endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>\n{% if thinking %}<think>\n{% endif %}"
-    "{% endif %}")
+TEMPLATE = CHATML_TOOLS_TEMPLATE  # (service_harness)
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},

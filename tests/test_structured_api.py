@@ -48,17 +48,7 @@ ANSWER = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12}, "size": {"type": "integer", "minimum": 0,
                                                          "maximum": 99},
     "kind": {"enum": ["file", "dir"]}}, "required": ["name", "size", "kind"]}
-# The Qwen3-style template of test_openai_chat.py: the server parses with the qwen3 family.
-TEMPLATE = (
-    "{%- if tools %}<tools>{% for t in tools %}{{ t.function | tojson }}\n{% endfor %}</tools>\n"
-    "{% endif %}"
-    "{%- for m in messages %}<|{{ m.role }}|>\n"
-    "{%- if m.content %}{{ m.content }}{% endif %}"
-    "{%- for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}\n"
-    "{% endfor %}"
-    "{%- if add_generation_prompt %}<|assistant|>\n{% if thinking %}<think>\n{% endif %}"
-    "{% endif %}")
+TEMPLATE = CHATML_TOOLS_TEMPLATE  # (service_harness: the server parses with the qwen3 family)
 USER = [{"role": "user", "content": "def read_config(path):"}]
 
 
