@@ -175,7 +175,8 @@ def test_speculative_metrics_by_drafter_and_k():
   from engine.service.metrics import ServingMetrics
   stats = dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0,
                prompt_tokens=0, generation_tokens=0, num_preemptions=0,
-               prefix_cache_queries=0, prefix_cache_hits=0,
+               prefix_cache_queries=0, prefix_cache_hits=0, images_encoded=0,
+               encoder_cache_queries=0, encoder_cache_hits=0, image_encode_seconds=0.0,
                spec_steps=10, spec_drafted=30, spec_accepted=20,
                spec_steps_ngram=6, spec_drafted_ngram=18, spec_accepted_ngram=15,
                spec_steps_mtp=4, spec_drafted_mtp=12, spec_accepted_mtp=5,
