@@ -17,6 +17,11 @@ from engine.runtime.speculative import catch_up, costs, goodput, runtime
 from engine_spec_helpers import SMALL, assert_pool_full, fresh_prompts, plain, spec_model
 from model_configs import perturbed
 
+# One xdist worker for the module: tests of one engine configuration share its compiled programs
+# (the draft-model engine of `test_draft_model_drafting_in_the_engine` and
+# `test_draft_model_is_fed_lazily...`: 23 s on the same worker, 53 s on another).
+pytestmark = pytest.mark.xdist_group("engine_speculative")
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -196,7 +201,10 @@ def check_mtp_state(eng, req, model):
 
 def test_mtp_drafting_in_the_engine(model):
   cfg, params = model
-  eng = Engine(cfg, params, EngineConfig(**SMALL, speculative="mtp", num_draft_tokens=2))
+  # A tight pool (12 pages: one long request fits, a batch does not), so the same engine also
+  # preempts and recomputes (one engine, one set of compiled programs).
+  eng = Engine(cfg, params, EngineConfig(**SMALL, num_pages=13, speculative="mtp",
+                                         num_draft_tokens=2))
   long = fresh_prompts(1, seed=9, lo=45, hi=46)[0]  # longer than one 32-token step
   rid = eng.add_request(long, SamplingParams(), StopParams(max_tokens=30))
   req = eng.requests[rid]
@@ -212,17 +220,17 @@ def test_mtp_drafting_in_the_engine(model):
   ps = [long] + fresh_prompts(3, seed=10)
   want = plain(model, ps, 30)
   assert req.output_ids == want[0]
+  drafted = eng.counters["spec_drafted"]
   got = eng.generate(ps, stop=StopParams(max_tokens=30))
   assert [r.output_ids for r in got] == want
-  assert eng.counters["spec_drafted"] > 0  # (a random MTP layer is rarely right)
-  # Preempted and recomputed (a tight pool): the same output.
-  tight = Engine(cfg, params, EngineConfig(**dict(SMALL, max_model_len=64), num_pages=13,
-                                           speculative="mtp", num_draft_tokens=2))
+  assert eng.counters["spec_drafted"] > drafted  # (a random MTP layer is rarely right)
+  # Preempted and recomputed (six requests in the tight pool): the same output.
+  preempted = eng.scheduler.num_preemptions
   ps = fresh_prompts(6, seed=21, lo=20, hi=30)
-  got = tight.generate(ps, stop=StopParams(max_tokens=24))
-  assert tight.scheduler.num_preemptions > 0
+  got = eng.generate(ps, stop=StopParams(max_tokens=24))
+  assert eng.scheduler.num_preemptions > preempted
   assert [r.output_ids for r in got] == plain(model, ps, 24)
-  assert_pool_full(tight)
+  assert_pool_full(eng)
 
 
 def test_draft_model_drafting_in_the_engine(model):
