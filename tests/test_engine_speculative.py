@@ -17,11 +17,6 @@ from engine.runtime.speculative import catch_up, costs, goodput, runtime
 from engine_spec_helpers import SMALL, assert_pool_full, fresh_prompts, plain, spec_model
 from model_configs import perturbed
 
-# One xdist worker for the module: tests of one engine configuration share its compiled programs
-# (the draft-model engine of `test_draft_model_drafting_in_the_engine` and
-# `test_draft_model_is_fed_lazily...`: 23 s on the same worker, 53 s on another).
-pytestmark = pytest.mark.xdist_group("engine_speculative")
-
 
 @pytest.fixture(scope="module")
 def model():

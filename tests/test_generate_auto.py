@@ -14,10 +14,6 @@ from engine.runtime.generate import generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
 from model_configs import CONFIGS, perturbed
 
-# One xdist worker for the module: its tests share the "auto" engine's compiled programs
-# (compiled once per worker otherwise, ~50 s on 2 cores).
-pytestmark = pytest.mark.xdist_group("generate_auto")
-
 
 @pytest.fixture(scope="module")
 def model():
