@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -34,7 +33,7 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
-from engine.runtime import compile_cache, steps, structured
+from engine.runtime import compile_cache, steps, structured, warmup
 from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
 from engine.runtime.multimodal import ImageInput, check_spans
 from engine.runtime.multimodal_step import ImageEncoder
@@ -42,13 +41,13 @@ from engine.runtime.grammar import compile_grammar
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
 from engine.runtime.page_pool import NULL_PAGE, PagePool
 from engine.runtime.request import (FINISH_ABORT, FINISH_STOP, Request, RequestOutput,
-                                    StopParams, TokenLogprob, stop_ids_for, wants_logprobs)
+                                    MAX_STOP_IDS, StopParams, TokenLogprob,
+                                    check_stop_and_room, wants_logprobs)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
-from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, pages_for
+from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.runtime.speculative.runtime import SpecRuntime
 from engine.runtime.warmup import compile_buckets
 
-MAX_STOP_IDS = 16  # stop token ids per request (EOS included): a static shape of decode_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,16 +99,6 @@ class EngineConfig:
 class QueueLoad:
   requests: int  # waiting (not running) requests
   tokens: int  # their tokens not yet in the cache
-
-
-def warmup_printer(out: Any = None) -> Callable[[int, int, str], None]:
-  """A warm-up `progress` that prints "warm-up n/N programs, seconds: what" lines."""
-  start = time.perf_counter()
-
-  def progress(done: int, total: int, what: str) -> None:
-    print(f"[moejax] warm-up {done}/{total} programs, {time.perf_counter() - start:.1f}s: "
-          f"{what}", file=out or sys.stderr, flush=True)
-  return progress
 
 
 class Engine:
@@ -235,23 +224,10 @@ class Engine:
     matcher = None
     if sampling.structured_outputs is not None:  # GrammarError (a ValueError) with the reason
       matcher = self.compile_grammar(sampling.structured_outputs).matcher()
-    stop.validate()
-    stop_ids = stop_ids_for(stop, self.eos_token_ids)
-    if len(stop_ids) > MAX_STOP_IDS:
-      raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS - len(self.eos_token_ids)} "
-                       f"allowed, got {len(stop.stop_token_ids)}")
-    bad = [t for t in stop.stop_token_ids if not 0 <= t < self.cfg.vocab_size]
-    if bad:
-      raise ValueError(f"stop_token_ids: {bad[0]} outside the vocabulary [0, "
-                       f"{self.cfg.vocab_size})")
-    limit = self.sched_config.max_model_len
-    if len(ids) >= limit:
-      raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
-                       f"max_model_len {limit}")
-    need = pages_for(min(len(ids) + stop.max_tokens, limit), self.config.page_size)
-    if need > self.pool.num_pages - 1:
-      raise ValueError(f"max_tokens: prompt + max_tokens needs {need} cache pages, the pool "
-                       f"has {self.pool.num_pages - 1}")
+    stop_ids = check_stop_and_room(
+        ids, stop, self.eos_token_ids, vocab_size=self.cfg.vocab_size,
+        max_model_len=self.sched_config.max_model_len, page_size=self.config.page_size,
+        usable_pages=self.pool.num_pages - 1)
     with self._inbox_lock:
       rid = request_id if request_id is not None else f"req-{next(self._order)}"
       if rid in self.requests:
@@ -577,7 +553,7 @@ class Engine:
     Returns the number of programs. `progress(done, total, what)` is called after each
     (True: a line per program on stderr; False: quiet)."""
     if progress is True:
-      progress = warmup_printer()
+      progress = warmup.printer()
     with self._lock, self._on_mesh():
       n = compile_buckets(self, progress or None, stop_width=MAX_STOP_IDS)
     self._take_snapshot()

@@ -17,6 +17,8 @@ import numpy as np
 
 from engine.runtime.sampling import SamplingParams
 
+MAX_STOP_IDS = 16  # stop token ids per request (EOS included): a static shape of decode_loop
+
 
 class Status(enum.Enum):
   WAITING = "waiting"
@@ -175,6 +177,29 @@ class RequestOutput:
 
 def stop_ids_for(stop: StopParams, eos_ids: Sequence[int]) -> tuple[int, ...]:
   return tuple(stop.stop_token_ids) + (() if stop.ignore_eos else tuple(eos_ids))
+
+
+def check_stop_and_room(ids: Sequence[int], stop: StopParams, eos_ids: Sequence[int], *,
+                        vocab_size: int, max_model_len: int, page_size: int,
+                        usable_pages: int) -> tuple[int, ...]:
+  """Validates `stop` and that the prompt leaves room to generate, in the model and in the
+  pool; returns the request's stop ids. ValueError names the offending field."""
+  stop.validate()
+  stop_ids = stop_ids_for(stop, eos_ids)
+  if len(stop_ids) > MAX_STOP_IDS:
+    raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS - len(eos_ids)} "
+                     f"allowed, got {len(stop.stop_token_ids)}")
+  bad = [t for t in stop.stop_token_ids if not 0 <= t < vocab_size]
+  if bad:
+    raise ValueError(f"stop_token_ids: {bad[0]} outside the vocabulary [0, {vocab_size})")
+  if len(ids) >= max_model_len:
+    raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
+                     f"max_model_len {max_model_len}")
+  need = -(-min(len(ids) + stop.max_tokens, max_model_len) // page_size)  # pages
+  if need > usable_pages:
+    raise ValueError(f"max_tokens: prompt + max_tokens needs {need} cache pages, the pool "
+                     f"has {usable_pages}")
+  return stop_ids
 
 
 def wants_logprobs(reqs: Sequence[Request], forced: bool | None = None) -> np.bool_:

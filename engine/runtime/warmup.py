@@ -13,6 +13,8 @@ tower also compiles each mixed shape's image-prefill program (`steps.model_step_
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -23,6 +25,16 @@ from engine.runtime.grammar import bitmask_words
 from engine.runtime.page_pool import NULL_PAGE
 from engine.runtime.speculative import catch_up
 from engine.runtime.speculative.loop import DETERMINISTIC
+
+
+def printer(out: Any = None) -> Callable[[int, int, str], None]:
+  """A warm-up `progress` that prints "warm-up n/N programs, seconds: what" lines."""
+  start = time.perf_counter()
+
+  def progress(done: int, total: int, what: str) -> None:
+    print(f"[moejax] warm-up {done}/{total} programs, {time.perf_counter() - start:.1f}s: "
+          f"{what}", file=out or sys.stderr, flush=True)
+  return progress
 
 
 def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, *,
