@@ -2,38 +2,24 @@
 CUDA lowering of the kernels at Kimi-K2.5 shapes, the reference against naive dense attention in
 float64, the in-place cache write, and the engine's kernel switch."""
 
-import contextlib
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mgpu_interpret
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from engine.model import kernels
 from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
+from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
 from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import paged_flash_mgpu, reference
-from pallas_kernels.interpret import gpu_interpret_mode
 
 
-
-@contextlib.contextmanager
-def gpu_interpret(detect_races: bool = False):
-  """Runs Mosaic GPU kernels on the CPU; fresh (NaN-filled) buffers catch unwritten outputs."""
-  mgpu_interpret.reset_gpu_interpret_mode_state()
-  params = plgpu.InterpretGPUParams(detect_races=detect_races, uninitialized_memory="nan")
-  with jax.sharding.use_abstract_mesh(H200), gpu_interpret_mode(params):
-    yield
-  if detect_races:
-    assert not mgpu_interpret.get_races().races_found, "data race in the kernel"
 
 
 def _tol(dtype):

@@ -5,7 +5,6 @@ output memory is NaN there (`uninitialized_memory="nan"`), so a kernel that skip
 fails the comparison. Every kernel is also exported for CUDA at Kimi-K2.5 shapes.
 """
 
-import contextlib
 import dataclasses
 
 import jax
@@ -13,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # races, state reset
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from engine.model import kernels
 from engine.model.cache import contiguous_page_table, init_cache
@@ -21,7 +19,7 @@ from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward, moe as moe_layer
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
+from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
 from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, moe_mgpu, permute, reference
 from pallas_kernels.moe import routing
@@ -29,14 +27,6 @@ from pallas_kernels.moe import routing
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-
-@contextlib.contextmanager
-def gpu_interpret(detect_races: bool = False):
-  # Reset the interpreter's global state in case an earlier kernel raised.
-  interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
-  with jax.sharding.use_abstract_mesh(H200), plgpu.force_gpu_interpret_mode(
-      plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=detect_races)):
-    yield
 
 
 # ---- routing ---------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ the float32 product rounded to bf16, as the kernels do) in float32: the kernels'
 roundings are bf16 h between the two kernels and their bf16 output.
 """
 
-import contextlib
 import dataclasses
 
 import jax
@@ -17,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # races, state reset
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from bench.expert_bytes import INT4
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
+from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
@@ -35,13 +33,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 SMALL = int4_mlp_mgpu.Int4Config(block_k=128, max_concurrent_steps=2, num_sms=3)
 TOL = 2e-2  # of the reference's largest magnitude: bf16 h and output
 
-
-@contextlib.contextmanager
-def gpu_interpret(detect_races: bool = False):
-  interpret_pallas_call.gpu_callbacks.reset_gpu_interpret_mode_state()
-  with jax.sharding.use_abstract_mesh(H200), plgpu.force_gpu_interpret_mode(
-      plgpu.InterpretGPUParams(uninitialized_memory="nan", detect_races=detect_races)):
-    yield
 
 
 def _int4(rng, e, k, n, group=32):
