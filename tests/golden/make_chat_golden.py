@@ -16,11 +16,14 @@ Run in the reference environment (see make_golden.py; transformers 5.24.0 + jinj
 thinking-machines-lab/tinker-cookbook ``tinker_cookbook/renderers/kimi_k2_5_tool_declaration_ts.py``
 and the ports in vLLM / SGLang); it is not committed here. Besides the named cases, 200
 seeded random tool lists cover the schema features; where the script raises, the fixture
-records that (the tokenizer then declares the tools as JSON). Without it the TypeScript fixture is
-left as it is. The templates are read from ``fixtures/chat/templates/`` (their origins are in
-``fixtures/chat/README.md``). Output: ``fixtures/chat/render_cases.json`` and
-``fixtures/chat/tools_ts_cases.json``, rewritten deterministically (no time-dependent template
-function is used by these cases).
+records that (the tokenizer then declares the tools as JSON). The Kimi K2.5 render cases go
+through ``KimiK25Tokenizer``, whose ``apply_chat_template`` does what the checkpoint's
+``TikTokenTokenizer`` (``tokenization_kimi.py``) does before transformers renders: the tools
+key-sorted (``deep_sort_dict``), declared by the script as ``tools_ts_str`` (left out where it
+raises), ``thinking`` True unless given. The templates are read from
+``fixtures/chat/templates/`` (their origins are in ``fixtures/chat/README.md``). Output:
+``fixtures/chat/render_cases.json`` and ``fixtures/chat/tools_ts_cases.json``, rewritten
+deterministically (no time-dependent template function is used by these cases).
 """
 
 from __future__ import annotations
@@ -82,6 +85,34 @@ def tool_round_trip(call_id, args, reasoning=True):
   ]
 
 
+K25 = "moonshotai-Kimi-K2.5.jinja"
+# A schema the TypeScript encoding refuses (a property without a type): declared as JSON.
+UNTYPED = {"type": "function", "function": {"name": "tag", "parameters": {
+    "type": "object", "properties": {"x": {"description": "no type"}}}}}
+
+
+def kimi_k25_cases(args, hello, multi, parallel):
+  """Kimi K2.5: thinking on (the default) and off, tools in TypeScript, tool round trips."""
+  in_flight = tool_round_trip("functions.get_weather:0", args)[:4]   # ends at the tool result
+  image = [{"role": "user", "content": [{"type": "image"},
+                                        {"type": "text", "text": "What is in this picture?"}]}]
+  yield "kimi_k25_hello", K25, "kimi", hello, None, {}
+  yield "kimi_k25_hello_no_thinking", K25, "kimi", hello, None, {"thinking": False}
+  yield "kimi_k25_multi_turn", K25, "kimi", multi, None, {}
+  yield "kimi_k25_multi_turn_no_thinking", K25, "kimi", multi, None, {"thinking": False}
+  yield "kimi_k25_tools", K25, "kimi", hello, [WEATHER, SEARCH], {}
+  yield ("kimi_k25_tool_round_trip", K25, "kimi", tool_round_trip(
+      "functions.get_weather:0", args), [WEATHER, SEARCH], {})
+  yield "kimi_k25_tool_call_in_flight", K25, "kimi", in_flight, [WEATHER, SEARCH], {}
+  yield ("kimi_k25_tool_call_in_flight_no_thinking", K25, "kimi", in_flight,
+         [WEATHER, SEARCH], {"thinking": False})
+  yield "kimi_k25_parallel_calls", K25, "kimi", parallel, [WEATHER, SEARCH], {}
+  yield "kimi_k25_untyped_tool_as_json", K25, "kimi", hello, [UNTYPED, WEATHER], {}
+  yield "kimi_k25_image_part", K25, "kimi", image, None, {}
+  yield "kimi_k25_no_generation_prompt", K25, "kimi", multi[:3], None, {
+      "add_generation_prompt": False}
+
+
 def cases():
   k2 = "moonshotai-Kimi-K2-Thinking.jinja"
   v31 = "deepseek-ai-DeepSeek-V3.1.jinja"
@@ -113,6 +144,7 @@ def cases():
   yield "kimi_k2_thinking_parallel_calls", k2, "kimi", parallel, [WEATHER, SEARCH], {}
   yield "kimi_k2_thinking_no_generation_prompt", k2, "kimi", multi[:3], None, {
       "add_generation_prompt": False}
+  yield from kimi_k25_cases(args, hello, multi, parallel)
   yield "deepseek_v31_hello", v31, "deepseek", hello, None, {}
   yield "deepseek_v31_thinking", v31, "deepseek", multi, None, {"thinking": True}
   yield "deepseek_v31_tool_round_trip", v31, "deepseek", tool_round_trip(
@@ -134,9 +166,37 @@ def cases():
           "date_string": "03 Dec 2026"}
 
 
-def render(template: str, special: dict, messages, tools, kwargs) -> str:
-  tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, "[UNK]")),
-                                chat_template=template, **special)
+def deep_sort_dict(obj):
+  if isinstance(obj, dict):
+    return {k: deep_sort_dict(v) for k, v in sorted(obj.items())}
+  if isinstance(obj, list):
+    return [deep_sort_dict(item) for item in obj]
+  return obj
+
+
+class KimiK25Tokenizer(PreTrainedTokenizerFast):
+  """What the K2.5 checkpoint's tokenizer (`TikTokenTokenizer.apply_chat_template`) adds on
+  top of transformers': key-sorted tools, `tools_ts_str` from the checkpoint's script (left
+  out where it raises), `thinking` True by default. `ts` is that script's module."""
+  ts = None
+
+  def apply_chat_template(self, conversation, tools=None, tokenize=False,
+                          add_generation_prompt=True, thinking=True, **kwargs):
+    tools = deep_sort_dict(tools)
+    if tools:
+      try:
+        kwargs["tools_ts_str"] = self.ts.encode_tools_to_typescript_style(tools)
+      except Exception:   # noqa: BLE001 - as the checkpoint's tokenizer: any, then JSON
+        pass
+    return super().apply_chat_template(conversation, tools=tools, tokenize=tokenize,
+                                       add_generation_prompt=add_generation_prompt,
+                                       thinking=thinking, **kwargs)
+
+
+def render(template: str, special: dict, messages, tools, kwargs, cls=PreTrainedTokenizerFast
+           ) -> str:
+  tok = cls(tokenizer_object=Tokenizer(WordLevel({"[UNK]": 0}, "[UNK]")),
+            chat_template=template, **special)
   kwargs = dict(kwargs)
   agp = kwargs.pop("add_generation_prompt", True)
   return tok.apply_chat_template(copy.deepcopy(messages), tools=copy.deepcopy(tools),
@@ -261,39 +321,40 @@ def load_ts_script(path: str):
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--kimi-ts-script", help="the Kimi K2.5 checkpoint's tool_declaration_ts.py")
+  ap.add_argument("--kimi-ts-script", required=True,
+                  help="the Kimi K2.5 checkpoint's tool_declaration_ts.py")
   args = ap.parse_args()
+  ts = KimiK25Tokenizer.ts = load_ts_script(args.kimi_ts_script)
   out = {"transformers": transformers.__version__, "cases": []}
   for name, template_file, special, messages, tools, kwargs in cases():
     with open(os.path.join(TEMPLATES, template_file), encoding="utf-8") as fh:
       template = fh.read()
+    cls = KimiK25Tokenizer if template_file == K25 else PreTrainedTokenizerFast
     out["cases"].append({
         "name": name, "template": template_file, "special_tokens": SPECIAL[special],
         "messages": messages, "tools": tools, "kwargs": kwargs,
-        "rendered": render(template, SPECIAL[special], messages, tools, kwargs)})
+        "rendered": render(template, SPECIAL[special], messages, tools, kwargs, cls)})
   with open(os.path.join(CHAT, "render_cases.json"), "w", encoding="utf-8") as fh:
     json.dump(out, fh, ensure_ascii=False, indent=1)
     fh.write("\n")
   print(f"render_cases.json: {len(out['cases'])} cases")
-  if args.kimi_ts_script:
-    ts = load_ts_script(args.kimi_ts_script)
-    ts_cases = list(TS_CASES.items())
-    rng = random.Random(20261203)
-    ts_cases += [(f"random_{i}", random_tools(rng)) for i in range(200)]
-    ts_out = {"script": "Kimi K2.5 tool_declaration_ts.py", "cases": []}
-    for name, tools in ts_cases:
-      try:
-        encoded = ts.encode_tools_to_typescript_style(copy.deepcopy(tools))
-      except Exception as e:   # noqa: BLE001 - the checkpoint's tokenizer catches any, too
-        encoded, refused = None, type(e).__name__
-      else:
-        refused = None
-      ts_out["cases"].append({"name": name, "tools": tools, "tools_ts_str": encoded,
-                              **({"refused": refused} if refused else {})})
-    with open(os.path.join(CHAT, "tools_ts_cases.json"), "w", encoding="utf-8") as fh:
-      json.dump(ts_out, fh, ensure_ascii=False, indent=1)
-      fh.write("\n")
-    print(f"tools_ts_cases.json: {len(ts_out['cases'])} cases")
+  ts_cases = list(TS_CASES.items())
+  rng = random.Random(20261203)
+  ts_cases += [(f"random_{i}", random_tools(rng)) for i in range(200)]
+  ts_out = {"script": "Kimi K2.5 tool_declaration_ts.py", "cases": []}
+  for name, tools in ts_cases:
+    try:
+      encoded = ts.encode_tools_to_typescript_style(copy.deepcopy(tools))
+    except Exception as e:   # noqa: BLE001 - the checkpoint's tokenizer catches any, too
+      encoded, refused = None, type(e).__name__
+    else:
+      refused = None
+    ts_out["cases"].append({"name": name, "tools": tools, "tools_ts_str": encoded,
+                            **({"refused": refused} if refused else {})})
+  with open(os.path.join(CHAT, "tools_ts_cases.json"), "w", encoding="utf-8") as fh:
+    json.dump(ts_out, fh, ensure_ascii=False, indent=1)
+    fh.write("\n")
+  print(f"tools_ts_cases.json: {len(ts_out['cases'])} cases")
 
 
 if __name__ == "__main__":
