@@ -11,6 +11,7 @@ import pytest
 from engine.model import tool_declaration_ts
 from engine.model.chat_template import (ChatTemplate, ChatTemplateError, ToolArguments,
                                          encode_prompt)
+from engine.service.chat_parsers import starts_in_reasoning
 
 CHAT = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "chat")
 RENDER = json.load(open(os.path.join(CHAT, "render_cases.json"), encoding="utf-8"))["cases"]
@@ -45,7 +46,9 @@ def _as_openai(messages):
   return out
 
 
-@pytest.mark.parametrize("name", ["kimi_k2_thinking_tool_round_trip", "qwen3_tool_round_trip",
+@pytest.mark.parametrize("name", ["kimi_k2_thinking_tool_round_trip", "kimi_k25_tool_round_trip",
+                                  "kimi_k25_tool_call_in_flight", "kimi_k25_parallel_calls",
+                                  "qwen3_tool_round_trip",
                                   "qwen3_parallel_calls", "llama3_tool_round_trip",
                                   "deepseek_v3_tool_template_round_trip"])
 def test_openai_json_string_arguments_render_as_objects(name):
@@ -99,6 +102,34 @@ def test_typescript_declarations_refuse_what_they_cannot_express():
   assert tool_declaration_ts.encode_tools([]) == ""
 
 
+K25 = [c for c in RENDER if c["template"] == "moonshotai-Kimi-K2.5.jinja"]
+K25_OPENS = "<|im_assistant|>assistant<|im_middle|>"
+
+
+def test_kimi_k25_generation_prompt_opens_think_unless_thinking_is_false():
+  """K2.5's own template (golden cases above): the generation prompt ends `<think>`, so the
+  output starts as reasoning, or `<think></think>` with thinking false; no default system."""
+  assert {c["name"] for c in K25} >= {"kimi_k25_hello", "kimi_k25_hello_no_thinking",
+                                      "kimi_k25_tool_round_trip", "kimi_k25_tool_call_in_flight"}
+  for case in K25:
+    text = render_case(case)
+    assert text == case["rendered"] and not text.startswith("<|im_system|>system<|im_middle|>"
+                                                            "You are Kimi")
+    if not case["kwargs"].get("add_generation_prompt", True):
+      assert text.endswith("<|im_end|>") and not starts_in_reasoning(text)
+    elif case["kwargs"].get("thinking", True):
+      assert text.endswith(K25_OPENS + "<think>") and starts_in_reasoning(text), case["name"]
+    else:
+      assert text.endswith(K25_OPENS + "<think></think>") and not starts_in_reasoning(text)
+  t = template("moonshotai-Kimi-K2.5.jinja")
+  assert t.family == "kimi_k2"
+  # The current turn's reasoning is kept (an in-flight tool call), earlier turns' dropped.
+  flight = next(c for c in K25 if c["name"] == "kimi_k25_tool_call_in_flight")
+  assert "<think>The user wants the weather; call the tool.</think>" in flight["rendered"]
+  done = next(c for c in K25 if c["name"] == "kimi_k25_tool_round_trip")
+  assert "call the tool" not in done["rendered"] and "namespace functions {" in done["rendered"]
+
+
 K25_LIKE = ("{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{%- if tools_ts_str -%}"
             "{{ tools_ts_str }}{%- else -%}{{ tools | tojson }}{%- endif -%}<|im_end|>"
             "{%- endif -%}{{ messages[0].content }}|thinking={{ thinking }}")
@@ -112,6 +143,7 @@ def test_a_template_reading_tools_ts_str_gets_them_declared_in_typescript():
   want = tool_declaration_ts.encode_tools(tools)
   assert out == f"<|im_system|>tool_declare<|im_middle|>{want}<|im_end|>hi|thinking=True"
   assert t.render([{"role": "user", "content": "hi"}], thinking=False) == "hi|thinking=False"
+  assert t.render([{"role": "user", "content": "hi"}]) == "hi|thinking=True"   # without tools too
   # A schema the encoding cannot express falls back to the JSON declaration.
   odd = [{"type": "function", "function": {"name": "f", "parameters": {
       "type": "object", "properties": {"x": {"description": "no type"}}}}}]

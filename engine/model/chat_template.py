@@ -255,14 +255,15 @@ class ChatTemplate:
     chat = prepare_messages(messages, reads_parts=reads_parts,
                             knows_developer="developer" in source)
     kwargs = {**self.special_tokens, **template_kwargs}
-    if tools and "tools_ts_str" in source:
-      # Kimi K2.5's tokenizer: tools key-sorted, declared in TypeScript, thinking on by default.
-      tools = _deep_sorted(tools)
+    if "tools_ts_str" in source:
+      # Kimi K2.5's tokenizer: thinking on by default; tools key-sorted, declared in TypeScript.
       kwargs.setdefault("thinking", True)
-      try:
-        kwargs.setdefault("tools_ts_str", tool_declaration_ts.encode_tools(tools))
-      except ValueError:
-        pass   # a schema the encoding cannot express: the template declares them as JSON
+      if tools:
+        tools = _deep_sorted(tools)
+        try:
+          kwargs.setdefault("tools_ts_str", tool_declaration_ts.encode_tools(tools))
+        except ValueError:
+          pass   # a schema the encoding cannot express: the template declares them as JSON
     try:
       return template.render(messages=chat, tools=tools, documents=documents,
                              add_generation_prompt=add_generation_prompt, **kwargs)
