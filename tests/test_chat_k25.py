@@ -8,6 +8,7 @@ prompt ends in `<think>`, and its output parses into reasoning, content and tool
 
 import base64
 import copy
+import dataclasses
 import io
 import json
 import os
@@ -153,3 +154,22 @@ def test_k25_output_parses_from_inside_the_think_block(ckpt):
                                template, tokenizer, limits, "k25", None).inputs
   reasoning, content, calls = parse(off, "Checking." + call)
   assert (reasoning, content, len(calls)) == ("", "Checking.", 1)
+
+
+def test_tool_choice_required_lets_k25_reason_first_only_when_thinking(ckpt):
+  """tool_choice required: the call grammar (issue 35) starts after free reasoning and
+  `</think>` when the prompt opened a think block, at the tool section when thinking is off."""
+  _, tokenizer, template, limits = ckpt
+  limits = dataclasses.replace(limits, eos_token_ids=(tokenizer.token_to_id("[EOS]"),))
+  case = next(c for c in SERVED if c["name"] == "kimi_k25_tools")
+  section = tokenizer.token_to_id("<|tool_calls_section_begin|>")
+  think_end = tokenizer.token_to_id("</think>")
+  for kwargs, start in (({}, f"start: REASONING? (<[{think_end}]>)? <[{section}]> calls"),
+                        ({"thinking": False}, f"start: <[{section}]> calls")):
+    body = json.loads(openai_body(case))
+    body.update(tool_choice="required", chat_template_kwargs=kwargs)
+    plan = openai_chat.parse_chat(json.dumps(body).encode(), template, tokenizer, limits,
+                                  "k25", None)
+    assert plan.inputs.starts_in_reasoning == (not kwargs)
+    assert any(line.startswith(start) for line in plan.inputs.constraint.grammar.splitlines())
+    assert plan.requests[0].sampling.structured_outputs == plan.inputs.constraint
