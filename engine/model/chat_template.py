@@ -17,7 +17,8 @@ What this layer adds, as OpenAI servers do before rendering (vLLM's chat_utils):
   * a tool call's `arguments` JSON string is parsed for the template (`ToolArguments`, a dict
     that still renders as the original text where a template concatenates it);
   * Kimi K2.5-style templates (they read `tools_ts_str`) get their tools declared in its
-    TypeScript style, with the tool dicts key-sorted, as that checkpoint's tokenizer does.
+    TypeScript style, with the tool dicts key-sorted, and `thinking=True` unless given, as
+    that checkpoint's tokenizer does.
 """
 
 from __future__ import annotations
