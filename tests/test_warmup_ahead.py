@@ -47,3 +47,23 @@ def test_one_worker_compiles_nothing_ahead(monkeypatch):
   eng = Engine(cfg, init_params(cfg, seed=5), EngineConfig(**CONFIG))
   assert warmup._compile_ahead(eng, warmup.warmup_shapes(eng), MAX_STOP_IDS, 1, None,
                                []) == set()
+
+
+def test_a_vision_model_compiles_its_image_steps_ahead_too():
+  """A mixed shape of a model with a vision tower is two programs, the text step and the one
+  whose rows take image features, each donating the cache the run made the next one's with."""
+  import os
+
+  import engine
+  path = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "kimi_k25_vision")
+  eng = Engine.from_model(engine.load(path), EngineConfig(max_num_seqs=1,
+                                                          max_num_batched_tokens=16,
+                                                          max_model_len=64))
+  shapes = warmup.warmup_shapes(eng)
+  with eng._lock:
+    assert len(warmup._programs(eng, *shapes[0], MAX_STOP_IDS)) == 2
+    ahead = warmup._compile_ahead(eng, shapes, MAX_STOP_IDS, 2, None, [""] * len(shapes))
+  assert ahead == set(range(len(shapes)))
+  with CompileCounter() as run_count:
+    eng.warmup(progress=False)
+  assert run_count.count == 0

@@ -84,8 +84,9 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
     zeros, ones = np.zeros((b,), np.int32), np.ones((b,), np.int32)
     samp = eng._sampling_arrays([None] * b)
     stop_ids = np.full((b, stop_width), -1, np.int32)
-    if kind == "step":
-      for fn, args, kwargs, keep in _step_programs(eng, b, w):
+    if kind == "step":  # (each program's arguments made at its run: the last one donated
+      for j in range(len(_step_programs(eng, b, w))):  # the cache they were made with)
+        fn, args, kwargs, keep = _step_programs(eng, b, w)[j]
         keep(eng, fn(*args, **kwargs))
     elif kind == "masked":
       for logprobs in (False, True):  # (its logprobs are a conditional)
