@@ -27,9 +27,19 @@ import jax
 from engine.runtime.scheduler import SchedulerConfig
 
 DEFAULT_ROW_WIDTHS = (16, 64)
+# On XLA:CPU a step costs about its tokens whatever its row width (BENCHMARKS.md, "CPU: a cold
+# warm-up in 11 programs"): a 3,840-token prompt prefilled in [16x16] chunks took ~3.5% longer
+# than in [4x64] ones, shorter prompts alike, while the four 64-wide programs were a quarter of
+# the demo's cold warm-up. So one width there.
+CPU_ROW_WIDTHS = (16,)
 # A row costs about this many token slots beyond its width: it re-reads its request's context
 # in attention and occupies a batch slot. Keeps the packing from choosing many narrow rows.
 ROW_OVERHEAD = 8
+
+
+def default_row_widths(platform: str) -> tuple[int, ...]:
+  """`EngineConfig.row_widths`' default on a platform ("cpu", "gpu", "tpu")."""
+  return CPU_ROW_WIDTHS if platform == "cpu" else DEFAULT_ROW_WIDTHS
 
 
 def bucket(n: int, minimum: int = 16) -> int:

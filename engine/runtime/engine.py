@@ -34,7 +34,7 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
 from engine.runtime import compile_cache, steps, structured, warmup
-from engine.runtime.buckets import DEFAULT_ROW_WIDTHS, TrafficStats, derive_buckets
+from engine.runtime.buckets import TrafficStats, default_row_widths, derive_buckets
 from engine.runtime.multimodal import ImageInput, check_spans
 from engine.runtime.multimodal_step import ImageEncoder
 from engine.runtime.grammar import compile_grammar
@@ -59,7 +59,7 @@ class EngineConfig:
   max_num_batched_tokens: int = 256
   max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
   enable_prefix_cache: bool = True
-  row_widths: tuple[int, ...] = DEFAULT_ROW_WIDTHS
+  row_widths: tuple[int, ...] | None = None  # default: buckets.default_row_widths (CPU: 16)
   # Most plain decode iterations per device loop (1 disables the loop); a speculative loop gets
   # as much time by the cost model, up to num_draft_tokens + 1 tokens per iteration of it.
   max_decode_steps: int = 16
@@ -143,8 +143,9 @@ class Engine:
 
     self.cache = place(self.cache)
     self.traffic = TrafficStats()
-    self.buckets = derive_buckets(self.sched_config, config.row_widths,
-                                  TrafficStats.load(config.traffic_stats_path))
+    self.buckets = derive_buckets(
+        self.sched_config, config.row_widths or default_row_widths(next(iter(devices)).platform),
+        TrafficStats.load(config.traffic_stats_path))
     self.spec = SpecRuntime(cfg, config, num_pages, dtype, draft,
                             place=lambda c: place(c, draft[0]),
                             place_state=lambda x: jax.device_put(x, next(iter(devices)))

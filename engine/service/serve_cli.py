@@ -70,8 +70,8 @@ flags.DEFINE_bool("measure_spec_costs", True, "Time the speculative cost table a
                   "(else the roofline: a decode step reads the weights once).")
 flags.DEFINE_bool("structured_warmup", False, "Warm-up also compiles the masked step of "
                   "constrained rows (structured outputs, tool_choice required), so the first "
-                  "such request does not compile it (off: the demo's cold warm-up is 60 s "
-                  "without it, 152 s with it on 2 CPU cores; BENCHMARKS.md).")
+                  "such request does not compile it (off: its five programs cost the demo's cold "
+                  "warm-up ~90 s more on 2 CPU cores, more than the rest; BENCHMARKS.md).")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory (same tokenizer) for the "
                     "'draft' drafter.")
 flags.DEFINE_string("traffic_stats_path", None, "Histogram of step shapes: read at start to "

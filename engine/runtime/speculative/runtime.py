@@ -363,22 +363,33 @@ class SpecRuntime:
             self.per_drafter[f"spec_auto_choice_{d}"] += steps_
     return out, counts, lps, cache
 
-  def _plain(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-             remaining, min_before, num_steps, *, impl, logprobs):
-    """The plain decode loop; with a learned table, one that also learns the call's tokens."""
-    args = (tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
+  def plain_program(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+                    remaining, min_before, num_steps, *, impl, logprobs):
+    """The plain decode loop's jitted program and its arguments, (fn, args, kwargs): the one
+    `_plain` runs (with a learned table, the loop that also learns the call's tokens), and
+    what warm-up compiles ahead (`warmup.py`)."""
+    args = (params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
             np.int32(num_steps), wants_logprobs(reqs, logprobs))
     kw = dict(max_steps=self.config.max_decode_steps, cfg=self.cfg, impl=impl)
+    if self.table is None:
+      return steps.decode_loop, args, kw
+    context = last_tokens(reqs, tokens.shape[0], max(learned.ORDERS), right_align=True)
+    rows = np.arange(tokens.shape[0]) < len(reqs)
+    return decode_loop_learning, (*args, self.table, context, rows), kw
+
+  def _plain(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
+             remaining, min_before, num_steps, *, impl, logprobs):
+    """The plain decode loop (`plain_program`)."""
+    fn, args, kw = self.plain_program(params, cache, reqs, tokens, n_cached, table, sampling,
+                                      stop_ids, remaining, min_before, num_steps, impl=impl,
+                                      logprobs=logprobs)
     if any(r.spec is not None for r in reqs):
       self._plain_calls += 1
       self.per_drafter["spec_plain_calls"] += 1
     if self.table is None:
-      out, counts, _, lps, cache = steps.decode_loop(params, cache, *args, **kw)
+      out, counts, _, lps, cache = fn(*args, **kw)
     else:
-      context = last_tokens(reqs, tokens.shape[0], max(learned.ORDERS), right_align=True)
-      rows = np.arange(tokens.shape[0]) < len(reqs)
-      out, counts, _, lps, cache, self.table = decode_loop_learning(
-          params, cache, *args, self.table, context, rows, **kw)
+      out, counts, _, lps, cache, self.table = fn(*args, **kw)
     return (*jax.device_get((out, counts, lps)), cache)
 
   def catch_up_draft(self, reqs: Sequence[Any], rows: np.ndarray, table: np.ndarray, *,
