@@ -116,7 +116,11 @@ def test_idle_rows_write_nothing():
 
 
 def test_mtp_layer_cached_equals_full_and_leaves_main_cache_alone():
-  from engine.model.transformer import compute_logits, forward, forward_mtp
+  from engine.model import transformer
+  # Jitted (as the engine runs them): op by op, each chunk's shapes compiled ~450 small programs.
+  forward, forward_mtp = (jax.jit(f, static_argnames=("cfg",))
+                          for f in (transformer.forward, transformer.forward_mtp))
+  compute_logits = transformer.compute_logits
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
   params = init_params(cfg, seed=6)
   L, ps = 10, 4
