@@ -31,7 +31,10 @@ def model():
 @pytest.fixture(scope="module")
 def eng(model):
   cfg, params = model
-  e = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=16, max_num_batched_tokens=64,
+  # 8 sequences: decode batches 1-8 and step shapes up to [16 x 16] (9 programs; 16 sequences
+  # added a [16] decode loop and a [32 x 16] step, the two largest). Tests with more prompts
+  # than that queue them: batches still form and change as requests finish and join.
+  e = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
                                        row_widths=(16,), max_model_len=128, max_decode_steps=8,
                                        cache_dtype=jnp.float32))
   e.warmup_programs = e.warmup(progress=lambda done, total, what: WARMUP_PROGRESS.append(
