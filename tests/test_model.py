@@ -72,13 +72,17 @@ def test_cached_decode_equals_full_forward(name):
   lens = np.array([L, L - 4])
   pt = contiguous_page_table(b, 32, ps)
   full, _ = _run(cfg, params, toks, [0, 0], lens, pt, init_cache(cfg, pt.size, ps, jnp.float32))
-  # Prefill a 5-token chunk, then a 3-token chunk, then one token at a time.
+  # Prefill a 5-token chunk, then a 3-token chunk, then one token at a time. The chunks sit at
+  # the start of L-wide blocks (the rest padding, as the engine's rows pad): one compiled
+  # program for the full forward and the chunks, one for the single tokens.
   cache = init_cache(cfg, pt.size, ps, jnp.float32)
   outs, pos = [], 0
   for width in [5, 3] + [1] * (L - 8):
     n = np.clip(lens - pos, 0, width)
-    lg, cache = _run(cfg, params, toks[:, pos:pos + width], [pos, pos], n, pt, cache)
-    outs.append(lg)
+    block = np.zeros((b, L if width > 1 else 1), toks.dtype)
+    block[:, :width] = toks[:, pos:pos + width]
+    lg, cache = _run(cfg, params, block, [pos, pos], n, pt, cache)
+    outs.append(np.asarray(lg)[:, :width])
     pos += width
   inc = np.concatenate([np.asarray(o) for o in outs], axis=1)
   for i in range(b):
