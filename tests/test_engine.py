@@ -277,12 +277,17 @@ def test_chunked_prefill_equals_one_shot_logits(model):
   packed, _ = forward_logits(params, fresh(), jnp.asarray(rows), start, n_new, table3, cfg=cfg)
   packed = jnp.concatenate([packed[r, :int(n_new[r])] for r in range(3)])
   np.testing.assert_allclose(packed, one[0], rtol=1e-4, atol=1e-4)
+  # Two steps, each chunk at the start of an n-wide block (the rest padding, as the engine's
+  # rows pad): the one-shot forward's compiled program runs them.
   cache = fresh()
-  a, cache = forward_logits(params, cache, jnp.asarray([ids[:20]]), jnp.asarray([0]),
+  first, second = np.zeros((1, n), np.int32), np.zeros((1, n), np.int32)
+  first[0, :20], second[0, :n - 20] = ids[:20], ids[20:]
+  a, cache = forward_logits(params, cache, jnp.asarray(first), jnp.asarray([0]),
                             jnp.asarray([20]), page_table, cfg=cfg)
-  b, _ = forward_logits(params, cache, jnp.asarray([ids[20:]]), jnp.asarray([20]),
+  b, _ = forward_logits(params, cache, jnp.asarray(second), jnp.asarray([20]),
                         jnp.asarray([n - 20]), page_table, cfg=cfg)
-  np.testing.assert_allclose(jnp.concatenate([a[0], b[0]]), one[0], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([a[0, :20], b[0, :n - 20]]), one[0], rtol=1e-4,
+                             atol=1e-4)
 
 
 def test_preemption_recomputes_without_changing_outputs(model, eng):
