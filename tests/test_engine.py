@@ -18,6 +18,7 @@ from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from model_configs import CONFIGS
+from service_harness import ENGINE_CONFIG
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
 
@@ -310,10 +311,9 @@ def test_preemption_recomputes_without_changing_outputs(model, eng):
 def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   import engine as moejax
   demo = moejax.load("checkpoints/demo/target")
-  # One request at a time: one sequence (3 programs to compile, not 5 with two).
-  e = Engine.from_model(demo, EngineConfig(max_num_seqs=1, max_num_batched_tokens=32,
-                                           row_widths=(32,), max_model_len=128,
-                                           max_decode_steps=4))
+  # The serving tests' configuration (service_harness.ENGINE_CONFIG): the same demo programs,
+  # which a test run's shared compilation cache then compiles once for all these modules.
+  e = Engine.from_model(demo, ENGINE_CONFIG)
   e.warmup()
   counter = CompileCounter().__enter__()  # loaded weights are committed arrays: still none
   prompt = "def read_config(path):"
