@@ -12,12 +12,15 @@ layer's `e_score_correction_bias` moves by `--bias_update_rate` against its expe
 
 Deterministic: batch k is drawn from numpy's generator seeded with (seed, k), so a run that is
 interrupted and resumed from `--workdir` (Orbax, every `--save_every` steps) reproduces the
-uninterrupted one. At the end the weights are written to `--out` in the project's Orbax format
-(bfloat16, with config.json and tokenizer), with `train_report.json` beside them.
+uninterrupted one (and loads its compiled training step from JAX's persistent cache,
+`--compilation_cache_dir`, as the engine's entry points do). At the end the weights are
+written to `--out` in the project's Orbax format (bfloat16, with config.json and tokenizer),
+with `train_report.json` beside them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -38,6 +41,7 @@ from engine.model.config import ModelConfig, config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import (compute_logits, forward_counting_experts,
                                       forward_mtp_counting_experts)
+from engine.runtime import compile_cache
 
 FLAGS = flags.FLAGS
 
@@ -67,6 +71,10 @@ def _define_flags() -> None:
                        "(0: the whole held-out split).")
   flags.DEFINE_float("max_minutes", 0.0, "Stop (and save) after this much training time; 0: "
                      "no limit.")
+  flags.DEFINE_string("compilation_cache_dir", compile_cache.default_dir(),
+                      "JAX's persistent compilation cache: a resumed run loads the training "
+                      f"step instead of compiling it again (\"\": off; default "
+                      f"${compile_cache.ENV} or ~/.cache/moejax/jax_cache).")
 
 
 # ---- the training step ----------------------------------------------------------------------
@@ -167,26 +175,28 @@ def heldout_windows(ids: np.ndarray, seq: int, limit: int = 0) -> np.ndarray:
   return np.stack([ids[i * seq:i * seq + seq + 2] for i in range(n)]).astype(np.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _eval_stats(params: Any, w: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
+  """One batch's evaluation statistics (module level: one compiled program for every
+  `evaluate` call at the same shapes)."""
+  out = model_losses(params, w, cfg)
+  r = {"ce": out["ce"]}
+  if "mtp_logits" in out:
+    mtp_top = jnp.argmax(out["mtp_logits"][:, :-1], -1)  # predicts token i+2 at position i
+    main_next = jnp.argmax(out["logits"][:, 1:], -1)  # target's prediction of token i+2
+    r["mtp_ce"] = out["mtp_ce"]
+    r["mtp_agree"] = jnp.mean(mtp_top == main_next)
+    r["mtp_acc"] = jnp.mean(mtp_top == w[:, 2:-1])
+  return r
+
+
 def evaluate(params: Any, cfg: ModelConfig, windows: np.ndarray, batch: int) -> dict[str, float]:
   """Held-out cross-entropy (nats/token), and for MTP models the MTP cross-entropy, MTP top-1
   accuracy and MTP top-1 agreement with the target's own next prediction."""
-
-  @jax.jit
-  def stats(params, w):
-    out = model_losses(params, w, cfg)
-    r = {"ce": out["ce"]}
-    if "mtp_logits" in out:
-      mtp_top = jnp.argmax(out["mtp_logits"][:, :-1], -1)  # predicts token i+2 at position i
-      main_next = jnp.argmax(out["logits"][:, 1:], -1)  # target's prediction of token i+2
-      r["mtp_ce"] = out["mtp_ce"]
-      r["mtp_agree"] = jnp.mean(mtp_top == main_next)
-      r["mtp_acc"] = jnp.mean(mtp_top == w[:, 2:-1])
-    return r
-
   totals: dict[str, float] = {}
   n = 0
   for k in range(0, len(windows) - batch + 1, batch):
-    r = jax.device_get(stats(params, jnp.asarray(windows[k:k + batch])))
+    r = jax.device_get(_eval_stats(params, jnp.asarray(windows[k:k + batch]), cfg=cfg))
     for key, v in r.items():
       totals[key] = totals.get(key, 0.0) + float(v)
     n += 1
@@ -232,6 +242,7 @@ class _Progress:
 def main(argv: list[str]) -> None:
   del argv
   import orbax.checkpoint as ocp
+  compile_cache.enable(FLAGS.compilation_cache_dir)  # before anything compiles
   from engine.model.orbax_io import save_orbax
 
   cfg_dict = MODELS[FLAGS.model]
@@ -269,6 +280,10 @@ def main(argv: list[str]) -> None:
     params, opt_state, elapsed = state["params"], state["opt_state"], float(state["elapsed"])
     logging.info("resumed from %s at step %d", workdir, start_step)
 
+  # One placement however the state was made (fresh, --init_from, or restored from --workdir,
+  # where Orbax returns arrays on a mesh-less NamedSharding): the training step then lowers to
+  # the same program, and a resumed run loads it from the compilation cache, not compiles it.
+  params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
   step_fn = make_train_step(cfg, opt, FLAGS.mtp_weight, FLAGS.bias_update_rate)
   progress = _Progress(FLAGS.steps, start_step)
   tokens_per_step = FLAGS.batch_size * FLAGS.seq_len

@@ -20,7 +20,7 @@ from model_configs import CONFIGS  # noqa: E402
 cfg = config_from_dict(CONFIGS["llama"])
 params = init_params(cfg, seed=3)
 with CompileCounter() as counter:
-  eng = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=2, max_num_batched_tokens=16,
+  eng = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=1, max_num_batched_tokens=16,
                                          row_widths=(16,), max_model_len=64,
                                          max_decode_steps=4, cache_dtype=jnp.float32,
                                          compilation_cache_dir=sys.argv[1]))

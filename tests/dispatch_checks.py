@@ -63,11 +63,15 @@ def _diff(got, ref):
               max_abs_ref=float(np.max(np.abs(ref))))
 
 
-def dispatch_results(model, logits):
+def dispatch_results(model, logits, batch):
+  """`logits(cfg, params, mesh=None, impl=...)`: the forward's logits on `batch` (tokens,
+  n_new, page table), which `low_rank_split` compiles itself to read the program."""
   out = {}
+  refs = {}  # one device's logits: computed once (the clear_caches below would recompile them)
   for name in ("deepseek_v3", "qwen3_moe"):
     cfg, params = model(name)
-    ref = logits(cfg, params)
+    ref = refs[name] = logits(cfg, params)
+    short_ref = short_block(cfg, params)
     for spec in ("expert:8", "data:2,expert:4", "tensor:4,expert:2"):
       mesh = sharding.make_mesh(spec)
       placed = sharding.shard_params(cfg, params, mesh)
@@ -82,7 +86,7 @@ def dispatch_results(model, logits):
       jaxpr = jaxpr_of(cfg, placed, mesh)
       r["all_to_all_not_psum"] = "all_to_all" in jaxpr and "psum" not in jaxpr
       # A block whose token count (6) does not divide the devices: padded, then cut.
-      r["padded_block"] = _diff(short_block(cfg, placed, mesh), short_block(cfg, params))
+      r["padded_block"] = _diff(short_block(cfg, placed, mesh), short_ref)
       out[f"{name}/{spec}"] = r
   # "auto" picks dispatch at prefill sizes (16 tokens >= 2 per device with the threshold
   # lowered) and the psum formulation below it.
@@ -92,9 +96,9 @@ def dispatch_results(model, logits):
   jax.clear_caches()
   with mock.patch.object(expert_parallel, "DISPATCH_MIN_TOKENS", 2):
     out["auto"] = _diff(logits(cfg, placed, mesh, KernelChoice(expert_parallel="auto")),
-                        logits(cfg, params))
+                        refs["deepseek_v3"])
   out["engine_greedy_equal"] = engine_greedy(model)
-  out["low_rank"] = low_rank_split(model, logits)
+  out["low_rank"] = low_rank_split(model, refs["deepseek_v3"], batch)
   out["bf16_direct"] = bf16_direct()
   out["export"] = export_checks()
   return out
@@ -141,26 +145,28 @@ def engine_greedy(model):
   return run(params) == run(sharding.shard_params(cfg, params, mesh), mesh, DISPATCH)
 
 
-def low_rank_split(model, logits):
+def low_rank_split(model, ref, batch):
   """q_a / kv_a split by output column over tensor:4: a quarter of the bytes per device, the
-  same logits, and the compiled program gathers only activations, never these weights."""
+  same logits (`ref`: one device's), and the compiled program gathers only activations, never
+  these weights."""
   from engine.model.cache import init_cache
   from engine.model.transformer import forward_logits
   cfg, params = model("deepseek_v3")
   mesh = sharding.make_mesh("tensor:4,expert:2")
   placed = sharding.shard_params(cfg, params, mesh)
-  r = _diff(logits(cfg, placed, mesh), logits(cfg, params))
   attn = placed["layers"][0]["attn"]
-  r["fraction"] = {n: sorted({b / attn[n].nbytes for b in
-                              sharding.bytes_per_device(attn[n]).values()}) for n in ("q_a", "kv_a")}
+  fraction = {n: sorted({b / attn[n].nbytes for b in
+                         sharding.bytes_per_device(attn[n]).values()}) for n in ("q_a", "kv_a")}
   cache = init_cache(cfg, 5, 8, jnp.float32)
   cache = jax.device_put(cache, [sharding.cache_sharding(cfg, mesh)] * len(cache))
-  tokens = np.ones((2, 8), np.int32)
+  tokens, n_new, table = batch
+  args = (placed, cache, tokens, np.zeros(len(tokens), np.int32), n_new, table)
   with jax.set_mesh(mesh):
-    hlo = forward_logits.lower(placed, cache, tokens, np.zeros(2, np.int32),
-                               np.full(2, 8, np.int32),
-                               np.arange(4, dtype=np.int32).reshape(2, 2) + 1,
-                               cfg=cfg).compile().as_text()
+    compiled = forward_logits.lower(*args, cfg=cfg).compile()  # the logits come from it too
+    got = np.asarray(jax.device_get(compiled(*args)[0]))
+  r = _diff(got, ref)
+  r["fraction"] = fraction
+  hlo = compiled.as_text()
   gathered = re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)
   weights = {",".join(map(str, attn[n].shape)) for n in ("q_a", "kv_a")}
   r["gathered_shapes"] = sorted(set(gathered))

@@ -117,7 +117,7 @@ def run_multiprocess(port, pid):
 def run_dispatch():
   """Token dispatch (`expert_parallel="dispatch"`) vs one device (tests/dispatch_checks.py)."""
   from dispatch_checks import dispatch_results
-  return dispatch_results(model, logits)
+  return dispatch_results(model, logits, (TOKENS, N_NEW, TABLE))
 
 
 if __name__ == "__main__":

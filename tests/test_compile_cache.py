@@ -7,15 +7,18 @@ import sys
 
 from engine.runtime import compile_cache
 
-# A notebook's session: load the demo model, generate, report what was compiled.
+# A notebook's session: load the demo model (or the checkpoint given), generate, report what
+# was compiled.
 NOTEBOOK = """
-import json, engine
+import json, sys, engine
 from engine.runtime.buckets import CompileCounter
-model = engine.load()
+model = engine.load(*sys.argv[1:])
 with CompileCounter() as c:
   out = engine.generate(model, "def f(x):", max_new_tokens=3)
 print(json.dumps(dict(obtained=c.count, compiled=c.compiled, ids=out.token_ids)))
 """
+# A tiny checkpoint, where the model does not matter (compiling it is quick).
+TINY = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "dsv3_qlora_yarn")
 
 
 def test_default_dir_follows_the_environment(monkeypatch, tmp_path):
@@ -28,10 +31,10 @@ def test_default_dir_follows_the_environment(monkeypatch, tmp_path):
   assert compile_cache.default_dir() == "/somewhere"
 
 
-def _notebook(env):
+def _notebook(env, *args):
   """Runs NOTEBOOK in a fresh process: os.environ without the test run's own cache, plus env."""
   base = {k: v for k, v in os.environ.items() if k != compile_cache.ENV}
-  r = subprocess.run([sys.executable, "-c", NOTEBOOK], capture_output=True, text=True,
+  r = subprocess.run([sys.executable, "-c", NOTEBOOK, *args], capture_output=True, text=True,
                      timeout=300, env={**base, **env})
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
@@ -46,5 +49,5 @@ def test_a_new_notebook_kernel_loads_what_the_last_one_compiled(tmp_path):
   assert second["obtained"] > 0 and second["compiled"] == 0
   assert second["ids"] == first["ids"]
   # Turned off: nothing written anywhere.
-  off = _notebook({compile_cache.ENV: "", "XDG_CACHE_HOME": str(tmp_path / "off")})
+  off = _notebook({compile_cache.ENV: "", "XDG_CACHE_HOME": str(tmp_path / "off")}, TINY)
   assert off["compiled"] > 0 and not (tmp_path / "off").exists()

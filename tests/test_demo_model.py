@@ -70,10 +70,13 @@ def test_target_beats_draft_and_4gram_on_heldout(target, draft):
 def test_generates_python(target):
   prompt = target.encode("def read_config(path):")  # no trailing newline (BPE merges it)
   assert prompt[0] == demo_corpus.BOS_ID  # the tokenizer frames prompts like training documents
-  out = engine.generate(target, prompt, max_new_tokens=48)
+  # (32 new tokens: the README's notebook snippet generates as many from a prompt of the same
+  # page-table size, so a run's compilation cache gives it these programs)
+  out = engine.generate(target, prompt, max_new_tokens=32)
   assert len(out.token_ids) > 4
   text = out.text
   # A function body: a new line indented one level under the header, then words.
   assert text.startswith("\n    ") and len(text.split()) >= 5, text
-  method = engine.generate(target, target.encode("    def close(self):"), max_new_tokens=24)
+  # (32 new tokens as above: the same compiled prefill and decode programs serve both prompts)
+  method = engine.generate(target, target.encode("    def close(self):"), max_new_tokens=32)
   assert method.text.startswith("\n        "), method.text

@@ -18,6 +18,7 @@ from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from model_configs import CONFIGS
+from service_harness import ENGINE_CONFIG
 
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
 
@@ -31,7 +32,10 @@ def model():
 @pytest.fixture(scope="module")
 def eng(model):
   cfg, params = model
-  e = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=16, max_num_batched_tokens=64,
+  # 8 sequences: decode batches 1-8 and step shapes up to [16 x 16] (9 programs; 16 sequences
+  # added a [16] decode loop and a [32 x 16] step, the two largest). Tests with more prompts
+  # than that queue them: batches still form and change as requests finish and join.
+  e = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=8, max_num_batched_tokens=64,
                                        row_widths=(16,), max_model_len=128, max_decode_steps=8,
                                        cache_dtype=jnp.float32))
   e.warmup_programs = e.warmup(progress=lambda done, total, what: WARMUP_PROGRESS.append(
@@ -155,17 +159,21 @@ def test_no_compilation_after_warmup(eng):
   assert_pool_full(eng)
 
 
-def test_warmup_runs_every_program_without_touching_the_cache(model):
-  cfg, params = model
-  e = Engine(cfg, params, EngineConfig(page_size=8, max_num_seqs=4, max_num_batched_tokens=32,
-                                       row_widths=(16,), max_model_len=64, max_decode_steps=4,
-                                       cache_dtype=jnp.float32))
+def test_warmup_runs_every_program_without_touching_the_cache(eng):
+  """Every warm-up program runs on the null page: a cache full of values comes back equal.
+  (On the module's engine, already compiled: what is checked is what the programs write.)"""
+  kept = eng.cache  # the engine's own cache (and its prefix pages), put back afterwards
   rng = np.random.default_rng(0)  # a cache full of values: a stray write would show
-  e.cache = jax.tree_util.tree_map(
-      lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), e.cache)
-  before = jax.tree_util.tree_map(np.asarray, e.cache)
-  assert e.warmup() > 0
-  after = jax.tree_util.tree_map(np.asarray, e.cache)
+  eng.cache = jax.tree_util.tree_map(  # (placed as the engine's: its compiled programs run)
+      lambda x: jax.device_put(rng.standard_normal(x.shape).astype(x.dtype), x.sharding), kept)
+  try:
+    before = jax.tree_util.tree_map(np.asarray, eng.cache)
+    with CompileCounter() as counter:
+      assert eng.warmup(progress=False) == eng.warmup_programs > 0
+    after = jax.tree_util.tree_map(np.asarray, eng.cache)
+  finally:
+    eng.cache = kept
+  assert counter.count == 0  # the same programs as the fixture's warm-up ran, none new
   jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
 
 
@@ -270,12 +278,17 @@ def test_chunked_prefill_equals_one_shot_logits(model):
   packed, _ = forward_logits(params, fresh(), jnp.asarray(rows), start, n_new, table3, cfg=cfg)
   packed = jnp.concatenate([packed[r, :int(n_new[r])] for r in range(3)])
   np.testing.assert_allclose(packed, one[0], rtol=1e-4, atol=1e-4)
+  # Two steps, each chunk at the start of an n-wide block (the rest padding, as the engine's
+  # rows pad): the one-shot forward's compiled program runs them.
   cache = fresh()
-  a, cache = forward_logits(params, cache, jnp.asarray([ids[:20]]), jnp.asarray([0]),
+  first, second = np.zeros((1, n), np.int32), np.zeros((1, n), np.int32)
+  first[0, :20], second[0, :n - 20] = ids[:20], ids[20:]
+  a, cache = forward_logits(params, cache, jnp.asarray(first), jnp.asarray([0]),
                             jnp.asarray([20]), page_table, cfg=cfg)
-  b, _ = forward_logits(params, cache, jnp.asarray([ids[20:]]), jnp.asarray([20]),
+  b, _ = forward_logits(params, cache, jnp.asarray(second), jnp.asarray([20]),
                         jnp.asarray([n - 20]), page_table, cfg=cfg)
-  np.testing.assert_allclose(jnp.concatenate([a[0], b[0]]), one[0], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([a[0, :20], b[0, :n - 20]]), one[0], rtol=1e-4,
+                             atol=1e-4)
 
 
 def test_preemption_recomputes_without_changing_outputs(model, eng):
@@ -298,9 +311,9 @@ def test_preemption_recomputes_without_changing_outputs(model, eng):
 def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   import engine as moejax
   demo = moejax.load("checkpoints/demo/target")
-  e = Engine.from_model(demo, EngineConfig(max_num_seqs=2, max_num_batched_tokens=32,
-                                           row_widths=(32,), max_model_len=128,
-                                           max_decode_steps=4))
+  # The serving tests' configuration (service_harness.ENGINE_CONFIG): the same demo programs,
+  # which a test run's shared compilation cache then compiles once for all these modules.
+  e = Engine.from_model(demo, ENGINE_CONFIG)
   e.warmup()
   counter = CompileCounter().__enter__()  # loaded weights are committed arrays: still none
   prompt = "def read_config(path):"

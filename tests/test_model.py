@@ -72,13 +72,17 @@ def test_cached_decode_equals_full_forward(name):
   lens = np.array([L, L - 4])
   pt = contiguous_page_table(b, 32, ps)
   full, _ = _run(cfg, params, toks, [0, 0], lens, pt, init_cache(cfg, pt.size, ps, jnp.float32))
-  # Prefill a 5-token chunk, then a 3-token chunk, then one token at a time.
+  # Prefill a 5-token chunk, then a 3-token chunk, then one token at a time. The chunks sit at
+  # the start of L-wide blocks (the rest padding, as the engine's rows pad): one compiled
+  # program for the full forward and the chunks, one for the single tokens.
   cache = init_cache(cfg, pt.size, ps, jnp.float32)
   outs, pos = [], 0
   for width in [5, 3] + [1] * (L - 8):
     n = np.clip(lens - pos, 0, width)
-    lg, cache = _run(cfg, params, toks[:, pos:pos + width], [pos, pos], n, pt, cache)
-    outs.append(lg)
+    block = np.zeros((b, L if width > 1 else 1), toks.dtype)
+    block[:, :width] = toks[:, pos:pos + width]
+    lg, cache = _run(cfg, params, block, [pos, pos], n, pt, cache)
+    outs.append(np.asarray(lg)[:, :width])
     pos += width
   inc = np.concatenate([np.asarray(o) for o in outs], axis=1)
   for i in range(b):
@@ -116,7 +120,11 @@ def test_idle_rows_write_nothing():
 
 
 def test_mtp_layer_cached_equals_full_and_leaves_main_cache_alone():
-  from engine.model.transformer import compute_logits, forward, forward_mtp
+  from engine.model import transformer
+  # Jitted (as the engine runs them): op by op, each chunk's shapes compiled ~450 small programs.
+  forward, forward_mtp = (jax.jit(f, static_argnames=("cfg",))
+                          for f in (transformer.forward, transformer.forward_mtp))
+  compute_logits = transformer.compute_logits
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
   params = init_params(cfg, seed=6)
   L, ps = 10, 4

@@ -244,9 +244,9 @@ def test_moe_experts_refuses_widths_that_are_not_whole_tiles():
 
 # ---- the MoE layer and the engine switch ------------------------------------------------------
 
-def _tiny_moe_config():
+def _tiny_moe_config(**overrides):
   d = dict(CONFIGS["deepseek_v3"], hidden_size=128, moe_intermediate_size=64,
-           intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2)
+           intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, **overrides)
   return config_from_dict(d)
 
 
@@ -268,7 +268,7 @@ def test_tiny_model_forward_calls_mosaic_gpu_moe_and_matches_reference_per_layer
   the reference on the same inputs. (Whole-model logits are not compared: in eager bf16, the
   per-layer bf16 differences grow through random-weight layers; jitting the forward instead
   nests GPU interpret mode inside an outer CPU computation, which has hung on 2 cores.)"""
-  cfg = _tiny_moe_config()
+  cfg = _tiny_moe_config(num_hidden_layers=2)  # a dense layer, then a MoE layer
   params = init_params(cfg, seed=4, dtype=jnp.bfloat16)
   b, t, ps = 2, 5, 4
   tokens = jnp.asarray(np.random.default_rng(2).integers(3, cfg.vocab_size, (b, t)), jnp.int32)

@@ -1,5 +1,7 @@
 """MoE routing and expert computation against straightforward numpy loops."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,15 +153,19 @@ def test_every_formulation_equals_ragged(tokens, offset, dtype):
   gate, up, down = (jnp.asarray(rng.normal(size=s) * 0.3, dtype)
                     for s in [(e_local, h, i), (e_local, h, i), (e_local, i, h)])
   args = (x, w, ids, gate, up, down)
-  want = np.asarray(ref.moe_experts_ragged(*args, expert_offset=offset), np.float32)
+
+  def run(fn, **kw):  # jitted, as the model runs them (op by op: ~150 small compiles a case)
+    return np.asarray(jax.jit(functools.partial(fn, expert_offset=offset, **kw))(*args),
+                      np.float32)
+
+  want = run(ref.moe_experts_ragged)
   tol = 1e-5 if dtype == jnp.float32 else 3e-2
-  for name, got in [("all", ref.moe_experts_all(*args, expert_offset=offset)),
-                    ("tiled", ref.moe_experts_tiled(*args, expert_offset=offset, tile=64)),
-                    ("tiled16", ref.moe_experts_tiled(*args, expert_offset=offset, tile=16)),
-                    ("dispatch", ref.moe_experts(*args, expert_offset=offset))]:
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol,
-                               err_msg=name)
-  assert not np.any(np.asarray(ref.moe_experts_tiled(*args, expert_offset=offset))[::7])
+  for name, got in [("all", run(ref.moe_experts_all)),
+                    ("tiled", run(ref.moe_experts_tiled, tile=64)),
+                    ("tiled16", run(ref.moe_experts_tiled, tile=16)),
+                    ("dispatch", run(ref.moe_experts))]:
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=name)
+  assert not np.any(run(ref.moe_experts_tiled)[::7])
 
 
 def test_dispatch_picks_by_shape():

@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.runtime.sampling import SamplingArrays, SamplingParams, sample, transformed_logits
+from engine.runtime.sampling import SamplingArrays, SamplingParams, transformed_logits
+from engine.runtime import sampling
+
+# Jitted, as the engine calls it. Called eagerly, its lax.cond closes over the call's arrays,
+# so every call traced and compiled both branches again (21 compiles for 21 draws).
+sample = jax.jit(sampling.sample)
 
 
 def _arrays(**kw):

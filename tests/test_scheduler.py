@@ -1,5 +1,6 @@
 """Page pool, prefix cache and scheduler bookkeeping (host only, no model)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -183,6 +184,13 @@ def test_buckets_cover_every_step_and_follow_traffic():
       lengths.append(n)
       left -= n
     b.pack(lengths)
+  # Rows wider than the budget: one row per segment, so no more rows than sequences (each
+  # shape compiles at warm-up: one that no step can use is wasted time).
+  narrow = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
+  wide = derive_buckets(narrow, row_widths=(32,))
+  assert wide.mixed == ((32, (1, 2, 4)),) and wide.pack([1, 1, 1, 29]) == (4, 32)
+  one = derive_buckets(dataclasses.replace(narrow, max_num_seqs=1), row_widths=(16,))
+  assert one.mixed == ((16, (1, 2)),) and one.pack([32]) == (2, 16)  # one sequence, 2 rows
   stats = TrafficStats()
   stats.record_mixed([30, 31, 29, 30, 1])
   for rows in [3, 3, 3, 5, 6, 6]:

@@ -198,7 +198,7 @@ def test_cancelled_streams_abort_once_and_free_pages(serve, eng, monkeypatch):
   async def run():
     async with AsyncInferenceClient(target(bg)) as client:
       async def one(i, kind, after_chunks, deadline_s):
-        req = build_request(random_ids(random.Random(i)), request_id=f"c{i}", max_tokens=48,
+        req = build_request(random_ids(random.Random(i)), request_id=f"c{i}", max_tokens=24,
                             ignore_eos=True, temperature=0.9, seed=i)
         call = client.stub.Generate(req, timeout=deadline_s if kind == "deadline" else None)
         chunks = 0

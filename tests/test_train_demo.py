@@ -12,7 +12,8 @@ from model_configs import CONFIGS
 
 
 def _tiny():
-  cfg_dict = dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1, vocab_size=64)
+  cfg_dict = dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1, vocab_size=64,
+                  num_hidden_layers=2)  # a dense layer, a MoE layer, the MTP layer
   cfg = config_from_dict(cfg_dict)
   params = init_params(cfg, seed=0)
   params["embed"] = params["embed"] * 0.02

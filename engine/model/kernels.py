@@ -10,11 +10,10 @@ model. Every implementation has the signature of the plain-JAX reference in `pal
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable
 
-from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import reference as attn_ref
-from pallas_kernels.moe import moe_mgpu
 from pallas_kernels.moe import reference as moe_ref
 
 
@@ -31,24 +30,45 @@ class KernelChoice:
 
 REFERENCE = KernelChoice()
 
+
+@dataclasses.dataclass(frozen=True)
+class _Deferred:
+  """An implementation imported when first picked: the Mosaic GPU kernels import
+  `jax.experimental.pallas.mosaic_gpu`, ~0.5 s of CPU that every process (each command line,
+  each test worker) paid at `import engine` although few ever choose them."""
+  module: str
+  attr: str
+
+  def load(self) -> Callable:
+    return getattr(importlib.import_module(self.module), self.attr)
+
+
 # Mosaic GPU attention kernels (NVIDIA Hopper; bf16/f16 caches). Cache writes keep the XLA
 # scatter (`write_pages` falls back to the reference for this name): with the pages donated it
 # updates in place and moves only the new tokens.
-_MLA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.mla_paged_attention,
-                                       "mosaic_gpu": mla_paged_attention_mgpu.mla_paged_attention}
-_GQA_ATTENTION: dict[str, Callable] = {"reference": attn_ref.gqa_paged_attention,
-                                       "mosaic_gpu": gqa_paged_attention_mgpu.gqa_paged_attention}
-_WRITE_PAGES: dict[str, Callable] = {"reference": attn_ref.write_pages}
-_ROUTE: dict[str, Callable] = {"reference": moe_ref.route, "mosaic_gpu": moe_mgpu.route}
-_MOE_EXPERTS: dict[str, Callable] = {"reference": moe_ref.moe_experts,
-                                     "mosaic_gpu": moe_mgpu.moe_experts}
+_MGPU_ATTENTION = "pallas_kernels.attention."
+_MLA_ATTENTION: dict[str, Callable | _Deferred] = {
+    "reference": attn_ref.mla_paged_attention,
+    "mosaic_gpu": _Deferred(_MGPU_ATTENTION + "mla_paged_attention_mgpu", "mla_paged_attention")}
+_GQA_ATTENTION: dict[str, Callable | _Deferred] = {
+    "reference": attn_ref.gqa_paged_attention,
+    "mosaic_gpu": _Deferred(_MGPU_ATTENTION + "gqa_paged_attention_mgpu", "gqa_paged_attention")}
+_WRITE_PAGES: dict[str, Callable | _Deferred] = {"reference": attn_ref.write_pages}
+_ROUTE: dict[str, Callable | _Deferred] = {
+    "reference": moe_ref.route, "mosaic_gpu": _Deferred("pallas_kernels.moe.moe_mgpu", "route")}
+_MOE_EXPERTS: dict[str, Callable | _Deferred] = {
+    "reference": moe_ref.moe_experts,
+    "mosaic_gpu": _Deferred("pallas_kernels.moe.moe_mgpu", "moe_experts")}
 
 
-def _pick(table: dict[str, Callable], name: str, what: str) -> Callable:
+def _pick(table: dict[str, Callable | _Deferred], name: str, what: str) -> Callable:
   try:
-    return table[name]
+    fn = table[name]
   except KeyError:
     raise ValueError(f"no {what} implementation named {name!r}; have {sorted(table)}") from None
+  if isinstance(fn, _Deferred):
+    fn = table[name] = fn.load()
+  return fn
 
 
 def register(path: str, name: str, fn: Callable) -> None:

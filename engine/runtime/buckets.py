@@ -56,9 +56,15 @@ def powers_of_two_upto(n: int) -> tuple[int, ...]:
 
 
 def max_rows(cfg: SchedulerConfig, width: int) -> int:
-  """Most rows a step can need at this width: every segment wastes less than one row."""
-  return min(cfg.max_num_batched_tokens, -(-cfg.max_num_batched_tokens // width)
-             + cfg.max_num_seqs)
+  """Most rows a step can need at this width. A step has at most max_num_seqs segments (one per
+  running request, or per span of a draft catch-up) of >= 1 token each and at most
+  max_num_batched_tokens in all; a segment of n tokens takes ceil(n / W) = 1 + (n - 1) // W
+  rows, so s segments take at most s + (T - s) // W rows, which grows with s (and is reached:
+  s - 1 single tokens and one long segment). The looser ceil(T / W) + S compiled a shape no
+  step can use whenever W >= T (e.g. [8 x 32] for 4 sequences and 32 tokens)."""
+  t = cfg.max_num_batched_tokens
+  s = min(cfg.max_num_seqs, t)
+  return s + (t - s) // width
 
 
 @dataclasses.dataclass(frozen=True)
