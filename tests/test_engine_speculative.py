@@ -24,14 +24,14 @@ def model():
 
 
 def roofline_of(eng):
-  return costs.roofline(eng.spec.costs.batch_sizes, eng.spec.choices,
+  return costs.roofline(eng.spec.costs.batch_sizes, eng.spec.widths,
                         eng.spec._roofline_drafter_costs())
 
 
 def table_of(eng, step):
   """A cost table whose T(B, k) is step(B, k) at every bucket."""
   t = roofline_of(eng)
-  t.step = np.asarray([[step(b, k) for k in t.choices] for b in t.batch_sizes], np.float32)
+  t.step = np.asarray([[step(b, k) for k in t.widths] for b in t.batch_sizes], np.float32)
   return t
 
 

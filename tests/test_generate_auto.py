@@ -100,6 +100,6 @@ def test_auto_keeps_the_learned_table_in_the_callers_memory(model, want, draft):
     (eng,) = batch._ENGINES.values()
     counts.append(eng.spec.costs)
   assert counts[0] is counts[1] and counts[0].measured  # timed once, for the kept engine
-  assert counts[0].step.shape == (len(counts[0].batch_sizes), len(counts[0].choices))
+  assert counts[0].step.shape == (len(counts[0].batch_sizes), len(counts[0].widths))
   # Without a draft model "auto" leaves the draft drafter out.
   assert SpeculativeConfig("auto").drafters(model.config) == ("ngram", "learned", "mtp")

@@ -56,7 +56,7 @@ def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(monkeyp
   eng.warmup()
   for b in eng.buckets.decode:
     assert {(b, False), (b, True)} <= plain_runs
-    for i in range(len(eng.spec.choices)):
+    for i in range(len(eng.spec.widths)):
       assert (b, i, False, frozenset({"off"})) in runs
       assert (b, i, True, frozenset({"mtp"})) in runs
   jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, eng.cache))
