@@ -1,27 +1,25 @@
-"""Adaptive draft length: acceptance estimates per draft position, and the block width they buy.
+"""Acceptance estimates per draft position, and whether an iteration drafts.
 
 Acceptance is measured per draft position: c_j = P(draft j accepted | drafts 1 .. j-1 were),
-so a step drafting k tokens emits E[tau](k) = 1 + sum_{j <= k} g_j tokens per row, with
-g_j = c_1 ... c_j the chance that the first j drafts are all accepted (`gains`). (A single
-acceptance rate a for every position, g_j = a^j, overrates deep positions when acceptance falls
-with depth, e.g. a prompt-lookup match that runs out, and underrates them in a long copy.)
+so a row drafting k tokens emits E[tau](k) = 1 + sum_{j <= k} g_j tokens, with g_j = c_1 ...
+c_j the chance that the first j drafts are all accepted (`gains`). (One rate a for every
+position, g_j = a^j, overrates deep positions when acceptance falls with depth, e.g. a
+prompt-lookup match that runs out, and underrates them in a long copy.)
 
-The estimates come from the loop's own recent steps as decayed (accepted, ended) counts per
-position (`position_evidence`, `decay_add`): a chain that matched m drafts and then ended
-(a rejection, or no proposal) counts as accepted at positions 1 .. m and ended at m + 1;
-positions past a chain's horizon learn nothing (censored). Counts decay only where new
-evidence arrives, so what was learned about deep positions survives iterations that draft
-nothing. Each position's estimate has a weak prior: the estimate one position shallower
-(`conditional_acceptance`), so where deep evidence is missing the model is the geometric
-one, and a drafter that stopped paying is retried once its evidence has decayed.
+The estimates are decayed (accepted, ended) counts per position from the loop's own recent
+iterations (`position_evidence`, `decay_add`): a chain that matched m drafts and then ended
+(a rejection, or no proposal) counts as accepted at 1 .. m and ended at m + 1; positions past
+a chain's horizon learn nothing (censored). Counts decay only where evidence arrives, so what
+was learned about deep positions survives iterations that draft nothing. Each position's
+prior is the estimate one position shallower (`conditional_acceptance`): without deep evidence
+the model is the geometric one, and a drafter that stopped paying is retried once its
+evidence has decayed.
 
-Each loop iteration (`plan`) either verifies one block of width K + 1, every drafting row
-verifying min(K, its room) drafts, or runs plain (width 1), whichever expects more tokens per
-unit of time: sum_b E_b[tau](min(K, room_b)) / (T(B, K) + K c) against the live rows over
-T(B, 0), T from the cost table (`costs.py`); an "auto" row first takes its drafter
-(`row_drafters`). No width between 1 and K + 1 is compiled: where the block's cost grows with
-its width (the CPU) it grows slowly enough that the widest block of a row that drafts at all
-is within a few percent of the best (BENCHMARKS.md, "one masked verify width").
+Each loop iteration (`plan`) verifies one block of K + 1 positions, every drafting row
+verifying min(K, its room) drafts, or runs plain (one position), whichever expects more tokens
+per unit of time by the cost table (`costs.py`); an "auto" row first takes its drafter
+(`row_drafters`). No width in between is compiled (the program is half as large); what that
+gives up where T grows with k: BENCHMARKS.md, "one masked verify width".
 """
 
 from __future__ import annotations
