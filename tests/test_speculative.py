@@ -220,7 +220,10 @@ def test_generate_tokens_keeps_plain_output_and_reproduces_samples(model):
 
 def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   """Drafters with their own q (draft model, MTP) through the whole loop: 2048 seeded samples
-  of a 16-token-vocabulary target, per output position, against 2048 plain samples."""
+  of a 16-token-vocabulary target, per output position, against 2048 plain samples (one engine
+  with both drafters: one compiled loop)."""
+  from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.request import StopParams
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], vocab_size=16, num_nextn_predict_layers=1))
   params = init_params(cfg, seed=2, scale=1.0)
   dcfg = config_from_dict(dict(CONFIGS["llama"], vocab_size=16))
@@ -228,18 +231,22 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   prompts = [[1, 5, 6]] * n
   plain = generate_tokens(params, cfg, prompts, max_new_tokens=4, sampling=[
       SamplingParams(temperature=1.0, seed=i) for i in range(n)])
-  for spec in [SpeculativeConfig("draft", 2, dcfg, init_params(dcfg, seed=3),
-                                 measure_costs=False),
-               SpeculativeConfig("mtp", 2, measure_costs=False)]:
-    got = generate_tokens(params, cfg, prompts, max_new_tokens=4, speculative=spec, sampling=[
-        SamplingParams(temperature=1.0, seed=n + i) for i in range(n)])
+  eng = Engine(cfg, params, EngineConfig(
+      page_size=16, max_num_seqs=n, max_model_len=16, num_pages=n + 1, drafters=("mtp", "draft"),
+      num_draft_tokens=2, measure_spec_costs=False), draft=(dcfg, init_params(dcfg, seed=3)))
+  for drafter in ("draft", "mtp"):
+    got = eng.generate(prompts, [SamplingParams(temperature=1.0, seed=n + i, drafter=drafter)
+                                 for i in range(n)], StopParams(max_tokens=4, ignore_eos=True),
+                       closed=True)
     # Positions 1 and 2 come from verification (accepted drafts or resampled tokens). Two
     # samples of 2048 differ by ~0.05 in TV each; an acceptance rule 3x too lenient gives ~0.11.
-    tv = [_tv(np.asarray([c.token_ids[pos] for c in got]),
+    tv = [_tv(np.asarray([r.output_ids[pos] for r in got]),
               np.bincount([c.token_ids[pos] for c in plain], minlength=16) / n)
           for pos in (1, 2)]
-    assert sum(tv) < 0.16, (spec.method, tv)
-    assert 0.2 < sum(c.spec["accepted"] for c in got) / sum(c.spec["drafted"] for c in got) < 0.8
+    assert sum(tv) < 0.16, (drafter, tv)
+    use = [r.usage() for r in got]
+    assert 0.2 < sum(u.spec_accepted_tokens for u in use) / sum(
+        u.spec_draft_tokens for u in use) < 0.8, drafter
 
 
 def test_learned_drafter_carries_knowledge_across_calls(model, tmp_path):
