@@ -48,7 +48,7 @@ from engine.runtime.speculative.loop import (AUTO, DETERMINISTIC, DRAFTER_IDS, d
 # A batch its estimates keep plain speculates once every this many of its calls: the loop's
 # own evidence is what moves the estimates (an n-gram run that starts mid-request; a drafter
 # whose last requests accepted little). Costs at most 1/8 of a call's overhead at k = 0 on
-# fresh text (BENCHMARKS.md, "Speculative decoding, simplified").
+# fresh text (BENCHMARKS.md, "Speculative decoding, simplified"); other values not measured.
 EXPLORE_EVERY = 8
 
 
