@@ -213,7 +213,7 @@ def main(argv):
     # on the machine slows all alike), each over that step.
     widths = [int(x) for x in FLAGS.verify]
     tv = costs.time_rounds({w: step_program(cfg, params, b, FLAGS.context, impl, w)
-                            for w in [1] + widths}, FLAGS.iters)
+                            for w in [1] + widths}, FLAGS.iters) if widths else {}
     for width in widths:
       row[f"verify{width}_over_step"] = tv[width] / tv[1]
       row[f"verify{width}_over_floor"] = tv[width] / (
