@@ -42,6 +42,7 @@ from engine.model.config import ModelConfig, config_from_dict
 from engine.model.kernels import KernelChoice
 from engine.model.params import abstract_params, leaf_dtype, path_str
 from engine.model.transformer import compute_logits, forward
+from engine.runtime.speculative import costs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -55,6 +56,7 @@ flags.DEFINE_list("ablate", None, "Batch sizes to break down by ablation (defaul
 flags.DEFINE_list("verify", [], "Speculative verify widths T (positions per row, K + 1) to "
                   "time like the step, e.g. 2,3,5,9: what verifying K drafts costs in decode "
                   "steps (1.0: free; more distinct experts are read as T grows).")
+flags.DEFINE_string("dtype", None, "Parameter dtype of the demo model (default: its own).")
 flags.DEFINE_string("out", "", "Write JSON here.")
 
 DSV2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -91,7 +93,7 @@ def random_params_on_device(cfg: ModelConfig, dtype, seed: int = 0):
 def load_model(name: str):
   if name == "demo":
     import engine
-    m = engine.load(os.path.join(ROOT, "checkpoints", "demo", "target"))
+    m = engine.load(os.path.join(ROOT, "checkpoints", "demo", "target"), dtype=FLAGS.dtype)
     return m.config, m.params
   cfg = config_from_dict(DSV2_LITE if name == "dsv2_lite" else TINY)
   return cfg, random_params_on_device(cfg, jnp.bfloat16)
@@ -117,6 +119,11 @@ def step_time(cfg, params, batch: int, context: int, impl: KernelChoice, iters: 
               t: int = 1) -> float:
   """Device seconds of one decode step (t = 1) for `batch` rows with `context` cached tokens,
   or of a speculative verify forward over t positions per row (logits at every position)."""
+  return _median_time(step_program(cfg, params, batch, context, impl, t), iters)
+
+
+def step_program(cfg, params, batch: int, context: int, impl: KernelChoice, t: int = 1):
+  """`step_time`'s program, as a function of no arguments."""
   page = 64
   table = jnp.asarray(contiguous_page_table(batch, context + t, page))
   cache = init_cache(cfg, int(table.size), page, params["embed"].dtype)
@@ -129,7 +136,7 @@ def step_time(cfg, params, batch: int, context: int, impl: KernelChoice, iters: 
     hidden, _ = forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=impl)
     return jnp.argmax(compute_logits(params, hidden, cfg), axis=-1)
 
-  return _median_time(lambda: step(params, cache), iters)
+  return lambda: step(params, cache)
 
 
 def bytes_floor(cfg: ModelConfig, params, batch: int, context: int, t: int = 1) -> int:
@@ -202,10 +209,14 @@ def main(argv):
                moe_s=t["step"] - t.get("no_moe", nan), other_s=t.get("no_attention_no_moe", nan),
                floor_bytes=floor_bytes, floor_s=floor_bytes / bw,
                step_over_floor=t["step"] / (floor_bytes / bw))
-    for width in (int(x) for x in FLAGS.verify):
-      tv = step_time(cfg, params, b, FLAGS.context, impl, FLAGS.iters, t=width)
-      row[f"verify{width}_over_step"] = tv / t["step"]
-      row[f"verify{width}_over_floor"] = tv / (
+    # Widths timed in interleaved rounds with a width-1 step of their own (load from elsewhere
+    # on the machine slows all alike), each over that step.
+    widths = [int(x) for x in FLAGS.verify]
+    tv = costs.time_rounds({w: step_program(cfg, params, b, FLAGS.context, impl, w)
+                            for w in [1] + widths}, FLAGS.iters) if widths else {}
+    for width in widths:
+      row[f"verify{width}_over_step"] = tv[width] / tv[1]
+      row[f"verify{width}_over_floor"] = tv[width] / (
           bytes_floor(cfg, params, b, FLAGS.context, width) / bw)
     if FLAGS.host:
       row["engine_step_s"] = host_overhead(cfg, params, b, FLAGS.context, impl)

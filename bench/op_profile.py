@@ -2,7 +2,7 @@
 through the compiled HLO's stack frames.
 
     python -m bench.op_profile                          # serving loop, every drafter, k = 0
-    python -m bench.op_profile --force_k=3 --rows=learned --out=prof.json
+    python -m bench.op_profile --force_k=1 --rows=learned --out=prof.json
     python -m bench.op_profile --program=decode_loop    # the plain decode loop, same batch
 
 Serves a batch of the demo prompts on an `Engine` (demo model, every drafter the model
@@ -11,7 +11,8 @@ supports), captures the arguments of one full decode call of `--program`
 executed op is charged to the outermost frame in `engine/` or `pallas_kernels/` (`--depth=outer`,
 e.g. `moe_experts_all`, `compute_logits`) or its innermost (`--depth=inner`). Ops without a
 frame (copies, tuple plumbing) are "?". With the speculative loop, `--rows` sets every row's
-drafter and `--force_k` the block width (an index into the compiled choices; -1: adaptive).
+drafter and `--force_k` the block width (an index into the compiled widths (0, K): 1 is the
+block; -1: the loop's plan).
 
 Prints a table (op time, share, executions) and the call's wall time (best of 5, untraced);
 tracing adds per-op cost, so read the shares, not the absolute figures. The method behind the
@@ -48,8 +49,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("program", "speculative_decode_loop", ["speculative_decode_loop",
                                                          "decode_loop"], "Which call.")
-flags.DEFINE_integer("force_k", 0, "Speculative loop: index into the compiled k choices "
-                     "(-1: the goodput model chooses).")
+flags.DEFINE_integer("force_k", 0, "Speculative loop: index into the compiled widths (0: "
+                     "plain, 1: the K + 1 block; -1: the loop's plan chooses).")
 flags.DEFINE_enum("rows", "off", list(DRAFTER_IDS), "Speculative loop: every row's drafter.")
 flags.DEFINE_integer("batch", 4, "Requests.")
 flags.DEFINE_list("drafters", ["ngram", "learned", "mtp", "draft"], "The engine's drafters "

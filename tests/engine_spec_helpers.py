@@ -1,18 +1,26 @@
 """Shared set-up of the serving engine's speculative decoding tests: a small engine
-configuration, the model, prompts, and the plain greedy reference."""
+configuration, the model, prompts, and the plain reference."""
 
+import dataclasses
 import random
 
 import jax.numpy as jnp
+import numpy as np
 
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
-from engine.runtime.generate import generate_tokens
+from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative.loop import drafter_id
 from model_configs import CONFIGS
 
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
              max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32)
+# Every drafter, adaptive: most tests' engines have this configuration, so their programs are
+# compiled once per test module (an engine with the same configuration compiles nothing).
+EVERY = dict(SMALL, drafters=("ngram", "learned", "mtp", "draft"), num_draft_tokens=3,
+             adaptive_k=True, learned_table_slots=4096, measure_spec_costs=False)
 
 
 def spec_model():
@@ -21,16 +29,46 @@ def spec_model():
   return cfg, init_params(cfg, seed=11, scale=2.0)
 
 
+def every_drafter_engine(model, draft=None, step=None, **config):
+  """An engine of the `EVERY` configuration; `draft`: the draft model's parameters (default:
+  the target's own, so every greedy draft is right); `step(b, k)`: the cost table's T(B, k)
+  (default: the roofline, where drafting is nearly free); `config`: more EngineConfig fields
+  that change no program (`speculative`). The model drafters are priced per drafted column
+  as in a deep model (`model_drafter_prices`)."""
+  cfg, params = model
+  eng = Engine(cfg, params, EngineConfig(**EVERY, **config),
+               draft=(cfg, params if draft is None else draft))
+  if step is not None:
+    t = eng.spec.costs
+    t.step = np.asarray([[step(b, k) for k in t.widths] for b in t.batch_sizes], np.float32)
+  model_drafter_prices(eng)
+  return eng
+
+
+def model_drafter_prices(eng):
+  """The draft model priced as one a tenth of the target's size, the MTP layer as one of 20
+  decoder layers: the roofline prices them by this 2-layer target (a draft model as large,
+  an MTP layer half of it), at which drafting with them never pays."""
+  eng.spec.costs.drafter[:, drafter_id("draft")] = 0.1
+  eng.spec.costs.drafter[:, drafter_id("mtp")] = 0.05
+
+
 def fresh_prompts(n, seed=0, lo=6, hi=30):
   rng = random.Random(seed)
   return [[1] + [rng.randrange(3, 320) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def plain(model, ps, n, sampling=SamplingParams()):
-  """Non-speculative greedy (or seeded sampled) output of `ps`, n tokens each."""
-  cfg, params = model
-  return [c.token_ids for c in generate_tokens(params, cfg, ps, max_new_tokens=n,
-                                               sampling=sampling)]
+def plain(model, ps, stop, sampling=SamplingParams()):
+  """Each prompt's output (ids) by plain decoding (drafter "off") on a fresh engine of the
+  `EVERY` configuration: greedy, or the seeded samples. `stop`, `sampling`: one or per
+  prompt."""
+  samp = [sampling] * len(ps) if isinstance(sampling, SamplingParams) else sampling
+  if isinstance(stop, int):
+    stop = StopParams(max_tokens=stop)
+  eng = every_drafter_engine(model)
+  got = eng.generate(ps, [dataclasses.replace(s, drafter="off") for s in samp], stop)
+  assert all(r.spec is None for r in got)
+  return [r.output_ids for r in got]
 
 
 def assert_pool_full(e):

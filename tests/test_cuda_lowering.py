@@ -103,6 +103,6 @@ def test_engine_program_lowers_for_cuda(captured, name, kernels):
   else:
     assert mosaic >= 1, "no Mosaic GPU kernel in the lowered program"
     if name == "speculative_decode_loop":  # a verify forward per compiled width, and drafters
-      assert len(kwargs["choices"]) > 1 and mosaic > 2 * len(kwargs["choices"]), mosaic
+      assert len(kwargs["widths"]) > 1 and mosaic > 2 * len(kwargs["widths"]), mosaic
   # Nothing that exists only on the host (callbacks, LAPACK) in a program the GPU runs.
   assert not {t for t in targets if "callback" in t or t.startswith("lapack")}, targets

@@ -23,7 +23,9 @@ def model():
 
 
 PROMPTS = [[1] + [5, 9, 13, 17, 21, 25] * 4, [1, 9, 10, 11, 12, 13, 14, 15, 16], [1, 40]]
-NEW = [20, 12, 16]
+# At most 17 tokens: every row ends in the first decode call (a closed batch gets 16 plain
+# iterations' time), so the speculative loop compiles at one batch size.
+NEW = [16, 12, 17]
 
 
 @pytest.fixture(scope="module")
@@ -85,21 +87,21 @@ def test_the_engine_is_kept_between_calls(model, want, monkeypatch):
 
 
 def test_auto_keeps_the_learned_table_in_the_callers_memory(model, want, draft):
-  memory = NgramMemory()  # the engine's default size: the first test's programs are reused
+  memory = NgramMemory()  # (the engine's default size)
   before = memory.table
   spec = SpeculativeConfig("auto", 3, model.config, draft, memory=memory)
   # engine.generate times the cost table when it builds the engine (on this CPU drafting
-  # may well not pay: the table learns from plain calls too).
+  # may well not pay: the table learns from plain calls too). One prompt: one batch size.
   counts = []
   for _ in range(2):  # the second call starts from the table the first one left
-    got = engine.generate(model, PROMPTS, max_new_tokens=NEW, ignore_eos=True,
+    got = engine.generate(model, PROMPTS[:1], max_new_tokens=NEW[:1], ignore_eos=True,
                           speculative=spec)
-    assert [r.token_ids for r in got] == want
+    assert [r.token_ids for r in got] == want[:1]
     assert memory.table is not before and int(jnp.sum(memory.table.used)) > 0
     before = memory.table
     (eng,) = batch._ENGINES.values()
     counts.append(eng.spec.costs)
   assert counts[0] is counts[1] and counts[0].measured  # timed once, for the kept engine
-  assert counts[0].step.shape == (len(counts[0].batch_sizes), len(counts[0].choices))
+  assert counts[0].step.shape == (len(counts[0].batch_sizes), len(counts[0].widths))
   # Without a draft model "auto" leaves the draft drafter out.
   assert SpeculativeConfig("auto").drafters(model.config) == ("ngram", "learned", "mtp")

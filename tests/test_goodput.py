@@ -1,7 +1,6 @@
 """The adaptive draft length (`speculative.goodput`: acceptance estimates per draft position,
 the block width and drafter they choose) and the cost table (`speculative.costs`)."""
 
-import itertools
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,24 +9,24 @@ import pytest
 from engine.runtime.speculative import costs, goodput
 
 
-def test_block_width_choice():
-  choices = goodput.k_choices(4)
-  assert choices == (0, 1, 2, 4) and goodput.k_choices(3, allow_zero=False) == (1, 2, 3)
+def test_plan_drafts_where_the_block_pays():
   geometric = lambda a: goodput.gains(jnp.full((4,), a, jnp.float32))
   one = jnp.ones((1,), bool)
 
-  def pick(gain, step):
-    index, _, _ = goodput.plan(gain[None], one, one, jnp.asarray([4]), choices,
-                               jnp.asarray([step(k) for k in choices], jnp.float32),
-                               jnp.float32(0.0))
-    return choices[int(index)]
+  def block(gain, t0, tk, room=4, column=0.0):
+    drafts, k_rows, _ = goodput.plan(gain[None], one, one, jnp.asarray([room]), 4,
+                                     jnp.asarray([t0, tk], jnp.float32), jnp.float32(column))
+    return bool(drafts), int(k_rows[0])
 
-  assert pick(geometric(0.9), lambda k: 1 + 0.05 * k) == 4  # cheap, accurate: the widest
-  assert pick(geometric(0.05), lambda k: 1 + 0.2 * k) == 0  # costly, useless: plain
-  assert pick(geometric(0.7), lambda k: 1 + 0.5 * k) < pick(geometric(0.7), lambda k: 1.0)
-  # The same first-position rate, but chains that end at the second draft: one draft is best.
-  assert pick(goodput.gains(jnp.asarray([0.9, 0.05, 0.05, 0.05])), lambda k: 1 + 0.1 * k) == 1
-  np.testing.assert_allclose(goodput.expected_tokens(geometric(0.5), 2), 1.75, rtol=1e-6)
+  assert block(geometric(0.9), 1.0, 1.2) == (True, 4)  # cheap, accurate: the block
+  assert block(geometric(0.05), 1.0, 1.8) == (False, 0)  # costly, useless: plain
+  # E[tau](4) at 0.5 is 1.9375: the block pays below that cost and not above it.
+  np.testing.assert_allclose(goodput.expected_tokens(geometric(0.5), 4), 1.9375, rtol=1e-6)
+  assert block(geometric(0.5), 1.0, 1.9)[0] and not block(geometric(0.5), 1.0, 2.0)[0]
+  assert block(geometric(0.5), 1.1, 2.0)[0]  # plain iterations of this loop cost more too
+  assert block(geometric(0.9), 1.0, 1.2, room=2) == (True, 2)  # a row near its end
+  assert not block(geometric(0.9), 1.0, 1.2, room=0)[0]  # nothing left to draft
+  assert not block(geometric(0.9), 1.0, 1.2, column=1.0)[0]  # a dear model drafter
 
 
 def test_acceptance_is_estimated_per_draft_position():
@@ -53,7 +52,7 @@ def test_acceptance_is_estimated_per_draft_position():
   # is the shallower position's estimate (so positions 3 and 4, never reached, follow 2).
   c1 = 5.5 / 6
   np.testing.assert_allclose(c, [c1, c1 / 6, c1 / 6, c1 / 6], rtol=1e-3)
-  g = np.asarray(goodput.drafter_gains(counts))
+  g = np.asarray(goodput.gains(jnp.asarray(c)))
   np.testing.assert_allclose(g, np.cumprod(c), rtol=1e-5)
   # Evidence at the first position only (k = 0 lookahead, horizon 1): deep positions keep what
   # they learned (their counts do not decay), and with no deep evidence at all they follow c_1.
@@ -71,44 +70,44 @@ def test_acceptance_is_estimated_per_draft_position():
   d_counts = jnp.stack([jnp.zeros((j, 2)), counts])  # drafter 0: nothing known, 1: as above
   rows = jnp.zeros((2, 2, j, 2)).at[1, 1, 0].set([20.0, 0.0])
   g_rows = np.asarray(goodput.row_gains(rows, d_counts))
-  np.testing.assert_allclose(g_rows[0], goodput.drafter_gains(d_counts), rtol=1e-5)
+  np.testing.assert_allclose(g_rows[0], goodput.gains(goodput.conditional_acceptance(
+      d_counts, goodput.PRIOR_ACCEPT, goodput.PRIOR_WEIGHT)), rtol=1e-5)
   row_c1 = (20 + goodput.ROW_PRIOR_WEIGHT * c1) / (20 + goodput.ROW_PRIOR_WEIGHT)
   np.testing.assert_allclose(g_rows[1, 1, :2], [row_c1, row_c1 * row_c1 / 6], rtol=3e-3)
 
 
-def test_plan_reaches_the_best_rate_an_exhaustive_search_finds():
-  """`goodput.plan` takes the width with the most expected tokens per unit of time, every
-  drafting row drafting min(width, room); host (numpy) and device give the same plan."""
-  choices = (0, 1, 2, 4)
+def test_plan_takes_the_better_rate_on_host_and_device_alike():
+  """`goodput.plan` takes plain decoding or the block of k drafts, whichever emits more
+  expected tokens per unit of time, every drafting row drafting min(k, room); host (numpy) and
+  device give the same plan."""
+  k = 4
   rng = np.random.default_rng(4)
+  drafted = set()
   for case in range(40):
     b = 3
-    c = rng.uniform(0.0, 0.98, (b, 4)) if case % 2 else np.repeat(rng.uniform(0, 0.98, (b, 1)),
-                                                                    4, axis=1)
+    c = rng.uniform(0.0, 0.98, (b, k)) if case % 2 else np.repeat(rng.uniform(0, 0.98, (b, 1)),
+                                                                    k, axis=1)
     gain = np.cumprod(c, axis=1).astype(np.float32)
     live = np.asarray([True, True, case % 3 > 0])
     drafting = live & np.asarray([True, case % 2 == 0, True])
     room = rng.integers(0, 5, b).astype(np.int32)
-    step = np.sort(1.0 + rng.uniform(0.0, 0.6, 4)).astype(np.float32)
-    step[0] = 1.0 + [0.0, 0.2][case % 2]
+    step = np.asarray([1.0 + [0.0, 0.2][case % 2], 1.0 + rng.uniform(0.0, 1.5)], np.float32)
     column = np.float32(rng.uniform(0.0, 0.2))
-    index, k_rows, at = goodput.plan(jnp.asarray(gain), jnp.asarray(drafting), jnp.asarray(live),
-                                     jnp.asarray(room), choices, jnp.asarray(step),
+    block, k_rows, at = goodput.plan(jnp.asarray(gain), jnp.asarray(drafting),
+                                     jnp.asarray(live), jnp.asarray(room), k, jnp.asarray(step),
                                      jnp.float32(column))
-    host = goodput.plan(gain, drafting, live, room, choices, step, column, xp=np)
-    assert int(host[0]) == int(index) and list(host[1]) == list(np.asarray(k_rows))
+    host = goodput.plan(gain, drafting, live, room, k, step, column, xp=np)
+    assert bool(host[0]) == bool(block) and list(host[1]) == list(np.asarray(k_rows))
     assert float(host[2]) == pytest.approx(float(at), rel=1e-5)
-
-    def rate(ci):
-      k = choices[ci]
-      tokens = live.sum() + sum(gain[i, :min(k, room[i])].sum() for i in range(b) if drafting[i])
-      return tokens / (step[ci] + k * column)
-
-    best = max(rate(ci) for ci in range(len(choices)))
-    assert rate(int(index)) == pytest.approx(best, rel=1e-5), case
-    k = choices[int(index)]
-    assert list(np.asarray(k_rows)) == [min(k, room[i]) if drafting[i] else 0 for i in range(b)]
-    assert float(at) == pytest.approx(step[int(index)] + k * column, rel=1e-6)
+    rows = [min(k, room[i]) if drafting[i] else 0 for i in range(b)]
+    tokens = live.sum() + sum(gain[i, :rows[i]].sum() for i in range(b))
+    block_rate, plain_rate = tokens / (step[1] + k * column), live.sum() / step[0]
+    assert bool(block) == (block_rate > plain_rate * (1 + 1e-6)) or abs(
+        block_rate - plain_rate) < 1e-5 * plain_rate, case
+    assert list(np.asarray(k_rows)) == (rows if block else [0] * b)
+    assert float(at) == pytest.approx(step[1] + k * column if block else step[0], rel=1e-6)
+    drafted.add(bool(block))
+  assert drafted == {True, False}  # both outcomes exercised
 
 
 def test_row_drafters_pick_the_best_allowed_drafter_on_host_and_device_alike():
@@ -148,11 +147,11 @@ def test_row_drafters_pick_the_best_allowed_drafter_on_host_and_device_alike():
 
 
 def test_cost_table_roofline_break_even_and_measurement():
-  choices = (0, 1, 2, 4)
-  t = costs.roofline((1, 8, 64, 256), choices, [0.0, 0.0, 0.0, 0.1, 0.2])
+  widths = (0, 4)
+  t = costs.roofline((1, 8, 64, 256), widths, [0.0, 0.0, 0.0, 0.1, 0.2])
   # Memory-bound until B (k + 1) reaches the ridge: a block costs a step at small batches.
-  assert t.step[0].tolist() == [1.0] * 4
-  assert t.step[3, 0] == 1.0 and t.step[3, 3] == pytest.approx(256 * 5 / costs.RIDGE_TOKENS / (
+  assert t.step[0].tolist() == [1.0] * 2
+  assert t.step[3, 0] == 1.0 and t.step[3, 1] == pytest.approx(256 * 5 / costs.RIDGE_TOKENS / (
       256 / costs.RIDGE_TOKENS))
   assert t.break_even == 256  # (k + 1) / T(256, k) = 1 at every k: no gain left
   assert t.index(3) == 1 and t.index(1000) == 3 and np.allclose(t.costs(3)[-2:], [0.1, 0.2])
@@ -162,18 +161,18 @@ def test_cost_table_roofline_break_even_and_measurement():
   assert t.min_call_tokens == 4
   # `measure` on programs of known time: a call of n iterations costs a + n t.
   plain_t = {1: 1.0, 2: 1.5}
-  spec_t = {0: 1.2, 1: 1.5, 2: 1.9, 4: 2.8}
+  spec_t = {0: 1.2, 4: 2.8}
 
   def plain(b, n):  # (a program returning its own duration; the timer below reads it)
     return 0.5 + n * plain_t[b]
 
-  def speculative(b, n, c, d):
-    extra = 0.4 * choices[c] * plain_t[b] if d == "mtp" else 0.0
-    return 0.9 + n * (spec_t[choices[c]] * plain_t[b] + extra)
+  def speculative(b, n, w, d):
+    extra = 0.4 * widths[w] * plain_t[b] if d == "mtp" else 0.0
+    return 0.9 + n * (spec_t[widths[w]] * plain_t[b] + extra)
 
-  measured = costs.measure((1, 2), choices, ["mtp"], [3], 5, 8, plain, speculative, rounds=3,
+  measured = costs.measure((1, 2), widths, ["mtp"], [3], 5, 8, plain, speculative, rounds=3,
                            timed=lambda programs, rounds: {k: f() for k, f in programs.items()})
-  np.testing.assert_allclose(measured.step, [[spec_t[k] for k in choices]] * 2, rtol=1e-6)
+  np.testing.assert_allclose(measured.step, [[spec_t[k] for k in widths]] * 2, rtol=1e-6)
   np.testing.assert_allclose(measured.drafter[:, 3], [0.4, 0.4], rtol=1e-6)
   assert measured.call == pytest.approx(np.median([0.4 / 1.0, 0.4 / 1.5]), rel=1e-6)
   assert measured.measured and measured.break_even is None

@@ -39,8 +39,9 @@ class SpeculativeConfig:
   `memory`, a `learned.NgramMemory` updated in place; else the kept engine's own table), "mtp"
   (the checkpoint's MTP layer), "draft" (a small model with the same tokenizer: `draft_cfg`,
   `draft_params`) or "auto" (every drafter the model supports, chosen per row as it goes,
-  adaptive draft length). num_draft_tokens: K >= 1. adaptive: choose the block width (<= K)
-  every iteration from the acceptance estimates and the cost table (always on for "auto").
+  adaptive). num_draft_tokens: K >= 1. adaptive: choose every iteration whether to draft (up to
+  K per row) or decode plainly, from the acceptance estimates and the cost table (always on
+  for "auto").
   measure_costs: time the cost table on this machine when the engine is built (else the
   roofline, `speculative.costs`)."""
   method: str

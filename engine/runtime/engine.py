@@ -66,7 +66,7 @@ class EngineConfig:
   # Speculative decoding (`speculative/runtime.py`): the drafter of requests that choose none
   # (None: off, "ngram", "learned", "mtp", "draft" (`Engine(draft=...)`), "auto"), `drafters`
   # more that they may choose; up to `num_draft_tokens` per iteration, or with `adaptive_k`
-  # sized every iteration by the goodput model (costs measured at warmup). A loop then gets
+  # that or none, every iteration, by the goodput model (costs measured at warmup). A loop gets
   # a budget of at least num_draft_tokens + 1 tokens (max_decode_steps must allow it).
   speculative: str | None = None
   drafters: tuple[str, ...] = ()
@@ -550,7 +550,7 @@ class Engine:
 
   def warmup(self, progress: Callable[[int, int, str], None] | bool = True) -> int:
     """Compiles every bucket (mixed shapes, then decode-loop batch sizes, plain and, with
-    drafters, speculative); with `adaptive_k`, measures the cost model (`SpecRuntime`).
+    drafters, speculative); with drafters, measures the cost table (`measure_spec_costs`).
     Returns the number of programs. `progress(done, total, what)` is called after each
     (True: a line per program on stderr; False: quiet)."""
     if progress is True:

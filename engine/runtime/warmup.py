@@ -144,13 +144,13 @@ def _compile_ahead(eng: Any, shapes: list[tuple[str, int, int]], stop_width: int
 def _spec_branches(eng: Any, tokens: np.ndarray, past: np.ndarray, table: np.ndarray,
                    samp: Any, stop_ids: np.ndarray) -> None:
   """The speculative loop for len(tokens) rows, one iteration at each compiled block width
-  (writes past the page table, dropped): with logprobs and rows drafting with each model
-  drafter in turn, and with neither. The first run of a branch (`lax.switch`, `lax.cond`)
-  costs ~30-50 ms more than later runs on the CPU demo (XLA:CPU). Rows of junk teach the
-  table and counters nothing (`SpecRuntime.decode` with no requests)."""
+  (plain and K + 1; writes past the page table, dropped): with logprobs and rows drafting with
+  each model drafter in turn, and with neither. The first run of a branch (`lax.cond`) costs
+  ~30-50 ms more than later runs on the CPU demo (XLA:CPU). Rows of junk teach the table and
+  counters nothing (`SpecRuntime.decode` with no requests)."""
   passes = [((d,), True) for d in eng.spec.enabled if d not in DETERMINISTIC] or [((), True)]
   passes.append(((), False))  # (rows, logprobs)
-  for i in range(len(eng.spec.choices)):
+  for i in range(len(eng.spec.widths)):
     for rows, logprobs in passes:
       *_, eng.cache = eng.spec.decode(
           eng.params, eng.cache, [], tokens, past, table, samp, stop_ids, np.ones_like(tokens),

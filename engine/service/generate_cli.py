@@ -63,8 +63,8 @@ flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft", "learne
                   "across requests (--learned_table), or auto: all of those the model has, "
                   "chosen as it goes by the serving engine, with adaptive draft length.")
 flags.DEFINE_integer("num_draft_tokens", 4, "Tokens drafted per step.", lower_bound=1)
-flags.DEFINE_bool("adaptive_k", False, "Choose the draft length (<= --num_draft_tokens) every "
-                  "step from a goodput model.")
+flags.DEFINE_bool("adaptive_k", False, "Choose every step whether to draft (up to "
+                  "--num_draft_tokens per row) or decode plainly, from a goodput model.")
 flags.DEFINE_string("learned_table", None, "With --speculative=learned or auto: .npz table "
                     "loaded when it exists and saved after generating.")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory for --speculative=draft "

@@ -64,8 +64,9 @@ flags.DEFINE_enum("speculative", "off", ["off", "auto", "ngram", "learned", "mtp
 flags.DEFINE_list("drafters", [], "More drafters requests may choose (SpeculativeOptions).")
 flags.DEFINE_integer("num_draft_tokens", 4, "Draft tokens per step with --speculative.",
                      lower_bound=1)
-flags.DEFINE_bool("adaptive_k", False, "Choose the draft length every step from measured "
-                  "acceptance and costs measured at warm-up (k = 0 where drafting does not pay).")
+flags.DEFINE_bool("adaptive_k", False, "Choose every step whether to draft (up to "
+                  "--num_draft_tokens per row) or decode plainly, from measured acceptance and "
+                  "costs measured at warm-up.")
 flags.DEFINE_bool("measure_spec_costs", True, "Time the speculative cost table at warm-up "
                   "(else the roofline: a decode step reads the weights once).")
 flags.DEFINE_bool("structured_warmup", False, "Warm-up also compiles the masked step of "

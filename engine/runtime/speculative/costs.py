@@ -1,5 +1,6 @@
 """The cost table T[B, k]: one speculative-loop iteration's time at each decode batch bucket B
-and block width k, in plain decode-loop iterations of the same B (`CostTable`).
+and compiled block width k (0 and K, or K alone), in plain decode-loop iterations of the same B
+(`CostTable`).
 
 Everything the speculative policy weighs against acceptance comes from here:
 * `step[B, k]`: the loop's iteration at block width k (rows not drafting: the target's verify
@@ -32,8 +33,8 @@ RIDGE_TOKENS = 184
 @dataclasses.dataclass
 class CostTable:
   batch_sizes: tuple[int, ...]  # the engine's decode buckets, ascending
-  choices: tuple[int, ...]  # the loop's compiled block widths
-  step: np.ndarray  # [len(batch_sizes), len(choices)] float32
+  widths: tuple[int, ...]  # the loop's compiled block widths: (0, K) or (K,)
+  step: np.ndarray  # [len(batch_sizes), len(widths)] float32
   drafter: np.ndarray  # [len(batch_sizes), D] float32, per drafted column (0: deterministic)
   call: float = 0.0  # a speculative call's fixed cost beyond a plain call's
   measured: bool = False
@@ -43,20 +44,19 @@ class CostTable:
     return min(int(np.searchsorted(self.batch_sizes, b)), len(self.batch_sizes) - 1)
 
   def costs(self, b: int) -> np.ndarray:
-    """[C + D] the loop's `costs` input for a call of b rows: step costs, then drafter costs."""
+    """The loop's `costs` input for a call of b rows: step costs per width, then drafter costs."""
     i = self.index(b)
     return np.concatenate([self.step[i], self.drafter[i]]).astype(np.float32)
 
   def pays_at_full_acceptance(self, b: int, drafter_cost: float = 0.0) -> bool:
-    """Whether some block width beats plain decoding at b rows if every draft is accepted:
-    (k + 1) / (T[B, k] + k c) > 1 (c: a model drafter's column cost)."""
-    i = self.index(b)
-    return any(k + 1 > self.step[i, j] + k * drafter_cost
-               for j, k in enumerate(self.choices) if k > 0)
+    """Whether the block beats plain decoding at b rows if every draft is accepted:
+    (K + 1) / (T[B, K] + K c) > 1 (c: a model drafter's column cost)."""
+    k = self.widths[-1]
+    return k + 1 > self.step[self.index(b), -1] + k * drafter_cost
 
   @property
   def break_even(self) -> int | None:
-    """The smallest bucket at which no block width beats plain decoding even at full
+    """The smallest bucket at which the block cannot beat plain decoding even at full
     acceptance (None: speculation can pay at every bucket)."""
     return next((b for b in self.batch_sizes if not self.pays_at_full_acceptance(b)), None)
 
@@ -71,19 +71,19 @@ class CostTable:
     out: dict[str, Any] = {"measured": self.measured, "call": round(self.call, 3),
                            "break_even": self.break_even}
     for i, b in enumerate(self.batch_sizes):
-      out[f"b{b}"] = {k: round(float(t), 3) for k, t in zip(self.choices, self.step[i])}
+      out[f"b{b}"] = {k: round(float(t), 3) for k, t in zip(self.widths, self.step[i])}
     return out
 
 
-def roofline(batch_sizes: Sequence[int], choices: Sequence[int], drafter_cost: Sequence[float]
+def roofline(batch_sizes: Sequence[int], widths: Sequence[int], drafter_cost: Sequence[float]
              ) -> CostTable:
   """The table by the roofline (see the module docstring); `drafter_cost` [D] per drafted
   column, the same at every batch size."""
   bs = np.asarray(batch_sizes, np.float64)[:, None]
-  ks = np.asarray(choices, np.float64)[None, :]
+  ks = np.asarray(widths, np.float64)[None, :]
   step = np.maximum(1.0, bs * (ks + 1) / RIDGE_TOKENS) / np.maximum(1.0, bs / RIDGE_TOKENS)
   drafter = np.broadcast_to(np.asarray(drafter_cost, np.float32), (len(bs), len(drafter_cost)))
-  return CostTable(tuple(batch_sizes), tuple(choices), step.astype(np.float32),
+  return CostTable(tuple(batch_sizes), tuple(widths), step.astype(np.float32),
                    np.array(drafter, np.float32))
 
 
@@ -101,7 +101,7 @@ def time_rounds(programs: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any
   return {key: statistics.median(ts) for key, ts in seen.items()}
 
 
-def measure(batch_sizes: Sequence[int], choices: Sequence[int], drafters: Sequence[str],
+def measure(batch_sizes: Sequence[int], widths: Sequence[int], drafters: Sequence[str],
             drafter_ids: Sequence[int], num_drafter_ids: int, iterations: int,
             plain: Callable[[int, int], Any], speculative: Callable[[int, int, int, str | None],
                                                                     Any],
@@ -109,37 +109,35 @@ def measure(batch_sizes: Sequence[int], choices: Sequence[int], drafters: Sequen
             ) -> CostTable:
   """Times the loops themselves and builds the table.
 
-  plain(b, n): one plain decode-loop call of b rows for n iterations; speculative(b, n, c, d):
-  one speculative-loop call of b rows for n iterations forced to choice index c, rows drafting
+  plain(b, n): one plain decode-loop call of b rows for n iterations; speculative(b, n, w, d):
+  one speculative-loop call of b rows for n iterations forced to width index w, rows drafting
   with model drafter d (None: not drafting). `drafters`: the enabled model drafters, with their
   `drafter_ids`. Each call's time is a + n t: the table takes t from calls of `iterations`
   and 1 iterations, so the per-call costs (dispatch, fetching outputs) fall into `call`.
   `timed(programs, rounds)`: seconds per program (`time_rounds`)."""
-  n, top = iterations, len(choices) - 1
+  n, top, k = iterations, len(widths) - 1, widths[-1]
   programs: dict[Any, Callable[[], Any]] = {}
   for b in batch_sizes:
     programs[("plain", b, n)] = lambda b=b: plain(b, n)
     programs[("plain", b, 1)] = lambda b=b: plain(b, 1)
-    for c in range(len(choices)):
-      programs[("spec", b, c, n)] = lambda b=b, c=c: speculative(b, n, c, None)
+    for w in range(len(widths)):
+      programs[("spec", b, w, n)] = lambda b=b, w=w: speculative(b, n, w, None)
     programs[("spec", b, 0, 1)] = lambda b=b: speculative(b, 1, 0, None)
     for d in drafters:
       programs[(d, b, n)] = lambda b=b, d=d: speculative(b, n, top, d)
   t = timed(programs, rounds)
-  step = np.zeros((len(batch_sizes), len(choices)), np.float32)
+  step = np.zeros((len(batch_sizes), len(widths)), np.float32)
   drafter = np.zeros((len(batch_sizes), num_drafter_ids), np.float32)
   calls = []
   for i, b in enumerate(batch_sizes):
     per_plain = max((t[("plain", b, n)] - t[("plain", b, 1)]) / (n - 1), 1e-9)
     fixed_spec = t[("spec", b, 0, 1)] - (t[("spec", b, 0, n)] - t[("spec", b, 0, 1)]) / (n - 1)
     fixed_plain = t[("plain", b, 1)] - per_plain
-    spec_per = [(t[("spec", b, c, n)] - fixed_spec) / n for c in range(len(choices))]
-    step[i] = np.maximum([s / per_plain for s in spec_per], 1e-3)
+    step[i] = np.maximum([(t[("spec", b, w, n)] - fixed_spec) / n / per_plain
+                          for w in range(len(widths))], 1e-3)
     calls.append((fixed_spec - fixed_plain) / per_plain)
-    width = choices[top]
     for d, j in zip(drafters, drafter_ids):
-      if width > 0:
-        extra = (t[(d, b, n)] - t[("spec", b, top, n)]) / n
-        drafter[i, j] = max(extra / (width * per_plain), 0.0)
-  return CostTable(tuple(batch_sizes), tuple(choices), step, drafter,
+      extra = (t[(d, b, n)] - t[("spec", b, top, n)]) / n
+      drafter[i, j] = max(extra / (k * per_plain), 0.0)
+  return CostTable(tuple(batch_sizes), tuple(widths), step, drafter,
                    call=max(float(np.median(calls)), 0.0), measured=True)

@@ -31,6 +31,8 @@ from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative.acceptance import draft_sample
 
+# Suffix lengths prompt lookup matches (the longest wins). Chosen, not measured (vLLM's n-gram
+# example sets prompt_lookup_max = 4).
 NGRAM_MIN, NGRAM_MAX = 2, 5
 
 

@@ -1,39 +1,40 @@
-"""Adaptive draft length: acceptance estimates per draft position, and the block width they buy.
+"""Acceptance estimates per draft position, and whether an iteration drafts.
 
 Acceptance is measured per draft position: c_j = P(draft j accepted | drafts 1 .. j-1 were),
-so a step drafting k tokens emits E[tau](k) = 1 + sum_{j <= k} g_j tokens per row, with
-g_j = c_1 ... c_j the chance that the first j drafts are all accepted (`gains`). (A single
-acceptance rate a for every position, g_j = a^j, overrates deep positions when acceptance falls
-with depth, e.g. a prompt-lookup match that runs out, and underrates them in a long copy.)
+so a row drafting k tokens emits E[tau](k) = 1 + sum_{j <= k} g_j tokens, with g_j = c_1 ...
+c_j the chance that the first j drafts are all accepted (`gains`). (One rate a for every
+position, g_j = a^j, overrates deep positions when acceptance falls with depth, e.g. a
+prompt-lookup match that runs out, and underrates them in a long copy.)
 
-The estimates come from the loop's own recent steps as decayed (accepted, ended) counts per
-position (`position_evidence`, `decay_add`): a chain that matched m drafts and then ended
-(a rejection, or no proposal) counts as accepted at positions 1 .. m and ended at m + 1;
-positions past a chain's horizon learn nothing (censored). Counts decay only where new
-evidence arrives, so what was learned about deep positions survives iterations that draft
-nothing. Each position's estimate has a weak prior: the estimate one position shallower
-(`conditional_acceptance`), so where deep evidence is missing the model is the geometric
-one, and a drafter that stopped paying is retried once its evidence has decayed.
+The estimates are decayed (accepted, ended) counts per position from the loop's own recent
+iterations (`position_evidence`, `decay_add`): a chain that matched m drafts and then ended
+(a rejection, or no proposal) counts as accepted at 1 .. m and ended at m + 1; positions past
+a chain's horizon learn nothing (censored). Counts decay only where evidence arrives, so what
+was learned about deep positions survives iterations that draft nothing. Each position's
+prior is the estimate one position shallower (`conditional_acceptance`): without deep evidence
+the model is the geometric one, and a drafter that stopped paying is retried once its
+evidence has decayed.
 
-Each loop iteration (`plan`) takes the block width k among the compiled choices with the most
-expected tokens per unit of time, (sum_b E_b[tau](min(k, room_b))) / T(B, k), T from the cost
-table (`costs.py`); an "auto" row first takes its drafter (`row_drafters`).
+Each loop iteration (`plan`) verifies one block of K + 1 positions, every drafting row
+verifying min(K, its room) drafts, or runs plain (one position), whichever expects more tokens
+per unit of time by the cost table (`costs.py`); an "auto" row first takes its drafter
+(`row_drafters`). No width in between is compiled (the program is half as large); what that
+gives up where T grows with k: BENCHMARKS.md, "one masked verify width".
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+# The estimates' prior (acceptance 0.5, worth one observation) and forgetting (counts decay by
+# 0.8 per update: ~5 observations of memory). Chosen, not tuned: with them the expected tokens
+# are within 1-15% of those emitted, and a prior worth 4 at depth changed nothing (BENCHMARKS.md,
+# "per-position acceptance, the model's calibration").
 PRIOR_ACCEPT, PRIOR_WEIGHT, DECAY = 0.5, 1.0, 0.8
-# Weight of a drafter's engine-wide estimate in a row's own estimate (in decayed observations).
+# Weight of a drafter's engine-wide estimate in a row's own estimate (in decayed observations):
+# a new request starts from it and is its own after a few iterations. Chosen, not measured.
 ROW_PRIOR_WEIGHT = 2.0
 _MAX_ACCEPT = 1.0 - 1e-6
-
-
-def k_choices(k_max: int, allow_zero: bool = True) -> tuple[int, ...]:
-  """Compiled draft lengths: 0 (when allowed), powers of two below k_max, and k_max."""
-  ks = {k_max} | {1 << i for i in range(k_max.bit_length()) if 1 << i < k_max}
-  return tuple(sorted(ks | ({0} if allow_zero else set())))
 
 
 def position_evidence(matched: jnp.ndarray, ended: jnp.ndarray, depth: int,
@@ -81,11 +82,6 @@ def gains(c: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
   return xp.cumprod(xp.clip(c, 0.0, _MAX_ACCEPT), axis=-1)
 
 
-def drafter_gains(counts: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
-  """[..., J] gains from engine-wide counts [..., J, 2] (prior PRIOR_ACCEPT)."""
-  return gains(conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT, xp=xp), xp=xp)
-
-
 def row_gains(row_counts: jnp.ndarray, counts: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
   """[B, D, J] each row's gains per drafter from its own decayed counts `row_counts`
   [B, D, J, 2], with the drafter's engine-wide estimate (`counts` [D, J, 2]) as a prior worth
@@ -127,26 +123,22 @@ def row_drafters(gain_rows: jnp.ndarray, step_cost: jnp.ndarray, drafter_cost: j
 
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
-         choices: tuple[int, ...], step_cost: jnp.ndarray, column_cost: jnp.ndarray, *,
-         xp=jnp) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-  """The iteration's block width (index into `choices`), each row's draft count, its time.
+         k: int, step_cost: jnp.ndarray, column_cost: jnp.ndarray, *, xp=jnp
+         ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+  """Whether an iteration verifies a block of k drafts, each row's draft count, its time.
 
-  gain [B, J >= max(choices)]: each row's gains for its drafter; drafting [B] bool: live rows
-  with a drafter (the others emit one token whatever the width); live [B] bool; room [B]: the
-  most drafts a row may verify; step_cost [C]: T(B, k) per choice; column_cost: the model
-  drafters' cost per column. Width k emits sum_b (1 + g_b1 + ... + g_b,min(k, room_b)) in
-  T(B, k) + k column_cost; the width with the most tokens per unit of time wins, and every
-  drafting row drafts min(k, room_b) (the block's cost does not depend on what fills it).
-  Returns (index, draft counts [B] int32, the iteration's time)."""
-  ks = xp.asarray(choices, xp.int32)
-  k_max = max(choices)
-  j = xp.arange(1, k_max + 1, dtype=xp.int32)
-  gain = xp.clip(gain[:, :k_max].astype(xp.float32), 0.0, _MAX_ACCEPT)
-  room = xp.where(drafting, room, 0)
-  rows = xp.minimum(ks[:, None], room[None, :])  # [C, B]
-  taken = j[None, None, :] <= rows[:, :, None]
-  tokens = xp.sum(live).astype(xp.float32) + xp.sum(xp.where(taken, gain[None], 0.0),
-                                                     axis=(1, 2))
-  cost = step_cost + ks.astype(xp.float32) * column_cost
-  index = xp.argmax(tokens / cost).astype(xp.int32)
-  return index, rows[index].astype(xp.int32), cost[index]
+  gain [B, J >= k]: each row's gains for its drafter; drafting [B] bool: live rows with a
+  drafter (the others emit one token either way); live [B] bool; room [B]: the most drafts a
+  row may verify; step_cost [2]: T(B, 0), T(B, k); column_cost: the model drafters' cost per
+  column. The block emits sum_b (1 + g_b1 + ... + g_b,min(k, room_b)) in T(B, k) +
+  k column_cost, every drafting row drafting min(k, room_b) (the block's cost does not depend
+  on what fills it); plain decoding emits one token per live row in T(B, 0). Returns (block:
+  bool, draft counts [B] int32, the iteration's time)."""
+  rows = xp.where(drafting, xp.minimum(room, k), 0).astype(xp.int32)
+  taken = xp.arange(1, k + 1, dtype=xp.int32)[None, :] <= rows[:, None]
+  gain = xp.clip(gain[:, :k].astype(xp.float32), 0.0, _MAX_ACCEPT)
+  n_live = xp.sum(live).astype(xp.float32)
+  tokens = n_live + xp.sum(xp.where(taken, gain, 0.0))
+  cost = step_cost[1] + k * column_cost
+  block = tokens / cost > n_live / step_cost[0]
+  return block, xp.where(block, rows, 0), xp.where(block, cost, step_cost[0])

@@ -1,8 +1,8 @@
 """`run_if`: a conditional whose large state (a KV cache) XLA updates in place.
 
 XLA copies a buffer that a `lax.cond` / `lax.switch` branch updates whenever that conditional
-sits inside another one (the decode loop's k-branches): the whole buffer, every time the outer
-branch runs. A while loop's state is aliased with its result, so a while loop of zero or one
+sits inside another one (the decode loop's plain / block branches): the whole buffer, every
+time the outer branch runs. A while loop's state is aliased with its result, so a while loop of zero or one
 trips updates its state in place at any nesting depth; but XLA also hoists loop-invariant work
 out of while loops (where it then runs with zero trips too), so the values the function closes
 over enter the loop through its state and a barrier with the trip counter. Checked on the

@@ -21,7 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ORDERS = (3, 2)  # context lengths, longest first
+# Context lengths, longest first. Not measured against others: two orders keep a lookup at two
+# gathers per draft, and a 3-gram context is specific enough for agent repetition (its
+# acceptance: BENCHMARKS.md, "speculative decoding at batch 1").
+ORDERS = (3, 2)
 _MULT = np.uint32(0x9E3779B1)
 
 

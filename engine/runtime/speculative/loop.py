@@ -3,8 +3,9 @@ serving engine's, which `generate_tokens` and `engine.generate` also run through
 
 Same contract as `steps.decode_loop` (B rows that only decode; a token budget `num_steps` for
 which the scheduler took pages up front; EOS/stop ids and per-row limits on the device), but
-every iteration drafts up to k tokens per row and verifies them with ONE target forward over
-k + 1 positions (`verify_block`). A row never writes past `n_cached + limit - 1`.
+an iteration may draft up to K tokens per row and verify them with ONE target forward over
+K + 1 positions (`verify_block`), each row masked to its own drafts. A row never writes past
+`n_cached + limit - 1`.
 
 Drafters per row: `row_drafter[b]` indexes `DRAFTER_IDS` (0 = off: one token per iteration);
 `row_auto[b]` rows take, every iteration, the drafter with the best expected tokens per unit of
@@ -18,9 +19,10 @@ against the target's own (seed, position) samples, model drafters' by speculativ
 
 After each verify every drafter that proposed is checked against what each row emitted
 (`matched`): decayed (accepted, ended) counts per draft position, per row (`row_accept`, the
-request's) and over drafting rows (`accept`). The block width comes from the compiled `choices`
-(`lax.switch`): forced (`force_k` >= 0: warm-up and timing) or by `goodput.plan` from the
-estimates and the cost table's T(B, k) (`costs`). The loop's state is `LoopState`.
+request's) and over drafting rows (`accept`). The compiled block `widths` are (0, K) (adaptive:
+`goodput.plan` takes plain or the block each iteration, from the estimates and the cost
+table's T(B, k), `costs`) or (K,); `force_k` >= 0 forces one (warm-up and timing). The loop's
+state is `LoopState`.
 """
 
 from __future__ import annotations
@@ -47,35 +49,6 @@ AUTO = "auto"  # a request's drafter chosen by the loop from measured acceptance
 
 def drafter_id(name: str | None) -> int:
   return DRAFTER_IDS.index(name or "off")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class SpecStats:
-  """Per-row counters of one `speculative_decode` call."""
-  steps: jax.Array  # [B] target verification forwards the row took part in
-  drafted_steps: jax.Array  # [B] of those, steps with at least one drafted token
-  draft_tokens: jax.Array  # [B] drafted tokens
-  accepted_tokens: jax.Array  # [B] accepted drafted tokens
-  accepted_at: jax.Array  # [B, K] steps whose draft at slot i (0-based) was accepted
-  drafted_at: jax.Array  # [B, K] steps that drafted a token at slot i
-
-  @staticmethod
-  def zeros(b: int, k: int) -> "SpecStats":
-    z = jnp.zeros((b,), jnp.int32)
-    return SpecStats(z, z, z, z, jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.int32))
-
-  def add(self, live: jax.Array, n_draft: jax.Array, n_accepted: jax.Array) -> "SpecStats":
-    """Counts one verification step of the `live` rows."""
-    k = self.accepted_at.shape[1]
-    slot = jnp.arange(k, dtype=jnp.int32)[None, :]
-    return SpecStats(
-        steps=self.steps + live.astype(jnp.int32),
-        drafted_steps=self.drafted_steps + (n_draft > 0).astype(jnp.int32),
-        draft_tokens=self.draft_tokens + n_draft,
-        accepted_tokens=self.accepted_tokens + n_accepted,
-        accepted_at=self.accepted_at + (slot < n_accepted[:, None]).astype(jnp.int32),
-        drafted_at=self.drafted_at + (slot < n_draft[:, None]).astype(jnp.int32))
 
 
 def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
@@ -158,8 +131,8 @@ def matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_em
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoopState:
-  """What one iteration hands the next, and the loop returns (B rows, J = max(choices) draft
-  positions, D drafters, C choices)."""
+  """What one iteration hands the next, and the loop returns (B rows, J = K draft positions,
+  D drafters)."""
   cache: Cache
   tok: jax.Array  # [B] newest token (position n_cached)
   n_cached: jax.Array  # [B]
@@ -169,13 +142,13 @@ class LoopState:
   stopped: jax.Array  # [B] bool: a stop id ended the row
   history: jax.Array  # [B, W] recent tokens (ngram), history_len [B] of them
   history_len: jax.Array
-  stats: SpecStats
   accept: jax.Array  # [D, J, 2]
   row_accept: jax.Array  # [B, D, J, 2]
   ids: jax.Array  # [B] this iteration's drafter per row
   k_rows: jax.Array  # [B] this iteration's drafts per row
   by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
-  k_steps: jax.Array  # [C] iterations run with each block width
+  slots: jax.Array  # [B, 2, J] int32 steps that drafted / accepted a token at slot j (0-based)
+  k_steps: jax.Array  # [len(widths)] iterations run with each block width
   calibration: jax.Array  # [3] over iterations that drafted, tokens the estimates expected and
   # tokens emitted; over all, their time by the cost table
   lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s logprobs (zeros
@@ -221,7 +194,7 @@ def _draft_chain(draft_params, dcache, h, n_cached, live, page_table, sampling, 
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("max_steps", "choices", "drafters", "cfg", "draft_cfg",
+                   static_argnames=("max_steps", "widths", "drafters", "cfg", "draft_cfg",
                                     "impl"),
                    donate_argnames=("cache", "table", "draft_cache"))
 def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
@@ -238,7 +211,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
                             mtp_hidden: jax.Array | None = None,
                             draft_params: Params | None = None,
                             draft_cache: Cache | None = None, *, max_steps: int,
-                            choices: tuple[int, ...], drafters: tuple[str, ...],
+                            widths: tuple[int, ...], drafters: tuple[str, ...],
                             cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
                             impl: KernelChoice = REFERENCE) -> tuple[LoopState, Cache]:
   """Up to `num_steps` (<= max_steps) new tokens per row, in about `time_budget`.
@@ -257,7 +230,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     row_auto: [B] bool rows whose drafter the loop chooses every iteration (row_drafter unused).
     row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
     row_accept: [B, D, J, 2] float32 each row's decayed (accepted, ended) counts per drafter
-      and draft position, J = max(choices) (its request's, carried across calls; zeros for a
+      and draft position, J = K (its request's, carried across calls; zeros for a
       new request; `goodput.position_evidence`).
     auto_allowed: [D] bool drafters "auto" rows may take in this call.
     feed: [D] bool model drafters whose state this call keeps current: "mtp" observes every
@@ -266,19 +239,19 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     draft_rows: [B] bool rows the draft model is fed (every token; their draft cache must
       hold positions < n_cached): drafter "draft" rows, and "auto" rows that may take it.
     accept: [D, J, 2] float32 the same counts over all drafting rows (the prior of new rows).
-    costs: [C + D] float32 the cost table's row for B (`CostTable.costs`): T(B, k) per choice,
-      then each drafter's cost per drafted column, in plain decode-loop iterations.
-    force_k: int32 scalar, index into `choices`, or -1 for the goodput choice.
+    costs: [len(widths) + D] float32 the cost table's row for B (`CostTable.costs`): T(B, k)
+      per width, then each drafter's cost per drafted column, in plain decode-loop iterations.
+    force_k: int32 scalar, index into `widths`, or -1 for the plan's choice.
     want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
     table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
     draft_params, draft_cache ("draft"; the cache is donated).
   """
   b = tokens.shape[0]
   n_ids = len(DRAFTER_IDS)
-  k_max = max(choices)
+  k_max = widths[-1]
   limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
   enabled = jnp.asarray([d in drafters for d in DRAFTER_IDS])
-  step_cost, drafter_cost = costs[:len(choices)], costs[len(choices):]
+  step_cost, drafter_cost = costs[:len(widths)], costs[len(widths):]
 
   def step(k: int, s: LoopState) -> LoopState:
     live = ~s.done
@@ -298,7 +271,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     nothing = (jnp.zeros((b, kk), jnp.int32), jnp.zeros((b, kk, cfg.vocab_size), jnp.float32))
     if "ngram" in drafters:
       props["ngram"] = (*dr.ngram_propose(s.history, s.history_len - 1, kk), True)
-    if "learned" in drafters:  # looked up before the switch (`body`): take the first kk
+    if "learned" in drafters:  # looked up before the conditional (`body`): the first kk
       d, n = s.learned_proposal
       props["learned"] = (d[:, :kk], jnp.minimum(n, kk), True)
     if "mtp" in drafters:
@@ -392,7 +365,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
         history=_place(s.history, s.history_len, v.emitted, n_emit),
         count=count, history_len=s.history_len + n_emit, n_cached=n_cached + n_emit,
         tok=jnp.where(live, v.extra, tok), stopped=s.stopped | v.stopped,
-        done=s.done | v.stopped | (count >= limit), stats=s.stats.add(live, n_draft, n_acc),
+        done=s.done | v.stopped | (count >= limit),
+        slots=s.slots + (jnp.arange(k_max)[None, None, :] < jnp.stack(
+            [n_draft, n_acc], axis=1)[:, :, None]).astype(jnp.int32),
         by_drafter=s.by_drafter + onehot[:, :, None] * jnp.stack(
             [jnp.ones_like(n_draft), n_draft, n_acc], axis=1)[:, None, :],
         row_accept=goodput.decay_add(s.row_accept, evidence),
@@ -406,32 +381,40 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     ids, gain, column_cost = goodput.row_drafters(gain_rows, step_cost[-1], drafter_cost,
                                                   allowed, row_auto, row_drafter, live, k_max)
     room = jnp.maximum(jnp.minimum(limit - s.count - 1, row_max_draft), 0)
-    index, k_rows, _ = goodput.plan(gain, live & (ids > 0), live, room, choices, step_cost,
-                                    column_cost)
-    forced = force_k >= 0
-    index = jnp.where(forced, force_k, index)
-    width = jnp.asarray(choices, jnp.int32)[index]
-    k_rows = jnp.where(forced, jnp.minimum(room, width), k_rows)
+    drafting = live & (ids > 0)
+    k_rows = jnp.where(drafting, jnp.minimum(room, k_max), 0)
+    if len(widths) == 1:
+      index = jnp.int32(0)
+    else:  # plain or the block, unless forced (warm-up, timing)
+      block, planned, _ = goodput.plan(gain, drafting, live, room, k_max, step_cost,
+                                       column_cost)
+      index = jnp.where(force_k >= 0, force_k, block.astype(jnp.int32))
+      k_rows = jnp.where(force_k >= 0, k_rows, planned)
+    drafts = index == len(widths) - 1
     taken = jnp.arange(1, k_max + 1)[None, :] <= k_rows[:, None]
     expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))
-    seconds = step_cost[index] + width.astype(jnp.float32) * column_cost  # (plain iterations)
+    # (in plain iterations: what `time_budget` counts)
+    seconds = step_cost[index] + jnp.where(drafts, k_max * column_cost, 0.0)
     before_count = jnp.sum(s.count)
-    # The learned table stays out of the switch: a buffer carried through a conditional whose
-    # branches update it is copied there (XLA), a few MB every iteration. Drafts are looked up
-    # before (k_max of them, or one at k = 0; a branch takes the first k) and emitted tokens
-    # learned after.
+    # The learned table stays out of the conditional: a buffer carried through a conditional
+    # whose branches update it is copied there (XLA), a few MB every iteration. Drafts are
+    # looked up before (k_max of them, or one for the plain branch) and emitted tokens learned
+    # after.
     table, before = s.table, s.history_len
     s = dataclasses.replace(s, ids=ids, k_rows=k_rows, table=None)
     if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)
-      proposal = learned.propose_or_one(table, s.history, before - 1, k_max, width > 0)
+      proposal = learned.propose_or_one(table, s.history, before - 1, k_max, drafts)
       proposal, table = jax.lax.optimization_barrier((proposal, table))
       s = dataclasses.replace(s, learned_proposal=proposal)
-    s = jax.lax.switch(index, [functools.partial(step, kc) for kc in choices], s)
+    if len(widths) == 1:
+      s = step(k_max, s)
+    else:
+      s = jax.lax.cond(drafts, functools.partial(step, k_max), functools.partial(step, 0), s)
     if table is not None:
       slots = jnp.arange(k_max + 1, dtype=jnp.int32)[None, :]
       table = learned.update(table, s.history, before[:, None] + slots,
                              slots < (s.history_len - before)[:, None])
-    drafted = (width > 0).astype(jnp.float32)  # the estimates' calibration (`LoopState`)
+    drafted = drafts.astype(jnp.float32)  # the estimates' calibration (`LoopState`)
     emitted = (jnp.sum(s.count) - before_count).astype(jnp.float32)
     return dataclasses.replace(
         s, table=table, learned_proposal=None, k_steps=s.k_steps.at[index].add(1),
@@ -444,10 +427,11 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       cache=cache, tok=tokens, n_cached=n_cached.astype(jnp.int32), done=limit <= 0,
       count=zeros, out=jnp.full((b, max_steps), -1, jnp.int32), stopped=jnp.zeros((b,), bool),
       history=history, history_len=history_len.astype(jnp.int32),
-      stats=SpecStats.zeros(b, k_max), accept=accept.astype(jnp.float32),
+      accept=accept.astype(jnp.float32),
       row_accept=row_accept.astype(jnp.float32), ids=row_drafter.astype(jnp.int32),
       k_rows=zeros, by_drafter=jnp.zeros((b, n_ids, 3), jnp.int32),
-      k_steps=jnp.zeros((len(choices),), jnp.int32), calibration=jnp.zeros((3,), jnp.float32),
+      slots=jnp.zeros((b, 2, k_max), jnp.int32), k_steps=jnp.zeros((len(widths),), jnp.int32),
+      calibration=jnp.zeros((3,), jnp.float32),
       lps=(jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
            jnp.zeros((b, max_steps, kt), jnp.float32)),
       table=table if "learned" in drafters else None,

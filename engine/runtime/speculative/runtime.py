@@ -48,7 +48,7 @@ from engine.runtime.speculative.loop import (AUTO, DETERMINISTIC, DRAFTER_IDS, d
 # A batch its estimates keep plain speculates once every this many of its calls: the loop's
 # own evidence is what moves the estimates (an n-gram run that starts mid-request; a drafter
 # whose last requests accepted little). Costs at most 1/8 of a call's overhead at k = 0 on
-# fresh text (BENCHMARKS.md, "Speculative decoding, simplified").
+# fresh text (BENCHMARKS.md, "Speculative decoding, simplified"); other values not measured.
 EXPLORE_EVERY = 8
 
 
@@ -151,7 +151,9 @@ class SpecRuntime:
     # A speculative call's tokens per row at most: its budget is time (`decode`), in which
     # max_decode_steps iterations could each emit k + 1 tokens.
     self.max_call_tokens = config.max_decode_steps * (k + 1)
-    self.choices = goodput.k_choices(k) if config.adaptive_k else (k,)
+    # The loop's compiled block widths: plain (one position, cheap at any batch size) and the
+    # block of K + 1 (`goodput.plan` picks one per iteration), or the block alone.
+    self.widths = (0, k) if config.adaptive_k else (k,)
     # Device state is committed where the weights are from the start (like the cache): a
     # commitment that changed after the first call would compile the loop twice.
     self.table = (place_state(NgramTable.empty(config.learned_table_slots))
@@ -163,10 +165,10 @@ class SpecRuntime:
     self.draft_entries = (catch_up.DraftEntries(pool.epoch, pool.page_size)
                           if "draft" in self.enabled else None)
     sizes = tuple(buckets.decode) if buckets is not None else (1,)
-    self.costs = cost_table.roofline(sizes, self.choices, self._roofline_drafter_costs())
+    self.costs = cost_table.roofline(sizes, self.widths, self._roofline_drafter_costs())
     self._plain_calls = 0  # plain calls in a row of batches with drafters (`speculates`)
     self._exploring = False  # the last `speculates` said yes to explore
-    self.k_steps = np.zeros((len(self.choices),), np.int64)
+    self.k_steps = np.zeros((len(self.widths),), np.int64)
     self.per_drafter = {f"spec_{n}_{d}": 0 for d in self.enabled
                         for n in ("steps", "drafted", "accepted", "auto_choice")}
     self.per_drafter.update(spec_plain_calls=0, spec_loop_calls=0, spec_explore_calls=0)
@@ -222,7 +224,7 @@ class SpecRuntime:
     if not self.costs.pays_at_full_acceptance(b):
       return False
     self._exploring = False
-    if (any(s.drafter == "mtp" for s in specs) or 0 not in self.choices
+    if (any(s.drafter == "mtp" for s in specs) or len(self.widths) == 1
         or self.first_iteration_drafts(reqs, b)):
       return True
     self._exploring = self._plain_calls + 1 >= EXPLORE_EVERY
@@ -238,16 +240,16 @@ class SpecRuntime:
     row_drafter = np.asarray([drafter_id(r.spec.drafter) if r.spec is not None and not
                               row_auto[i] else 0 for i, r in enumerate(reqs)], np.int32)
     costs = self.costs.costs(b)
-    step_cost, drafter_cost = costs[:len(self.choices)], costs[len(self.choices):]
+    step_cost, drafter_cost = costs[:len(self.widths)], costs[len(self.widths):]
     allowed = np.broadcast_to(self._auto_allowed(bool(row_auto.any()), b),
                               (len(reqs), len(DRAFTER_IDS)))
     live = np.ones((len(reqs),), bool)
     ids, gain, column_cost = goodput.row_drafters(gains, step_cost[-1], drafter_cost, allowed,
                                                   row_auto, row_drafter, live, self.k, xp=np)
     room = np.asarray([min(self.k, r.sampling.max_draft_tokens or self.k) for r in reqs])
-    index, _, _ = goodput.plan(gain, ids > 0, live, room, self.choices, step_cost,
-                               column_cost, xp=np)
-    return self.choices[int(index)] > 0
+    block, _, _ = goodput.plan(gain, ids > 0, live, room, self.k, step_cost, column_cost,
+                               xp=np)
+    return bool(block)
 
   def _auto_allowed(self, any_auto: bool, b: int) -> np.ndarray:
     """[D] what "auto" rows of a b-row call may take: the deterministic drafters, and a model
@@ -324,31 +326,32 @@ class SpecRuntime:
         history, history_len, row_drafter, row_auto, row_max_draft, row_accept, auto_allowed,
         feed, draft_rows, self.accept, self.costs.costs(b), np.int32(force_k),
         wants_logprobs(reqs, logprobs), table_in, mtp_hidden, self.draft_params,
-        self.draft_cache, max_steps=self.max_call_tokens, choices=self.choices,
+        self.draft_cache, max_steps=self.max_call_tokens, widths=self.widths,
         drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg, impl=impl)
     self.draft_cache = res.draft_cache
     if junk:
       return (*jax.device_get((res.out, res.count, res.lps)), cache)
     self.accept, self.table = res.accept, res.table
-    out, counts, st, k_steps, mtp_h, lps, row_accept, by_drafter, accept_seen, calib = (
-        jax.device_get((res.out, res.count, res.stats, res.k_steps, res.mtp_hidden, res.lps,
+    out, counts, slots, k_steps, mtp_h, lps, row_accept, by_drafter, accept_seen, calib = (
+        jax.device_get((res.out, res.count, res.slots, res.k_steps, res.mtp_hidden, res.lps,
                         res.row_accept, res.by_drafter, res.accept, res.calibration)))
     self.accept_seen = accept_seen
     self.calibration += calib[:2]
     self.k_steps += k_steps
-    counters["spec_steps"] += int(st.steps.sum())
-    counters["spec_drafted"] += int(st.draft_tokens.sum())
-    counters["spec_accepted"] += int(st.accepted_tokens.sum())
-    self.per_position += np.stack([st.drafted_at.sum(0), st.accepted_at.sum(0)])
+    totals = by_drafter.sum(1)  # [B, 3] verify steps, drafted and accepted tokens
+    counters["spec_steps"] += int(totals[:, 0].sum())
+    counters["spec_drafted"] += int(totals[:, 1].sum())
+    counters["spec_accepted"] += int(totals[:, 2].sum())
+    self.per_position += slots.sum(0)
     for i, (req, s) in enumerate(zip(reqs, specs)):
       if draft_rows[i]:  # the loop fed it every token and flushed
         self.draft_entries.written(req.pages, req.num_computed + int(counts[i]))
       if s is None:
         continue
-      s.drafts += int(st.drafted_steps[i])
-      s.drafted += int(st.draft_tokens[i])
-      s.accepted += int(st.accepted_tokens[i])
-      s.accepted_at += st.accepted_at[i]
+      s.drafts += int(slots[i, 0, 0])  # (a step that drafted at all drafted slot 0)
+      s.drafted += int(totals[i, 1])
+      s.accepted += int(totals[i, 2])
+      s.accepted_at += slots[i, 1]
       s.accept = row_accept[i]
       if mtp_h is not None:
         s.mtp_hidden = mtp_h[i]
@@ -439,7 +442,7 @@ class SpecRuntime:
 
     model = [d for d in self.enabled if d not in DETERMINISTIC]
     self.costs = cost_table.measure(
-        self.costs.batch_sizes, self.choices, model, [drafter_id(d) for d in model],
+        self.costs.batch_sizes, self.widths, model, [drafter_id(d) for d in model],
         len(DRAFTER_IDS), n, lambda b, m: run(b, m, False),
         lambda b, m, c, d: run(b, m, True, c, d), rounds=rounds)
     if self.draft_cache is not None:
@@ -450,7 +453,7 @@ class SpecRuntime:
 
   def stats(self) -> dict[str, Any]:
     """Counters per block width, drafter and draft position, the estimates, the cost table."""
-    s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.choices, self.k_steps)}
+    s = {f"spec_k{k}_loops": int(n) for k, n in zip(self.widths, self.k_steps)}
     s.update(self.per_drafter)
     for j, (drafted, accepted) in enumerate(self.per_position.T):  # slot j (0-based)
       s[f"spec_pos{j}_drafted"], s[f"spec_pos{j}_accepted"] = int(drafted), int(accepted)
