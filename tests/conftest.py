@@ -35,6 +35,10 @@ def pytest_configure(config):
   if CACHE_ENV not in os.environ:
     path = os.path.join(tempfile.gettempdir(), f"moejax-test-jax-cache-{uuid.uuid4().hex[:12]}")
     os.environ[CACHE_ENV] = config._moejax_cache_dir = path
+  # Warm-up compiles one program at a time: the two xdist workers already keep both cores busy,
+  # and two compiles at once cost ~25% more CPU each (BENCHMARKS.md, "a cold warm-up in 11
+  # programs"). tests/test_warmup_ahead.py asks for threads explicitly.
+  os.environ.setdefault("MOEJAX_COMPILE_WORKERS", "1")
 
 
 def pytest_unconfigure(config):
