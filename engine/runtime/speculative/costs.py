@@ -1,17 +1,12 @@
-"""The cost table T[B, k]: one speculative-loop iteration's time at each decode batch bucket B
-and compiled block width k (0 and K, or K alone), in plain decode-loop iterations of the same B
-(`CostTable`).
+"""The cost table T[B, k]: one speculative-loop iteration's time at decode batch bucket B and
+compiled block width k (0 and K, or K alone), in plain decode-loop iterations of the same B;
+plus `drafter[B, d]`, what a model drafter adds per drafted column, and `call`, a speculative
+call's fixed cost beyond a plain call's (the `min_call_tokens` guard).
 
-Everything the speculative policy weighs against acceptance comes from here:
-* `step[B, k]`: the loop's iteration at block width k (rows not drafting: the target's verify
-  forward over k + 1 positions and the loop's own bookkeeping);
-* `drafter[B, d]`: what a model drafter (mtp, draft) adds per drafted column when a row uses it;
-* `call`: a speculative call's fixed cost beyond a plain call's (the `min_call_tokens` guard).
-
-Measured once at warm-up (`measure`: every program timed in interleaved rounds, the median
-kept) or, unmeasured, the roofline (`roofline`): a decode iteration reads the weights once
-whatever its token count, so verifying k + 1 tokens per row costs a plain step until the
-tokens reach the chip's ridge point (RIDGE_TOKENS), and proportionally more after.
+Timed at warm-up (`measure`) or, unmeasured, the roofline (`roofline`): a decode iteration
+reads the weights once whatever its token count, so verifying k + 1 tokens per row costs a
+plain step until the tokens reach the chip's ridge point (RIDGE_TOKENS), proportionally more
+after.
 """
 
 from __future__ import annotations

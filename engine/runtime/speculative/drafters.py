@@ -1,22 +1,16 @@
-"""Drafters: cheap proposals of the next K tokens of every row, all on the device.
+"""Drafters: proposals of the next K tokens of every row, on the device.
 
-Shapes: B rows, K = num_draft tokens, L = token history length, V vocabulary, H hidden size.
-Every drafter proposes at the start of a loop step, when row b has `n_cached[b]` tokens in the
-target cache and its newest token `tok[b]` (not yet in the cache) at position `n_cached[b]`;
-draft j (1-based) is the token at position `n_cached + j`.
+Row b has `n_cached[b]` tokens in the target cache and its newest token (not yet cached) at
+position `n_cached[b]`; draft j (1-based) is the token at position `n_cached + j`.
 
-* `ngram_propose`: prompt lookup. The longest suffix (n = 5 down to 2) of the row's own token
-  history that occurred before; the tokens that followed its most recent occurrence are the
-  draft. Deterministic (one-hot q).
-* MTP (`mtp_observe`, `mtp_propose`): DeepSeek's multi-token-prediction layer. After each
-  verification it runs over the verified block (filling its cache entries, which live after the
-  decoder layers in the target cache) and keeps its output hidden state at the last cached
-  position, which predicts d_1; for K > 1 the layer is chained on its own output hidden state.
-* Draft model (`loop._draft_feed`, `loop._draft_chain`): a small model with the same tokenizer
-  and its own paged cache decodes K tokens autoregressively.
+* `ngram_propose`: prompt lookup, the continuation of the longest recurring suffix of the row's
+  own history. Deterministic (one-hot q).
+* MTP (`mtp_observe`, `mtp_propose`): DeepSeek's multi-token-prediction layer, run over every
+  verified block (its cache entries follow the decoder layers' in the target cache) and
+  chained on its own output hidden state for K > 1.
+* The draft model: `loop._draft_feed`, `loop._draft_chain`.
 
-Sampled rows draw drafts from the drafter's transformed distribution q (same temperature/top-k/
-top-p/min-p as the target) and return q for the acceptance rule; greedy rows take the argmax.
+Sampled rows draw drafts from the drafter's transformed distribution q and return q.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """`run_if`: a conditional whose large state (a KV cache) XLA updates in place.
 
-XLA copies a buffer that a `lax.cond` / `lax.switch` branch updates whenever that conditional
-sits inside another one (the decode loop's plain / block branches): the whole buffer, every
-time the outer branch runs. A while loop's state is aliased with its result, so a while loop of zero or one
-trips updates its state in place at any nesting depth; but XLA also hoists loop-invariant work
-out of while loops (where it then runs with zero trips too), so the values the function closes
-over enter the loop through its state and a barrier with the trip counter. Checked on the
-compiled HLO (`tests/test_inplace.py`: `copy` instructions of the buffer's shape, and where the
-function's dots end up).
+XLA copies a buffer that a conditional branch updates whenever that conditional sits inside
+another one (the loop's plain / block branches). A while loop's state is aliased with its
+result, so a while loop of zero or one trips updates it in place at any depth. Checked on the
+compiled HLO by `tests/test_inplace.py`.
 """
 
 from __future__ import annotations

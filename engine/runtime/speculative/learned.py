@@ -1,16 +1,12 @@
 """A learned n-gram drafter: an on-device hash table, context n-gram -> next-token candidates.
 
-Unlike prompt lookup (`drafters.ngram_propose`), which only searches a row's own context, the
-table learns from every token any request emitted and persists across calls (and optionally
-across processes, `save`/`load`), so agent-style traffic that repeats earlier outputs (tool
-calls, boilerplate, code edits) drafts well from the first token of a new request.
-
-Layout (S slots, C candidates per slot): a context of `order` tokens hashes to one slot; the slot
-keeps the full hash as a tag (a different context evicts it), C candidate next tokens and their
-counts. Every update decays the slot's counts by `decay` before adding 1 to the observed token
-(replacing the weakest candidate when it is new), so stale continuations fade. Drafting looks up
-the longest order first (ORDERS), takes the best candidate if its count reaches `min_count`,
-and chains on its own drafts for up to K tokens. Deterministic: verified with one-hot q.
+Unlike prompt lookup, which searches a row's own context, the table learns from every token
+any request emitted and persists across calls (and processes: `NgramMemory.save`/`load`), so
+traffic that repeats earlier outputs (tool calls, boilerplate, code edits) drafts well from a
+new request's first token. A context hashes to one slot, which keeps the hash as a tag (another
+context evicts it) and C candidate next tokens with decayed counts. Drafting takes the best
+candidate of the longest order that knows the context (ORDERS) and chains on its own drafts.
+Deterministic: verified with one-hot q.
 """
 
 from __future__ import annotations
@@ -42,16 +38,6 @@ class NgramTable:
                       used=jnp.zeros((num_slots,), bool),
                       tokens=jnp.full((num_slots, num_candidates), -1, jnp.int32),
                       counts=jnp.zeros((num_slots, num_candidates), jnp.float32))
-
-  def save(self, path: str) -> None:
-    """Writes the table as a .npz file."""
-    np.savez(path, **{f.name: np.asarray(getattr(self, f.name))
-                      for f in dataclasses.fields(self)})
-
-  @staticmethod
-  def load(path: str) -> "NgramTable":
-    with np.load(path) as z:
-      return NgramTable(**{f.name: jnp.asarray(z[f.name]) for f in dataclasses.fields(NgramTable)})
 
 
 def context_hash(ctx: jax.Array) -> jax.Array:
@@ -113,10 +99,11 @@ def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: j
                     counts=table.counts.at[target].set(row_cnt, mode="drop"))
 
 
-def lookup(table: NgramTable, ctx: jax.Array, min_count: float) -> tuple[jax.Array, jax.Array]:
+def lookup(table: NgramTable, ctx: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Best next token after each context. ctx [B, max(ORDERS)] (most recent last).
 
   Returns (token [B] int32, found [B] bool), the longest order that knows the context winning.
+  (A slot's best count is at least 1: every update adds 1 to a candidate.)
   """
   num_slots = table.tags.shape[0]
   tok = jnp.zeros(ctx.shape[:1], jnp.int32)
@@ -126,15 +113,14 @@ def lookup(table: NgramTable, ctx: jax.Array, min_count: float) -> tuple[jax.Arr
     slot = (h % np.uint32(num_slots)).astype(jnp.int32)
     cnt, cand = table.counts[slot], table.tokens[slot]
     best = jnp.argmax(cnt, axis=1)
-    ok = (table.used[slot] & (table.tags[slot] == h)
-          & (jnp.take_along_axis(cnt, best[:, None], axis=1)[:, 0] >= min_count))
+    ok = table.used[slot] & (table.tags[slot] == h)
     tok = jnp.where(found, tok, jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0])
     found = found | ok
   return tok, found
 
 
-def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int,
-            min_count: float = 0.5) -> tuple[jax.Array, jax.Array]:
+def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int
+            ) -> tuple[jax.Array, jax.Array]:
   """Up to K chained drafts per row after history[b, :newest[b] + 1].
 
   Returns (draft [B, K] int32, n_draft [B] int32: the drafts before the first unknown context).
@@ -146,7 +132,7 @@ def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int,
   drafts, alive = [], jnp.ones(newest.shape, bool)
   n_draft = jnp.zeros(newest.shape, jnp.int32)
   for _ in range(k):
-    tok, found = lookup(table, ctx, min_count)
+    tok, found = lookup(table, ctx)
     alive = alive & found
     n_draft = n_draft + alive.astype(jnp.int32)
     drafts.append(tok)
@@ -174,8 +160,12 @@ class NgramMemory:
     self.table = table if table is not None else NgramTable.empty(num_slots, num_candidates)
 
   def save(self, path: str) -> None:
-    self.table.save(path)
+    """Writes the table as a .npz file."""
+    np.savez(path, **{f.name: np.asarray(getattr(self.table, f.name))
+                      for f in dataclasses.fields(NgramTable)})
 
   @staticmethod
   def load(path: str) -> "NgramMemory":
-    return NgramMemory(NgramTable.load(path))
+    with np.load(path) as z:
+      return NgramMemory(NgramTable(**{f.name: jnp.asarray(z[f.name])
+                                       for f in dataclasses.fields(NgramTable)}))

@@ -1,21 +1,14 @@
-"""The serving engine's speculative decoding: drafters per request, device state, the one rule.
+"""The serving engine's speculative decoding: `SpecRuntime`, what `Engine` owns for it
+(`engine.spec`), with or without drafters: the enabled drafters (`EngineConfig.speculative`,
+the requests' default, and `EngineConfig.drafters`), each request's `RequestSpec`, the device
+state carried across steps (learned table, engine-wide acceptance counts, the draft model's
+paged cache), the cost table, and `decode`, every decode-only engine step.
 
-`SpecRuntime` is what `Engine` owns for speculation (`engine.spec`), with or without drafters:
-* the enabled drafters (`EngineConfig.speculative`, the default for requests that choose none,
-  plus `EngineConfig.drafters`, which requests may pick with `SamplingParams.drafter`), each
-  request's own state (`RequestSpec`, `Request.spec`);
-* device state carried across engine steps: the learned n-gram table, the engine-wide decayed
-  acceptance counts per drafter and draft position, the draft model's paged cache (same page
-  ids as the target cache; which pages hold its entries: `catch_up.DraftEntries`);
-* `decode`: every decode-only engine step. It runs the speculative loop (`loop.py`) when
-  `speculates` says so, else the plain decode loop (whose tokens still teach the learned table);
-* the cost table (`costs.py`): the roofline until `measure_costs` (warm-up) times the loops.
-
-The rule (`speculates`): a call speculates when some row has a drafter, its batch is below the
+A call speculates (`speculates`) when some row has a drafter, its batch is below the cost
 table's break-even, it is long enough to win back a speculative call's fixed cost, and the
-rows' acceptance estimates say the loop's first iteration would draft (or a row drafts with
-the MTP layer, whose cache must see every verified block). A batch kept plain by its estimates
-speculates once every EXPLORE_EVERY calls, so estimates that went stale come back.
+rows' estimates say the loop's first iteration would draft (or a row drafts with MTP, whose
+cache must see every verified block). A batch kept plain by its estimates speculates once
+every EXPLORE_EVERY calls, so stale estimates come back.
 """
 
 from __future__ import annotations
