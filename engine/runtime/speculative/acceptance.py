@@ -1,19 +1,15 @@
 """Lossless verification of drafted tokens (Leviathan et al. 2023; Chen et al. 2023).
 
-Row b drafted `n_draft[b] <= K` tokens; `target_logits[b, i]` is the target's distribution of
-the token at position `first_position[b] + i` (verifying d_{i+1}, or the extra token).
-
 * Greedy rows (temperature 0) accept while d_i is the target's argmax and emit the argmax after
   them: exactly non-speculative greedy.
-* Sampled rows with the drafter's distributions q (after the row's transforms) use speculative
-  sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)), at the first rejection
-  sample normalize(max(0, p_i - q_i)), after a full run p_{n_draft}.
-* Deterministic drafters (q one-hot) accept while d_i equals the target's own sample
-  (`sampling.sample`, same (seed, position) key): that is speculative sampling with one-hot q,
-  and the output is the non-speculative sample token for token.
+* Sampled rows with the drafter's distributions q use speculative sampling: accept d_i with
+  probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection sample normalize(max(0,
+  p_i - q_i)), after a full run p_{n_draft} (p, q after the row's sampling transforms).
+* Deterministic drafters (one-hot q) accept while d_i equals the target's own sample under the
+  same (seed, position) key (`sampling.sample`): the output is plain sampling's, token for token.
 
-The randomness of the token at position P comes from fold_in(key(seed), P) only, one stream per
-use, so results do not depend on batch company or on how many tokens were drafted.
+Randomness for the token at position P comes from fold_in(key(seed), P) only, one stream per
+use, so results depend neither on batch company nor on how many tokens were drafted.
 """
 
 from __future__ import annotations
@@ -104,21 +100,10 @@ def _stochastic(target_logits, draft, draft_probs, n_draft, s, first_position):
 def verify(target_logits: jax.Array, draft: jax.Array, draft_probs: jax.Array | None,
            n_draft: jax.Array, s: SamplingArrays, first_position: jax.Array
            ) -> tuple[jax.Array, jax.Array]:
-  """Accepts a prefix of each row's drafts and chooses the token that follows it.
-
-  Args:
-    target_logits: [B, K+1, V] float32; slot i is the distribution of the token at
-      `first_position + i` (verifying d_{i+1}, or the bonus token at i = n_draft).
-    draft: [B, K] int32 drafted tokens (entries at or past n_draft are ignored).
-    draft_probs: [B, K, V] the drafter's (transformed) distributions the drafts were sampled
-      from, or None for deterministic drafters (one-hot q).
-    n_draft: [B] int32 in [0, K].
-    s: [B] sampling parameters; temperature 0 rows use the greedy rule.
-    first_position: [B] int32 position of d_1.
-  Returns:
-    (n_accepted [B] int32 in [0, n_draft], extra token [B] int32). The row emits
-    draft[:n_accepted] followed by the extra token.
-  """
+  """Accepts a prefix of each row's drafts [B, K] (the first n_draft [B]) and chooses the
+  token after it (see the module docstring). target_logits [B, K+1, V]: slot i for the token at
+  first_position [B] + i; draft_probs [B, K, V] the drafter's q, or None (one-hot). Returns
+  (n_accepted [B] int32, extra token [B] int32): the row emits draft[:n_accepted], extra."""
   n_draft = n_draft.astype(jnp.int32)
   g_acc, g_tok = _match(argmax(target_logits), draft, n_draft)
 
@@ -132,11 +117,9 @@ def verify(target_logits: jax.Array, draft: jax.Array, draft_probs: jax.Array | 
 
 def draft_sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
-  """A drafter's choice of the token at `positions` [B]: logits [B, V] -> (token [B], q [B, V]).
-
-  Greedy rows take the argmax (their q is irrelevant: greedy verification ignores it); sampled
-  rows sample their transformed distribution q from the drafting stream of (seed, position).
-  """
+  """A drafter's choice of the token at `positions` [B]: logits [B, V] -> (token [B], q [B, V]):
+  the argmax in greedy rows (whose q verification ignores), else a sample of the transformed q
+  from the drafting stream of (seed, position)."""
   greedy = argmax(logits)
 
   def stochastic(_):

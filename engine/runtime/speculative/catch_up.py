@@ -1,11 +1,10 @@
 """Lazy feeding of the draft model: a row's draft cache is caught up when it starts drafting.
 
-Feeding the draft model every token of every request costs a draft forward per token whether
-or not the request drafts with it (on the CPU demo, "auto" on fresh prompts fell from 0.92x to
-0.67x of plain decoding). So the loop feeds only `draft_rows`, and before a call each such row
-whose draft entries stop short (`DraftEntries` knows which pages hold them) runs a draft-only
-forward over the missing positions, cut like the scheduler cuts prefill (`plan`) into the
-compiled mixed-step shapes (`pack`), so the catch-up compiles nothing the warm-up did not.
+Feeding it every token of every request costs a draft forward per token whether or not the
+request drafts with it ("auto" on fresh prompts fell from 0.92x to 0.67x of plain decoding on
+the CPU demo). So the loop feeds only its `draft_rows`, and before a call each one whose draft
+entries stop short (`DraftEntries`) runs a draft-only forward over the missing positions, cut
+like prefill (`plan`) into the compiled mixed-step shapes (`pack`).
 """
 
 from __future__ import annotations

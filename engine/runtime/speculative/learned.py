@@ -1,12 +1,10 @@
-"""A learned n-gram drafter: an on-device hash table, context n-gram -> next-token candidates.
-
-Unlike prompt lookup, which searches a row's own context, the table learns from every token
-any request emitted and persists across calls (and processes: `NgramMemory.save`/`load`), so
+"""A learned n-gram drafter: an on-device hash table, context n-gram -> next-token candidates,
+taught every token any request emits and kept across calls (and processes: `NgramMemory`), so
 traffic that repeats earlier outputs (tool calls, boilerplate, code edits) drafts well from a
-new request's first token. A context hashes to one slot, which keeps the hash as a tag (another
-context evicts it) and C candidate next tokens with decayed counts. Drafting takes the best
-candidate of the longest order that knows the context (ORDERS) and chains on its own drafts.
-Deterministic: verified with one-hot q.
+new request's first token (prompt lookup only searches the row's own context). A context
+hashes to one slot, which keeps the hash as a tag (another context evicts it) and C candidates
+with decayed counts; drafting takes the best candidate of the longest order that knows the
+context (ORDERS) and chains on its own drafts. Deterministic: verified with one-hot q.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ class NgramTable:
 
   @staticmethod
   def empty(num_slots: int = 1 << 16, num_candidates: int = 4) -> "NgramTable":
+    """An empty table (the default sizes are chosen, not measured)."""
     return NgramTable(tags=jnp.zeros((num_slots,), jnp.uint32),
                       used=jnp.zeros((num_slots,), bool),
                       tokens=jnp.full((num_slots, num_candidates), -1, jnp.int32),
@@ -58,15 +57,10 @@ def _contexts(history: jax.Array, ends: jax.Array, order: int) -> jax.Array:
 
 def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: jax.Array,
            decay: float = 0.95) -> NgramTable:
-  """Learns that history[b, p] followed its context, for every valid position p.
-
-  history [B, L] int32; positions [B, T] int32; valid [B, T] bool (positions with fewer than
-  `order` tokens before them are skipped for that order). All observations apply at once, one
-  per slot: when several in one call land in the same slot (the same context, or a hash
-  collision), the last in row-major order wins and the others are dropped. A sequential loop
-  over every observation cost more per decode iteration than the drafts saved (B (K + 1)
-  dependent scatters per order); a drafter's table may lose a few observations.
-  """
+  """Learns that history[b, p] ([B, L]) followed its context, for every valid [B, T] position
+  p of positions [B, T]. One observation per slot and call: when several land in one slot, the
+  last in row-major order wins (a sequential loop over them cost more per decode iteration
+  than the drafts saved). A slot's counts decay by `decay` (chosen, not measured) per update."""
   hashes, toks, oks = [], [], []
   tok = jnp.take_along_axis(history, jnp.clip(positions, 0, history.shape[1] - 1), axis=1)
   for order in ORDERS:
@@ -100,31 +94,24 @@ def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: j
 
 
 def lookup(table: NgramTable, ctx: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Best next token after each context. ctx [B, max(ORDERS)] (most recent last).
-
-  Returns (token [B] int32, found [B] bool), the longest order that knows the context winning.
-  (A slot's best count is at least 1: every update adds 1 to a candidate.)
-  """
+  """Best next token after each context ctx [B, max(ORDERS)] (most recent last): (token [B]
+  int32, found [B] bool), the longest order that knows the context winning."""
   num_slots = table.tags.shape[0]
   tok = jnp.zeros(ctx.shape[:1], jnp.int32)
   found = jnp.zeros(ctx.shape[:1], bool)
   for order in ORDERS:
     h = context_hash(ctx[:, -order:])
     slot = (h % np.uint32(num_slots)).astype(jnp.int32)
-    cnt, cand = table.counts[slot], table.tokens[slot]
-    best = jnp.argmax(cnt, axis=1)
-    ok = table.used[slot] & (table.tags[slot] == h)
-    tok = jnp.where(found, tok, jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0])
-    found = found | ok
+    best = jnp.argmax(table.counts[slot], axis=1)[:, None]
+    tok = jnp.where(found, tok, jnp.take_along_axis(table.tokens[slot], best, axis=1)[:, 0])
+    found = found | (table.used[slot] & (table.tags[slot] == h))
   return tok, found
 
 
 def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int
             ) -> tuple[jax.Array, jax.Array]:
-  """Up to K chained drafts per row after history[b, :newest[b] + 1].
-
-  Returns (draft [B, K] int32, n_draft [B] int32: the drafts before the first unknown context).
-  """
+  """Up to K chained drafts per row after history[b, :newest[b] + 1]: (draft [B, K] int32,
+  n_draft [B] int32, the drafts before the first unknown context)."""
   n = max(ORDERS)
   ctx = _contexts(history, newest[:, None], n)[:, 0]  # [B, n]
   # Rows with fewer than n tokens: their missing context entries are position 0's token, so a
@@ -155,9 +142,8 @@ class NgramMemory:
   """Host handle on a table that persists across `generate_tokens` calls (it is replaced by
   the updated table after each call; the old device buffers are donated)."""
 
-  def __init__(self, table: NgramTable | None = None, num_slots: int = 1 << 16,
-               num_candidates: int = 4):
-    self.table = table if table is not None else NgramTable.empty(num_slots, num_candidates)
+  def __init__(self, table: NgramTable | None = None, num_slots: int = 1 << 16):
+    self.table = table if table is not None else NgramTable.empty(num_slots)
 
   def save(self, path: str) -> None:
     """Writes the table as a .npz file."""

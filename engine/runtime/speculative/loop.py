@@ -1,17 +1,12 @@
-"""`speculative_decode_loop`: the decode-only device loop with drafting (the serving engine's;
-`generate_tokens` and `engine.generate` run through it too).
+"""`speculative_decode_loop`: the decode-only device loop with drafting (the engine's, which
+`generate_tokens` and `engine.generate` run through too).
 
-Same contract as `steps.decode_loop`, but an iteration may draft up to K tokens per row and
-verify them with ONE target forward over K + 1 positions (`verify_block`), each row masked to
-its own drafts. Each row's drafter is `row_drafter[b]` (an index into `DRAFTER_IDS`, 0: off) or,
-for `row_auto[b]` rows, the best by their own estimates, chosen every iteration. Every enabled
-drafter proposes for the whole batch; the model drafters' chained forwards run only when a live
-row uses them (`inplace.run_if`). "mtp" observes every verified block; "draft" is fed only its
-`draft_rows` (caught up before the call, `catch_up.py`), the tokens it lacks (`pending`) going
-in front of its next forward and flushed at the end. After each verify every drafter that
-proposed is checked against what each row emitted (`matched`), which updates the acceptance
-estimates (`goodput`). Compiled block widths: (0, K), `goodput.plan` choosing each iteration,
-or (K,); `force_k` >= 0 forces one (warm-up and timing).
+`steps.decode_loop`'s contract, but an iteration may draft up to K tokens per row and verify
+them with ONE target forward over K + 1 positions (`verify_block`), each row masked to its own
+drafts. Every enabled drafter proposes for the whole batch and each row takes its own (or, for
+"auto" rows, the best by its estimates); the model drafters' forwards run only when a live row
+uses them (`inplace.run_if`). Every proposal is then checked against what the row emitted
+(`matched`), which updates the acceptance estimates (`goodput`).
 """
 
 from __future__ import annotations
@@ -69,16 +64,10 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                  n_out: jax.Array, stop_ids: jax.Array, min_before_stop: jax.Array,
                  sampling: SamplingArrays, page_table: jax.Array, *, cfg: ModelConfig,
                  impl: KernelChoice, q_rows: jax.Array) -> Verified:
-  """ONE target forward over `[tok, d_1 .. d_K]`, acceptance and stop ids.
-
-  Args:
-    tok: [B] newest token (position n_cached); draft [B, K]; q [B, K, V] or None (one-hot);
-    n_draft: [B] real drafts (0 for rows that are not live); live: [B] bool.
-    n_out: [B] tokens the row emitted so far; a stop id counts only once the row has emitted
-      at least `min_before_stop` [B] tokens; stop_ids: [B, S] padded with -1.
-    q_rows: [B] bool, with q: the rows whose drafts come from q; the others' are verified as
-      deterministic (against the target's own samples).
-  """
+  """ONE target forward over `[tok, d_1 .. d_K]` (tok [B] at position n_cached, n_draft [B]
+  real drafts), acceptance and stop ids (stop_ids [B, S] padded with -1; they count once a row
+  has emitted min_before_stop [B] tokens, n_out [B] so far). q [B, K, V] is the drafts'
+  distribution in `q_rows` [B]; the other rows' drafts (all, with q None) are deterministic."""
   b, k = draft.shape
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([tok[:, None], draft], axis=1)
@@ -107,8 +96,7 @@ def matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_em
             ) -> tuple[jax.Array, jax.Array]:
   """What a drafter's proposal [B, P] (first n_proposed real) achieved against the tokens the
   row emitted [B, >= P] (first n_emit real): (leading matches [B], ended [B] bool: a mismatch
-  or no proposal before the horizon min(P, n_emit); else censored). Every drafter that
-  proposed is checked, not only the row's own: "auto" rows compare drafters at no cost."""
+  or no proposal before the horizon min(P, n_emit); else censored)."""
   p = proposal.shape[1]
   m = prefix_length(proposal == emitted[:, :p], jnp.minimum(n_proposed, n_emit))
   return m, m < jnp.minimum(p, n_emit)
@@ -135,10 +123,8 @@ class LoopState:
   by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
   slots: jax.Array  # [B, 2, J] int32 steps that drafted / accepted a token at slot j (0-based)
   k_steps: jax.Array  # [len(widths)] iterations run with each block width
-  calibration: jax.Array  # [3] over iterations that drafted, tokens the estimates expected and
-  # tokens emitted; over all, their time by the cost table
-  lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s logprobs (zeros
-  # unless `want_logprobs`)
+  calibration: jax.Array  # [3] tokens expected, emitted (when drafting); time (cost table)
+  lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (if want_logprobs)
   table: learned.NgramTable | None = None  # "learned", and its proposal for this iteration
   learned_proposal: tuple[jax.Array, jax.Array] | None = None
   mtp_hidden: jax.Array | None = None  # [B, H] "mtp"
@@ -149,12 +135,9 @@ class LoopState:
 
 def _draft_feed(draft_params, dcache, pending, n_pending, tok, n_cached, live, page_table, *,
                 draft_cfg, impl):
-  """Feeds each row's pending tokens and its newest token to the draft model.
-
-  pending [B, P] tokens at positions n_cached - n_pending .. n_cached - 1 the draft cache lacks.
-  Returns (the draft model's hidden state at the newest token [B, H], draft cache holding
-  positions <= n_cached).
-  """
+  """Feeds the draft model each row's pending tokens [B, P] (positions n_cached - n_pending ..
+  n_cached - 1) and its newest token. Returns (its hidden state at the newest token [B, H],
+  the draft cache holding positions <= n_cached)."""
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([pending, jnp.zeros_like(pending[:, :1])], axis=1)
   block = _place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
@@ -197,26 +180,22 @@ def speculative_decode_loop(
     impl: KernelChoice = REFERENCE) -> tuple[LoopState, Cache]:
   """Up to `num_steps` (<= max_steps) new tokens per row, in about `time_budget`.
 
-  Args:
-    tokens, n_cached, page_table, sampling, stop_ids, remaining, min_before_stop, num_steps:
-      as in `steps.decode_loop` (num_steps counts tokens, not iterations).
-    time_budget: float32 scalar, the call's time in plain-loop iterations by the cost table:
-      no iteration starts once those run reach it (inf: only the tokens bound the call).
+  Args beyond `steps.decode_loop`'s (whose num_steps here counts tokens, not iterations):
+    time_budget: float32, the call's time in plain-loop iterations by the cost table (`costs`,
+      its row for B): no iteration starts once those run reach it (inf: no bound).
     history: [B, W] int32 each row's last history_len [B] tokens, oldest first, ending with
       `tokens`; W >= history_len + max_steps (the loop appends what it emits).
-    row_drafter: [B] int32 index into DRAFTER_IDS of an enabled drafter (0: off);
-      row_auto: [B] bool rows whose drafter the loop chooses (auto_allowed [D]: among these).
-    row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
-    row_accept: [B, D, J = K, 2] float32 each row's decayed (accepted, ended) counts per
-      drafter and draft position (`goodput`); accept [D, J, 2]: the same over drafting rows.
-    feed: [D] bool model drafters this call keeps current (those a row uses or may take);
-      draft_rows: [B] bool rows the draft model is fed (their draft cache holds every
-      position < n_cached).
-    costs: the cost table's row for B (`CostTable.costs`).
-    force_k: int32 index into `widths`, or -1 for the plan's choice.
-    want_logprobs: bool scalar: logprobs of each emitted token from the verify logits.
+    row_drafter: [B] int32 index into DRAFTER_IDS (0: off); row_auto [B] bool: rows whose
+      drafter the loop chooses among auto_allowed [D]; row_max_draft [B] int32: their limit.
+    row_accept: [B, D, J = K, 2] each row's decayed (accepted, ended) counts per drafter and
+      draft position (`goodput`); accept [D, J, 2]: the same over drafting rows.
+    feed: [D] bool model drafters kept current (those a row uses or may take); draft_rows [B]
+      bool: the rows the draft model is fed (their draft cache holds positions < n_cached).
+    widths: (0, K): `goodput.plan` takes plain or the block each iteration; (K,): the block.
+      force_k: int32 index into `widths` forcing one (warm-up, timing), or -1.
     table ("learned"), mtp_hidden [B, H] ("mtp"), draft_params and draft_cache ("draft"): the
-      drafters' state (table and draft cache donated).
+      drafters' state (table and draft cache donated). "mtp" observes every verified block;
+      "draft" lacks the tokens in `pending` until its next forward (flushed at the end).
   """
   b = tokens.shape[0]
   n_ids = len(DRAFTER_IDS)
@@ -229,9 +208,8 @@ def speculative_decode_loop(
     live = ~s.done
     cache, tok, n_cached, ids = s.cache, s.tok, s.n_cached, s.ids
     use = {d: ids == drafter_id(d) for d in drafters}
-    model_rows = functools.reduce(jnp.logical_or, [use[d] for d in drafters
-                                                   if d not in DETERMINISTIC],
-                                  jnp.zeros((b,), bool))
+    model_rows = jnp.asarray([i > 0 and d not in DETERMINISTIC
+                              for i, d in enumerate(DRAFTER_IDS)])[ids]
     # Every drafter's proposal of kk = max(k, 1) tokens (with k = 0 they are only compared
     # with the emitted token afterwards: evidence at no verify cost). Model drafters draft
     # only when a live row uses them, and are fed (`feed`) whenever a row may switch to them.
@@ -303,10 +281,8 @@ def speculative_decode_loop(
       mtp_hidden, cache = run_if(feed[drafter_id("mtp")], observe, (mtp_hidden, cache))
     pending, n_pending = s.pending, s.n_pending
     if "draft" in drafters:
-      # The draft model was fed tok and, in rows drafting with it, its own drafts
-      # d_1 .. d_{k'-1}: those rows that accepted all of them lack the last accepted one,
-      # other rows every accepted token. (After a stop inside the block only the emitted
-      # tokens count.)
+      # It was fed tok and, in rows drafting with it, its drafts d_1 .. d_{k-1}: so those rows
+      # lack the emitted tokens past their accepted drafts, the others every emitted token.
       seen = jnp.where(use["draft"], jnp.minimum(n_acc, max(k, 1) - 1), 0)
       n_pend = jnp.maximum(n_emit - 1 - seen, 0)
       pend = jnp.take_along_axis(
@@ -314,11 +290,8 @@ def speculative_decode_loop(
       pending = jnp.where(live[:, None], pend, pending)
       n_pending = jnp.where(live, n_pend, n_pending)
     onehot = jax.nn.one_hot(ids, n_ids, dtype=jnp.int32) * live.astype(jnp.int32)[:, None]
-    # Evidence for the acceptance estimates, for every drafter that proposed: how many of its
-    # tokens the row's emitted tokens confirm, and whether its chain ended before the horizon
-    # (the row's own drafter: exactly its accepted drafts and a rejection or missing proposal;
-    # the others: what they would have achieved, so "auto" rows compare drafters at no cost).
-    # Per draft position (`goodput.position_evidence`): accepted at 1 .. m, ended at m + 1.
+    # Evidence for every drafter that proposed, not only the row's own: "auto" rows compare
+    # drafters at no cost.
     evidence = jnp.zeros((b, n_ids, k_max, 2), jnp.float32)
     for d, (t, n, computed) in props.items():
       m, ended = matched(t, n, v.emitted, n_emit)
@@ -364,10 +337,8 @@ def speculative_decode_loop(
     # (in plain iterations: what `time_budget` counts)
     seconds = step_cost[index] + jnp.where(drafts, k_max * column_cost, 0.0)
     before_count = jnp.sum(s.count)
-    # The learned table stays out of the conditional: a buffer carried through a conditional
-    # whose branches update it is copied there (XLA), a few MB every iteration. Drafts are
-    # looked up before (k_max of them, or one for the plain branch) and emitted tokens learned
-    # after.
+    # The learned table stays out of the conditional, whose branches would copy it (`inplace`):
+    # drafts are looked up before (k_max, or one for plain) and emitted tokens learned after.
     table, before = s.table, s.history_len
     s = dataclasses.replace(s, ids=ids, k_rows=k_rows, table=None)
     if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)
