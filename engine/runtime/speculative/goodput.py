@@ -1,15 +1,13 @@
 """Acceptance estimates per draft position, and whether an iteration drafts.
 
-c_j = P(draft j accepted | drafts 1 .. j-1 were); g_j = c_1 ... c_j (`gains`); a row drafting k
-tokens emits E[tau](k) = 1 + g_1 + ... + g_k (one rate for every position overrates deep ones
-when acceptance falls with depth, and underrates them in a long copy). The estimates come from
-decayed (accepted, ended) counts per position (`position_evidence`, `decay_add`): a chain that
-matched m drafts and then ended counts accepted at 1 .. m and ended at m + 1; positions past
-its horizon learn nothing. Counts decay only where evidence arrives, and each position's prior
-is the estimate one shallower (`conditional_acceptance`), so a drafter that stopped paying is
-retried once its evidence has decayed. Each loop iteration (`plan`) verifies one block of K + 1
-positions or runs plain, whichever expects more tokens per unit of time by the cost table; an
-"auto" row first takes its drafter (`row_drafters`). `xp`: numpy for the host's decisions.
+c_j = P(draft j accepted | drafts 1 .. j-1 were), g_j = c_1 ... c_j (`gains`): drafting k
+tokens emits E[tau](k) = 1 + g_1 + ... + g_k (one rate for all positions would overrate deep
+ones where acceptance falls with depth). The c_j come from decayed (accepted, ended) counts per
+position (`position_evidence`, `decay_add`: a chain that matched m drafts, then ended, counts
+accepted at 1 .. m and ended at m + 1); counts decay only where evidence arrives, and each
+position's prior is the estimate one shallower (`conditional_acceptance`). `row_drafters`
+picks "auto" rows' drafters; `plan` picks plain or the block of K + 1 by expected tokens per
+unit of time (cost table). `xp`: numpy for the host's decisions.
 """
 
 from __future__ import annotations
@@ -104,16 +102,15 @@ def row_drafters(gain_rows: jnp.ndarray, step_cost: jnp.ndarray, drafter_cost: j
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
          k: int, step_cost: jnp.ndarray, column_cost: jnp.ndarray, *, xp=jnp
-         ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+         ) -> tuple[jnp.ndarray, jnp.ndarray]:
   """Whether an iteration verifies a block of k drafts: it emits sum over live rows of
   1 + g_1 + ... + g_min(k, room) (gain [B, J >= k]; rows `drafting` only) in T(B, k) + k
   column_cost, plain decoding one token per live row in T(B, 0) (step_cost [2]). Returns
-  (block: bool, draft counts [B] int32, the iteration's time)."""
+  (block: bool, draft counts [B] int32)."""
   rows = xp.where(drafting, xp.minimum(room, k), 0).astype(xp.int32)
   taken = xp.arange(1, k + 1, dtype=xp.int32)[None, :] <= rows[:, None]
   gain = xp.clip(gain[:, :k].astype(xp.float32), 0.0, _MAX_ACCEPT)
   n_live = xp.sum(live).astype(xp.float32)
   tokens = n_live + xp.sum(xp.where(taken, gain, 0.0))
-  cost = step_cost[1] + k * column_cost
-  block = tokens / cost > n_live / step_cost[0]
-  return block, xp.where(block, rows, 0), xp.where(block, cost, step_cost[0])
+  block = tokens / (step_cost[1] + k * column_cost) > n_live / step_cost[0]
+  return block, xp.where(block, rows, 0)

@@ -327,7 +327,7 @@ def speculative_decode_loop(
     k_rows = jnp.where(drafting, jnp.minimum(room, k_max), 0)
     index = jnp.int32(len(widths) - 1)
     if len(widths) > 1:  # plain or the block, unless forced (warm-up, timing)
-      block, planned, _ = goodput.plan(gain, drafting, live, room, k_max, step_cost,
+      block, planned = goodput.plan(gain, drafting, live, room, k_max, step_cost,
                                        column_cost)
       index = jnp.where(force_k >= 0, force_k, block.astype(jnp.int32))
       k_rows = jnp.where(force_k >= 0, k_rows, planned)

@@ -227,7 +227,7 @@ class SpecRuntime:
     ids, gain, column_cost = goodput.row_drafters(gains, step_cost[-1], drafter_cost, allowed,
                                                   row_auto, row_drafter, live, self.k, xp=np)
     room = np.asarray([min(self.k, r.sampling.max_draft_tokens or self.k) for r in reqs])
-    block, _, _ = goodput.plan(gain, ids > 0, live, room, self.k, step_cost, column_cost,
+    block, _ = goodput.plan(gain, ids > 0, live, room, self.k, step_cost, column_cost,
                                xp=np)
     return bool(block)
 
@@ -326,9 +326,8 @@ class SpecRuntime:
     self.calibration += calib[:2]
     self.k_steps += k_steps
     totals = by_drafter.sum(1)  # [B, 3] verify steps, drafted and accepted tokens
-    counters["spec_steps"] += int(totals[:, 0].sum())
-    counters["spec_drafted"] += int(totals[:, 1].sum())
-    counters["spec_accepted"] += int(totals[:, 2].sum())
+    for name, n in zip(("spec_steps", "spec_drafted", "spec_accepted"), totals.sum(0)):
+      counters[name] += int(n)
     self.per_position += slots.sum(0)
     for i, (req, s) in enumerate(zip(reqs, specs)):
       if draft_rows[i]:  # the loop fed it every token and flushed
@@ -342,15 +341,14 @@ class SpecRuntime:
       s.accept = row_accept[i]
       if mtp_h is not None:
         s.mtp_hidden = mtp_h[i]
-      for d in self.enabled:  # per drafter: verify steps, drafted and accepted tokens
-        steps_, drafted, accepted = (int(x) for x in by_drafter[i, drafter_id(d)])
-        if steps_:
-          s.drafter_steps[d] = s.drafter_steps.get(d, 0) + steps_
-          self.per_drafter[f"spec_steps_{d}"] += steps_
-          self.per_drafter[f"spec_drafted_{d}"] += drafted
-          self.per_drafter[f"spec_accepted_{d}"] += accepted
-          if row_auto[i]:  # row iterations in which "auto" chose d
-            self.per_drafter[f"spec_auto_choice_{d}"] += steps_
+      for d in self.enabled:
+        if by_drafter[i, drafter_id(d), 0]:
+          s.drafter_steps[d] = s.drafter_steps.get(d, 0) + int(by_drafter[i, drafter_id(d), 0])
+    for d in self.enabled:  # per drafter: verify steps, drafted and accepted tokens
+      per_row = by_drafter[:, drafter_id(d)]  # [B, 3]
+      for name, n in zip(("steps", "drafted", "accepted"), per_row.sum(0)):
+        self.per_drafter[f"spec_{name}_{d}"] += int(n)
+      self.per_drafter[f"spec_auto_choice_{d}"] += int(per_row[row_auto, 0].sum())
     return out, counts, lps, cache
 
   def plain_program(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
