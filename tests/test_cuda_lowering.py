@@ -19,7 +19,7 @@ from cuda_export import MOSAIC_CALL, export_cuda_calls
 from engine.model.config import config_from_dict
 from engine.model.kernels import REFERENCE, KernelChoice
 from engine.model.params import init_params
-from engine.runtime import steps
+from engine.runtime import engine as engine_module, steps
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
@@ -36,7 +36,7 @@ PROGRAMS = {
     "decode_loop": (steps.decode_loop, [(steps, "decode_loop")]),
     "decode_loop_learning": (runtime.decode_loop_learning,
                              [(runtime, "decode_loop_learning")]),
-    "spec_model_step": (runtime.spec_model_step, [(runtime, "spec_model_step")]),
+    "spec_model_step": (runtime.spec_model_step, [(engine_module, "spec_model_step")]),
     "draft_forward": (catch_up.draft_forward, [(catch_up, "draft_forward")]),
 }
 

@@ -14,7 +14,7 @@ def test_plan_drafts_where_the_block_pays():
   one = jnp.ones((1,), bool)
 
   def block(gain, t0, tk, room=4, column=0.0):
-    drafts, k_rows, _ = goodput.plan(gain[None], one, one, jnp.asarray([room]), 4,
+    drafts, k_rows = goodput.plan(gain[None], one, one, jnp.asarray([room]), 4,
                                      jnp.asarray([t0, tk], jnp.float32), jnp.float32(column))
     return bool(drafts), int(k_rows[0])
 
@@ -93,19 +93,16 @@ def test_plan_takes_the_better_rate_on_host_and_device_alike():
     room = rng.integers(0, 5, b).astype(np.int32)
     step = np.asarray([1.0 + [0.0, 0.2][case % 2], 1.0 + rng.uniform(0.0, 1.5)], np.float32)
     column = np.float32(rng.uniform(0.0, 0.2))
-    block, k_rows, at = goodput.plan(jnp.asarray(gain), jnp.asarray(drafting),
-                                     jnp.asarray(live), jnp.asarray(room), k, jnp.asarray(step),
-                                     jnp.float32(column))
+    block, k_rows = goodput.plan(jnp.asarray(gain), jnp.asarray(drafting), jnp.asarray(live),
+                                 jnp.asarray(room), k, jnp.asarray(step), jnp.float32(column))
     host = goodput.plan(gain, drafting, live, room, k, step, column, xp=np)
     assert bool(host[0]) == bool(block) and list(host[1]) == list(np.asarray(k_rows))
-    assert float(host[2]) == pytest.approx(float(at), rel=1e-5)
     rows = [min(k, room[i]) if drafting[i] else 0 for i in range(b)]
     tokens = live.sum() + sum(gain[i, :rows[i]].sum() for i in range(b))
     block_rate, plain_rate = tokens / (step[1] + k * column), live.sum() / step[0]
     assert bool(block) == (block_rate > plain_rate * (1 + 1e-6)) or abs(
         block_rate - plain_rate) < 1e-5 * plain_rate, case
     assert list(np.asarray(k_rows)) == (rows if block else [0] * b)
-    assert float(at) == pytest.approx(step[1] + k * column if block else step[0], rel=1e-6)
     drafted.add(bool(block))
   assert drafted == {True, False}  # both outcomes exercised
 

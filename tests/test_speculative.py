@@ -137,21 +137,20 @@ def test_learned_table_learns_decays_and_evicts():
   update = jax.jit(learned.update)
   table = update(table, hist, pos, jnp.ones_like(pos, bool))
   # After (5, 6, 7): 8, then 9 twice; one observation per slot and call, the last wins -> 9.
-  tok, found = learned.lookup(table, jnp.asarray([[5, 6, 7]]), 0.5)
+  tok, found = learned.lookup(table, jnp.asarray([[5, 6, 7]]))
   assert found.tolist() == [True] and tok.tolist() == [9]
   # Across calls counts decay and add up: 8 (newest) beats 9 (decayed), then 9 wins again.
   for nxt, want in ((8, 8), (9, 9)):
     one = jnp.asarray([[5, 6, 7, nxt]], jnp.int32)
     table = update(table, one, jnp.asarray([[3]], jnp.int32), jnp.ones((1, 1), bool))
-    assert learned.lookup(table, jnp.asarray([[5, 6, 7]]), 0.5)[0].tolist() == [want]
+    assert learned.lookup(table, jnp.asarray([[5, 6, 7]]))[0].tolist() == [want]
   row = int(learned.context_hash(jnp.asarray([5, 6, 7])) % np.uint32(64))
   np.testing.assert_allclose(sorted(np.asarray(table.counts[row]).tolist()),
                              [0.95, 1.0 + 0.95 ** 2], rtol=1e-6)
   draft, n = learned.propose(table, hist, jnp.asarray([7]), 3)  # after ... 5 6 7 9
   assert n.tolist() == [3] and draft[0].tolist() == [5, 6, 7]
-  # An unseen context drafts nothing; min_count filters weak candidates.
-  assert learned.lookup(table, jnp.asarray([[1, 2, 3]]), 0.5)[1].tolist() == [False]
-  assert learned.lookup(table, jnp.asarray([[5, 6, 7]]), 5.0)[1].tolist() == [False]
+  # An unseen context drafts nothing.
+  assert learned.lookup(table, jnp.asarray([[1, 2, 3]]))[1].tolist() == [False]
 
 
 # ---- the loop on a tiny random model ---------------------------------------------------------

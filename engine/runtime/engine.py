@@ -45,7 +45,7 @@ from engine.runtime.request import (FINISH_ABORT, FINISH_STOP, Request, RequestO
                                     check_stop_and_room, wants_logprobs)
 from engine.runtime.sampling import SamplingArrays, SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.runtime.speculative.runtime import SpecRuntime
+from engine.runtime.speculative.runtime import SpecRuntime, spec_model_step
 from engine.runtime.warmup import compile_buckets
 
 
@@ -415,9 +415,9 @@ class Engine:
             self._sampling_arrays(row_req), *image_rows, cfg=self.cfg,
             impl=self.config.kernels)
       elif self.spec.observes:
-        sampled, lps, mtp_hidden, self.cache = self.spec.model_step(
+        sampled, lps, mtp_hidden, self.cache = spec_model_step(
             self.params, self.cache, tokens, start, n_new, table,
-            self._sampling_arrays(row_req), next_tokens, impl=self.config.kernels)
+            self._sampling_arrays(row_req), next_tokens, cfg=self.cfg, impl=self.config.kernels)
       else:
         sampled, lps, self.cache = steps.model_step(
             self.params, self.cache, tokens, start, n_new, table,

@@ -1,11 +1,6 @@
-"""Speculative decoding: drafters propose tokens, one target forward verifies them losslessly.
-
-* `acceptance`: the verification rule (greedy prefix match; speculative sampling otherwise).
-* `drafters`: n-gram prompt lookup and DeepSeek MTP; `learned`: an on-device n-gram table
-  learned across requests; the draft model's feeding: `loop` and `catch_up`.
-* `goodput`: acceptance estimates per draft position, and whether an iteration drafts.
-* `costs`: the cost table T[B, k] (roofline, or timed at warm-up).
-* `loop`: `speculative_decode_loop`, the one jitted draft-and-verify loop.
-* `runtime`: `SpecRuntime`, the engine's speculative state and the per-call rule.
-* `inplace`: `run_if`, a conditional that keeps large buffers in place.
+"""Speculative decoding: drafters (`drafters`, `learned`, the draft model fed lazily by
+`catch_up`) propose tokens and one target forward verifies them losslessly (`acceptance`), in
+one jitted device loop (`loop`) whose iterations draft when the acceptance estimates
+(`goodput`) and the cost table (`costs`) say it pays; `runtime.SpecRuntime` is the engine's
+speculative state and per-call rule; `inplace.run_if` keeps large buffers in place.
 """

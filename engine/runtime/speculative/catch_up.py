@@ -1,19 +1,10 @@
 """Lazy feeding of the draft model: a row's draft cache is caught up when it starts drafting.
 
-The draft model's paged cache shares the target cache's page ids. Feeding it every prefill
-chunk and every decode token of every request would cost a draft forward per token whether or
-not the request ever drafts with it (on the CPU demo that upkeep took engine "auto" on fresh
-prompts from 0.92x to 0.67x of plain decoding). Instead the serving loop feeds only the rows
-that may draft with it (`draft_rows`: drafter "draft", or "auto" while the engine offers the
-draft model), and before a loop call each such row whose draft entries stop short of its target
-entries (its prompt, tokens decoded while it was not fed, or a shared prefix whose pages were
-computed without the draft model; `DraftEntries` knows which pages hold them) runs a draft-only
-forward over the missing positions.
-
-The missing spans are cut like the scheduler cuts prefill: groups of at most the step token
-budget and `max_num_seqs` spans, each packed into a compiled mixed-step shape `[B, W]`
-(`ShapeBuckets.pack`), so the catch-up compiles nothing the warm-up did not
-(`warmup.compile_buckets` runs `draft_forward` at every mixed shape when "draft" is enabled).
+Feeding it every token of every request costs a draft forward per token whether or not the
+request drafts with it ("auto" on fresh prompts fell from 0.92x to 0.67x of plain decoding on
+the CPU demo). So the loop feeds only its `draft_rows`, and before a call each one whose draft
+entries stop short (`DraftEntries`) runs a draft-only forward over the missing positions, cut
+like prefill (`plan`) into the compiled mixed-step shapes (`pack`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The cost table T[B, k]: one speculative-loop iteration's time at each decode batch bucket B
-and compiled block width k (0 and K, or K alone), in plain decode-loop iterations of the same B
-(`CostTable`).
-
-Everything the speculative policy weighs against acceptance comes from here:
-* `step[B, k]`: the loop's iteration at block width k (rows not drafting: the target's verify
-  forward over k + 1 positions and the loop's own bookkeeping);
-* `drafter[B, d]`: what a model drafter (mtp, draft) adds per drafted column when a row uses it;
-* `call`: a speculative call's fixed cost beyond a plain call's (the `min_call_tokens` guard).
-
-Measured once at warm-up (`measure`: every program timed in interleaved rounds, the median
-kept) or, unmeasured, the roofline (`roofline`): a decode iteration reads the weights once
-whatever its token count, so verifying k + 1 tokens per row costs a plain step until the
-tokens reach the chip's ridge point (RIDGE_TOKENS), and proportionally more after.
+"""The cost table T[B, k]: a speculative-loop iteration's time at decode bucket B and block
+width k (0 and K, or K), in plain decode-loop iterations of the same B; `drafter[B, d]`, what a
+model drafter adds per drafted column; `call`, a speculative call's fixed cost beyond a plain
+call's. Timed at warm-up (`measure`), else the roofline (`roofline`): an iteration reads the
+weights once, so k + 1 tokens per row cost a plain step until they reach the ridge point.
 """
 
 from __future__ import annotations
@@ -88,8 +79,8 @@ def roofline(batch_sizes: Sequence[int], widths: Sequence[int], drafter_cost: Se
 
 
 def time_rounds(programs: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any, float]:
-  """Median seconds of each program over `rounds` interleaved rounds (each run once first, to
-  compile and warm its branches): load from elsewhere on the machine slows all alike."""
+  """Median seconds of each program over `rounds` interleaved rounds (each run once first), so
+  load from elsewhere on the machine slows all alike."""
   for run in programs.values():
     jax.block_until_ready(run())
   seen: dict[Any, list[float]] = {key: [] for key in programs}
@@ -103,18 +94,12 @@ def time_rounds(programs: dict[Any, Callable[[], Any]], rounds: int) -> dict[Any
 
 def measure(batch_sizes: Sequence[int], widths: Sequence[int], drafters: Sequence[str],
             drafter_ids: Sequence[int], num_drafter_ids: int, iterations: int,
-            plain: Callable[[int, int], Any], speculative: Callable[[int, int, int, str | None],
-                                                                    Any],
-            rounds: int = 5, timed: Callable[..., dict[Any, float]] = time_rounds
-            ) -> CostTable:
-  """Times the loops themselves and builds the table.
-
-  plain(b, n): one plain decode-loop call of b rows for n iterations; speculative(b, n, w, d):
-  one speculative-loop call of b rows for n iterations forced to width index w, rows drafting
-  with model drafter d (None: not drafting). `drafters`: the enabled model drafters, with their
-  `drafter_ids`. Each call's time is a + n t: the table takes t from calls of `iterations`
-  and 1 iterations, so the per-call costs (dispatch, fetching outputs) fall into `call`.
-  `timed(programs, rounds)`: seconds per program (`time_rounds`)."""
+            plain: Callable[[int, int], Any], speculative: Callable[..., Any], rounds: int = 5,
+            timed: Callable[..., dict[Any, float]] = time_rounds) -> CostTable:
+  """Times the loops and builds the table. plain(b, n): a plain decode-loop call of b rows
+  for n iterations; speculative(b, n, w, d): a speculative one forced to width index w, its
+  rows drafting with model drafter d (of `drafters`, ids `drafter_ids`; None: none). A call
+  takes a + n t: t comes from calls of `iterations` and of 1, the rest goes into `call`."""
   n, top, k = iterations, len(widths) - 1, widths[-1]
   programs: dict[Any, Callable[[], Any]] = {}
   for b in batch_sizes:

@@ -1,22 +1,8 @@
-"""Drafters: cheap proposals of the next K tokens of every row, all on the device.
-
-Shapes: B rows, K = num_draft tokens, L = token history length, V vocabulary, H hidden size.
-Every drafter proposes at the start of a loop step, when row b has `n_cached[b]` tokens in the
-target cache and its newest token `tok[b]` (not yet in the cache) at position `n_cached[b]`;
-draft j (1-based) is the token at position `n_cached + j`.
-
-* `ngram_propose`: prompt lookup. The longest suffix (n = 5 down to 2) of the row's own token
-  history that occurred before; the tokens that followed its most recent occurrence are the
-  draft. Deterministic (one-hot q).
-* MTP (`mtp_observe`, `mtp_propose`): DeepSeek's multi-token-prediction layer. After each
-  verification it runs over the verified block (filling its cache entries, which live after the
-  decoder layers in the target cache) and keeps its output hidden state at the last cached
-  position, which predicts d_1; for K > 1 the layer is chained on its own output hidden state.
-* Draft model (`loop._draft_feed`, `loop._draft_chain`): a small model with the same tokenizer
-  and its own paged cache decodes K tokens autoregressively.
-
-Sampled rows draw drafts from the drafter's transformed distribution q (same temperature/top-k/
-top-p/min-p as the target) and return q for the acceptance rule; greedy rows take the argmax.
+"""Drafters' proposals of the next K tokens of every row, on the device: prompt lookup
+(`ngram_propose`, deterministic) and DeepSeek's multi-token-prediction layer (`mtp_observe` over
+every verified block, its cache entries after the decoder layers' in the target cache;
+`mtp_propose`, chained on its own output hidden state). (The draft model: `loop._draft_feed`,
+`loop._draft_chain`.) Draft j (1-based) is the token at position n_cached + j.
 """
 
 from __future__ import annotations
@@ -27,7 +13,7 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice
 from engine.model.params import Params
-from engine.model.transformer import Cache, compute_logits, forward, forward_mtp
+from engine.model.transformer import Cache, compute_logits, forward_mtp
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative.acceptance import draft_sample
 
@@ -36,21 +22,16 @@ from engine.runtime.speculative.acceptance import draft_sample
 NGRAM_MIN, NGRAM_MAX = 2, 5
 
 
-def ngram_propose(history: jax.Array, newest: jax.Array, k: int, min_n: int = NGRAM_MIN,
-                  max_n: int = NGRAM_MAX) -> tuple[jax.Array, jax.Array]:
-  """Prompt lookup in each row's own history.
-
-  Args:
-    history: [B, L] int32 tokens of the row (prompt then outputs), entries past `newest` unused.
-    newest: [B] int32 index of the newest token in `history`.
-  Returns:
-    (draft [B, K] int32, n_draft [B] int32; 0 when no suffix of length >= min_n recurs).
-  """
+def ngram_propose(history: jax.Array, newest: jax.Array, k: int
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Prompt lookup in each row's history [B, L] (its newest token at index newest [B]): the
+  tokens after the most recent occurrence of its longest recurring suffix (NGRAM_MAX down to
+  NGRAM_MIN tokens). Returns (draft [B, K] int32, n_draft [B] int32, 0 if none recurs)."""
   b, length = history.shape
   ends = jnp.arange(length, dtype=jnp.int32)[None, :]
   run = jnp.zeros((b, length), jnp.int32)  # matched suffix length ending at each index
   alive = jnp.ones((b, length), bool)
-  for m in range(max_n):
+  for m in range(NGRAM_MAX):
     suffix_tok = jnp.take_along_axis(history, jnp.maximum(newest - m, 0)[:, None], axis=1)
     shifted = jnp.concatenate([jnp.full((b, m), -1, history.dtype), history[:, :length - m]],
                               axis=1)  # shifted[e] = history[e - m]
@@ -58,7 +39,7 @@ def ngram_propose(history: jax.Array, newest: jax.Array, k: int, min_n: int = NG
     run = run + alive.astype(jnp.int32)
   # A candidate must end before the newest token so that a continuation exists; prefer the
   # longest match, then the most recent one.
-  valid = (ends < newest[:, None]) & (run >= min_n)
+  valid = (ends < newest[:, None]) & (run >= NGRAM_MIN)
   score = jnp.where(valid, run * length + ends, -1)
   best = jnp.argmax(score, axis=1).astype(jnp.int32)
   found = jnp.max(score, axis=1) >= 0
@@ -84,11 +65,9 @@ def mtp_propose(params: Params, cache: Cache, mtp_hidden: jax.Array, n_cached: j
                 live: jax.Array, page_table: jax.Array, sampling: SamplingArrays, *, k: int,
                 cfg: ModelConfig, impl: KernelChoice
                 ) -> tuple[jax.Array, jax.Array, Cache]:
-  """K drafts from the MTP layer. mtp_hidden [B, H]: its output at position n_cached - 1.
-
-  Returns (draft [B, K], q [B, K, V], cache). Chained steps write MTP cache entries at positions
-  n_cached .. n_cached + K - 2 that the next `mtp_observe` overwrites.
-  """
+  """K drafts from the MTP layer, mtp_hidden [B, H] its output at position n_cached - 1.
+  Returns (draft [B, K], q [B, K, V], cache); the chained steps' cache entries (positions
+  n_cached .. n_cached + K - 2) are overwritten by the next `mtp_observe`."""
   h = mtp_hidden
   drafts, qs = [], []
   for j in range(1, k + 1):

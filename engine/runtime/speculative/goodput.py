@@ -1,25 +1,13 @@
 """Acceptance estimates per draft position, and whether an iteration drafts.
 
-Acceptance is measured per draft position: c_j = P(draft j accepted | drafts 1 .. j-1 were),
-so a row drafting k tokens emits E[tau](k) = 1 + sum_{j <= k} g_j tokens, with g_j = c_1 ...
-c_j the chance that the first j drafts are all accepted (`gains`). (One rate a for every
-position, g_j = a^j, overrates deep positions when acceptance falls with depth, e.g. a
-prompt-lookup match that runs out, and underrates them in a long copy.)
-
-The estimates are decayed (accepted, ended) counts per position from the loop's own recent
-iterations (`position_evidence`, `decay_add`): a chain that matched m drafts and then ended
-(a rejection, or no proposal) counts as accepted at 1 .. m and ended at m + 1; positions past
-a chain's horizon learn nothing (censored). Counts decay only where evidence arrives, so what
-was learned about deep positions survives iterations that draft nothing. Each position's
-prior is the estimate one position shallower (`conditional_acceptance`): without deep evidence
-the model is the geometric one, and a drafter that stopped paying is retried once its
-evidence has decayed.
-
-Each loop iteration (`plan`) verifies one block of K + 1 positions, every drafting row
-verifying min(K, its room) drafts, or runs plain (one position), whichever expects more tokens
-per unit of time by the cost table (`costs.py`); an "auto" row first takes its drafter
-(`row_drafters`). No width in between is compiled (the program is half as large); what that
-gives up where T grows with k: BENCHMARKS.md, "one masked verify width".
+c_j = P(draft j accepted | drafts 1 .. j-1 were), g_j = c_1 ... c_j (`gains`): drafting k
+tokens emits E[tau](k) = 1 + g_1 + ... + g_k (one rate for all positions would overrate deep
+ones where acceptance falls with depth). The c_j come from decayed (accepted, ended) counts per
+position (`position_evidence`, `decay_add`: a chain that matched m drafts, then ended, counts
+accepted at 1 .. m and ended at m + 1); counts decay only where evidence arrives, and each
+position's prior is the estimate one shallower (`conditional_acceptance`). `row_drafters`
+picks "auto" rows' drafters; `plan` picks plain or the block of K + 1 by expected tokens per
+unit of time (cost table). `xp`: numpy for the host's decisions.
 """
 
 from __future__ import annotations
@@ -62,10 +50,7 @@ def conditional_acceptance(counts: jnp.ndarray, first_prior: jnp.ndarray | float
                            xp=jnp) -> jnp.ndarray:
   """[..., J] c_j from decayed (accepted, ended) counts [..., J, 2], each with a prior worth
   `weight` observations: `first_prior` at j = 1, then c_{j-1} (times depth_ratio[..., j] when
-  given: how acceptance changes with depth elsewhere, e.g. for the drafter engine-wide).
-
-  `xp`: the array module; the engine's host-side decisions and statistics pass numpy (these
-  few small ops, dispatched eagerly one by one, cost ~1 ms per call through jax)."""
+  given: how acceptance changes with depth elsewhere, e.g. for the drafter engine-wide)."""
   acc, end = counts[..., 0], counts[..., 1]
   prior = xp.broadcast_to(xp.asarray(first_prior, xp.float32), acc.shape[:-1])
   out = []
@@ -83,13 +68,10 @@ def gains(c: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
 
 
 def row_gains(row_counts: jnp.ndarray, counts: jnp.ndarray, *, xp=jnp) -> jnp.ndarray:
-  """[B, D, J] each row's gains per drafter from its own decayed counts `row_counts`
-  [B, D, J, 2], with the drafter's engine-wide estimate (`counts` [D, J, 2]) as a prior worth
-  ROW_PRIOR_WEIGHT observations: a new request starts from what the drafter does for
-  everyone and moves to what it does for this request. Where the row has no evidence at a
-  depth, its estimate follows the row's own shallower one scaled by the drafter's engine-wide
-  change with depth (a request that accepts more than most at position 1 is expected to keep
-  doing so)."""
+  """[B, D, J] each row's gains per drafter from its own counts `row_counts` [B, D, J, 2],
+  with the drafter's engine-wide estimate (`counts` [D, J, 2]) as a prior worth
+  ROW_PRIOR_WEIGHT observations. Without evidence at a depth, a row's estimate follows its own
+  shallower one scaled by the drafter's engine-wide change with depth."""
   g = conditional_acceptance(counts, PRIOR_ACCEPT, PRIOR_WEIGHT, xp=xp)  # [D, J]
   ratio = g / xp.concatenate([g[:, :1], g[:, :-1]], axis=1)  # c_j / c_{j-1} (1 at j = 1)
   c = conditional_acceptance(row_counts, g[None, :, 0], ROW_PRIOR_WEIGHT, ratio[None], xp=xp)
@@ -105,14 +87,10 @@ def row_drafters(gain_rows: jnp.ndarray, step_cost: jnp.ndarray, drafter_cost: j
                  allowed: jnp.ndarray, row_auto: jnp.ndarray, row_drafter: jnp.ndarray,
                  live: jnp.ndarray, k: int, *, xp=jnp
                  ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-  """Each row's drafter for an iteration, its gains, and the model drafters' cost per column.
-
-  gain_rows [B, D, J]: every row's gains per drafter (`row_gains`); step_cost: T(B, k) at the
-  widest block k; drafter_cost [D]: each drafter's cost per drafted column; allowed [B, D]
-  bool: what an "auto" row (`row_auto` [B]) may take; row_drafter [B] int32: the others' own
-  (0: off). An "auto" row takes the allowed drafter with the most expected tokens per unit of
-  time at the widest block, E[tau](k) / (T + k c_d). Returns (ids [B] int32, gain [B, J],
-  column cost: the sum of c_d over the drafters live rows use). `xp`: numpy on the host."""
+  """Each row's drafter for an iteration: an "auto" row (`row_auto` [B]) the one `allowed`
+  [B, D] with the most E[tau](k) / (T + k c_d) (gain_rows [B, D, J], step_cost T(B, k),
+  drafter_cost [D] c_d per drafted column), the others their own `row_drafter` [B] (0: off).
+  Returns (ids [B] int32, gain [B, J], the sum of c_d over the drafters live rows use)."""
   n_ids = gain_rows.shape[1]
   score = expected_tokens(gain_rows, k, xp=xp) / (step_cost + k * drafter_cost)[None]
   best = xp.argmax(xp.where(allowed, score, -xp.inf), axis=1).astype(xp.int32)
@@ -124,21 +102,15 @@ def row_drafters(gain_rows: jnp.ndarray, step_cost: jnp.ndarray, drafter_cost: j
 
 def plan(gain: jnp.ndarray, drafting: jnp.ndarray, live: jnp.ndarray, room: jnp.ndarray,
          k: int, step_cost: jnp.ndarray, column_cost: jnp.ndarray, *, xp=jnp
-         ) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
-  """Whether an iteration verifies a block of k drafts, each row's draft count, its time.
-
-  gain [B, J >= k]: each row's gains for its drafter; drafting [B] bool: live rows with a
-  drafter (the others emit one token either way); live [B] bool; room [B]: the most drafts a
-  row may verify; step_cost [2]: T(B, 0), T(B, k); column_cost: the model drafters' cost per
-  column. The block emits sum_b (1 + g_b1 + ... + g_b,min(k, room_b)) in T(B, k) +
-  k column_cost, every drafting row drafting min(k, room_b) (the block's cost does not depend
-  on what fills it); plain decoding emits one token per live row in T(B, 0). Returns (block:
-  bool, draft counts [B] int32, the iteration's time)."""
+         ) -> tuple[jnp.ndarray, jnp.ndarray]:
+  """Whether an iteration verifies a block of k drafts: it emits sum over live rows of
+  1 + g_1 + ... + g_min(k, room) (gain [B, J >= k]; rows `drafting` only) in T(B, k) + k
+  column_cost, plain decoding one token per live row in T(B, 0) (step_cost [2]). Returns
+  (block: bool, draft counts [B] int32)."""
   rows = xp.where(drafting, xp.minimum(room, k), 0).astype(xp.int32)
   taken = xp.arange(1, k + 1, dtype=xp.int32)[None, :] <= rows[:, None]
   gain = xp.clip(gain[:, :k].astype(xp.float32), 0.0, _MAX_ACCEPT)
   n_live = xp.sum(live).astype(xp.float32)
   tokens = n_live + xp.sum(xp.where(taken, gain, 0.0))
-  cost = step_cost[1] + k * column_cost
-  block = tokens / cost > n_live / step_cost[0]
-  return block, xp.where(block, rows, 0), xp.where(block, cost, step_cost[0])
+  block = tokens / (step_cost[1] + k * column_cost) > n_live / step_cost[0]
+  return block, xp.where(block, rows, 0)

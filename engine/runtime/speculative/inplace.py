@@ -1,13 +1,11 @@
 """`run_if`: a conditional whose large state (a KV cache) XLA updates in place.
 
-XLA copies a buffer that a `lax.cond` / `lax.switch` branch updates whenever that conditional
-sits inside another one (the decode loop's plain / block branches): the whole buffer, every
-time the outer branch runs. A while loop's state is aliased with its result, so a while loop of zero or one
-trips updates its state in place at any nesting depth; but XLA also hoists loop-invariant work
-out of while loops (where it then runs with zero trips too), so the values the function closes
-over enter the loop through its state and a barrier with the trip counter. Checked on the
-compiled HLO (`tests/test_inplace.py`: `copy` instructions of the buffer's shape, and where the
-function's dots end up).
+XLA copies a buffer that a conditional branch updates whenever that conditional sits inside
+another one (the loop's plain / block branches), but updates a while loop's state in place at
+any depth: so `run_if` is a while loop of zero or one trips. What it closes over (weights, the
+verify's hidden states) goes through the loop state and a barrier with the trip counter, or
+XLA would hoist work on it out of the loop (to run with zero trips too). Checked on the
+compiled HLO by `tests/test_inplace.py`.
 """
 
 from __future__ import annotations
@@ -23,10 +21,6 @@ State = TypeVar("State")
 def run_if(pred: jax.Array, fn: Callable[[State], State], state: State) -> State:
   """`fn(state)` if the scalar bool `pred` holds, else `state`; fn keeps the pytree structure,
   shapes and dtypes of `state`."""
-  # XLA hoists loop-invariant work out of a while loop (it would then run with zero trips
-  # too): what fn computes from values it closes over (weights, the verify's hidden states)
-  # would be. Those values go through the loop state and a barrier with the trip counter, so
-  # nothing in the body is invariant.
   closed, consts = jax.closure_convert(fn, state)
   trips = jnp.asarray(pred).astype(jnp.int32)
 

@@ -1,16 +1,10 @@
-"""A learned n-gram drafter: an on-device hash table, context n-gram -> next-token candidates.
-
-Unlike prompt lookup (`drafters.ngram_propose`), which only searches a row's own context, the
-table learns from every token any request emitted and persists across calls (and optionally
-across processes, `save`/`load`), so agent-style traffic that repeats earlier outputs (tool
-calls, boilerplate, code edits) drafts well from the first token of a new request.
-
-Layout (S slots, C candidates per slot): a context of `order` tokens hashes to one slot; the slot
-keeps the full hash as a tag (a different context evicts it), C candidate next tokens and their
-counts. Every update decays the slot's counts by `decay` before adding 1 to the observed token
-(replacing the weakest candidate when it is new), so stale continuations fade. Drafting looks up
-the longest order first (ORDERS), takes the best candidate if its count reaches `min_count`,
-and chains on its own drafts for up to K tokens. Deterministic: verified with one-hot q.
+"""A learned n-gram drafter: an on-device hash table, context n-gram -> next-token candidates,
+taught every token any request emits and kept across calls (and processes: `NgramMemory`), so
+traffic that repeats earlier outputs (tool calls, boilerplate, code edits) drafts well from a
+new request's first token (prompt lookup only searches the row's own context). A context
+hashes to one slot, which keeps the hash as a tag (another context evicts it) and C candidates
+with decayed counts; drafting takes the best candidate of the longest order that knows the
+context (ORDERS) and chains on its own drafts. Deterministic: verified with one-hot q.
 """
 
 from __future__ import annotations
@@ -38,20 +32,11 @@ class NgramTable:
 
   @staticmethod
   def empty(num_slots: int = 1 << 16, num_candidates: int = 4) -> "NgramTable":
+    """An empty table (the default sizes are chosen, not measured)."""
     return NgramTable(tags=jnp.zeros((num_slots,), jnp.uint32),
                       used=jnp.zeros((num_slots,), bool),
                       tokens=jnp.full((num_slots, num_candidates), -1, jnp.int32),
                       counts=jnp.zeros((num_slots, num_candidates), jnp.float32))
-
-  def save(self, path: str) -> None:
-    """Writes the table as a .npz file."""
-    np.savez(path, **{f.name: np.asarray(getattr(self, f.name))
-                      for f in dataclasses.fields(self)})
-
-  @staticmethod
-  def load(path: str) -> "NgramTable":
-    with np.load(path) as z:
-      return NgramTable(**{f.name: jnp.asarray(z[f.name]) for f in dataclasses.fields(NgramTable)})
 
 
 def context_hash(ctx: jax.Array) -> jax.Array:
@@ -72,15 +57,10 @@ def _contexts(history: jax.Array, ends: jax.Array, order: int) -> jax.Array:
 
 def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: jax.Array,
            decay: float = 0.95) -> NgramTable:
-  """Learns that history[b, p] followed its context, for every valid position p.
-
-  history [B, L] int32; positions [B, T] int32; valid [B, T] bool (positions with fewer than
-  `order` tokens before them are skipped for that order). All observations apply at once, one
-  per slot: when several in one call land in the same slot (the same context, or a hash
-  collision), the last in row-major order wins and the others are dropped. A sequential loop
-  over every observation cost more per decode iteration than the drafts saved (B (K + 1)
-  dependent scatters per order); a drafter's table may lose a few observations.
-  """
+  """Learns that history[b, p] ([B, L]) followed its context, for every valid [B, T] position
+  p of positions [B, T]. One observation per slot and call: when several land in one slot, the
+  last in row-major order wins (a sequential loop over them cost more per decode iteration
+  than the drafts saved). A slot's counts decay by `decay` (chosen, not measured) per update."""
   hashes, toks, oks = [], [], []
   tok = jnp.take_along_axis(history, jnp.clip(positions, 0, history.shape[1] - 1), axis=1)
   for order in ORDERS:
@@ -113,32 +93,25 @@ def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: j
                     counts=table.counts.at[target].set(row_cnt, mode="drop"))
 
 
-def lookup(table: NgramTable, ctx: jax.Array, min_count: float) -> tuple[jax.Array, jax.Array]:
-  """Best next token after each context. ctx [B, max(ORDERS)] (most recent last).
-
-  Returns (token [B] int32, found [B] bool), the longest order that knows the context winning.
-  """
+def lookup(table: NgramTable, ctx: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Best next token after each context ctx [B, max(ORDERS)] (most recent last): (token [B]
+  int32, found [B] bool), the longest order that knows the context winning."""
   num_slots = table.tags.shape[0]
   tok = jnp.zeros(ctx.shape[:1], jnp.int32)
   found = jnp.zeros(ctx.shape[:1], bool)
   for order in ORDERS:
     h = context_hash(ctx[:, -order:])
     slot = (h % np.uint32(num_slots)).astype(jnp.int32)
-    cnt, cand = table.counts[slot], table.tokens[slot]
-    best = jnp.argmax(cnt, axis=1)
-    ok = (table.used[slot] & (table.tags[slot] == h)
-          & (jnp.take_along_axis(cnt, best[:, None], axis=1)[:, 0] >= min_count))
-    tok = jnp.where(found, tok, jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0])
-    found = found | ok
+    best = jnp.argmax(table.counts[slot], axis=1)[:, None]
+    tok = jnp.where(found, tok, jnp.take_along_axis(table.tokens[slot], best, axis=1)[:, 0])
+    found = found | (table.used[slot] & (table.tags[slot] == h))
   return tok, found
 
 
-def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int,
-            min_count: float = 0.5) -> tuple[jax.Array, jax.Array]:
-  """Up to K chained drafts per row after history[b, :newest[b] + 1].
-
-  Returns (draft [B, K] int32, n_draft [B] int32: the drafts before the first unknown context).
-  """
+def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int
+            ) -> tuple[jax.Array, jax.Array]:
+  """Up to K chained drafts per row after history[b, :newest[b] + 1]: (draft [B, K] int32,
+  n_draft [B] int32, the drafts before the first unknown context)."""
   n = max(ORDERS)
   ctx = _contexts(history, newest[:, None], n)[:, 0]  # [B, n]
   # Rows with fewer than n tokens: their missing context entries are position 0's token, so a
@@ -146,7 +119,7 @@ def propose(table: NgramTable, history: jax.Array, newest: jax.Array, k: int,
   drafts, alive = [], jnp.ones(newest.shape, bool)
   n_draft = jnp.zeros(newest.shape, jnp.int32)
   for _ in range(k):
-    tok, found = lookup(table, ctx, min_count)
+    tok, found = lookup(table, ctx)
     alive = alive & found
     n_draft = n_draft + alive.astype(jnp.int32)
     drafts.append(tok)
@@ -169,13 +142,16 @@ class NgramMemory:
   """Host handle on a table that persists across `generate_tokens` calls (it is replaced by
   the updated table after each call; the old device buffers are donated)."""
 
-  def __init__(self, table: NgramTable | None = None, num_slots: int = 1 << 16,
-               num_candidates: int = 4):
-    self.table = table if table is not None else NgramTable.empty(num_slots, num_candidates)
+  def __init__(self, table: NgramTable | None = None, num_slots: int = 1 << 16):
+    self.table = table if table is not None else NgramTable.empty(num_slots)
 
   def save(self, path: str) -> None:
-    self.table.save(path)
+    """Writes the table as a .npz file."""
+    np.savez(path, **{f.name: np.asarray(getattr(self.table, f.name))
+                      for f in dataclasses.fields(NgramTable)})
 
   @staticmethod
   def load(path: str) -> "NgramMemory":
-    return NgramMemory(NgramTable.load(path))
+    with np.load(path) as z:
+      return NgramMemory(NgramTable(**{f.name: jnp.asarray(z[f.name])
+                                       for f in dataclasses.fields(NgramTable)}))

@@ -1,28 +1,12 @@
-"""`speculative_decode_loop`: the decode-only device loop with drafting (the only one: the
-serving engine's, which `generate_tokens` and `engine.generate` also run through).
+"""`speculative_decode_loop`: the decode-only device loop with drafting (the engine's, which
+`generate_tokens` and `engine.generate` run through too).
 
-Same contract as `steps.decode_loop` (B rows that only decode; a token budget `num_steps` for
-which the scheduler took pages up front; EOS/stop ids and per-row limits on the device), but
-an iteration may draft up to K tokens per row and verify them with ONE target forward over
-K + 1 positions (`verify_block`), each row masked to its own drafts. A row never writes past
-`n_cached + limit - 1`.
-
-Drafters per row: `row_drafter[b]` indexes `DRAFTER_IDS` (0 = off: one token per iteration);
-`row_auto[b]` rows take, every iteration, the drafter with the best expected tokens per unit of
-time by their own estimates. Every enabled drafter proposes for the whole batch and rows take
-their own (`jnp.where`); the model drafters' chained forwards run only when a live row uses
-them (`inplace.run_if`, which keeps their caches in place). "mtp" observes every verified block
-of every row; "draft" is fed only for `draft_rows` (caught up before the call, `catch_up.py`):
-tokens it lacks (`pending`) go in front of its next forward and are flushed at the end, so its
-cache then holds exactly what the target's does. Deterministic drafters' rows are verified
-against the target's own (seed, position) samples, model drafters' by speculative sampling.
-
-After each verify every drafter that proposed is checked against what each row emitted
-(`matched`): decayed (accepted, ended) counts per draft position, per row (`row_accept`, the
-request's) and over drafting rows (`accept`). The compiled block `widths` are (0, K) (adaptive:
-`goodput.plan` takes plain or the block each iteration, from the estimates and the cost
-table's T(B, k), `costs`) or (K,); `force_k` >= 0 forces one (warm-up and timing). The loop's
-state is `LoopState`.
+`steps.decode_loop`'s contract, but an iteration may draft up to K tokens per row and verify
+them with ONE target forward over K + 1 positions (`verify_block`), each row masked to its own
+drafts. Every enabled drafter proposes for the whole batch and each row takes its own (or, for
+"auto" rows, the best by its estimates); the model drafters' forwards run only when a live row
+uses them (`inplace.run_if`). Every proposal is then checked against what the row emitted
+(`matched`), which updates the acceptance estimates (`goodput`).
 """
 
 from __future__ import annotations
@@ -39,7 +23,7 @@ from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
 from engine.runtime.speculative import drafters as dr, goodput, learned
-from engine.runtime.speculative.acceptance import draft_sample, verify
+from engine.runtime.speculative.acceptance import draft_sample, prefix_length, verify
 from engine.runtime.speculative.inplace import run_if
 
 DRAFTER_IDS = ("off", "ngram", "learned", "mtp", "draft")
@@ -61,7 +45,6 @@ def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Ar
   return buffer.at[rows, cols].set(values, mode="drop")
 
 
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Verified:
@@ -80,17 +63,11 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                  q: jax.Array | None, n_draft: jax.Array, n_cached: jax.Array, live: jax.Array,
                  n_out: jax.Array, stop_ids: jax.Array, min_before_stop: jax.Array,
                  sampling: SamplingArrays, page_table: jax.Array, *, cfg: ModelConfig,
-                 impl: KernelChoice, q_rows: jax.Array | None = None) -> Verified:
-  """ONE target forward over `[tok, d_1 .. d_K]`, acceptance and stop ids.
-
-  Args:
-    tok: [B] newest token (position n_cached); draft [B, K]; q [B, K, V] or None (one-hot);
-    n_draft: [B] real drafts (0 for rows that are not live); live: [B] bool.
-    n_out: [B] tokens the row emitted so far; a stop id counts only once the row has emitted
-      at least `min_before_stop` [B] tokens; stop_ids: [B, S] padded with -1.
-    q_rows: [B] bool, with q: the rows whose drafts come from q; the others are deterministic
-      (verified against the target's own samples, as with q None).
-  """
+                 impl: KernelChoice, q_rows: jax.Array) -> Verified:
+  """ONE target forward over `[tok, d_1 .. d_K]` (tok [B] at position n_cached, n_draft [B]
+  real drafts), acceptance and stop ids (stop_ids [B, S] padded with -1; they count once a row
+  has emitted min_before_stop [B] tokens, n_out [B] so far). q [B, K, V] is the drafts'
+  distribution in `q_rows` [B]; the other rows' drafts (all, with q None) are deterministic."""
   b, k = draft.shape
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([tok[:, None], draft], axis=1)
@@ -98,7 +75,7 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                           cfg=cfg, impl=impl)
   logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
   n_acc, extra = verify(logits, draft, q, n_draft, sampling, n_cached + 1)
-  if q is not None and q_rows is not None:
+  if q is not None:
     m_acc, m_extra = verify(logits, draft, None, n_draft, sampling, n_cached + 1)
     n_acc, extra = jnp.where(q_rows, n_acc, m_acc), jnp.where(q_rows, extra, m_extra)
   slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
@@ -119,12 +96,9 @@ def matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_em
             ) -> tuple[jax.Array, jax.Array]:
   """What a drafter's proposal [B, P] (first n_proposed real) achieved against the tokens the
   row emitted [B, >= P] (first n_emit real): (leading matches [B], ended [B] bool: a mismatch
-  or no proposal before the horizon min(P, n_emit); else censored). Every drafter that
-  proposed is checked, not only the row's own: "auto" rows compare drafters at no cost."""
+  or no proposal before the horizon min(P, n_emit); else censored)."""
   p = proposal.shape[1]
-  slots = jnp.arange(p, dtype=jnp.int32)[None, :]
-  same = (proposal == emitted[:, :p]) & (slots < jnp.minimum(n_proposed, n_emit)[:, None])
-  m = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1)
+  m = prefix_length(proposal == emitted[:, :p], jnp.minimum(n_proposed, n_emit))
   return m, m < jnp.minimum(p, n_emit)
 
 
@@ -149,10 +123,8 @@ class LoopState:
   by_drafter: jax.Array  # [B, D, 3] int32 per row and drafter: verify steps, drafted, accepted
   slots: jax.Array  # [B, 2, J] int32 steps that drafted / accepted a token at slot j (0-based)
   k_steps: jax.Array  # [len(widths)] iterations run with each block width
-  calibration: jax.Array  # [3] over iterations that drafted, tokens the estimates expected and
-  # tokens emitted; over all, their time by the cost table
-  lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s logprobs (zeros
-  # unless `want_logprobs`)
+  calibration: jax.Array  # [3] tokens expected, emitted (when drafting); time (cost table)
+  lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (if want_logprobs)
   table: learned.NgramTable | None = None  # "learned", and its proposal for this iteration
   learned_proposal: tuple[jax.Array, jax.Array] | None = None
   mtp_hidden: jax.Array | None = None  # [B, H] "mtp"
@@ -163,12 +135,9 @@ class LoopState:
 
 def _draft_feed(draft_params, dcache, pending, n_pending, tok, n_cached, live, page_table, *,
                 draft_cfg, impl):
-  """Feeds each row's pending tokens and its newest token to the draft model.
-
-  pending [B, P] tokens at positions n_cached - n_pending .. n_cached - 1 the draft cache lacks.
-  Returns (the draft model's hidden state at the newest token [B, H], draft cache holding
-  positions <= n_cached).
-  """
+  """Feeds the draft model each row's pending tokens [B, P] (positions n_cached - n_pending ..
+  n_cached - 1) and its newest token. Returns (its hidden state at the newest token [B, H],
+  the draft cache holding positions <= n_cached)."""
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([pending, jnp.zeros_like(pending[:, :1])], axis=1)
   block = _place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
@@ -197,54 +166,36 @@ def _draft_chain(draft_params, dcache, h, n_cached, live, page_table, sampling, 
                    static_argnames=("max_steps", "widths", "drafters", "cfg", "draft_cfg",
                                     "impl"),
                    donate_argnames=("cache", "table", "draft_cache"))
-def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
-                            n_cached: jax.Array, page_table: jax.Array,
-                            sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
-                            min_before_stop: jax.Array, num_steps: jax.Array,
-                            time_budget: jax.Array, history: jax.Array,
-                            history_len: jax.Array, row_drafter: jax.Array,
-                            row_auto: jax.Array, row_max_draft: jax.Array, row_accept: jax.Array,
-                            auto_allowed: jax.Array, feed: jax.Array,
-                            draft_rows: jax.Array, accept: jax.Array, costs: jax.Array,
-                            force_k: jax.Array,
-                            want_logprobs: jax.Array, table: learned.NgramTable | None = None,
-                            mtp_hidden: jax.Array | None = None,
-                            draft_params: Params | None = None,
-                            draft_cache: Cache | None = None, *, max_steps: int,
-                            widths: tuple[int, ...], drafters: tuple[str, ...],
-                            cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
-                            impl: KernelChoice = REFERENCE) -> tuple[LoopState, Cache]:
+def speculative_decode_loop(
+    params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.Array, page_table: jax.Array,
+    sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
+    min_before_stop: jax.Array, num_steps: jax.Array, time_budget: jax.Array,
+    history: jax.Array, history_len: jax.Array, row_drafter: jax.Array, row_auto: jax.Array,
+    row_max_draft: jax.Array, row_accept: jax.Array, auto_allowed: jax.Array, feed: jax.Array,
+    draft_rows: jax.Array, accept: jax.Array, costs: jax.Array, force_k: jax.Array,
+    want_logprobs: jax.Array, table: learned.NgramTable | None = None,
+    mtp_hidden: jax.Array | None = None, draft_params: Params | None = None,
+    draft_cache: Cache | None = None, *, max_steps: int, widths: tuple[int, ...],
+    drafters: tuple[str, ...], cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
+    impl: KernelChoice = REFERENCE) -> tuple[LoopState, Cache]:
   """Up to `num_steps` (<= max_steps) new tokens per row, in about `time_budget`.
 
-  Args:
-    tokens, n_cached, page_table, sampling, stop_ids, remaining, min_before_stop, num_steps:
-      as in `steps.decode_loop` (num_steps counts tokens, not iterations).
-    time_budget: float32 scalar, the call's time in plain-loop iterations by the cost table:
-      no iteration starts once the time of those run reaches it (inf: the tokens alone bound
-      the call). So a speculative call lasts about as long as a plain call of `time_budget`
-      tokens, however many tokens its iterations emit.
-    history: [B, W] int32 the row's most recent tokens, oldest first, ending with `tokens`;
-      W >= history_len + max_steps (the loop appends what it emits).
-    history_len: [B] int32 tokens in `history` (>= 1 for real rows).
-    row_drafter: [B] int32 index into DRAFTER_IDS (0: off); only enabled drafters.
-    row_auto: [B] bool rows whose drafter the loop chooses every iteration (row_drafter unused).
-    row_max_draft: [B] int32 the most drafts per iteration each row accepts to verify.
-    row_accept: [B, D, J, 2] float32 each row's decayed (accepted, ended) counts per drafter
-      and draft position, J = K (its request's, carried across calls; zeros for a
-      new request; `goodput.position_evidence`).
-    auto_allowed: [D] bool drafters "auto" rows may take in this call.
-    feed: [D] bool model drafters whose state this call keeps current: "mtp" observes every
-      verified block of every row. A drafter a row uses (its own or "auto"'s choice) must be
-      fed; the others lag (drafts only). ("draft": `draft_rows`.)
-    draft_rows: [B] bool rows the draft model is fed (every token; their draft cache must
-      hold positions < n_cached): drafter "draft" rows, and "auto" rows that may take it.
-    accept: [D, J, 2] float32 the same counts over all drafting rows (the prior of new rows).
-    costs: [len(widths) + D] float32 the cost table's row for B (`CostTable.costs`): T(B, k)
-      per width, then each drafter's cost per drafted column, in plain decode-loop iterations.
-    force_k: int32 scalar, index into `widths`, or -1 for the plan's choice.
-    want_logprobs: bool scalar: compute each emitted token's logprobs from the verify logits.
-    table: the learned table ("learned"; donated); mtp_hidden [B, H] ("mtp");
-    draft_params, draft_cache ("draft"; the cache is donated).
+  Args beyond `steps.decode_loop`'s (whose num_steps here counts tokens, not iterations):
+    time_budget: float32, the call's time in plain-loop iterations by the cost table (`costs`,
+      its row for B): no iteration starts once those run reach it (inf: no bound).
+    history: [B, W] int32 each row's last history_len [B] tokens, oldest first, ending with
+      `tokens`; W >= history_len + max_steps (the loop appends what it emits).
+    row_drafter: [B] int32 index into DRAFTER_IDS (0: off); row_auto [B] bool: rows whose
+      drafter the loop chooses among auto_allowed [D]; row_max_draft [B] int32: their limit.
+    row_accept: [B, D, J = K, 2] each row's decayed (accepted, ended) counts per drafter and
+      draft position (`goodput`); accept [D, J, 2]: the same over drafting rows.
+    feed: [D] bool model drafters kept current (those a row uses or may take); draft_rows [B]
+      bool: the rows the draft model is fed (their draft cache holds positions < n_cached).
+    widths: (0, K): `goodput.plan` takes plain or the block each iteration; (K,): the block.
+      force_k: int32 index into `widths` forcing one (warm-up, timing), or -1.
+    table ("learned"), mtp_hidden [B, H] ("mtp"), draft_params and draft_cache ("draft"): the
+      drafters' state (table and draft cache donated). "mtp" observes every verified block;
+      "draft" lacks the tokens in `pending` until its next forward (flushed at the end).
   """
   b = tokens.shape[0]
   n_ids = len(DRAFTER_IDS)
@@ -257,16 +208,14 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     live = ~s.done
     cache, tok, n_cached, ids = s.cache, s.tok, s.n_cached, s.ids
     use = {d: ids == drafter_id(d) for d in drafters}
-    model_rows = functools.reduce(jnp.logical_or, [use[d] for d in drafters
-                                                   if d not in DETERMINISTIC],
-                                  jnp.zeros((b,), bool))
+    model_rows = jnp.asarray([i > 0 and d not in DETERMINISTIC
+                              for i, d in enumerate(DRAFTER_IDS)])[ids]
     # Every drafter's proposal of kk = max(k, 1) tokens (with k = 0 they are only compared
     # with the emitted token afterwards: evidence at no verify cost). Model drafters draft
     # only when a live row uses them, and are fed (`feed`) whenever a row may switch to them.
     kk = max(k, 1)
     props = {}  # drafter -> (tokens [B, kk], proposed [B], computed: bool scalar)
-    q = None
-    new = {}
+    q, draft_cache = None, s.draft_cache
     full = jnp.full((b,), kk, jnp.int32)
     nothing = (jnp.zeros((b, kk), jnp.int32), jnp.zeros((b, kk, cfg.vocab_size), jnp.float32))
     if "ngram" in drafters:
@@ -292,7 +241,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       h0 = jax.eval_shape(fed, (None, s.draft_cache))[0]
       h, dcache = run_if(jnp.any(fed_rows), fed,
                          (jnp.zeros(h0.shape, h0.dtype), s.draft_cache))
-      dd, qd, new["draft_cache"] = run_if(
+      dd, qd, draft_cache = run_if(
           wanted, lambda st: _draft_chain(draft_params, st[2], h, n_cached, fed_rows,
                                           page_table, sampling, k=kk, draft_cfg=draft_cfg,
                                           impl=impl),
@@ -319,10 +268,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       lp = token_logprobs(v.logits.reshape(b * t, vocab), v.emitted.reshape(-1))
       return tuple(x.reshape((b, t) + x.shape[1:]) for x in lp)
 
-    kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
-    lp = jax.lax.cond(want_logprobs, logprobs, lambda _: (
-        jnp.zeros((b, k + 1), jnp.float32), jnp.zeros((b, k + 1, kt), jnp.int32),
-        jnp.zeros((b, k + 1, kt), jnp.float32)), None)
+    lp = jax.lax.cond(want_logprobs, logprobs, lambda _: jax.tree.map(
+        lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(logprobs, None)), None)
     mtp_hidden, cache = s.mtp_hidden, v.cache
     if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
       def observe(st):
@@ -334,10 +281,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       mtp_hidden, cache = run_if(feed[drafter_id("mtp")], observe, (mtp_hidden, cache))
     pending, n_pending = s.pending, s.n_pending
     if "draft" in drafters:
-      # The draft model was fed tok and, in rows drafting with it, its own drafts
-      # d_1 .. d_{k'-1}: those rows that accepted all of them lack the last accepted one,
-      # other rows every accepted token. (After a stop inside the block only the emitted
-      # tokens count.)
+      # It was fed tok and, in rows drafting with it, its drafts d_1 .. d_{k-1}: so those rows
+      # lack the emitted tokens past their accepted drafts, the others every emitted token.
       seen = jnp.where(use["draft"], jnp.minimum(n_acc, max(k, 1) - 1), 0)
       n_pend = jnp.maximum(n_emit - 1 - seen, 0)
       pend = jnp.take_along_axis(
@@ -345,11 +290,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
       pending = jnp.where(live[:, None], pend, pending)
       n_pending = jnp.where(live, n_pend, n_pending)
     onehot = jax.nn.one_hot(ids, n_ids, dtype=jnp.int32) * live.astype(jnp.int32)[:, None]
-    # Evidence for the acceptance estimates, for every drafter that proposed: how many of its
-    # tokens the row's emitted tokens confirm, and whether its chain ended before the horizon
-    # (the row's own drafter: exactly its accepted drafts and a rejection or missing proposal;
-    # the others: what they would have achieved, so "auto" rows compare drafters at no cost).
-    # Per draft position (`goodput.position_evidence`): accepted at 1 .. m, ended at m + 1.
+    # Evidence for every drafter that proposed, not only the row's own: "auto" rows compare
+    # drafters at no cost.
     evidence = jnp.zeros((b, n_ids, k_max, 2), jnp.float32)
     for d, (t, n, computed) in props.items():
       m, ended = matched(t, n, v.emitted, n_emit)
@@ -359,7 +301,7 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     count = s.count + n_emit
     return dataclasses.replace(
         s, cache=cache, mtp_hidden=mtp_hidden, pending=pending, n_pending=n_pending,
-        draft_cache=new.get("draft_cache", s.draft_cache),
+        draft_cache=draft_cache,
         out=_place(s.out, s.count, v.emitted, n_emit),
         lps=tuple(_place(buf, s.count, x, n_emit) for buf, x in zip(s.lps, lp)),
         history=_place(s.history, s.history_len, v.emitted, n_emit),
@@ -383,10 +325,9 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     room = jnp.maximum(jnp.minimum(limit - s.count - 1, row_max_draft), 0)
     drafting = live & (ids > 0)
     k_rows = jnp.where(drafting, jnp.minimum(room, k_max), 0)
-    if len(widths) == 1:
-      index = jnp.int32(0)
-    else:  # plain or the block, unless forced (warm-up, timing)
-      block, planned, _ = goodput.plan(gain, drafting, live, room, k_max, step_cost,
+    index = jnp.int32(len(widths) - 1)
+    if len(widths) > 1:  # plain or the block, unless forced (warm-up, timing)
+      block, planned = goodput.plan(gain, drafting, live, room, k_max, step_cost,
                                        column_cost)
       index = jnp.where(force_k >= 0, force_k, block.astype(jnp.int32))
       k_rows = jnp.where(force_k >= 0, k_rows, planned)
@@ -396,10 +337,8 @@ def speculative_decode_loop(params: Params, cache: Cache, tokens: jax.Array,
     # (in plain iterations: what `time_budget` counts)
     seconds = step_cost[index] + jnp.where(drafts, k_max * column_cost, 0.0)
     before_count = jnp.sum(s.count)
-    # The learned table stays out of the conditional: a buffer carried through a conditional
-    # whose branches update it is copied there (XLA), a few MB every iteration. Drafts are
-    # looked up before (k_max of them, or one for the plain branch) and emitted tokens learned
-    # after.
+    # The learned table stays out of the conditional, whose branches would copy it (`inplace`):
+    # drafts are looked up before (k_max, or one for plain) and emitted tokens learned after.
     table, before = s.table, s.history_len
     s = dataclasses.replace(s, ids=ids, k_rows=k_rows, table=None)
     if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)

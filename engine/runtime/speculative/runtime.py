@@ -1,29 +1,21 @@
-"""The serving engine's speculative decoding: drafters per request, device state, the one rule.
+"""The serving engine's speculative decoding: `SpecRuntime`, what `Engine` owns for it
+(`engine.spec`), with or without drafters: the enabled drafters (`EngineConfig.speculative`,
+the requests' default, and `EngineConfig.drafters`), each request's `RequestSpec`, the device
+state carried across steps (learned table, engine-wide acceptance counts, the draft model's
+paged cache), the cost table, and `decode`, every decode-only engine step.
 
-`SpecRuntime` is what `Engine` owns for speculation (`engine.spec`), with or without drafters:
-* the enabled drafters (`EngineConfig.speculative`, the default for requests that choose none,
-  plus `EngineConfig.drafters`, which requests may pick with `SamplingParams.drafter`), each
-  request's own state (`RequestSpec`, `Request.spec`);
-* device state carried across engine steps: the learned n-gram table, the engine-wide decayed
-  acceptance counts per drafter and draft position, the draft model's paged cache (same page
-  ids as the target cache; which pages hold its entries: `catch_up.DraftEntries`);
-* `decode`: every decode-only engine step. It runs the speculative loop (`loop.py`) when
-  `speculates` says so, else the plain decode loop (whose tokens still teach the learned table);
-* the cost table (`costs.py`): the roofline until `measure_costs` (warm-up) times the loops.
-
-The rule (`speculates`): a call speculates when some row has a drafter, its batch is below the
+A call speculates (`speculates`) when some row has a drafter, its batch is below the cost
 table's break-even, it is long enough to win back a speculative call's fixed cost, and the
-rows' acceptance estimates say the loop's first iteration would draft (or a row drafts with
-the MTP layer, whose cache must see every verified block). A batch kept plain by its estimates
-speculates once every EXPLORE_EVERY calls, so estimates that went stale come back.
+rows' estimates say the loop's first iteration would draft (or a row drafts with MTP, whose
+cache must see every verified block). A batch kept plain by its estimates speculates once
+every EXPLORE_EVERY calls, so stale estimates come back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -115,13 +107,12 @@ class SpecRuntime:
   """Speculative decoding state and programs of one `Engine` (see the module docstring)."""
 
   def __init__(self, cfg: ModelConfig, config: Any, num_pages: int, dtype: Any,
-               draft: tuple[ModelConfig, Params] | None = None, place=lambda c: c,
-               place_state=lambda x: x, pool: PagePool | None = None,
-               buckets: ShapeBuckets | None = None):
-    """`pool`, `buckets`: the engine's page pool and compiled shapes (decode batch sizes: the
+               draft: tuple[ModelConfig, Params] | None, place: Callable, place_state: Callable,
+               pool: PagePool, buckets: ShapeBuckets):
+    """`place`, `place_state`: commit the draft cache and device state like the engine's;
+    `pool`, `buckets`: the engine's page pool and compiled shapes (decode batch sizes: the
     cost table's rows; mixed shapes: the draft model's catch-up)."""
-    self.cfg, self.config, self.pool, self.buckets = cfg, config, pool, buckets
-    self.default = config.speculative
+    self.cfg, self.config, self.buckets = cfg, config, buckets
     wanted = ({config.speculative} if config.speculative not in (None, AUTO) else set()
               ) | set(config.drafters)
     if config.speculative == AUTO and not wanted:
@@ -141,19 +132,14 @@ class SpecRuntime:
       if self.draft_cfg.vocab_size != cfg.vocab_size:
         raise ValueError(f"draft model: vocabulary {self.draft_cfg.vocab_size} differs from "
                          f"the target's {cfg.vocab_size}")
-      if pool is None or buckets is None:
-        raise ValueError("SpecRuntime: drafter 'draft' needs the engine's pool and buckets")
     k = config.num_draft_tokens
     if self.enabled and (k < 1 or config.max_decode_steps < k + 1):
       raise ValueError("EngineConfig: num_draft_tokens must be >= 1 and max_decode_steps >= "
                        "num_draft_tokens + 1 with speculative decoding")
     self.k = k
-    # A speculative call's tokens per row at most: its budget is time (`decode`), in which
-    # max_decode_steps iterations could each emit k + 1 tokens.
+    # A speculative call's budget is time (`decode`): max_decode_steps iterations of k + 1.
     self.max_call_tokens = config.max_decode_steps * (k + 1)
-    # The loop's compiled block widths: plain (one position, cheap at any batch size) and the
-    # block of K + 1 (`goodput.plan` picks one per iteration), or the block alone.
-    self.widths = (0, k) if config.adaptive_k else (k,)
+    self.widths = (0, k) if config.adaptive_k else (k,)  # the loop's compiled block widths
     # Device state is committed where the weights are from the start (like the cache): a
     # commitment that changed after the first call would compile the loop twice.
     self.table = (place_state(NgramTable.empty(config.learned_table_slots))
@@ -164,8 +150,8 @@ class SpecRuntime:
                         if "draft" in self.enabled else None)
     self.draft_entries = (catch_up.DraftEntries(pool.epoch, pool.page_size)
                           if "draft" in self.enabled else None)
-    sizes = tuple(buckets.decode) if buckets is not None else (1,)
-    self.costs = cost_table.roofline(sizes, self.widths, self._roofline_drafter_costs())
+    self.costs = cost_table.roofline(tuple(buckets.decode), self.widths,
+                                     self._roofline_drafter_costs())
     self._plain_calls = 0  # plain calls in a row of batches with drafters (`speculates`)
     self._exploring = False  # the last `speculates` said yes to explore
     self.k_steps = np.zeros((len(self.widths),), np.int64)
@@ -195,7 +181,7 @@ class SpecRuntime:
   def resolve(self, drafter: str | None) -> str | None:
     """A request's drafter (None: plain decoding); ValueError if the engine lacks it."""
     if drafter is None:
-      return self.default
+      return self.config.speculative
     if drafter == "off":
       return None
     if drafter == AUTO and self.enabled:
@@ -212,15 +198,13 @@ class SpecRuntime:
     return RequestSpec(drafter, np.zeros(self.accept_seen.shape, np.float32),
                        accepted_at=np.zeros((self.k,), np.int64))
 
-  # ---- the rule ------------------------------------------------------------------------------
-
   def speculates(self, reqs: Sequence[Any], num_steps: int) -> bool:
     """Whether a decode-only call of `reqs` with a plain budget of `num_steps` iterations runs
     the speculative loop (see the module docstring)."""
     specs = [r.spec for r in reqs if r.spec is not None]
     if not specs or num_steps < self.costs.min_call_tokens:
       return False
-    b = self.buckets.decode_rows(len(reqs)) if self.buckets is not None else len(reqs)
+    b = self.buckets.decode_rows(len(reqs))
     if not self.costs.pays_at_full_acceptance(b):
       return False
     self._exploring = False
@@ -233,23 +217,29 @@ class SpecRuntime:
   def first_iteration_drafts(self, reqs: Sequence[Any], b: int) -> bool:
     """Whether the loop's plan (`goodput.plan`, here in numpy) would draft in its first
     iteration over `reqs`, from their current estimates."""
-    accept = np.stack([r.spec.accept if r.spec is not None
-                       else np.zeros(self.accept_seen.shape, np.float32) for r in reqs])
+    row_auto, row_drafter, accept = self._rows([r.spec for r in reqs])
     gains = goodput.row_gains(accept, self.accept_seen, xp=np)
-    row_auto = np.asarray([r.spec is not None and r.spec.drafter == AUTO for r in reqs])
-    row_drafter = np.asarray([drafter_id(r.spec.drafter) if r.spec is not None and not
-                              row_auto[i] else 0 for i, r in enumerate(reqs)], np.int32)
-    costs = self.costs.costs(b)
-    step_cost, drafter_cost = costs[:len(self.widths)], costs[len(self.widths):]
+    row = self.costs.index(b)
+    step_cost, drafter_cost = self.costs.step[row], self.costs.drafter[row]
     allowed = np.broadcast_to(self._auto_allowed(bool(row_auto.any()), b),
                               (len(reqs), len(DRAFTER_IDS)))
     live = np.ones((len(reqs),), bool)
     ids, gain, column_cost = goodput.row_drafters(gains, step_cost[-1], drafter_cost, allowed,
                                                   row_auto, row_drafter, live, self.k, xp=np)
     room = np.asarray([min(self.k, r.sampling.max_draft_tokens or self.k) for r in reqs])
-    block, _, _ = goodput.plan(gain, ids > 0, live, room, self.k, step_cost, column_cost,
+    block, _ = goodput.plan(gain, ids > 0, live, room, self.k, step_cost, column_cost,
                                xp=np)
     return bool(block)
+
+  def _rows(self, specs: Sequence[RequestSpec | None]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row_auto [B] bool, row_drafter [B] int32, row_accept [B, D, K, 2]) of rows with these
+    specs (None: no drafter)."""
+    row_auto = np.asarray([s is not None and s.drafter == AUTO for s in specs])
+    row_drafter = np.asarray([drafter_id(None if s is None or auto else s.drafter)
+                              for s, auto in zip(specs, row_auto)], np.int32)
+    zeros = np.zeros(self.accept_seen.shape, np.float32)
+    return row_auto, row_drafter, np.stack([zeros if s is None else s.accept for s in specs])
 
   def _auto_allowed(self, any_auto: bool, b: int) -> np.ndarray:
     """[D] what "auto" rows of a b-row call may take: the deterministic drafters, and a model
@@ -264,14 +254,6 @@ class SpecRuntime:
             b, float(self.costs.drafter[row, i]))
     return out
 
-  # ---- programs ------------------------------------------------------------------------------
-
-  def model_step(self, params, cache, tokens, start, n_new, table, sampling, next_tokens, *,
-                 impl: KernelChoice = REFERENCE):
-    """Returns (sampled, logprobs, MTP hidden [B, H], cache)."""
-    return spec_model_step(params, cache, tokens, start, n_new, table, sampling, next_tokens,
-                           cfg=self.cfg, impl=impl)
-
   def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
              min_before, num_steps, counters: dict, *, speculate: bool,
              time_budget: float | None = None, impl: KernelChoice = REFERENCE,
@@ -281,10 +263,17 @@ class SpecRuntime:
     the plain loop (num_steps tokens). `force_k`, `warm_rows` (reqs empty: warm-up and the
     cost table's timing): a forced block width index, the drafters rows take in turn.
     Returns (out, counts, logprobs as `steps.decode_loop`'s, cache)."""
-    if not speculate:
-      return self._plain(params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-                         remaining, min_before, num_steps, impl=impl, logprobs=logprobs)
-    b, n_ids = tokens.shape[0], len(DRAFTER_IDS)
+    if not speculate:  # (a learned table still learns the call's tokens)
+      fn, args, kw = self.plain_program(params, cache, reqs, tokens, n_cached, table, sampling,
+                                        stop_ids, remaining, min_before, num_steps, impl=impl,
+                                        logprobs=logprobs)
+      if any(r.spec is not None for r in reqs):
+        self._plain_calls += 1
+        self.per_drafter["spec_plain_calls"] += 1
+      out, counts, _, lps, cache, *table_out = fn(*args, **kw)
+      self.table = table_out[0] if table_out else self.table
+      return (*jax.device_get((out, counts, lps)), cache)
+    b = tokens.shape[0]
     if reqs:
       self.per_drafter["spec_loop_calls"] += 1
       self.per_drafter["spec_explore_calls"] += self._exploring
@@ -294,25 +283,23 @@ class SpecRuntime:
     history_len = np.asarray([min(len(r.all_ids), window) for r in reqs]
                              + [0] * (b - len(reqs)), np.int32)
     specs = [r.spec for r in reqs] + [None] * (b - len(reqs))
-    row_auto = np.asarray([s is not None and s.drafter == AUTO for s in specs])
-    names = ([None if s is None or s.drafter == AUTO else s.drafter for s in specs] if reqs
-             else [warm_rows[i % len(warm_rows)] if warm_rows else None for i in range(b)])
-    row_drafter = np.asarray([drafter_id(d) for d in names], np.int32)
+    row_auto, row_drafter, row_accept = self._rows(specs)
+    if warm_rows:  # (reqs empty) the rows take the drafters in turn
+      row_drafter = np.asarray([drafter_id(warm_rows[i % len(warm_rows)]) for i in range(b)],
+                               np.int32)
     row_max_draft = np.asarray([(r.sampling.max_draft_tokens or self.k) for r in reqs]
                                + [self.k] * (b - len(reqs)), np.int32)
-    row_accept = np.zeros((b, n_ids, self.k, 2), np.float32)
-    mtp_hidden = (np.zeros((b, self.cfg.hidden_size), np.float32) if "mtp" in self.enabled
-                  else None)
-    for i, s in enumerate(specs[:len(reqs)]):
-      if s is not None:
-        row_accept[i] = s.accept
-        if mtp_hidden is not None and s.mtp_hidden is not None:
+    mtp_hidden = None
+    if "mtp" in self.enabled:
+      mtp_hidden = np.zeros((b, self.cfg.hidden_size), np.float32)
+      for i, s in enumerate(specs):
+        if s is not None and s.mtp_hidden is not None:
           mtp_hidden[i] = s.mtp_hidden
     auto_allowed = self._auto_allowed(bool(row_auto.any()), b)
     # Model drafters kept current in this call: those a row uses or "auto" may take; the
     # draft model only for those rows, each first caught up.
-    feed = np.asarray([i > 0 and d not in DETERMINISTIC and (
-        bool(auto_allowed[i]) or bool((row_drafter == i).any())) for i, d in enumerate(DRAFTER_IDS)])
+    feed = np.asarray([i > 0 and d not in DETERMINISTIC for i, d in enumerate(DRAFTER_IDS)]) & (
+        auto_allowed | np.isin(np.arange(len(DRAFTER_IDS)), row_drafter))
     draft_rows = (row_drafter == drafter_id("draft")) | (row_auto & bool(
         auto_allowed[drafter_id("draft")]))
     if draft_rows.any() and reqs:
@@ -339,9 +326,8 @@ class SpecRuntime:
     self.calibration += calib[:2]
     self.k_steps += k_steps
     totals = by_drafter.sum(1)  # [B, 3] verify steps, drafted and accepted tokens
-    counters["spec_steps"] += int(totals[:, 0].sum())
-    counters["spec_drafted"] += int(totals[:, 1].sum())
-    counters["spec_accepted"] += int(totals[:, 2].sum())
+    for name, n in zip(("spec_steps", "spec_drafted", "spec_accepted"), totals.sum(0)):
+      counters[name] += int(n)
     self.per_position += slots.sum(0)
     for i, (req, s) in enumerate(zip(reqs, specs)):
       if draft_rows[i]:  # the loop fed it every token and flushed
@@ -355,21 +341,20 @@ class SpecRuntime:
       s.accept = row_accept[i]
       if mtp_h is not None:
         s.mtp_hidden = mtp_h[i]
-      for d in self.enabled:  # per drafter: verify steps, drafted and accepted tokens
-        steps_, drafted, accepted = (int(x) for x in by_drafter[i, drafter_id(d)])
-        if steps_:
-          s.drafter_steps[d] = s.drafter_steps.get(d, 0) + steps_
-          self.per_drafter[f"spec_steps_{d}"] += steps_
-          self.per_drafter[f"spec_drafted_{d}"] += drafted
-          self.per_drafter[f"spec_accepted_{d}"] += accepted
-          if row_auto[i]:  # row iterations in which "auto" chose d
-            self.per_drafter[f"spec_auto_choice_{d}"] += steps_
+      for d in self.enabled:
+        if by_drafter[i, drafter_id(d), 0]:
+          s.drafter_steps[d] = s.drafter_steps.get(d, 0) + int(by_drafter[i, drafter_id(d), 0])
+    for d in self.enabled:  # per drafter: verify steps, drafted and accepted tokens
+      per_row = by_drafter[:, drafter_id(d)]  # [B, 3]
+      for name, n in zip(("steps", "drafted", "accepted"), per_row.sum(0)):
+        self.per_drafter[f"spec_{name}_{d}"] += int(n)
+      self.per_drafter[f"spec_auto_choice_{d}"] += int(per_row[row_auto, 0].sum())
     return out, counts, lps, cache
 
   def plain_program(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
                     remaining, min_before, num_steps, *, impl, logprobs):
     """The plain decode loop's jitted program and its arguments, (fn, args, kwargs): the one
-    `_plain` runs (with a learned table, the loop that also learns the call's tokens), and
+    `decode` runs (with a learned table, the loop that also learns the call's tokens), and
     what warm-up compiles ahead (`warmup.py`)."""
     args = (params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
             np.int32(num_steps), wants_logprobs(reqs, logprobs))
@@ -379,21 +364,6 @@ class SpecRuntime:
     context = last_tokens(reqs, tokens.shape[0], max(learned.ORDERS), right_align=True)
     rows = np.arange(tokens.shape[0]) < len(reqs)
     return decode_loop_learning, (*args, self.table, context, rows), kw
-
-  def _plain(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-             remaining, min_before, num_steps, *, impl, logprobs):
-    """The plain decode loop (`plain_program`)."""
-    fn, args, kw = self.plain_program(params, cache, reqs, tokens, n_cached, table, sampling,
-                                      stop_ids, remaining, min_before, num_steps, impl=impl,
-                                      logprobs=logprobs)
-    if any(r.spec is not None for r in reqs):
-      self._plain_calls += 1
-      self.per_drafter["spec_plain_calls"] += 1
-    if self.table is None:
-      out, counts, _, lps, cache = fn(*args, **kw)
-    else:
-      out, counts, _, lps, cache, self.table = fn(*args, **kw)
-    return (*jax.device_get((out, counts, lps)), cache)
 
   def catch_up_draft(self, reqs: Sequence[Any], rows: np.ndarray, table: np.ndarray, *,
                      impl: KernelChoice = REFERENCE) -> None:
@@ -414,8 +384,6 @@ class SpecRuntime:
           cfg=self.draft_cfg, impl=impl)
     self.per_drafter["spec_draft_catch_up_steps"] += len(groups)
     self.per_drafter["spec_draft_catch_up_tokens"] += sum(n for _, _, n in spans)
-
-  # ---- the cost table ------------------------------------------------------------------------
 
   def measure_costs(self, params, cache, max_pages: int, *, stop_width: int,
                     impl: KernelChoice = REFERENCE, rounds: int = 5) -> Cache:
@@ -448,8 +416,6 @@ class SpecRuntime:
     if self.draft_cache is not None:
       self.draft_cache = _cleared_null_page(self.draft_cache)
     return _cleared_null_page(state["cache"])
-
-  # ---- statistics ----------------------------------------------------------------------------
 
   def stats(self) -> dict[str, Any]:
     """Counters per block width, drafter and draft position, the estimates, the cost table."""
