@@ -218,8 +218,8 @@ class Engine:
     images = tuple(images)
     check_spans(ids, images, self.images.pad_id)
     if images and self.spec.observes:
-      raise ValueError("images: not served with the mtp or draft drafters (they see "
-                       "placeholder ids, not the image)")
+      raise ValueError("images: not served by an engine with the mtp drafter (its layer "
+                       "would see placeholder ids, not the image)")
     sampling.validate()
     spec = self.spec.request_state(self.spec.resolve(sampling.drafter))
     matcher = None
