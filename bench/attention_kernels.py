@@ -143,9 +143,12 @@ def implementations(case: Case, on_gpu: bool):
 
 
 def run(cases: list[Case], on_gpu: bool, iters: int, copy_bytes: int,
-        max_reference_tokens: int) -> dict:
+        max_reference_tokens: int, report=lambda result: None) -> dict:
+  """The benchmark; `report(result)` after each row (a run stopped at its time limit keeps what
+  it measured)."""
   copy_gbps = copy_bandwidth(copy_bytes, iters)
-  rows = []
+  result = dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
+                copy_gbps=copy_gbps, rows=[])
   for case in cases:
     args = make_inputs(case)
     for impl, fn in implementations(case, on_gpu).items():
@@ -162,26 +165,30 @@ def run(cases: list[Case], on_gpu: bool, iters: int, copy_bytes: int,
           gbps = bytes_moved(case) / seconds / 1e9
           row.update(time_us=seconds * 1e6, gbps=gbps, frac_copy=gbps / copy_gbps,
                      tflops=flops(case) / seconds / 1e12)
-      rows.append(row)
+      result["rows"].append(row)
+      report(result)
     del args
-  return dict(backend=jax.default_backend(), device=str(jax.devices()[0].device_kind),
-              copy_gbps=copy_gbps, rows=rows)
+  return result
+
+
+def format_header(result: dict) -> str:
+  return (f"device: {result['device']} ({result['backend']}); "
+          f"copy bandwidth {result['copy_gbps']:.0f} GB/s\n"
+          f"{'kernel':6} {'impl':14} {'B':>4} {'ctx':>7} {'T':>4} {'heads':>5} "
+          f"{'time_us':>10} {'GB/s':>8} {'%copy':>6} {'TFLOP/s':>8}")
+
+
+def format_row(r: dict) -> str:
+  head = (f"{r['kernel']:6} {r['impl']:14} {r['batch']:>4} {r['context']:>7} {r['q_len']:>4} "
+          f"{r['heads']:>5} ")
+  if "time_us" in r:
+    return head + (f"{r['time_us']:>10.1f} {r['gbps']:>8.1f} {100 * r['frac_copy']:>5.1f}% "
+                   f"{r['tflops']:>8.2f}")
+  return head + (r.get("skipped") or r.get("error"))
 
 
 def format_table(result: dict) -> str:
-  lines = [f"device: {result['device']} ({result['backend']}); "
-           f"copy bandwidth {result['copy_gbps']:.0f} GB/s",
-           f"{'kernel':6} {'impl':14} {'B':>4} {'ctx':>7} {'T':>4} {'heads':>5} "
-           f"{'time_us':>10} {'GB/s':>8} {'%copy':>6} {'TFLOP/s':>8}"]
-  for r in result["rows"]:
-    head = (f"{r['kernel']:6} {r['impl']:14} {r['batch']:>4} {r['context']:>7} {r['q_len']:>4} "
-            f"{r['heads']:>5} ")
-    if "time_us" in r:
-      lines.append(head + f"{r['time_us']:>10.1f} {r['gbps']:>8.1f} {100 * r['frac_copy']:>5.1f}% "
-                   f"{r['tflops']:>8.2f}")
-    else:
-      lines.append(head + (r.get("skipped") or r.get("error")))
-  return "\n".join(lines)
+  return "\n".join([format_header(result), *map(format_row, result["rows"])])
 
 
 def main(argv=None) -> dict:
@@ -202,11 +209,14 @@ def main(argv=None) -> dict:
     note = ("NO GPU: only the XLA reference ran, on small shapes; the Mosaic GPU kernels need an "
             "NVIDIA Hopper GPU. These numbers describe this CPU, not the kernels.")
   print(note, flush=True)
-  result = run(cases, on_gpu, iters, copy_bytes, args.max_reference_tokens)
+  def report(result):  # the JSON kept current, each row printed as it is measured
+    with open(args.out, "w") as f:
+      json.dump(dict(result, note=note), f, indent=1)
+    if len(result["rows"]) == 1:
+      print(format_header(result), flush=True)
+    print(format_row(result["rows"][-1]), flush=True)
+  result = run(cases, on_gpu, iters, copy_bytes, args.max_reference_tokens, report)
   result["note"] = note
-  print(format_table(result))
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
   return result
 
 

@@ -117,7 +117,9 @@ def _impls(fmt: str, on_gpu: bool) -> dict:
   return {"reference": reference.moe_experts}
 
 
-def run(args) -> dict:
+def run(args, report=lambda result: None) -> dict:
+  """The benchmark; `report(result)` after the device rates and after each row (a run stopped
+  at its time limit keeps what it measured)."""
   on_gpu = jax.default_backend() == "gpu"
   shape = KIMI if on_gpu and not args.small else SMALL
   h, inter, e_total, k = shape["hidden"], shape["inter"], shape["experts"], shape["top_k"]
@@ -128,6 +130,7 @@ def run(args) -> dict:
   else:
     result["note"] = ("CPU: reference implementations only, small shapes; the Mosaic GPU "
                       "kernels need a GPU (no rates, no kernel timings)")
+  report(result)
   route = jax.jit(lambda lg: routing.route(
       lg, jnp.zeros((e_total,), jnp.float32), scoring_func="sigmoid", topk_method="noaux_tc",
       top_k=k, n_group=1, topk_group=1, norm_topk_prob=True,
@@ -164,11 +167,12 @@ def run(args) -> dict:
             except Exception as err:  # OOM or unsupported: record and go on
               row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
           result["rows"].append(row)
+          report(result)
       del ws
   return result
 
 
-def print_table(result: dict) -> None:
+def print_header(result: dict) -> None:
   print(f"platform {result['platform']} ({result['device']}), shape {result['shape']}")
   if "note" in result:
     print(result["note"])
@@ -176,17 +180,19 @@ def print_table(result: dict) -> None:
     print(f"measured copy {result['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
           f"bf16 matmul {result['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
   print(f"{'impl':>19} {'fmt':>4} {'E':>4} {'T':>5} {'hit':>4} {'time us':>10} {'GB/s':>8} "
-        f"{'%copy':>6} {'TFLOP/s':>8} {'%mm':>6}")
-  for r in result["rows"]:
-    head = (f"{r['impl']:>19} {r.get('format', 'bf16'):>4} {r['local_experts']:>4} "
-            f"{r['tokens']:>5} {r['experts_hit']:>4}")
-    if "seconds" not in r:
-      print(f"{head} {r.get('skipped') or r.get('error')}")
-      continue
-    pc = f"{100 * r['frac_copy_bw']:6.1f}" if "frac_copy_bw" in r else f"{'-':>6}"
-    pm = f"{100 * r['frac_matmul']:6.1f}" if "frac_matmul" in r else f"{'-':>6}"
-    print(f"{head} {r['seconds'] * 1e6:10.1f} {r['gb_per_s']:8.1f} {pc} "
-          f"{r['tflop_per_s']:8.2f} {pm}")
+        f"{'%copy':>6} {'TFLOP/s':>8} {'%mm':>6}", flush=True)
+
+
+def print_row(r: dict) -> None:
+  head = (f"{r['impl']:>19} {r.get('format', 'bf16'):>4} {r['local_experts']:>4} "
+          f"{r['tokens']:>5} {r['experts_hit']:>4}")
+  if "seconds" not in r:
+    print(f"{head} {r.get('skipped') or r.get('error')}", flush=True)
+    return
+  pc = f"{100 * r['frac_copy_bw']:6.1f}" if "frac_copy_bw" in r else f"{'-':>6}"
+  pm = f"{100 * r['frac_matmul']:6.1f}" if "frac_matmul" in r else f"{'-':>6}"
+  print(f"{head} {r['seconds'] * 1e6:10.1f} {r['gb_per_s']:8.1f} {pc} "
+        f"{r['tflop_per_s']:8.2f} {pm}", flush=True)
 
 
 def main(argv=None) -> dict:
@@ -201,11 +207,14 @@ def main(argv=None) -> dict:
   p.add_argument("--formats", nargs="+", default=["bf16"], choices=sorted(BYTES_PER_WEIGHT),
                  help="routed expert formats (int4 / fp8: kept quantized)")
   args = p.parse_args(argv)
-  result = run(args)
-  print_table(result)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  return result
+  def report(result):  # the JSON kept current, the header once, each row as it is measured
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+    if not result["rows"]:
+      print_header(result)
+    else:
+      print_row(result["rows"][-1])
+  return run(args, report)
 
 
 if __name__ == "__main__":

@@ -305,3 +305,18 @@ def test_bench_cpu_path_runs_reference_only(tmp_path, capsys):
   assert saved["rows"] == result["rows"] and saved["copy_gbps"] > 0
   assert {r["impl"] for r in saved["rows"]} == {"xla_reference"}
   assert all(r["time_us"] > 0 and 0 < r["frac_copy"] for r in saved["rows"])
+
+
+def test_bench_stopped_after_one_row_keeps_that_row(tmp_path, monkeypatch):
+  """gpu_check.sh stops a stage at its time limit: what was measured is on disk by then."""
+  from bench import attention_kernels as bench
+  if jax.default_backend() == "gpu":
+    pytest.skip("checks the CPU path")
+  def stop(row):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(bench, "format_row", stop)
+  with pytest.raises(KeyboardInterrupt):
+    bench.main(["--out", str(tmp_path / "attention.json"), "--iters", "1"])
+  with open(tmp_path / "attention.json") as f:
+    rows = json.load(f)["rows"]
+  assert len(rows) == 1 and rows[0]["time_us"] > 0
