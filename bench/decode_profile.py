@@ -192,9 +192,17 @@ def main(argv):
   del argv
   _register_zero_kernels()
   impl = KernelChoice(attention=FLAGS.kernels, moe=FLAGS.kernels)
+  t0 = time.perf_counter()
   cfg, params = load_model(FLAGS.model)
   bw = copy_bandwidth(FLAGS.iters)
+  # Progress as it goes, and the JSON rewritten after each batch size: a run stopped at a time
+  # limit (gpu_check.sh's stages) keeps what it measured and shows where the time went.
+  print(f"[{time.perf_counter() - t0:.0f}s] {cfg.display_name} ready, copy {bw / 1e9:.0f} GB/s",
+        flush=True)
   rows = []
+  result = dict(model=FLAGS.model, config=cfg.display_name, platform=jax.default_backend(),
+                device=jax.devices()[0].device_kind, kernels=FLAGS.kernels,
+                context=FLAGS.context, copy_bytes_per_s=bw, rows=rows)
   for b in (int(x) for x in FLAGS.batch):
     variant = {"step": impl}
     if FLAGS.ablate is None or str(b) in FLAGS.ablate:
@@ -222,9 +230,11 @@ def main(argv):
       row["engine_step_s"] = host_overhead(cfg, params, b, FLAGS.context, impl)
       row["host_s"] = row["engine_step_s"] - t["step"]
     rows.append(row)
-  result = dict(model=FLAGS.model, config=cfg.display_name, platform=jax.default_backend(),
-                device=jax.devices()[0].device_kind, kernels=FLAGS.kernels,
-                context=FLAGS.context, copy_bytes_per_s=bw, rows=rows)
+    print(f"[{time.perf_counter() - t0:.0f}s] batch {b}: step {1e3 * row['step_s']:.3f} ms",
+          flush=True)
+    if FLAGS.out:
+      with open(FLAGS.out, "w") as fh:
+        json.dump(result, fh, indent=1)
   print(f"{result['config']} on {result['device']} ({result['platform']}), kernels="
         f"{FLAGS.kernels}, context {FLAGS.context}, copy bandwidth {bw / 1e9:.1f} GB/s")
   print(f"{'batch':>5} {'step ms':>8} {'attn ms':>8} {'moe ms':>8} {'other ms':>9} "
@@ -241,9 +251,6 @@ def main(argv):
       print(f"{r['batch']:>5} " + " ".join(
           f"{r[f'verify{w}_over_step']:>7.2f} ({r[f'verify{w}_over_floor']:>4.1f})"
           for w in FLAGS.verify))
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as fh:
-      json.dump(result, fh, indent=1)
 
 
 if __name__ == "__main__":
