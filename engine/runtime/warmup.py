@@ -24,7 +24,7 @@ import concurrent.futures
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -84,9 +84,8 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
     zeros, ones = np.zeros((b,), np.int32), np.ones((b,), np.int32)
     samp = eng._sampling_arrays([None] * b)
     stop_ids = np.full((b, stop_width), -1, np.int32)
-    if kind == "step":  # (each program's arguments made at its run: the last one donated
-      for j in range(len(_step_programs(eng, b, w))):  # the cache they were made with)
-        fn, args, kwargs, keep = _step_programs(eng, b, w)[j]
+    if kind == "step":
+      for fn, args, kwargs, keep in _step_programs(eng, b, w):
         keep(eng, fn(*args, **kwargs))
     elif kind == "masked":
       for logprobs in (False, True):  # (its logprobs are a conditional)
@@ -145,8 +144,8 @@ def _spec_branches(eng: Any, tokens: np.ndarray, past: np.ndarray, table: np.nda
                    samp: Any, stop_ids: np.ndarray) -> None:
   """The speculative loop for len(tokens) rows, one iteration at each compiled block width
   (plain and K + 1; writes past the page table, dropped): with logprobs and rows drafting with
-  each model drafter in turn, and with neither. The first run of a branch (`lax.cond`) costs
-  ~30-50 ms more than later runs on the CPU demo (XLA:CPU). Rows of junk teach the table and
+  each model drafter in turn, and with neither: a branch's (`lax.cond`) first run costs more
+  than later ones, and warm-up pays it instead of a request. Rows of junk teach the table and
   counters nothing (`SpecRuntime.decode` with no requests)."""
   passes = [((d,), True) for d in eng.spec.enabled if d not in DETERMINISTIC] or [((), True)]
   passes.append(((), False))  # (rows, logprobs)
@@ -168,7 +167,7 @@ def _programs(eng: Any, kind: str, b: int, w: int, stop_width: int) -> list[tupl
   """The jitted programs a shape's run compiles, each (fn, args, kwargs, keep) with the
   arguments it is called with; [] for the speculative loop's (compiled at their runs)."""
   if kind == "step":
-    return _step_programs(eng, b, w)
+    return list(_step_programs(eng, b, w))
   if kind == "masked":
     return [_masked_program(eng, b, w, False)]
   if kind == "decode":
@@ -186,33 +185,32 @@ def _keep_cache(eng: Any, out: Any) -> None:
   eng.cache = out[-1]
 
 
-def _step_programs(eng: Any, b: int, w: int) -> list[tuple]:
+def _step_programs(eng: Any, b: int, w: int) -> Iterator[tuple]:
   """A mixed shape's programs, b rows of w tokens: the draft model's catch-up forward (drafter
   "draft"), the step (with the MTP layer when a drafter observes it) and, for a model with a
   vision tower, the step whose rows take image features (`steps.model_step_embeds`; the tower
-  itself compiles per image grid when first met)."""
+  itself compiles per image grid when first met). Yielded one by one, so a run that consumes
+  them makes each one's arguments after the previous one donated the cache."""
   table, past = _null_rows(eng, b)
   zeros, full = np.zeros((b,), np.int32), np.full((b,), w, np.int32)
   samp, kernels = eng._sampling_arrays([None] * b), dict(impl=eng.config.kernels)
-  out = []
   if "draft" in eng.spec.enabled:
-    out.append((catch_up.draft_forward, (eng.spec.draft_params, eng.spec.draft_cache,
-                                         np.zeros((b, w), np.int32), past, full, table),
-                dict(cfg=eng.spec.draft_cfg, **kernels),
-                lambda e, cache: setattr(e.spec, "draft_cache", cache)))
+    yield (catch_up.draft_forward, (eng.spec.draft_params, eng.spec.draft_cache,
+                                    np.zeros((b, w), np.int32), past, full, table),
+           dict(cfg=eng.spec.draft_cfg, **kernels),
+           lambda e, cache: setattr(e.spec, "draft_cache", cache))
   if eng.spec.observes:
-    out.append((spec_model_step, (eng.params, eng.cache, np.zeros((b, w), np.int32), zeros,
-                                  zeros, table, samp, np.zeros((b, w), np.int32)),
-                dict(cfg=eng.cfg, **kernels), _keep_cache))
+    yield (spec_model_step, (eng.params, eng.cache, np.zeros((b, w), np.int32), zeros,
+                             zeros, table, samp, np.zeros((b, w), np.int32)),
+           dict(cfg=eng.cfg, **kernels), _keep_cache)
   else:
-    out.append((steps.model_step, (eng.params, eng.cache, np.zeros((b, w), np.int32), past,
-                                   full, table, samp), dict(cfg=eng.cfg, **kernels), _keep_cache))
+    yield (steps.model_step, (eng.params, eng.cache, np.zeros((b, w), np.int32), past,
+                              full, table, samp), dict(cfg=eng.cfg, **kernels), _keep_cache)
   if eng.images.pad_id is not None:
-    out.append((steps.model_step_embeds, (
+    yield (steps.model_step_embeds, (
         eng.params, eng.cache, np.zeros((b, w), np.int32), past, full, table, samp,
         np.zeros((b, w, eng.cfg.hidden_size), eng.images.dtype), np.ones((b, w), bool)),
-        dict(cfg=eng.cfg, **kernels), _keep_cache))
-  return out
+        dict(cfg=eng.cfg, **kernels), _keep_cache)
 
 
 def _masked_program(eng: Any, b: int, t: int, logprobs: bool) -> tuple:
