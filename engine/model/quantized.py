@@ -248,7 +248,7 @@ def check_weight_shape(name: str, value: np.ndarray, out: int, inp: int) -> str 
 
 def plan_int4_experts(add: Any, ex_hf: str, ex: str, num_experts: int, hidden: int, inter: int,
                       scheme: Int4Scheme, same: Any) -> None:
-  """The loader's plan entries of one layer's INT4 experts (`hf_loader._Plan.add`): per expert
+  """The loader's plan entries of one layer's INT4 experts (`hf_mapping.Plan.add`): per expert
   and matrix the packed words and scales into the `Int4Weight` leaves, the weight_shape only
   checked (leaf "")."""
   g = scheme.group_size
