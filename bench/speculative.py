@@ -223,7 +223,8 @@ def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
             loop_off, lambda spec: loop_call(model, ids, max_new, spec), rounds, make)
         rows.append(row(name, "loop", method, k, adapt, calls, t, plain_ids, t_off,
                         prompt_tokens))
-        print(f"  {name} loop {method} k={k}{' adaptive' if adapt else ''} done",
+        print(f"  {name} loop {method} k={k}{' adaptive' if adapt else ''}: accepted length "
+              f"{rows[-1]['mean_accepted_length']:.2f}, speedup {rows[-1]['speedup']:.2f}",
               file=sys.stderr)
   if auto:
     engine_off = lambda: engine_call(model, ids, max_new, None)
@@ -233,7 +234,9 @@ def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
           engine_off, lambda spec: engine_call(model, ids, max_new, spec), rounds, make)
       rows.append(row(name, "engine", "auto", k, True, calls, t, plain_ids, t_off,
                       prompt_tokens))
-      print(f"  {name} engine auto k={k} done", file=sys.stderr)
+      print(f"  {name} engine auto k={k}: accepted length "
+            f"{rows[-1]['mean_accepted_length']:.2f}, speedup {rows[-1]['speedup']:.2f}",
+            file=sys.stderr)
   # The paths' own plain speeds, side by side (each row above is against its own path's off).
   if auto:
     offs, t_loop, t_engine = side_by_side(loop_off, lambda _: engine_off(), rounds)
