@@ -58,6 +58,9 @@ flags.DEFINE_list("verify", [], "Speculative verify widths T (positions per row,
                   "time like the step, e.g. 2,3,5,9: what verifying K drafts costs in decode "
                   "steps (1.0: free; more distinct experts are read as T grows).")
 flags.DEFINE_string("dtype", None, "Parameter dtype of the demo model (default: its own).")
+flags.DEFINE_integer("layers", 0, "dsv2_lite / tiny with this many decoder layers (0: as "
+                     "published): on an H200 the 27-layer forward with the Mosaic GPU kernels "
+                     "took ~95 s to compile (BENCHMARKS.md, 'Second GPU run').")
 flags.DEFINE_string("out", "", "Write JSON here.")
 
 DSV2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
@@ -100,7 +103,10 @@ def load_model(name: str):
     import engine
     m = engine.load(os.path.join(ROOT, "checkpoints", "demo", "target"), dtype=FLAGS.dtype)
     return m.config, m.params
-  cfg = config_from_dict(DSV2_LITE if name == "dsv2_lite" else TINY)
+  shape = dict(DSV2_LITE if name == "dsv2_lite" else TINY)
+  if FLAGS.layers:
+    shape["num_hidden_layers"] = FLAGS.layers
+  cfg = config_from_dict(shape)
   return cfg, random_params_on_device(cfg, jnp.bfloat16)
 
 
@@ -216,6 +222,9 @@ def main(argv):
                      no_attention_no_moe=KernelChoice(attention="zero", moe="zero"))
     widths = [int(x) for x in FLAGS.verify]
     programs = {w: step_program(cfg, params, b, FLAGS.context, impl, w) for w in [1] + widths}
+    for w, program in programs.items():  # compiles, each printed (GPU compiles are slow)
+      jax.block_until_ready(program())
+      print(f"[{time.perf_counter() - t0:.0f}s] batch {b}: width {w} compiled", flush=True)
     t = {name: (_median_time(programs[1], FLAGS.iters) if name == "step" else
                 step_time(cfg, params, b, FLAGS.context, k, FLAGS.iters))
          for name, k in variant.items()}
