@@ -131,26 +131,29 @@ def test_ngram_prefers_the_longest_then_most_recent_match():
 
 def test_learned_table_learns_decays_and_evicts():
   from engine.runtime.speculative import learned
+  n = max(learned.ORDERS)
+  ctx = list(range(5, 5 + n))  # a context of the longest order, followed by 20, 21, 21
   table = learned.NgramTable.empty(num_slots=64, num_candidates=2)
-  hist = jnp.asarray([[5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 9]], jnp.int32)
-  pos = jnp.arange(3, 12, dtype=jnp.int32)[None, :]
+  hist = jnp.asarray([ctx + [20] + ctx + [21] + ctx + [21]], jnp.int32)
+  pos = jnp.arange(n, hist.shape[1], dtype=jnp.int32)[None, :]
   update = jax.jit(learned.update)
   table = update(table, hist, pos, jnp.ones_like(pos, bool))
-  # After (5, 6, 7): 8, then 9 twice; one observation per slot and call, the last wins -> 9.
-  tok, found = learned.lookup(table, jnp.asarray([[5, 6, 7]]))
-  assert found.tolist() == [True] and tok.tolist() == [9]
-  # Across calls counts decay and add up: 8 (newest) beats 9 (decayed), then 9 wins again.
-  for nxt, want in ((8, 8), (9, 9)):
-    one = jnp.asarray([[5, 6, 7, nxt]], jnp.int32)
-    table = update(table, one, jnp.asarray([[3]], jnp.int32), jnp.ones((1, 1), bool))
-    assert learned.lookup(table, jnp.asarray([[5, 6, 7]]))[0].tolist() == [want]
-  row = int(learned.context_hash(jnp.asarray([5, 6, 7])) % np.uint32(64))
+  # After ctx: 20, then 21 twice; one observation per slot and call, the last wins -> 21.
+  tok, found = learned.lookup(table, jnp.asarray([ctx]))
+  assert found.tolist() == [True] and tok.tolist() == [21]
+  # Across calls counts decay and add up: 20 (newest) beats 21 (decayed), then 21 wins again.
+  for nxt in (20, 21):
+    one = jnp.asarray([ctx + [nxt]], jnp.int32)
+    table = update(table, one, jnp.asarray([[n]], jnp.int32), jnp.ones((1, 1), bool))
+    assert learned.lookup(table, jnp.asarray([ctx]))[0].tolist() == [nxt]
+  row = int(learned.context_hash(jnp.asarray(ctx)) % np.uint32(64))
   np.testing.assert_allclose(sorted(np.asarray(table.counts[row]).tolist()),
                              [0.95, 1.0 + 0.95 ** 2], rtol=1e-6)
-  draft, n = learned.propose(table, hist, jnp.asarray([7]), 3)  # after ... 5 6 7 9
-  assert n.tolist() == [3] and draft[0].tolist() == [5, 6, 7]
+  # After the last "... ctx 21": the contexts ending in 21 were followed by ctx again.
+  draft, k = learned.propose(table, hist, jnp.asarray([hist.shape[1] - 1]), 3)
+  assert k.tolist() == [3] and draft[0].tolist() == ctx[:3]
   # An unseen context drafts nothing.
-  assert learned.lookup(table, jnp.asarray([[1, 2, 3]]))[1].tolist() == [False]
+  assert learned.lookup(table, jnp.asarray([list(range(100, 100 + n))]))[1].tolist() == [False]
 
 
 # ---- the loop on a tiny random model ---------------------------------------------------------

@@ -31,26 +31,25 @@ import numpy as np
 
 from engine.runtime.grammar import bitmask_words
 from engine.runtime.page_pool import NULL_PAGE
-from engine.runtime.speculative.drafters import NGRAM_MAX, NGRAM_MIN
+from engine.runtime.speculative.drafters import NGRAM_MAX
 
 DRAFTERS_ON_HOST = ("ngram", "auto")  # constrained rows draft by host prompt lookup only
 
 
-def ngram_draft(ids: Sequence[int], k: int, window: int, min_n: int = NGRAM_MIN,
-                max_n: int = NGRAM_MAX) -> list[int]:
-  """`drafters.ngram_propose` on the host: the longest suffix (max_n down to min_n tokens) of
+def ngram_draft(ids: Sequence[int], k: int, window: int, max_n: int = NGRAM_MAX) -> list[int]:
+  """`drafters.ngram_propose` on the host: the longest suffix (max_n tokens down to one) of
   the last `window` tokens that occurred before; up to k tokens that followed its most recent
   occurrence."""
   hist = list(ids[-window:])
   n = len(hist)
-  if k <= 0 or n < min_n + 1:
+  if k <= 0 or n < 2:
     return []
   best_end, best_run = -1, 0
   for end in range(n - 2, -1, -1):  # most recent first; a continuation must exist
     run = 0
     while run < max_n and end - run >= 0 and hist[end - run] == hist[n - 1 - run]:
       run += 1
-    if run >= min_n and run > best_run:
+    if run > best_run:
       best_end, best_run = end, run
       if run == max_n:
         break

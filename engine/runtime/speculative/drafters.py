@@ -17,16 +17,18 @@ from engine.model.transformer import Cache, compute_logits, forward_mtp
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative.acceptance import draft_sample
 
-# Suffix lengths prompt lookup matches (the longest wins). Chosen, not measured (vLLM's n-gram
-# example sets prompt_lookup_max = 4).
-NGRAM_MIN, NGRAM_MAX = 2, 5
+# The longest suffix prompt lookup matches (the longest recurring one wins, down to one token).
+# On `bench.spec_constants`' workloads a minimum of 1 drafted the most accepted tokens per
+# forward (against 2 and 3: +10-15%), and 8 the most of 3 / 5 / 8 / 12 on agent repetition
+# (3.15 vs 3.04 at 5; fresh text within 1%) (BENCHMARKS.md, "the speculative constants").
+NGRAM_MAX = 8
 
 
 def ngram_propose(history: jax.Array, newest: jax.Array, k: int
                   ) -> tuple[jax.Array, jax.Array]:
   """Prompt lookup in each row's history [B, L] (its newest token at index newest [B]): the
-  tokens after the most recent occurrence of its longest recurring suffix (NGRAM_MAX down to
-  NGRAM_MIN tokens). Returns (draft [B, K] int32, n_draft [B] int32, 0 if none recurs)."""
+  tokens after the most recent occurrence of its longest recurring suffix (NGRAM_MAX tokens
+  down to one). Returns (draft [B, K] int32, n_draft [B] int32, 0 if none recurs)."""
   b, length = history.shape
   ends = jnp.arange(length, dtype=jnp.int32)[None, :]
   run = jnp.zeros((b, length), jnp.int32)  # matched suffix length ending at each index
@@ -39,7 +41,7 @@ def ngram_propose(history: jax.Array, newest: jax.Array, k: int
     run = run + alive.astype(jnp.int32)
   # A candidate must end before the newest token so that a continuation exists; prefer the
   # longest match, then the most recent one.
-  valid = (ends < newest[:, None]) & (run >= NGRAM_MIN)
+  valid = (ends < newest[:, None]) & (run > 0)
   score = jnp.where(valid, run * length + ends, -1)
   best = jnp.argmax(score, axis=1).astype(jnp.int32)
   found = jnp.max(score, axis=1) >= 0
