@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Context lengths, longest first; two keep a lookup at two gathers per draft. Against (3, 2),
-# (4, 2) drafted 12-19% more tokens per forward on a second pass over what the table learned
-# and within 2.5% either way on a first pass; (5, 3) and (6, 3) gained up to 9% more on the
-# second and lost 8-10% on the first (`bench.spec_constants`; BENCHMARKS.md, "the speculative
-# constants").
-ORDERS = (4, 2)
+# Context lengths, longest first; two keep a lookup at two gathers per draft. (4, 2) drafts
+# 12-19% more tokens per forward than (3, 2) on a second pass over what the table learned, but
+# 2% fewer on a first (bench.speculative's agent rows at batch 1: 2.49 / 2.95 vs 2.54 / 3.02 at
+# K = 4 / 8); (4, 3, 2) is no better than (4, 2) (`bench.spec_constants`; BENCHMARKS.md, "the
+# speculative constants"). Kept until traffic with repeats across requests decides.
+ORDERS = (3, 2)
 _MULT = np.uint32(0x9E3779B1)
 
 
