@@ -225,10 +225,13 @@ def check_mtp_state(eng, req, model):
 def test_model_drafters_in_a_tight_pool(model, close):
   """MTP and the draft model, fixed K, in a pool that one long request fits and a batch does
   not: MTP's cache entries and hidden state after chunked prefill and decode loops; both
-  drafters' rows preempted and recomputed keep plain decoding's output."""
+  drafters' rows preempted and recomputed keep plain decoding's output. Two rows at most
+  (decode batches 1 and 2: a loop program fewer to compile than at 4) and 10 usable pages:
+  the long request takes all 10, two of the batch's rows (6-7 pages each) do not fit."""
   cfg, params = model
-  eng = Engine(cfg, params, EngineConfig(**SMALL, num_pages=13, speculative="mtp",
-                                         drafters=("draft",), num_draft_tokens=3),
+  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_num_seqs=2), num_pages=11,
+                                         speculative="mtp", drafters=("draft",),
+                                         num_draft_tokens=3),
                draft=(cfg, close))
   model_drafter_prices(eng)
   long = fresh_prompts(1, seed=9, lo=45, hi=46)[0]  # longer than one 32-token step
