@@ -5,6 +5,7 @@ plain decoding's output in any batch company; the rule that decides when a call 
 
 Most engines here have one configuration (`EVERY`), so the module compiles its programs once."""
 
+import functools
 import inspect
 
 import jax
@@ -201,6 +202,12 @@ def test_auto_drafter_picks_what_pays_per_request(model):
 
 # ---- model drafters' state ------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def _target_and_mtp(params, cache, ids, next_ids, start, n_new, page_table, *, cfg):
+  hidden, cache = forward(params, cache, ids, start, n_new, page_table, cfg=cfg)
+  return forward_mtp(params, cache, hidden, next_ids, start, n_new, page_table, cfg=cfg)
+
+
 def check_mtp_state(eng, req, model):
   """The engine's MTP cache entries (positions < num_computed) and the request's MTP hidden
   state equal a one-shot target + MTP forward over the request's tokens."""
@@ -209,10 +216,10 @@ def check_mtp_state(eng, req, model):
   assert n == len(ids) - 1
   pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
   cache = init_cache(cfg, eng.pool.num_pages, 8, jnp.float32)
-  start, n_new = jnp.asarray([0]), jnp.asarray([n])
-  hidden, cache = forward(params, cache, jnp.asarray([ids[:n]]), start, n_new, pt, cfg=cfg)
-  out, cache = forward_mtp(params, cache, hidden, jnp.asarray([ids[1:]]), start, n_new, pt,
-                           cfg=cfg)
+  width = eng.max_pages_per_seq * 8  # (tokens padded past n: one compiled forward per test)
+  out, cache = _target_and_mtp(params, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
+                               jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([0]),
+                               jnp.asarray([n]), pt, cfg=cfg)
   pos = np.arange(n)
   idx = (np.asarray(pt)[0, pos // 8], pos % 8)
   mtp = cfg.num_layers
