@@ -5,6 +5,7 @@ plain decoding's output in any batch company; the rule that decides when a call 
 
 Most engines here have one configuration (`EVERY`), so the module compiles its programs once."""
 
+import functools
 import inspect
 
 import jax
@@ -201,6 +202,12 @@ def test_auto_drafter_picks_what_pays_per_request(model):
 
 # ---- model drafters' state ------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def _target_and_mtp(params, cache, ids, next_ids, start, n_new, page_table, *, cfg):
+  hidden, cache = forward(params, cache, ids, start, n_new, page_table, cfg=cfg)
+  return forward_mtp(params, cache, hidden, next_ids, start, n_new, page_table, cfg=cfg)
+
+
 def check_mtp_state(eng, req, model):
   """The engine's MTP cache entries (positions < num_computed) and the request's MTP hidden
   state equal a one-shot target + MTP forward over the request's tokens."""
@@ -209,10 +216,10 @@ def check_mtp_state(eng, req, model):
   assert n == len(ids) - 1
   pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
   cache = init_cache(cfg, eng.pool.num_pages, 8, jnp.float32)
-  start, n_new = jnp.asarray([0]), jnp.asarray([n])
-  hidden, cache = forward(params, cache, jnp.asarray([ids[:n]]), start, n_new, pt, cfg=cfg)
-  out, cache = forward_mtp(params, cache, hidden, jnp.asarray([ids[1:]]), start, n_new, pt,
-                           cfg=cfg)
+  width = eng.max_pages_per_seq * 8  # (tokens padded past n: one compiled forward per test)
+  out, cache = _target_and_mtp(params, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
+                               jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([0]),
+                               jnp.asarray([n]), pt, cfg=cfg)
   pos = np.arange(n)
   idx = (np.asarray(pt)[0, pos // 8], pos % 8)
   mtp = cfg.num_layers
@@ -225,10 +232,13 @@ def check_mtp_state(eng, req, model):
 def test_model_drafters_in_a_tight_pool(model, close):
   """MTP and the draft model, fixed K, in a pool that one long request fits and a batch does
   not: MTP's cache entries and hidden state after chunked prefill and decode loops; both
-  drafters' rows preempted and recomputed keep plain decoding's output."""
+  drafters' rows preempted and recomputed keep plain decoding's output. Two rows at most
+  (decode batches 1 and 2: a loop program fewer to compile than at 4) and 10 usable pages:
+  the long request takes all 10, two of the batch's rows (6-7 pages each) do not fit."""
   cfg, params = model
-  eng = Engine(cfg, params, EngineConfig(**SMALL, num_pages=13, speculative="mtp",
-                                         drafters=("draft",), num_draft_tokens=3),
+  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_num_seqs=2), num_pages=11,
+                                         speculative="mtp", drafters=("draft",),
+                                         num_draft_tokens=3),
                draft=(cfg, close))
   model_drafter_prices(eng)
   long = fresh_prompts(1, seed=9, lo=45, hi=46)[0]  # longer than one 32-token step
