@@ -254,8 +254,10 @@ def test_write_pages_updates_in_place_under_donation():
 
 def test_kernel_switch_picks_mosaic_gpu():
   choice = kernels.KernelChoice(attention="mosaic_gpu")
-  assert kernels.mla_attention(choice) is mla_paged_attention_mgpu.mla_paged_attention
-  assert kernels.gqa_attention(choice) is gqa_paged_attention_mgpu.gqa_paged_attention
+  # (behind one jit per set of static keyword arguments: `kernels._jit_per_static_kwargs`)
+  assert kernels.mla_attention(choice).__wrapped__ is mla_paged_attention_mgpu.mla_paged_attention
+  assert kernels.gqa_attention(choice).__wrapped__ is gqa_paged_attention_mgpu.gqa_paged_attention
+  assert kernels.mla_attention(choice) is kernels.mla_attention(choice)
   assert kernels.write_pages(choice) is reference.write_pages
   assert kernels.mla_attention(kernels.REFERENCE) is reference.mla_paged_attention
 

@@ -292,7 +292,8 @@ def test_quantized_moe_layer_lowers_for_cuda(fmt):
 
 def test_int4_decode_forward_lowers_for_cuda():
   # A whole decode forward (T = 1, 4 rows) with INT4 experts: every MoE layer's experts go
-  # through the W4A16 kernel pair, the rest is plain JAX.
+  # through the W4A16 kernel pair, lowered once for all of them (`kernels.py`: identical calls
+  # share one jit); the rest is plain JAX.
   cfg = _quantized_moe_config("int4")
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
   spec = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), tree)
@@ -303,7 +304,7 @@ def test_int4_decode_forward_lowers_for_cuda():
   calls = export_cuda_calls(fwd, spec(params), spec(cache), i32(b, 1), i32(b), i32(b),
                             i32(b, pages // b))
   n_moe = sum("moe" in layer for layer in params["layers"])
-  assert n_moe > 0 and calls.count(MOSAIC_CALL) == 2 * n_moe, calls
+  assert n_moe > 1 and calls.count(MOSAIC_CALL) == 2, calls
 
 
 @pytest.mark.parametrize("fmt,mode", [("int4", "psum"), ("int4", "dispatch"), ("bf16", "psum")])

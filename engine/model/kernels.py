@@ -10,8 +10,12 @@ model. Every implementation has the signature of the plain-JAX reference in `pal
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable
+
+import jax
+import numpy as np
 
 from pallas_kernels.attention import reference as attn_ref
 from pallas_kernels.moe import reference as moe_ref
@@ -67,13 +71,43 @@ def _pick(table: dict[str, Callable | _Deferred], name: str, what: str) -> Calla
   except KeyError:
     raise ValueError(f"no {what} implementation named {name!r}; have {sorted(table)}") from None
   if isinstance(fn, _Deferred):
-    fn = table[name] = fn.load()
+    fn = table[name] = _jit_per_static_kwargs(fn.load())
   return fn
+
+
+def _jit_per_static_kwargs(fn: Callable) -> Callable:
+  """fn behind one `jax.jit` per set of static keyword arguments (those holding no array), the
+  arrays passed through it: every layer's call site then shares one lowered (and compiled)
+  kernel per shape instead of each lowering its own, which took a 27-layer decode step ~95 s
+  to compile on an H200 (BENCHMARKS.md, second GPU run). jit's cache already sees shapes and
+  jax's trace context (abstract mesh, shard_map axes, jax's own interpret mode); the key adds
+  what the kernels read besides: `interpreting()`, a context variable of ours."""
+  from pallas_kernels.interpret import interpreting  # (imports Mosaic GPU: only when picked)
+
+  @functools.lru_cache(maxsize=None)
+  def jitted(static: tuple, interpret: bool) -> Callable:
+    return jax.jit(functools.partial(fn, **{k: v for k, _, v in static}))
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    dynamic = {k: v for k, v in kwargs.items()
+               if any(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(v))}
+    static = tuple(sorted((k, type(v), v) for k, v in kwargs.items() if k not in dynamic))
+    for k, _, v in static:
+      try:
+        hash(v)
+      except TypeError:
+        raise TypeError(f"{fn.__module__}.{fn.__name__}: keyword argument {k}={v!r} holds no "
+                        "array, so it is static, and must be hashable") from None
+    return jitted(static, interpreting())(*args, **dynamic)
+
+  return call
 
 
 def register(path: str, name: str, fn: Callable) -> None:
   """Registers an implementation (`path` one of mla_attention, gqa_attention, write_pages,
-  route, moe_experts) under `name`, for kernels that live outside this module."""
+  route, moe_experts) under `name`, for kernels that live outside this module. Called as given
+  (not behind `_jit_per_static_kwargs`: a test's checking wrapper may keep Python state)."""
   tables = {"mla_attention": _MLA_ATTENTION, "gqa_attention": _GQA_ATTENTION,
             "write_pages": _WRITE_PAGES, "route": _ROUTE, "moe_experts": _MOE_EXPERTS}
   tables[path][name] = fn
