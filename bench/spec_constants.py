@@ -34,7 +34,7 @@ from engine.runtime.generate import generate_tokens
 from engine.runtime.speculative import drafters, goodput, learned
 from engine.runtime.speculative.learned import NgramMemory
 
-from bench.spec_workloads import FRESH, agent_turn
+from bench.spec_workloads import FRESH, agent_turns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -99,10 +99,7 @@ def main(argv):
   model = moejax.load(FLAGS.checkpoint, progress=False, dtype="float32")
   fresh = FRESH[:FLAGS.batch]
   fresh_ids = [model.encode(p) for p in fresh]
-  answers = generate_tokens(model.params, model.config, fresh_ids,
-                            max_new_tokens=FLAGS.max_new_tokens, ignore_eos=True)
-  agent_ids = [agent_turn(model, p, ids, a.token_ids)  # bench.speculative's agent workload
-               for p, ids, a in zip(fresh, fresh_ids, answers)]
+  agent_ids = agent_turns(model, fresh, FLAGS.max_new_tokens)
   half = FLAGS.batch // 2
   workloads = {"fresh": fresh_ids, "agent": agent_ids,
                "mixed": fresh_ids[:half] + agent_ids[half:]}

@@ -1,8 +1,10 @@
-"""Prompts shared by the speculative-decoding benchmarks (`speculative.py`, `spec_serving.py`).
+"""Prompts shared by the speculative-decoding benchmarks (`speculative.py`, `spec_serving.py`,
+`spec_constants.py`).
 
 * FRESH: short code openings the model continues freely (little to copy);
 * `agent_turn`: a later turn that resends the conversation (the prompt, the model's answer, a
-  blank line, the prompt again), so the answer repeats earlier context;
+  blank line, the prompt again), so the answer repeats earlier context; `agent_turns` makes
+  them for a batch of prompts with the model's greedy answers (after a `document`, if asked);
 * `novel_prompts`: a new batch of code from modules the demo model never trained on (the demo
   corpus's held-out side) for every pass: traffic neither the model nor a learned table has
   seen, where FRESH repeated across passes becomes draftable.
@@ -49,3 +51,32 @@ def novel_prompts(model: Any, n: int, batch: int, tokens: int = 48) -> list[list
     if len(ids) == tokens:
       out.append(ids)
   return out
+
+
+def document(model: Any, i: int, n: int) -> list[int]:
+  """About n token ids of held-out stdlib code (whole lines from a seeded random line), the
+  i-th of a seeded sequence: the long context an agent's turn carries."""
+  lines = _heldout_lines()
+  rng = random.Random(1000 + i)
+  start, text = rng.randrange(len(lines) // 2), ""
+  ids: list[int] = []
+  while len(ids) < n and start < len(lines):
+    text += lines[start] + "\n"
+    start += 1
+    if start % 16 == 0:  # (encoding the whole text every line would be quadratic)
+      ids = model.encode(text)
+  return model.encode(text)[:n]
+
+
+def agent_turns(model: Any, prompts: list[str], max_new: int, context: int = 0
+                ) -> list[list[int]]:
+  """Each prompt's second turn: the first (after `context` tokens of a document, when asked)
+  with its greedy answer, then the prompt again."""
+  from engine.runtime.generate import generate_tokens
+  first = [model.encode(p) for p in prompts]
+  if context:  # (the document's BOS starts the sequence: the prompt's is dropped)
+    first = [document(model, i, context) + ids[1:] for i, ids in enumerate(first)]
+  answers = generate_tokens(model.params, model.config, first, max_new_tokens=max_new,
+                            ignore_eos=True)
+  return [agent_turn(model, p, ids, a.token_ids) for ids, a, p in
+          zip(first, answers, prompts)]

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sys
 import time
 from typing import Any, Callable
@@ -57,8 +56,7 @@ from engine.runtime.batch import SpeculativeConfig
 from engine.runtime.generate import generate_tokens
 from engine.runtime.speculative.learned import NgramMemory
 
-from bench import spec_workloads
-from bench.spec_workloads import FRESH, agent_turn
+from bench.spec_workloads import FRESH, agent_turns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -168,34 +166,6 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: li
 
 # ---- the workloads ---------------------------------------------------------------------------
 
-def document(model, i: int, n: int) -> list[int]:
-  """About n token ids of held-out stdlib code (whole lines from a seeded random line), the
-  i-th of a seeded sequence: the long context an agent's turn carries."""
-  lines = spec_workloads._heldout_lines()
-  rng = random.Random(1000 + i)
-  start, text = rng.randrange(len(lines) // 2), ""
-  ids: list[int] = []
-  while len(ids) < n and start < len(lines):
-    text += lines[start] + "\n"
-    start += 1
-    if start % 16 == 0:  # (encoding the whole text every line would be quadratic)
-      ids = model.encode(text)
-  return model.encode(text)[:n]
-
-
-def agent_turns(model, prompts: list[str], max_new: int, context: int = 0
-                ) -> list[list[int]]:
-  """Each prompt's second turn: the first (after `context` tokens of a document, when asked)
-  with its greedy answer, then the prompt again."""
-  first = [model.encode(p) for p in prompts]
-  if context:  # (the document's BOS starts the sequence: the prompt's is dropped)
-    first = [document(model, i, context) + ids[1:] for i, ids in enumerate(first)]
-  answers = generate_tokens(model.params, model.config, first, max_new_tokens=max_new,
-                            ignore_eos=True)
-  return [agent_turn(model, p, ids, a.token_ids) for ids, a, p in
-          zip(first, answers, prompts)]
-
-
 def spec_factory(method: str, k: int, adaptive: bool, draft) -> Callable[[], SpeculativeConfig]:
   """A fresh config per call: the learned table (and auto's) starts empty every time."""
   def make():
@@ -205,6 +175,11 @@ def spec_factory(method: str, k: int, adaptive: bool, draft) -> Callable[[], Spe
                              memory=NgramMemory() if method in ("learned", "auto") else None,
                              adaptive=adaptive or method == "auto")
   return make
+
+
+def _progress(label: str, r: dict) -> None:
+  print(f"  {label}: accepted length {r['mean_accepted_length']:.2f}, speedup "
+        f"{r['speedup']:.2f}", file=sys.stderr)
 
 
 def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
@@ -223,9 +198,7 @@ def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
             loop_off, lambda spec: loop_call(model, ids, max_new, spec), rounds, make)
         rows.append(row(name, "loop", method, k, adapt, calls, t, plain_ids, t_off,
                         prompt_tokens))
-        print(f"  {name} loop {method} k={k}{' adaptive' if adapt else ''}: accepted length "
-              f"{rows[-1]['mean_accepted_length']:.2f}, speedup {rows[-1]['speedup']:.2f}",
-              file=sys.stderr)
+        _progress(f"{name} loop {method} k={k}{' adaptive' if adapt else ''}", rows[-1])
   if auto:
     engine_off = lambda: engine_call(model, ids, max_new, None)
     for k in ks:
@@ -234,9 +207,7 @@ def workload_rows(model, draft, name: str, ids: list[list[int]], max_new: int,
           engine_off, lambda spec: engine_call(model, ids, max_new, spec), rounds, make)
       rows.append(row(name, "engine", "auto", k, True, calls, t, plain_ids, t_off,
                       prompt_tokens))
-      print(f"  {name} engine auto k={k}: accepted length "
-            f"{rows[-1]['mean_accepted_length']:.2f}, speedup {rows[-1]['speedup']:.2f}",
-            file=sys.stderr)
+      _progress(f"{name} engine auto k={k}", rows[-1])
   # The paths' own plain speeds, side by side (each row above is against its own path's off).
   if auto:
     offs, t_loop, t_engine = side_by_side(loop_off, lambda _: engine_off(), rounds)
