@@ -386,11 +386,12 @@ class SpecRuntime:
     self.per_drafter["spec_draft_catch_up_tokens"] += sum(n for _, _, n in spans)
 
   def measure_costs(self, params, cache, max_pages: int, *, stop_width: int,
-                    impl: KernelChoice = REFERENCE, rounds: int = 5) -> Cache:
+                    impl: KernelChoice = REFERENCE, rounds: int = 5,
+                    iterations: int = 16) -> Cache:
     """Times the plain and speculative loops at every decode bucket and block width (rows
-    on the null page: nothing real is read or written) and installs the table. Returns the
-    cache (donated through)."""
-    n = self.config.max_decode_steps
+    on the null page: nothing real is read or written), calls of `iterations` (at most
+    max_decode_steps) and of 1, and installs the table. Returns the cache (donated through)."""
+    n = min(iterations, self.config.max_decode_steps)
     state = {"cache": cache}
     rng = np.random.default_rng(0)
     context = max(max_pages * self.config.page_size // 4 - n * (self.k + 1), 0)
