@@ -130,10 +130,13 @@ def test_token_dispatch_equals_single_device():
   assert auto["max_abs_diff"] <= 1e-5 * auto["max_abs_ref"] + 1e-6
   assert len(results) == 6
   for name, r in results.items():
-    for got in (r, r["ragged_emulated"], r["padded_block"]):
+    for got in (r, r.get("ragged_emulated", r), r.get("padded_block", r)):
       assert got["max_abs_diff"] <= 1e-5 * got["max_abs_ref"] + 1e-6, (name, r)
-    assert r["ragged_calls"] == 4, name  # 2 MoE layers x (tokens out, results back)
+    assert r.get("ragged_calls", 4) == 4, name  # 2 MoE layers x (tokens out, results back)
     assert r["all_to_all_not_psum"], name
+  # The CUDA branch (emulated) and the padded block ran on one mesh per model.
+  assert sorted(n for n, r in results.items() if "ragged_emulated" in r) == [
+      "deepseek_v3/expert:8", "qwen3_moe/tensor:4,expert:2"]
   assert export["reference/cpu"]["ragged_all_to_all"] == 0
   assert export["reference/cpu"]["all_to_all"] == 3  # sizes, tokens out, results back
   assert export["reference/cpu"]["nr_devices"] == 8
