@@ -7,9 +7,9 @@ tokens, pages for the batch twice over, max_decode_steps the bucketed token budg
 joins a closed batch, so it decodes in one call, as `generate_tokens`' plain fixed-batch loop
 does; a speculative call gets that many plain iterations' time). It is kept for later calls of
 the same configuration (the KEPT_ENGINES most recently used, as vLLM's `LLM` keeps its engine):
-its prefix cache, its learned table and its acceptance estimates live on. `release_engines` drops them; a call that
-raised drops its engine. A new engine with drafters times its cost table once
-(`SpecRuntime.measure_costs`) unless the config says to keep the roofline.
+its prefix cache, its learned table and its acceptance estimates live on. `release_engines`
+drops them; a call that raised drops its engine. A new engine with drafters times its cost
+table once (`SpecRuntime.measure_costs`) unless the config says to keep the roofline.
 """
 
 from __future__ import annotations
@@ -127,8 +127,9 @@ def run_on_engine(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[i
   page_size = EngineConfig.page_size
   config = EngineConfig(
       max_num_seqs=b, max_model_len=max_len, num_pages=2 * b * -(-max_len // page_size) + 1,
-      max_decode_steps=max(bucket(max(max_new_tokens)), k + 1), speculative=drafters[0] if len(drafters) == 1 else (
-          AUTO if drafters else None), drafters=drafters, num_draft_tokens=k,
+      max_decode_steps=max(bucket(max(max_new_tokens)), k + 1),
+      speculative=drafters[0] if len(drafters) == 1 else (AUTO if drafters else None),
+      drafters=drafters, num_draft_tokens=k,
       adaptive_k=bool(drafters) and (speculative.adaptive or speculative.method == AUTO),
       learned_table_slots=slots, cache_dtype=cache_dtype, kernels=impl)
   draft = ((speculative.draft_cfg, speculative.draft_params) if "draft" in drafters else None)
