@@ -2,7 +2,7 @@
 through the compiled HLO's stack frames.
 
     python -m bench.op_profile                          # serving loop, every drafter, k = 0
-    python -m bench.op_profile --force_k=1 --rows=learned --out=prof.json
+    python -m bench.op_profile --force_width=1 --rows=learned --out=prof.json
     python -m bench.op_profile --program=decode_loop    # the plain decode loop, same batch
 
 Serves a batch of the demo prompts on an `Engine` (demo model, every drafter the model
@@ -11,7 +11,7 @@ supports), captures the arguments of one full decode call of `--program`
 executed op is charged to the outermost frame in `engine/` or `pallas_kernels/` (`--depth=outer`,
 e.g. `moe_experts_all`, `compute_logits`) or its innermost (`--depth=inner`). Ops without a
 frame (copies, tuple plumbing) are "?". With the speculative loop, `--rows` sets every row's
-drafter and `--force_k` the block width (an index into the compiled widths (0, K): 1 is the
+drafter and `--force_width` the block width (an index into the compiled widths (0, K): 1 is the
 block; -1: the loop's plan).
 
 Prints a table (op time, share, executions) and the call's wall time (best of 5, untraced);
@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("program", "speculative_decode_loop", ["speculative_decode_loop",
                                                          "decode_loop"], "Which call.")
-flags.DEFINE_integer("force_k", 0, "Speculative loop: index into the compiled widths (0: "
+flags.DEFINE_integer("force_width", 0, "Speculative loop: index into the compiled widths (0: "
                      "plain, 1: the K + 1 block; -1: the loop's plan chooses).")
 flags.DEFINE_enum("rows", "off", list(DRAFTER_IDS), "Speculative loop: every row's drafter.")
 flags.DEFINE_integer("batch", 4, "Requests.")
@@ -182,7 +182,7 @@ def main(argv):
     named["row_auto"] = np.zeros((b,), bool)
     named["feed"] = np.asarray([d == FLAGS.rows for d in DRAFTER_IDS])
     named["draft_rows"] = np.full((b,), FLAGS.rows == "draft")  # (fed by the draft model)
-    named["force_k"] = np.int32(FLAGS.force_k)
+    named["force_width"] = np.int32(FLAGS.force_width)
   args, kwargs = list(bound.args), dict(bound.kwargs)
   fresh = lambda: jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
                                (args, kwargs))
@@ -198,14 +198,14 @@ def main(argv):
   a, k = fresh()
   jax.block_until_ready((a, k))
   rows = attribute(hlo, *op_times(lambda: real(*a, **k)), FLAGS.depth)
-  print(f"{FLAGS.program} (rows {FLAGS.rows}, force_k {FLAGS.force_k}): "
+  print(f"{FLAGS.program} (rows {FLAGS.rows}, force_width {FLAGS.force_width}): "
         f"{best * 1e3:.2f} ms per 16-step call untraced")
   print(f"{'op time us':>11} {'share':>6} {'execs':>6}  where")
   for r in rows[:FLAGS.top]:
     print(f"{r['us']:11.0f} {r['share']:6.1%} {r['executions']:6d}  {r['where']}")
   if FLAGS.out:
     with open(FLAGS.out, "w") as fh:
-      json.dump(dict(program=FLAGS.program, rows_drafter=FLAGS.rows, force_k=FLAGS.force_k,
+      json.dump(dict(program=FLAGS.program, rows_drafter=FLAGS.rows, force_width=FLAGS.force_width,
                      call_ms=best * 1e3, table=rows), fh, indent=1)
   return 0
 

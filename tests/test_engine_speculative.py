@@ -310,7 +310,7 @@ def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(model, 
     a = inspect.signature(real_loop).bind(*args, **kwargs).arguments
     if (np.asarray(a["remaining"]) > 0).all():
       drafters = {DRAFTER_IDS[int(i)] for i in np.asarray(a["row_drafter"])}
-      runs.add((len(a["remaining"]), int(a["force_k"]), bool(a["want_logprobs"]),
+      runs.add((len(a["remaining"]), int(a["force_width"]), bool(a["want_logprobs"]),
                 frozenset(drafters)))
     return real_loop(*args, **kwargs)
   real_plain = runtime.decode_loop_learning

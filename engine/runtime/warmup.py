@@ -153,7 +153,7 @@ def _spec_branches(eng: Any, tokens: np.ndarray, past: np.ndarray, table: np.nda
     for rows, logprobs in passes:
       *_, eng.cache = eng.spec.decode(
           eng.params, eng.cache, [], tokens, past, table, samp, stop_ids, np.ones_like(tokens),
-          np.zeros_like(tokens), 1, {}, speculate=True, impl=eng.config.kernels, force_k=i,
+          np.zeros_like(tokens), 1, {}, speculate=True, impl=eng.config.kernels, force_width=i,
           logprobs=logprobs, warm_rows=rows)
 
 

@@ -172,7 +172,7 @@ def speculative_decode_loop(
     min_before_stop: jax.Array, num_steps: jax.Array, time_budget: jax.Array,
     history: jax.Array, history_len: jax.Array, row_drafter: jax.Array, row_auto: jax.Array,
     row_max_draft: jax.Array, row_accept: jax.Array, auto_allowed: jax.Array, feed: jax.Array,
-    draft_rows: jax.Array, accept: jax.Array, costs: jax.Array, force_k: jax.Array,
+    draft_rows: jax.Array, accept: jax.Array, costs: jax.Array, force_width: jax.Array,
     want_logprobs: jax.Array, table: learned.NgramTable | None = None,
     mtp_hidden: jax.Array | None = None, draft_params: Params | None = None,
     draft_cache: Cache | None = None, *, max_steps: int, widths: tuple[int, ...],
@@ -192,7 +192,7 @@ def speculative_decode_loop(
     feed: [D] bool model drafters kept current (those a row uses or may take); draft_rows [B]
       bool: the rows the draft model is fed (their draft cache holds positions < n_cached).
     widths: (0, K): `goodput.plan` takes plain or the block each iteration; (K,): the block.
-      force_k: int32 index into `widths` forcing one (warm-up, timing), or -1.
+      force_width: int32 index into `widths` forcing one (warm-up, timing), or -1.
     table ("learned"), mtp_hidden [B, H] ("mtp"), draft_params and draft_cache ("draft"): the
       drafters' state (table and draft cache donated). "mtp" observes every verified block;
       "draft" lacks the tokens in `pending` until its next forward (flushed at the end).
@@ -329,8 +329,8 @@ def speculative_decode_loop(
     if len(widths) > 1:  # plain or the block, unless forced (warm-up, timing)
       block, planned = goodput.plan(gain, drafting, live, room, k_max, step_cost,
                                        column_cost)
-      index = jnp.where(force_k >= 0, force_k, block.astype(jnp.int32))
-      k_rows = jnp.where(force_k >= 0, k_rows, planned)
+      index = jnp.where(force_width >= 0, force_width, block.astype(jnp.int32))
+      k_rows = jnp.where(force_width >= 0, k_rows, planned)
     drafts = index == len(widths) - 1
     taken = jnp.arange(1, k_max + 1)[None, :] <= k_rows[:, None]
     expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))

@@ -257,10 +257,10 @@ class SpecRuntime:
   def decode(self, params, cache, reqs, tokens, n_cached, table, sampling, stop_ids, remaining,
              min_before, num_steps, counters: dict, *, speculate: bool,
              time_budget: float | None = None, impl: KernelChoice = REFERENCE,
-             force_k: int = -1, logprobs: bool | None = None, warm_rows: Sequence[str] = ()):
+             force_width: int = -1, logprobs: bool | None = None, warm_rows: Sequence[str] = ()):
     """A decode-only step of `reqs` (rows past them are padding): the speculative loop when
     `speculate` (up to num_steps tokens per row in about `time_budget` plain iterations), else
-    the plain loop (num_steps tokens). `force_k`, `warm_rows` (reqs empty: warm-up and the
+    the plain loop (num_steps tokens). `force_width`, `warm_rows` (reqs empty: warm-up and the
     cost table's timing): a forced block width index, the drafters rows take in turn.
     Returns (out, counts, logprobs as `steps.decode_loop`'s, cache)."""
     if not speculate:  # (a learned table still learns the call's tokens)
@@ -311,7 +311,7 @@ class SpecRuntime:
         params, cache, tokens, n_cached, table, sampling, stop_ids, remaining, min_before,
         np.int32(num_steps), np.float32(np.inf if time_budget is None else time_budget),
         history, history_len, row_drafter, row_auto, row_max_draft, row_accept, auto_allowed,
-        feed, draft_rows, self.accept, self.costs.costs(b), np.int32(force_k),
+        feed, draft_rows, self.accept, self.costs.costs(b), np.int32(force_width),
         wants_logprobs(reqs, logprobs), table_in, mtp_hidden, self.draft_params,
         self.draft_cache, max_steps=self.max_call_tokens, widths=self.widths,
         drafters=self.enabled, cfg=self.cfg, draft_cfg=self.draft_cfg, impl=impl)
@@ -403,10 +403,10 @@ class SpecRuntime:
               np.full((b, stop_width), -1, np.int32), np.full((b,), n_steps, np.int32),
               np.zeros((b,), np.int32))
 
-    def run(b, n_steps, speculate, force_k=-1, drafter=None):
+    def run(b, n_steps, speculate, force_width=-1, drafter=None):
       out, _, _, state["cache"] = self.decode(
           params, state["cache"], [], *rows(b, n_steps), n_steps, {}, speculate=speculate,
-          impl=impl, force_k=force_k, warm_rows=(drafter,) if drafter else ())
+          impl=impl, force_width=force_width, warm_rows=(drafter,) if drafter else ())
       return out
 
     model = [d for d in self.enabled if d not in DETERMINISTIC]
