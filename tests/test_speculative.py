@@ -233,9 +233,8 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   prompts = [[1, 5, 6]] * n
   plain = generate_tokens(params, cfg, prompts, max_new_tokens=4, sampling=[
       SamplingParams(temperature=1.0, seed=i) for i in range(n)])
-  # (The default token budget prefills ~85 prompts per step, so decodes run in small batches
-  # that draft; one prefill of all 2048 leaves a single decode call past the roofline's
-  # break-even, which drafts nothing.)
+  # (Keep the default token budget: with max_num_batched_tokens=4n, one prefill step for all,
+  # nothing drafted, as a decode call of 2048 rows is past the roofline's break-even.)
   eng = Engine(cfg, params, EngineConfig(
       page_size=16, max_num_seqs=n, max_model_len=16, num_pages=n + 1, drafters=("mtp", "draft"),
       num_draft_tokens=2, measure_spec_costs=False), draft=(dcfg, init_params(dcfg, seed=3)))
