@@ -15,8 +15,8 @@
 #      the bandwidth floor, Mosaic GPU kernels (breakdown by ablation at batch 8), and the XLA
 #      reference at batch 8
 #   4. what a speculative verify forward over T = 2, 5, 9 positions per row costs in decode
-#      steps on the same model (4 layers) and kernels (bench.decode_profile --verify); the demo model
-#      with and without speculation
+#      steps on the same model (4 layers) and kernels (bench.decode_profile --verify); the demo
+#      model with and without speculation
 #   5. token-dispatch expert parallelism compiled on the device (ragged_all_to_all exchange)
 #   6. the serving engine's speculative calls on the demo model (bench.spec_serving, no draft
 #      model; last: its warm-up compiles and times every bucket; its JSON is written after

@@ -48,7 +48,7 @@ flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
 # (module, attribute, values); the first value is the shipped one.
 SWEEPS = {
-    "ngram": (drafters, ("NGRAM_MAX",), [(5,), (3,), (8,), (12,)]),
+    "ngram": (drafters, ("NGRAM_MAX",), [(8,), (3,), (5,), (12,)]),
     "orders": (learned, ("ORDERS",), [((3, 2),), ((4, 2),), ((5, 3),), ((4,),), ((6, 3),)]),
     "row_prior": (goodput, ("ROW_PRIOR_WEIGHT",), [(2.0,), (0.5,), (1.0,), (4.0,)]),
 }
