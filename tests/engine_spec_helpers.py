@@ -18,9 +18,11 @@ from model_configs import CONFIGS
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
              max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32)
 # Every drafter, adaptive: most tests' engines have this configuration, so their programs are
-# compiled once per test module (an engine with the same configuration compiles nothing).
+# compiled once per test module (an engine with the same configuration compiles nothing), at
+# two decode batch sizes (a row alone runs padded to 2).
 EVERY = dict(SMALL, drafters=("ngram", "learned", "mtp", "draft"), num_draft_tokens=3,
-             adaptive_k=True, learned_table_slots=4096, measure_spec_costs=False)
+             adaptive_k=True, learned_table_slots=4096, measure_spec_costs=False,
+             decode_batch_sizes=(2, 4))
 
 
 def spec_model():

@@ -134,19 +134,20 @@ def test_repetitive_text_with_cheap_costs_accepts_long_blocks_and_learns(model):
 
 
 def test_at_and_above_the_break_even_batch_the_plain_program_runs(model):
-  # One row: a block costs what a decode step does; two or more: k + 1 tokens' worth.
-  eng = every_drafter_engine(model, step=lambda b, k: 1.0 if b == 1 else k + 1.0,
+  # Batch 2 (one or two rows): a block costs what a decode step does; batch 4 (three or
+  # four): k + 1 tokens' worth.
+  eng = every_drafter_engine(model, step=lambda b, k: 1.0 if b <= 2 else k + 1.0,
                              speculative="ngram")
-  assert eng.spec.costs.break_even == 2
-  for _ in range(3):
+  assert eng.spec.costs.batch_sizes == (2, 4) and eng.spec.costs.break_even == 4
+  for _ in range(4):
     eng.add_request(REPEATS, stop=StopParams(max_tokens=12 + 8 * len(eng.requests)))
   seen = []
   while eng.has_unfinished():
     rows, before = len(eng.scheduler.running), eng.stats()["spec_loop_calls"]
     eng.step()
     seen.append((rows, eng.stats()["spec_loop_calls"] - before))
-  assert all(n == 0 for rows, n in seen if rows >= 2), seen
-  assert any(n > 0 for rows, n in seen if rows == 1), seen
+  assert all(n == 0 for rows, n in seen if rows >= 3), seen
+  assert any(n > 0 for rows, n in seen if rows <= 2), seen
 
 
 def test_the_rule_for_one_call(model):
@@ -233,10 +234,11 @@ def test_model_drafters_in_a_tight_pool(model, close):
   """MTP and the draft model, fixed K, in a pool that one long request fits and a batch does
   not: MTP's cache entries and hidden state after chunked prefill and decode loops; both
   drafters' rows preempted and recomputed keep plain decoding's output. Two rows at most
-  (decode batches 1 and 2: a loop program fewer to compile than at 4) and 10 usable pages:
-  the long request takes all 10, two of the batch's rows (6-7 pages each) do not fit."""
+  (one decode batch size, 2: one loop program to compile) and 10 usable pages: the long
+  request takes all 10, two of the batch's rows (6-7 pages each) do not fit."""
   cfg, params = model
-  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_num_seqs=2), num_pages=11,
+  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_num_seqs=2, decode_batch_sizes=(2,)),
+                                         num_pages=11,
                                          speculative="mtp", drafters=("draft",),
                                          num_draft_tokens=3),
                draft=(cfg, close))

@@ -198,6 +198,13 @@ def test_buckets_cover_every_step_and_follow_traffic():
   tuned = derive_buckets(cfg, row_widths=(16, 64), stats=stats)
   assert 32 in [w for w, _ in tuned.mixed]  # 30-token chunks fit one row
   assert 3 in tuned.decode and 6 in tuned.decode and tuned.decode[-1] == 8
+  # Decode batch sizes given (EngineConfig.decode_batch_sizes) are taken as they are, over the
+  # traffic's choice; max_num_seqs is always one.
+  given = derive_buckets(cfg, row_widths=(16, 64), stats=stats, decode_sizes=(3, 3, 1))
+  assert given.decode == (1, 3, 8) and given.decode_rows(2) == 3 and given.decode_rows(5) == 8
+  for bad in [(0, 4), (9,)]:
+    with pytest.raises(ValueError, match="decode_batch_sizes"):
+      derive_buckets(cfg, decode_sizes=bad)
 
 
 def test_page_keys_extend_from_known_keys():

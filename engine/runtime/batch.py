@@ -3,13 +3,15 @@ and `engine.generate` speculate. There is one speculative loop, the engine's
 (`speculative/loop.py`); a batch of prompts becomes a batch of requests.
 
 The engine is sized for the batch (max_num_seqs = batch, max_model_len = the bucketed prompt +
-tokens, pages for the batch twice over, max_decode_steps the bucketed token budget: nothing
+tokens, pages for the batch twice over, max_decode_steps the bucketed token budget): nothing
 joins a closed batch, so it decodes in one call, as `generate_tokens`' plain fixed-batch loop
-does; a speculative call gets that many plain iterations' time). It is kept for later calls of
-the same configuration (the KEPT_ENGINES most recently used, as vLLM's `LLM` keeps its engine):
-its prefix cache, its learned table and its acceptance estimates live on. `release_engines`
-drops them; a call that raised drops its engine. A new engine with drafters times its cost
-table once (`SpecRuntime.measure_costs`) unless the config says to keep the roofline.
+does (a speculative call gets that many plain iterations' time), and its decode programs are
+compiled (and its cost table timed) for the whole batch only. It is kept
+for later calls of the same configuration (the KEPT_ENGINES most recently used, as vLLM's `LLM`
+keeps its engine): its prefix cache, its learned table and its acceptance estimates live on.
+`release_engines` drops them; a call that raised drops its engine. A new engine with drafters
+times its cost table once (`SpecRuntime.measure_costs`) unless the config says to keep the
+roofline.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ def run_on_engine(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[i
   max_len = min(bucket(total + k + 1), cfg.max_position_embeddings)
   page_size = EngineConfig.page_size
   config = EngineConfig(
-      max_num_seqs=b, max_model_len=max_len, num_pages=2 * b * -(-max_len // page_size) + 1,
+      max_num_seqs=b, decode_batch_sizes=(b,), max_model_len=max_len,
+      num_pages=2 * b * -(-max_len // page_size) + 1,
       max_decode_steps=max(bucket(max(max_new_tokens)), k + 1),
       speculative=drafters[0] if len(drafters) == 1 else (AUTO if drafters else None),
       drafters=drafters, num_draft_tokens=k,

@@ -146,8 +146,10 @@ def _choose_widths(lengths: Sequence[int], candidates: Sequence[int], k: int) ->
 
 
 def derive_buckets(cfg: SchedulerConfig, row_widths: Sequence[int] = DEFAULT_ROW_WIDTHS,
-                   stats: "TrafficStats | None" = None) -> ShapeBuckets:
-  """Bucket set from the limits, refined by a recorded traffic histogram when given."""
+                   stats: "TrafficStats | None" = None,
+                   decode_sizes: Sequence[int] | None = None) -> ShapeBuckets:
+  """Bucket set from the limits, refined by a recorded traffic histogram when given.
+  `decode_sizes`: the decode loop's batch sizes, as given (max_num_seqs always among them)."""
   widths = sorted({min(w, cfg.max_num_batched_tokens) for w in row_widths if w >= 2}) or [2]
   decode = list(powers_of_two_upto(cfg.max_num_seqs))
   decode[-1] = cfg.max_num_seqs  # no larger batch can exist
@@ -155,7 +157,12 @@ def derive_buckets(cfg: SchedulerConfig, row_widths: Sequence[int] = DEFAULT_ROW
     cand = [w for w in powers_of_two_upto(cfg.max_num_batched_tokens) if w >= 2]
     cand[-1] = min(cand[-1], cfg.max_num_batched_tokens)
     widths = list(_choose_widths(stats.prefill_lengths, cand, len(widths)))
-  if stats is not None and stats.decode_rows:
+  if decode_sizes:
+    if not all(1 <= b <= cfg.max_num_seqs for b in decode_sizes):
+      raise ValueError(f"decode_batch_sizes {tuple(decode_sizes)}: each must be in [1, "
+                       f"max_num_seqs = {cfg.max_num_seqs}]")
+    decode = sorted(set(decode_sizes) | {cfg.max_num_seqs})
+  elif stats is not None and stats.decode_rows:
     cand = [b for b in range(1, cfg.max_num_seqs + 1) if b < 8 or b % 8 == 0]
     decode = list(_choose(stats.decode_rows, cand + [cfg.max_num_seqs], len(decode),
                           lambda n, b: b))

@@ -60,6 +60,9 @@ class EngineConfig:
   max_model_len: int | None = None  # default: min(max_position_embeddings, 4096)
   enable_prefix_cache: bool = True
   row_widths: tuple[int, ...] | None = None  # default: buckets.default_row_widths (CPU: 16)
+  # The decode loop's compiled batch sizes, max_num_seqs always among them (vLLM's
+  # cuda_graph_sizes). Default: powers of two up to it, or chosen from `traffic_stats_path`.
+  decode_batch_sizes: tuple[int, ...] | None = None
   # Most plain decode iterations per device loop (1 disables the loop); a speculative loop gets
   # as much time by the cost model, up to num_draft_tokens + 1 tokens per iteration of it.
   max_decode_steps: int = 16
@@ -145,7 +148,7 @@ class Engine:
     self.traffic = TrafficStats()
     self.buckets = derive_buckets(
         self.sched_config, config.row_widths or default_row_widths(next(iter(devices)).platform),
-        TrafficStats.load(config.traffic_stats_path))
+        TrafficStats.load(config.traffic_stats_path), config.decode_batch_sizes)
     self.spec = SpecRuntime(cfg, config, num_pages, dtype, draft,
                             place=lambda c: place(c, draft[0]),
                             place_state=lambda x: jax.device_put(x, next(iter(devices)))

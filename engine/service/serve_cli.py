@@ -53,6 +53,11 @@ flags.DEFINE_float("kv_cache_memory_fraction", 0.85, "Fraction of free device me
 flags.DEFINE_integer("page_size", 16, "Tokens per KV cache page.", lower_bound=1)
 flags.DEFINE_integer("max_model_len", None, "Context length served (default: min(model, 4096)).")
 flags.DEFINE_integer("max_decode_steps", 16, "Decode iterations per device loop.", lower_bound=1)
+flags.DEFINE_list("decode_batch_sizes", [], "Batch sizes the decode loop is compiled for "
+                  "(--max_num_seqs is always one; default: powers of two up to it, or chosen "
+                  "from --traffic_stats_path).")
+flags.register_validator("decode_batch_sizes", lambda v: all(x.isdigit() for x in v),
+                         "--decode_batch_sizes: positive integers, comma-separated")
 flags.DEFINE_string("compilation_cache_dir", compile_cache.default_dir(),
                     "JAX persistent compilation cache: a restart loads, not recompiles ('' off; "
                     f"default ${compile_cache.ENV} or ~/.cache/moejax/jax_cache).")
@@ -203,6 +208,7 @@ def main(argv: list[str]) -> int:
         kv_cache_memory_fraction=FLAGS.kv_cache_memory_fraction,
         max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
         max_model_len=FLAGS.max_model_len, max_decode_steps=FLAGS.max_decode_steps,
+        decode_batch_sizes=tuple(int(b) for b in FLAGS.decode_batch_sizes) or None,
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         traffic_stats_path=FLAGS.traffic_stats_path,
         speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
