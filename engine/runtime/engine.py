@@ -312,8 +312,14 @@ class Engine:
         out = request_output(req, [])
         with self._inbox_lock:
           self._pending.append(out)
-    if adds or aborts:
+    if aborts:
       self._take_snapshot()
+    elif adds:  # only the waiting queue changed: a full snapshot per add is O(n^2) in a burst
+      with self._inbox_lock:
+        snap = self._snapshot
+        snap["num_requests_waiting"] += len(adds)
+        snap["waiting_tokens"] += sum(r.num_uncomputed for r in adds)
+        snap["prompt_tokens"] = self.counters["prompt_tokens"]
 
   # ---- the step ------------------------------------------------------------------------------
 
