@@ -139,7 +139,8 @@ def test_bad_requests_are_400_naming_the_field(serve, eng):
   status, err = raw(bg, "POST", "/v1/chat/completions", {
       "model": "demo", "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]})
-  assert status == 400 and "tools: the demo model has no tool calling" in err["error"]["message"]
+  assert status == 400 and err["error"]["param"] == "tools"
+  assert "the demo model has no tool calling" in err["error"]["message"]
   status, _ = raw(bg, "POST", "/v1/completions", b"x" * (bg.server.config.max_message_bytes + 1))
   assert status == 413
   status, err = raw(bg, "GET", "/v1/nothing")

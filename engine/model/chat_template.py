@@ -50,6 +50,9 @@ _FAMILY_MARKERS = (("<|tool_calls_section_begin|>", "kimi_k2"),
                    ("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<tool_call>", "qwen3"))
 
 
+_REQUEST_FIELD = re.compile(r"(messages|tools|tool_choice|documents)(\[\d+\])*(\.\w+)*: ")
+
+
 class ChatTemplateError(ValueError):
   """The template itself refused the conversation (its `raise_exception`) or failed on it."""
 
@@ -269,7 +272,10 @@ class ChatTemplate:
       return template.render(messages=chat, tools=tools, documents=documents,
                              add_generation_prompt=add_generation_prompt, **kwargs)
     except jinja2.exceptions.TemplateError as e:
-      raise ChatTemplateError(f"the chat template refused the request: {e}") from None
+      # A refusal that names a request field ("tools: ...") is that field's error.
+      m = _REQUEST_FIELD.match(str(e))
+      field, text = (m.group(0), str(e)[m.end():]) if m else ("", str(e))
+      raise ChatTemplateError(f"{field}the chat template refused the request: {text}") from None
     except (TypeError, AttributeError, KeyError, IndexError) as e:
       raise ChatTemplateError(f"messages: the chat template failed on them: {e}") from None
 
