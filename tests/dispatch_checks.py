@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine.model import expert_parallel, sharding
 from engine.model.kernels import KernelChoice
-from pallas_kernels.moe import moe_mgpu
 from pallas_kernels.moe import reference as moe_ref
 
 DISPATCH = KernelChoice(expert_parallel="dispatch")

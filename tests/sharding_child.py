@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from engine.model import sharding  # noqa: E402
 from engine.model.cache import init_cache  # noqa: E402
 from engine.model.config import config_from_dict  # noqa: E402
-from engine.model.kernels import REFERENCE, KernelChoice  # noqa: E402
+from engine.model.kernels import REFERENCE  # noqa: E402
 from engine.model.params import init_params  # noqa: E402
 from engine.model.transformer import forward_logits  # noqa: E402
 from model_configs import CONFIGS  # noqa: E402
