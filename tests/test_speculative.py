@@ -233,11 +233,14 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   prompts = [[1, 5, 6]] * n
   plain = generate_tokens(params, cfg, prompts, max_new_tokens=4, sampling=[
       SamplingParams(temperature=1.0, seed=i) for i in range(n)])
-  # (Keep the default token budget: with max_num_batched_tokens=4n, one prefill step for all,
-  # nothing drafted, as a decode call of 2048 rows is past the roofline's break-even.)
+  # Every prompt prefilled in one step, then one decode call of all rows, which drafts: the
+  # cost table says a block costs a plain step at any batch size (the roofline's would not
+  # draft at 2048 rows).
   eng = Engine(cfg, params, EngineConfig(
-      page_size=16, max_num_seqs=n, max_model_len=16, num_pages=n + 1, drafters=("mtp", "draft"),
-      num_draft_tokens=2, measure_spec_costs=False), draft=(dcfg, init_params(dcfg, seed=3)))
+      page_size=16, max_num_seqs=n, max_num_batched_tokens=3 * n, decode_batch_sizes=(n,),
+      max_model_len=16, num_pages=n + 1, drafters=("mtp", "draft"), num_draft_tokens=2,
+      measure_spec_costs=False), draft=(dcfg, init_params(dcfg, seed=3)))
+  eng.spec.costs.step[:] = 1.0
   for drafter in ("draft", "mtp"):
     got = eng.generate(prompts, [SamplingParams(temperature=1.0, seed=n + i, drafter=drafter)
                                  for i in range(n)], StopParams(max_tokens=4, ignore_eos=True),
@@ -249,6 +252,7 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
           for pos in (1, 2)]
     assert sum(tv) < 0.16, (drafter, tv)
     use = [r.usage() for r in got]
+    assert all(u.spec_draft_tokens > 0 for u in use), drafter  # every row verified drafts
     assert 0.2 < sum(u.spec_accepted_tokens for u in use) / sum(
         u.spec_draft_tokens for u in use) < 0.8, drafter
 
