@@ -302,7 +302,8 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
   proc = subprocess.Popen(
       [sys.executable, "-m", "engine.serve", "--port=0", "--host=127.0.0.1",
        "--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=64",
-       "--max_decode_steps=2", "--drain_timeout_s=5", "--speculative=draft",
+       "--max_decode_steps=2", "--decode_batch_sizes=1", "--drain_timeout_s=5",
+       "--speculative=draft",
        "--draft_checkpoint=" + os.path.join(REPO, "checkpoints", "demo", "draft"),
        "--num_draft_tokens=1", "--drafters=ngram", "--nomeasure_spec_costs",
        "--nostructured_warmup",
