@@ -237,11 +237,9 @@ def test_model_drafters_in_a_tight_pool(model, close):
   (one decode batch size, 2: one loop program to compile) and 10 usable pages: the long
   request takes all 10, two of the batch's rows (6-7 pages each) do not fit."""
   cfg, params = model
-  eng = Engine(cfg, params, EngineConfig(**dict(SMALL, max_num_seqs=2, decode_batch_sizes=(2,)),
-                                         num_pages=11,
-                                         speculative="mtp", drafters=("draft",),
-                                         num_draft_tokens=3),
-               draft=(cfg, close))
+  config = dict(SMALL, max_num_seqs=2, decode_batch_sizes=(2,), num_pages=11,
+                speculative="mtp", drafters=("draft",), num_draft_tokens=3)
+  eng = Engine(cfg, params, EngineConfig(**config), draft=(cfg, close))
   model_drafter_prices(eng)
   long = fresh_prompts(1, seed=9, lo=45, hi=46)[0]  # longer than one 32-token step
   rid = eng.add_request(long, SamplingParams(), StopParams(max_tokens=30))

@@ -110,7 +110,6 @@ def decode(params: Params, cache: Cache, first_logits: jax.Array, lengths: jax.A
   Returns:
     (DecodeOutput, cache).
   """
-  b = first_logits.shape[0]
   choose = functools.partial(_choose, sampling=sampling, stops=stops, max_steps=max_steps)
 
   def step(state):

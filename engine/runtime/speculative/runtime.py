@@ -28,6 +28,7 @@ from engine.model.params import Params
 from engine.model.transformer import Cache, forward
 from engine.runtime import steps
 from engine.runtime.buckets import ShapeBuckets
+from engine.runtime.engine_config import EngineConfig
 from engine.runtime.page_pool import PagePool
 from engine.runtime.request import wants_logprobs
 from engine.runtime.sampling import SamplingArrays, SamplingParams
@@ -106,7 +107,7 @@ def last_tokens(reqs: Sequence[Any], b: int, width: int, columns: int | None = N
 class SpecRuntime:
   """Speculative decoding state and programs of one `Engine` (see the module docstring)."""
 
-  def __init__(self, cfg: ModelConfig, config: Any, num_pages: int, dtype: Any,
+  def __init__(self, cfg: ModelConfig, config: EngineConfig, num_pages: int, dtype: Any,
                draft: tuple[ModelConfig, Params] | None, place: Callable, place_state: Callable,
                pool: PagePool, buckets: ShapeBuckets):
     """`place`, `place_state`: commit the draft cache and device state like the engine's;
@@ -387,10 +388,11 @@ class SpecRuntime:
 
   def measure_costs(self, params, cache, max_pages: int, *, stop_width: int,
                     impl: KernelChoice = REFERENCE, rounds: int = 5,
-                    iterations: int = 16) -> Cache:
+                    iterations: int = EngineConfig.max_decode_steps) -> Cache:
     """Times the plain and speculative loops at every decode bucket and block width (rows
     on the null page: nothing real is read or written), calls of `iterations` (at most
-    max_decode_steps) and of 1, and installs the table. Returns the cache (donated through)."""
+    max_decode_steps; default a serving engine's) and of 1, and installs the table. Returns
+    the cache (donated through)."""
     n = min(iterations, self.config.max_decode_steps)
     state = {"cache": cache}
     rng = np.random.default_rng(0)
