@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from engine.runtime.buckets import TrafficStats, derive_buckets
+from engine.runtime.buckets import TrafficStats, derive_buckets, quarter_bucket
 from engine.runtime.page_pool import NULL_PAGE, OutOfPages, PagePool, page_keys
 from engine.runtime.request import Request, Status, StopParams
 from engine.runtime.sampling import SamplingParams
@@ -168,6 +168,18 @@ def test_random_workload_keeps_pages_accounted():
     s.finish(r, "abort")
   pool.check_invariants()
   assert pool.num_free == 23 and s.num_preemptions > 0 and pool.prefix_hits > 0
+
+
+def test_quarter_bucket_stays_within_a_quarter_with_four_shapes_per_octave():
+  assert [quarter_bucket(n) for n in (1, 9, 128, 129, 142, 161, 200, 257)] == [
+      1, 10, 128, 160, 160, 192, 224, 320]
+  for multiple in (1, 16):
+    sizes = [quarter_bucket(n, multiple) for n in range(1, 5000)]
+    for n, size in enumerate(sizes, start=1):
+      assert n <= size <= max(1.25 * n, n + multiple) and size % multiple == 0
+      assert quarter_bucket(size, multiple) == size
+    for e in range(6, 12):  # (2^e, 2^(e+1)]: four lengths
+      assert len({s for n, s in enumerate(sizes, 1) if 2 ** e < n <= 2 ** (e + 1)}) == 4
 
 
 def test_buckets_cover_every_step_and_follow_traffic():

@@ -2,9 +2,9 @@
 and `engine.generate` speculate. There is one speculative loop, the engine's
 (`speculative/loop.py`); a batch of prompts becomes a batch of requests.
 
-The engine is sized for the batch (max_num_seqs = batch, max_model_len = the bucketed prompt +
-tokens, pages for the batch twice over, max_decode_steps the bucketed token budget): nothing
-joins a closed batch, so it decodes in one call, as `generate_tokens`' plain fixed-batch loop
+The engine is sized for the batch (max_num_seqs = batch, max_model_len = the prompt plus
+tokens to a quarter octave, pages for the batch twice over, max_decode_steps the bucketed
+token budget): nothing joins a closed batch, so it decodes in one call, as `generate_tokens`' plain fixed-batch loop
 does (a speculative call gets that many plain iterations' time), and its decode programs are
 compiled (and its cost table timed) for the whole batch only. It is kept for later calls of
 the same configuration (the KEPT_ENGINES most recently used, as vLLM's `LLM` keeps its engine):
@@ -25,7 +25,7 @@ import jax
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
-from engine.runtime.buckets import bucket
+from engine.runtime.buckets import bucket, quarter_bucket
 from engine.runtime.engine import MAX_STOP_IDS, Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
@@ -124,8 +124,11 @@ def run_on_engine(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[i
   slots = int(memory.table.tags.shape[0]) if memory is not None else 1 << 16
   total = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
   # Bucketed limits: calls of similar sizes reuse the compiled programs and the kept engine.
-  max_len = min(bucket(total + k + 1), cfg.max_position_embeddings)
+  # The length to a quarter octave: the reference attention reads every position of it, and
+  # at a power of two a 142-token call decoded at 0.92x of the fixed-batch loop (BENCHMARKS.md,
+  # "the closed batch's length").
   page_size = EngineConfig.page_size
+  max_len = min(quarter_bucket(total + k + 1, page_size), cfg.max_position_embeddings)
   config = EngineConfig(
       max_num_seqs=b, decode_batch_sizes=(b,), max_model_len=max_len,
       num_pages=2 * b * -(-max_len // page_size) + 1,

@@ -47,6 +47,15 @@ def bucket(n: int, minimum: int = 16) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def quarter_bucket(n: int, multiple: int = 1) -> int:
+  """n rounded up to a quarter of the power of two below it (129..256 -> 160, 192, 224, 256),
+  then to a multiple of `multiple`: four shapes per octave, none more than a quarter past n."""
+  n = max(n, 1)
+  step = 1 << max((n - 1).bit_length() - 3, 0)
+  size = -(-n // step) * step
+  return -(-size // multiple) * multiple
+
+
 def powers_of_two_upto(n: int) -> tuple[int, ...]:
   """1, 2, 4, ... up to and including the first power of two >= n."""
   out = [1]
