@@ -121,7 +121,8 @@ def run_on_engine(params: Params, cfg: ModelConfig, prompts: Sequence[Sequence[i
   drafters = speculative.drafters(cfg) if speculative is not None else ()
   k = speculative.num_draft_tokens if speculative is not None else 4
   memory = speculative.memory if speculative is not None else None
-  slots = int(memory.table.tags.shape[0]) if memory is not None else 1 << 16
+  slots = (int(memory.table.tags.shape[0]) if memory is not None
+           else EngineConfig.learned_table_slots)
   total = max(len(p) + m for p, m in zip(prompts, max_new_tokens))
   # Bucketed limits: calls of similar sizes reuse the compiled programs and the kept engine.
   # The length to a quarter octave: the reference attention reads every position of it, and

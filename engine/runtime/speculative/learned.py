@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.runtime.engine_config import EngineConfig
+
 # Context lengths, longest first; two keep a lookup at two gathers per draft. (4, 2) drafts
 # 12-19% more tokens per forward than (3, 2) on a second pass over what the table learned, but
 # 2% fewer on a first (bench.speculative's agent rows at batch 1: 2.49 / 2.95 vs 2.54 / 3.02 at
@@ -33,7 +35,8 @@ class NgramTable:
   counts: jax.Array  # [S, C] float32 decayed counts
 
   @staticmethod
-  def empty(num_slots: int = 1 << 16, num_candidates: int = 4) -> "NgramTable":
+  def empty(num_slots: int = EngineConfig.learned_table_slots, num_candidates: int = 4
+            ) -> "NgramTable":
     """An empty table (the default sizes are chosen, not measured)."""
     return NgramTable(tags=jnp.zeros((num_slots,), jnp.uint32),
                       used=jnp.zeros((num_slots,), bool),
@@ -144,7 +147,8 @@ class NgramMemory:
   """Host handle on a table that persists across `generate_tokens` calls (it is replaced by
   the updated table after each call; the old device buffers are donated)."""
 
-  def __init__(self, table: NgramTable | None = None, num_slots: int = 1 << 16):
+  def __init__(self, table: NgramTable | None = None,
+               num_slots: int = EngineConfig.learned_table_slots):
     self.table = table if table is not None else NgramTable.empty(num_slots)
 
   def save(self, path: str) -> None:
