@@ -2,15 +2,16 @@
 and `engine.generate` speculate. There is one speculative loop, the engine's
 (`speculative/loop.py`); a batch of prompts becomes a batch of requests.
 
-The engine is sized for the batch (max_num_seqs = batch, max_model_len = the prompt plus
-tokens to a quarter octave, pages for the batch twice over, max_decode_steps the bucketed
-token budget): nothing joins a closed batch, so it decodes in one call, as `generate_tokens`' plain fixed-batch loop
-does (a speculative call gets that many plain iterations' time), and its decode programs are
-compiled (and its cost table timed) for the whole batch only. It is kept for later calls of
-the same configuration (the KEPT_ENGINES most recently used, as vLLM's `LLM` keeps its engine):
-its prefix cache, its learned table and its acceptance estimates live on. `release_engines`
-drops them; a call that raised drops its engine. A new engine with drafters times its cost
-table once (`SpecRuntime.measure_costs`) unless the config says to keep the roofline.
+The engine is sized for the batch (max_num_seqs = batch, max_model_len = the prompt plus tokens
+to a quarter octave, pages for the batch twice over, max_decode_steps the bucketed token
+budget): nothing joins a closed batch, so it decodes in one call, as `generate_tokens`' plain
+fixed-batch loop does (a speculative call gets that many plain iterations' time), and its decode
+programs are compiled (and its cost table timed) for the whole batch only. It is kept for later
+calls of the same configuration (the KEPT_ENGINES most recently used, as vLLM's `LLM` keeps its
+engine): its prefix cache, its learned table and its acceptance estimates live on.
+`release_engines` drops them; a call that raised drops its engine. A new engine with drafters
+times its cost table once (`SpecRuntime.measure_costs`) unless the config says to keep the
+roofline.
 """
 
 from __future__ import annotations
