@@ -11,6 +11,7 @@ first, since the constants are read when a program is traced):
 * `learned.ORDERS` (the learned table's context lengths): drafter "learned", K fixed, one table
   kept across two passes of each workload (the first learns as it goes; the second finds what
   the first taught it);
+* `learned.update`'s `decay` (how fast a context's candidate counts fade): as `learned.ORDERS`;
 * `goodput.ROW_PRIOR_WEIGHT` (a row's prior from its drafter's engine-wide estimate): "auto"
   (adaptive: each row's drafter and draft length from its estimates).
 Workloads (`bench.speculative`'s, `--batch` prompts, `--max_new_tokens` each): fresh, agent,
@@ -51,8 +52,11 @@ SWEEPS = {
     "ngram": (drafters, ("NGRAM_MAX",), [(8,), (3,), (5,), (12,)]),
     "orders": (learned, ("ORDERS",), [((3, 2),), ((4, 2),), ((5, 3),), ((4,),), ((6, 3),)]),
     "row_prior": (goodput, ("ROW_PRIOR_WEIGHT",), [(2.0,), (0.5,), (1.0,), (4.0,)]),
+    # (a default argument: the function's __defaults__ is the attribute set)
+    "learned_decay": (learned.update, ("__defaults__",),
+                      [((0.95,),), ((0.5,),), ((0.8,),), ((0.99,),), ((1.0,),)]),
 }
-METHOD = {"ngram": "ngram", "orders": "learned", "row_prior": "auto"}
+METHOD = {"ngram": "ngram", "orders": "learned", "row_prior": "auto", "learned_decay": "learned"}
 
 
 def tokens_per_forward(model, ids, spec: SpeculativeConfig, plain: list[list[int]]
@@ -77,8 +81,9 @@ def sweep(model, name: str, workloads: dict, plain: dict) -> list[dict]:
       batch.release_engines()
       jax.clear_caches()  # programs traced with the previous value
       for workload, ids in workloads.items():
-        memory = NgramMemory() if name == "orders" else None
-        for pass_ in range(1, 3 if name == "orders" else 2):
+        two_passes = METHOD[name] == "learned"
+        memory = NgramMemory() if two_passes else None
+        for pass_ in range(1, 3 if two_passes else 2):
           spec = SpeculativeConfig(METHOD[name], FLAGS.num_draft, memory=memory,
                                    adaptive=name == "row_prior", measure_costs=False)
           tpf, same = tokens_per_forward(model, ids, spec, plain[workload])

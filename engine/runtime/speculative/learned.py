@@ -65,7 +65,10 @@ def update(table: NgramTable, history: jax.Array, positions: jax.Array, valid: j
   """Learns that history[b, p] ([B, L]) followed its context, for every valid [B, T] position
   p of positions [B, T]. One observation per slot and call: when several land in one slot, the
   last in row-major order wins (a sequential loop over them cost more per decode iteration
-  than the drafts saved). A slot's counts decay by `decay` (chosen, not measured) per update."""
+  than the drafts saved). A slot's counts decay by `decay` per update: 0.95 and 0.99 draft
+  alike, 0.5 and 0.8 3-10% fewer tokens per forward on a second pass, 1.0 (never forgetting a
+  stale candidate) 3-7% more on a second pass over the very same text (`bench.spec_constants`;
+  BENCHMARKS.md, "the learned table's decay")."""
   hashes, toks, oks = [], [], []
   tok = jnp.take_along_axis(history, jnp.clip(positions, 0, history.shape[1] - 1), axis=1)
   for order in ORDERS:
