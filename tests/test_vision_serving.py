@@ -22,6 +22,8 @@ from engine.service.validation import FieldError, RequestLimits
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
 from engine.model import image_processing
+from engine.model.config import config_from_dict
+from engine.model.params import init_params
 from engine.model.chat_template import ChatTemplate
 
 PAD = 7
@@ -432,3 +434,23 @@ def test_preempted_image_requests_recompute_the_same_tokens(k25, golden):
     assert req.output_ids == golden[f"greedy_{j}"][:12].tolist(), j
   assert eng.stats()["images_encoded"] == 3   # the recompute found them in the cache
   eng.pool.check_invariants()
+
+
+def test_an_engine_with_the_mtp_drafter_refuses_images_and_keeps_nothing(k25, golden):
+  """The MTP layer would see the image's placeholder ids, not the image: such an engine refuses
+  an image request (naming `images`) and keeps nothing of it; text requests still queue."""
+  with open(os.path.join(FIXTURE, "config.json")) as fh:
+    d = json.load(fh)
+  d["text_config"]["num_nextn_predict_layers"] = 1
+  cfg = config_from_dict(d)
+  model = dataclasses.replace(k25, config=cfg, params=init_params(cfg))
+  eng = Engine.from_model(model, dataclasses.replace(
+      VISION_CONFIG, speculative="mtp", num_draft_tokens=2, measure_spec_costs=False))
+  free = eng.pool.num_free
+  ids = collapse(golden["prompt_0"], eng.images.pad_id)
+  with pytest.raises(ValueError, match="^images: .*mtp"):
+    add(eng, ids, [make_image(int(i)) for i in golden["prompt_images_0"]])
+  assert not eng.requests and eng.pool.num_free == free
+  rid = eng.add_request([t for t in ids if t != eng.images.pad_id], SamplingParams(),
+                        StopParams(max_tokens=2))
+  assert list(eng.requests) == [rid] and eng.requests[rid].spec.drafter == "mtp"
