@@ -73,6 +73,7 @@ def tokens_per_forward(model, ids, spec: SpeculativeConfig, plain: list[list[int
 def sweep(model, name: str, workloads: dict, plain: dict) -> list[dict]:
   module, attrs, values = SWEEPS[name]
   shipped = tuple(getattr(module, a) for a in attrs)
+  two_passes = METHOD[name] == "learned"  # the second finds what the first taught the table
   rows = []
   try:
     for value in values:
@@ -81,7 +82,6 @@ def sweep(model, name: str, workloads: dict, plain: dict) -> list[dict]:
       batch.release_engines()
       jax.clear_caches()  # programs traced with the previous value
       for workload, ids in workloads.items():
-        two_passes = METHOD[name] == "learned"
         memory = NgramMemory() if two_passes else None
         for pass_ in range(1, 3 if two_passes else 2):
           spec = SpeculativeConfig(METHOD[name], FLAGS.num_draft, memory=memory,

@@ -22,9 +22,9 @@ from engine.service.validation import FieldError, RequestLimits
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
 from engine.model import image_processing
+from engine.model.chat_template import ChatTemplate
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
-from engine.model.chat_template import ChatTemplate
 
 PAD = 7
 FIXTURE = os.path.join(REPO, "tests", "golden", "fixtures", "kimi_k25_vision")
