@@ -97,7 +97,7 @@ def _run_ours(model, draft, jobs: list[dict], warm: bool) -> list[dict]:
   for j in jobs:
     spec = None
     if j["mode"] != "plain":
-      from engine.runtime.generate import SpeculativeConfig
+      from engine import SpeculativeConfig
       spec = (SpeculativeConfig("ngram", num_draft_tokens=j["num_draft_tokens"])
               if j["mode"] == "prompt_lookup" else
               SpeculativeConfig("draft", num_draft_tokens=j["num_draft_tokens"],

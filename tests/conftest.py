@@ -57,13 +57,3 @@ def _release_compiled_programs():
   import jax
   jax.clear_caches()
   gc.collect()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_kept_engines():
-  """Each test starts without the engines `generate_tokens(speculative=...)` keeps (keyed by
-  the model's identity: another test's call on a shared fixture would hand its learned table
-  and estimates on)."""
-  from engine.runtime import batch
-  batch.release_engines()
-  yield

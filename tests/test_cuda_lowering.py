@@ -11,6 +11,8 @@ configuration they take (hidden and expert width multiples of 64; MLA latent 32 
 32-token pages; bf16).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -21,26 +23,29 @@ from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.kernels import REFERENCE, KernelChoice
 from engine.model.params import abstract_params, init_params
 from engine.model.transformer import forward
-from engine.runtime import engine as engine_module, steps
+from engine.runtime import steps
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import catch_up, loop, runtime
+from engine.runtime.speculative import loop
+from engine.runtime.speculative.drafters import drafter_id
+from engine.runtime.speculative.drafters.draft_model import draft_forward
+from engine.runtime.step_description import DECODE
 from model_configs import CONFIGS
 
 MOSAIC = KernelChoice(attention="mosaic_gpu", moe="mosaic_gpu")
 
-# The programs and where the engine looks each up (module, attribute). The engine serves
-# requests on the CPU to reach each with real arguments, up to the speculative loop's call.
+# The programs the engine's runner runs, by name. The engine serves requests on the CPU to
+# reach each with real arguments (the runner's `program` of each step description), up to
+# the speculative loop's call. (Its plain calls run decode_loop inside decode_loop_learning.)
 PROGRAMS = {
-    "speculative_decode_loop": (loop.speculative_decode_loop, [(runtime,
-                                                                "speculative_decode_loop")]),
-    "decode_loop": (steps.decode_loop, [(steps, "decode_loop")]),
-    "decode_loop_learning": (runtime.decode_loop_learning,
-                             [(runtime, "decode_loop_learning")]),
-    "spec_model_step": (runtime.spec_model_step, [(engine_module, "spec_model_step")]),
-    "draft_forward": (catch_up.draft_forward, [(catch_up, "draft_forward")]),
+    "speculative_decode_loop": loop.speculative_decode_loop,
+    "decode_loop": steps.decode_loop,
+    "decode_loop_learning": loop.decode_loop_learning,
+    "model_step_observing": steps.model_step,  # (with the MTP layer observing prefill)
+    "draft_forward": draft_forward,
 }
+NAMES = {fn: name for name, fn in PROGRAMS.items()}
 
 
 class _Captured(Exception):
@@ -59,36 +64,36 @@ def captured():
   draft_cfg = config_from_dict(base)
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
   calls = {}
-  patch = pytest.MonkeyPatch()
-  for name, (fn, sites) in PROGRAMS.items():
-    def recorder(*args, _fn=fn, _name=name, **kwargs):
-      # (shapes and dtypes are all an export needs; a call made while an outer program
-      # traces, e.g. decode_loop inside decode_loop_learning, passes tracers)
-      calls.setdefault(_name, jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "dtype") else x,
-          (args, kwargs)))
-      if _name == "speculative_decode_loop":  # the last program needed: not compiled here
-        raise _Captured
-      return _fn(*args, **kwargs)
-    for module, attr in sites:
-      patch.setattr(module, attr, recorder)
-  try:
-    eng = Engine(cfg, params, EngineConfig(
-        page_size=32, max_num_seqs=2, max_num_batched_tokens=32, row_widths=(16,),
-        max_model_len=128, max_decode_steps=8, speculative="auto",
-        drafters=("ngram", "learned", "mtp", "draft"), num_draft_tokens=2,
-        adaptive_k=True),
-        draft=(draft_cfg, init_params(draft_cfg, seed=4, dtype=jnp.bfloat16)))
-    # (priced as a draft model a tenth of the target's size: one as large never pays)
-    eng.spec.costs.drafter[:, runtime.drafter_id("draft")] = 0.1
-    prompts = [[1] + list(range(5, 30)), [1] + list(range(7, 19))]
-    eng.generate(prompts, SamplingParams(drafter="off"),
+
+  def shapes(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                        if hasattr(x, "dtype") else x, tree)
+
+  eng = Engine(cfg, params, EngineConfig(
+      page_size=32, max_num_seqs=2, max_num_batched_tokens=32, row_widths=(16,),
+      max_model_len=128, max_decode_steps=8, speculative="auto",
+      drafters=("ngram", "learned", "mtp", "draft"), num_draft_tokens=2, adaptive_k=True),
+      draft=(draft_cfg, init_params(draft_cfg, seed=4, dtype=jnp.bfloat16)))
+  # (priced as a draft model a tenth of the target's size: one as large never pays)
+  eng.spec.costs.drafter[:, drafter_id("draft")] = 0.1
+  real = eng.runner.execute
+
+  def recorder(desc):
+    p = eng.runner.program(desc)
+    name = NAMES[p.fn]
+    calls.setdefault(name, shapes((p.args, p.kwargs)))
+    if desc.kind == DECODE:  # (the plain loop inside it)
+      kwargs = {k: v for k, v in p.kwargs.items() if k != "learners"}
+      calls.setdefault("decode_loop", shapes((p.args[:3], kwargs)))
+    if name == "speculative_decode_loop":  # the last program needed: not compiled here
+      raise _Captured
+    return real(desc)
+  eng.runner.execute = recorder
+  prompts = [[1] + list(range(5, 30)), [1] + list(range(7, 19))]
+  eng.generate(prompts, SamplingParams(drafter="off"), StopParams(max_tokens=6, ignore_eos=True))
+  with pytest.raises(_Captured):  # (catch-up first: draft_forward)
+    eng.generate(prompts, SamplingParams(drafter="draft"),
                  StopParams(max_tokens=6, ignore_eos=True))
-    with pytest.raises(_Captured):  # (catch-up first: draft_forward)
-      eng.generate(prompts, SamplingParams(drafter="draft"),
-                   StopParams(max_tokens=6, ignore_eos=True))
-  finally:
-    patch.undo()
   assert set(calls) == set(PROGRAMS), f"programs not run: {set(PROGRAMS) - set(calls)}"
   return calls
 
@@ -97,15 +102,20 @@ def captured():
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_engine_program_lowers_for_cuda(captured, name, kernels):
   args, kwargs = captured[name]
-  kwargs = dict(kwargs, impl=REFERENCE if kernels == "reference" else MOSAIC)
-  calls = export_cuda_calls(PROGRAMS[name][0], *args, **kwargs)
+  impl = REFERENCE if kernels == "reference" else MOSAIC
+  if name == "speculative_decode_loop":  # (the kernels are part of the loop's configuration)
+    kwargs = dict(kwargs, config=dataclasses.replace(kwargs["config"], impl=impl))
+  else:
+    kwargs = dict(kwargs, impl=impl)
+  calls = export_cuda_calls(PROGRAMS[name], *args, **kwargs)
   targets, mosaic = set(calls), calls.count(MOSAIC_CALL)
   if kernels == "reference":
     assert mosaic == 0
   else:
     assert mosaic >= 1, "no Mosaic GPU kernel in the lowered program"
     if name == "speculative_decode_loop":  # a verify forward per compiled width, and drafters
-      assert len(kwargs["widths"]) > 1 and mosaic > 2 * len(kwargs["widths"]), mosaic
+      widths = kwargs["config"].widths
+      assert len(widths) > 1 and mosaic > 2 * len(widths), mosaic
   # Nothing that exists only on the host (callbacks, LAPACK) in a program the GPU runs.
   assert not {t for t in targets if "callback" in t or t.startswith("lapack")}, targets
 

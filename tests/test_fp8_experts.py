@@ -28,9 +28,9 @@ from engine.model.hf_loader import checkpoint_config, load_hf_params
 from engine.model.params import init_params
 from engine.model.safetensors_io import load_file
 from engine.model.transformer import forward_logits
-from engine.runtime.generate import generate_tokens
 from pallas_kernels.quant import Fp8Weight, dequantize
 from tests import hf_fixtures as fx
+from tests.generation import generate_ids, loaded
 from tests.hf_fixtures import BF16, write_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -130,8 +130,8 @@ def test_kept_forward_equals_dequantized_at_load(ckpt):
   rel = np.abs(a - b).max() / np.abs(b).max()
   assert rel <= 1e-5, rel
   prompts = [[1, 17, 42, 99, 5], [1, 3, 250]]
-  g1 = generate_tokens(kept, cfg_kept, prompts, max_new_tokens=12, ignore_eos=True)
-  g2 = generate_tokens(plain, cfg_plain, prompts, max_new_tokens=12, ignore_eos=True)
+  g1 = generate_ids(loaded(cfg_kept, kept), prompts, max_new_tokens=12, ignore_eos=True)
+  g2 = generate_ids(loaded(cfg_plain, plain), prompts, max_new_tokens=12, ignore_eos=True)
   assert [c.token_ids for c in g1] == [c.token_ids for c in g2]
 
 

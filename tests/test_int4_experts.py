@@ -30,10 +30,10 @@ from engine.model.hf_loader import CheckpointError, load_hf_params
 from engine.model.params import init_params
 from engine.model.safetensors_io import SafetensorsError, load_file
 from engine.model.transformer import forward_logits
-from engine.runtime.generate import generate_tokens
 from pallas_kernels.moe import reference as moe_ref
 from pallas_kernels.quant import Int4Weight, dequantize, dequantize_np, unpack_int4
 from tests import golden_check
+from tests.generation import generate_ids, loaded
 from tests.hf_fixtures import write_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -87,8 +87,8 @@ def test_prefill_and_decode_logits_from_packed_experts(model, golden):
 def test_greedy_tokens_identical(model, golden):
   cfg, params, _ = model
   prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()]
-  out = generate_tokens(params, cfg, prompts, max_new_tokens=len(golden["greedy_0"]),
-                        ignore_eos=True)
+  out = generate_ids(loaded(cfg, params), prompts, max_new_tokens=len(golden["greedy_0"]),
+                     ignore_eos=True)
   for i in range(2):
     assert out[i].token_ids == golden[f"greedy_{i}"].tolist(), f"prompt {i}"
 

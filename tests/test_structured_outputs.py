@@ -179,4 +179,4 @@ def test_engine_generate_takes_structured_outputs(model):
                         structured_outputs=[S(choice=("1", "2")), None])
   assert text(model, out[0].token_ids) in ("1", "2") and out[0].finish_reason == "stop"
   assert out[1].token_ids == engine.generate(model, "y = ", max_new_tokens=8).token_ids
-  engine.api.release_engines()
+  model.llm.release()

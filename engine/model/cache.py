@@ -56,3 +56,9 @@ def contiguous_page_table(batch: int, max_len: int, page_size: int) -> np.ndarra
   """[batch, ceil(max_len / page_size)] table giving row b the pages b*n .. b*n + n - 1."""
   n = -(-max_len // page_size)
   return np.arange(batch * n, dtype=np.int32).reshape(batch, n)
+
+
+def clear_page(cache: Cache, page: int) -> Cache:
+  """The cache with every layer's entries of `page` zeroed (page 0, the null page, after
+  programs that wrote junk there)."""
+  return [{k: v.at[page].set(0) for k, v in layer.items()} for layer in cache]
