@@ -480,7 +480,7 @@ class Engine:
                closed: bool = False) -> list[Request]:
     """Runs a batch of prompts to completion through the scheduler; returns the finished
     requests (and forgets them: `Engine.requests` keeps only what streaming callers release).
-    `closed`: no other request joins while these run (`batch.py`), so decode calls take
+    `closed`: no other request joins while these run (`llm.py`), so decode calls take
     `max_decode_steps` from the first (the ramp exists to let arrivals in)."""
     n = len(prompts)
     samp = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)

@@ -11,12 +11,16 @@ batch: nothing else joins, so decode-only calls take `max_decode_steps` at once)
 
 An engine is sized for the batch: max_num_seqs = batch, decode programs at that size only,
 the length its need to a quarter octave (the reference attention reads every position below
-512), one row per prompt in a mixed step ([B, W], W the longest prompt to a power of two, B the
-batch to a power of two: a call that hits the prefix cache packs the same shape, so a second
-call compiles nothing), pages for the batch twice over and max_decode_steps the bucketed token
-budget. With drafters its cost table is timed when it is made (`warmup.measure_costs`). The
-KEPT_ENGINES most recently used live on (their prefix cache, learned table and acceptance
-estimates too); `release` drops them, and a call that raised drops its engine.
+512), pages for the batch twice over and max_decode_steps the bucketed token budget. Its mixed
+step's rows are W wide, the longest prompt to a power of two (the whole batch prefills in one
+[B, W] step, B the batch to a power of two; a later call whose prompts hit the prefix cache
+packs the same shape), and for prompts of TAIL_ROWS_FROM tokens or more also a page wide (such
+a call leaves at most a page per prompt to compute, and a long row of a few real tokens costs
+nearly a whole prefill). When an engine is made, its cost table is timed (with drafters,
+`warmup.measure_costs`) and its page-wide step compiled, so the first call pays every compile
+and a second call of the batch's shape none. The KEPT_ENGINES most
+recently used live on (their prefix cache, learned table and acceptance estimates too);
+`release` drops them, and a call that raised drops its engine.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from engine.runtime.speculative import drafters as drafter_registry
 from engine.runtime.speculative.drafters import AUTO, OFF
 
 KEPT_ENGINES = 2  # as vLLM's `LLM` keeps its engine; two: a batch and its plain baseline
+# Prompts this long or longer get a second, page-wide mixed step for a later call's prefix-cache
+# tails. A [1, W] step with a page of real tokens (the rest padding) on the CPU demo: 10-40 ms
+# up to W = 128, ~90 ms at 256, 190-630 ms at 512, against ~10 ms at 16 (shared host; issue 47).
+TAIL_ROWS_FROM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,12 +143,14 @@ class LLM:
     # and at a power of two a 142-token call decoded at 0.92x of a fixed-batch loop
     # (BENCHMARKS.md, "the closed batch's length").
     page_size = EngineConfig.page_size
-    max_len = min(quarter_bucket(total + k + 1, page_size), cfg.max_position_embeddings)
+    need = total + (k + 1 if drafters else 0)  # (a block's drafts lie past the last token)
+    max_len = min(quarter_bucket(need, page_size), cfg.max_position_embeddings)
     width = bucket(max(len(p) for p in prompts))
     rows = powers_of_two_upto(b)[-1]
     return EngineConfig(
         max_num_seqs=b, decode_batch_sizes=(b,), max_model_len=max_len,
-        num_pages=2 * b * -(-max_len // page_size) + 1, row_widths=(width,),
+        num_pages=2 * b * -(-max_len // page_size) + 1,
+        row_widths=(page_size, width) if width >= TAIL_ROWS_FROM else (width,),
         max_num_batched_tokens=rows * width,
         max_decode_steps=max(bucket(max(max_new_tokens)), k + 1),
         speculative=drafters[0] if len(drafters) == 1 else (AUTO if drafters else None),
@@ -170,9 +180,15 @@ class LLM:
                  draft=draft)
     if warmup:
       eng.warmup(progress=False)  # (it times the cost table too)
-    elif measure:
-      with eng._lock:
+      return key, eng, made_from
+    with eng._lock:
+      if measure:
         warmup_lib.measure_costs(eng)
+      if len(config.row_widths) > 1:
+        # A later call whose prompts hit the prefix cache prefills at most a page per prompt:
+        # long prompts' engines give it page-wide rows, compiled now, so that call compiles
+        # nothing.
+        warmup_lib.run_shapes(eng, [("step", *eng.buckets.pack([1] * config.max_num_seqs))])
     return key, eng, made_from
 
   def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: Sequence[int],

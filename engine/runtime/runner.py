@@ -189,7 +189,8 @@ class ModelRunner:
       for n, s in new_state.items():
         if n not in guarded:
           self.state[n] = s
-      host = jax.device_get(dataclasses.asdict(result))
+      host = jax.device_get({f.name: getattr(result, f.name)
+                             for f in dataclasses.fields(result)})
       host["lps"] = _lps(host["lps"])
       return host
     return Program(loop.speculative_decode_loop,

@@ -92,6 +92,13 @@ def shape_steps(eng: Any, kind: str, b: int, w: int) -> list[Step]:
   raise ValueError(f"unknown warm-up shape kind {kind!r}")
 
 
+def run_shapes(eng: Any, shapes: list[tuple[str, int, int]]) -> None:
+  """Runs these shapes' warm-up steps (`shape_steps`) on `eng` (its step lock held)."""
+  for kind, b, w in shapes:
+    for desc, _ in shape_steps(eng, kind, b, w):
+      eng.runner.execute(desc)
+
+
 def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, *,
                     workers: int | None = None) -> int:
   """Runs every bucket's programs once on `eng` (an `Engine`; its step lock held). Returns the
