@@ -7,7 +7,8 @@ The bundled demo model is exported to Hugging Face format (float32) and run by t
 `bench/hf_generate_child.py`) and by this engine (`engine.generate`, float32), on the same
 prompts (held-out standard-library modules), greedy, fixed output length (EOS ignored).
 Rounds alternate transformers / engine (`--rounds`); each side warms up first (our compile,
-their first call) and reports the median of its timed runs.
+their first call) and reports the median of its timed runs. Every call of ours computes its
+prompt (the model's engines' prefix caches are emptied before it), as transformers' does.
 
 Jobs: output tokens/s at batch 1 and 32; time to first token (generate 1 token) for 512- and
 2,048-token prompts; speculation at batch 1 (transformers' prompt lookup vs our n-gram
@@ -107,6 +108,7 @@ def _run_ours(model, draft, jobs: list[dict], warm: bool) -> list[dict]:
       kwargs["speculative"] = spec
     times = []
     for i in range(j["repeats"] + (0 if warm else 1)):
+      model.llm.reset_prefix_caches()  # (each call computes its prompt, as transformers' do)
       t = time.perf_counter()
       res = engine.generate(model, j["prompts"], **kwargs)
       if i or warm:

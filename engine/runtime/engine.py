@@ -378,21 +378,14 @@ class Engine:
       self._advance(seg.request, seg.start + seg.num_tokens, [int(sampled[row])],
                     [logprob_entry(seg.request, lps, (row,))])
 
-  def decode_description(self, reqs: Sequence[Request], b: int, num_steps: int, *,
-                         remaining: Sequence[int], logprobs: bool | None = None
-                         ) -> StepDescription:
-    """A plain decode call of `reqs` padded to b rows (with the learners' inputs)."""
-    desc = batching.decode(reqs, b, self.max_pages_per_seq, MAX_STOP_IDS, remaining=remaining,
-                           num_steps=num_steps, logprobs=logprobs)
-    return batching.with_learner_inputs(desc, self.runner.learners, reqs)
-
   def _run_decode_loop(self, plan: SchedulerOutput) -> None:
     reqs = [s.request for s in plan.segments]
     b = self.buckets.decode_rows(len(reqs))
     self.traffic.record_decode(len(reqs))
     self.counters["decode_loops"] += 1
-    plain = self.decode_description(
-        reqs, b, plan.num_steps, remaining=[self.scheduler.remaining_tokens(r) for r in reqs])
+    plain = batching.decode(reqs, b, self.max_pages_per_seq, MAX_STOP_IDS,
+                            remaining=[self.scheduler.remaining_tokens(r) for r in reqs],
+                            num_steps=plan.num_steps)
     if self._speculates:  # (logprobs come from the verify logits)
       pre, desc, fed = self.spec.describe(reqs, plain, self._decode_steps,
                                           shape=self.buckets.pack)
@@ -401,7 +394,7 @@ class Engine:
       out = self.runner.execute(desc)
       self.spec.apply(reqs, out, fed, self.counters)
     else:
-      out = self.runner.execute(plain)
+      out = self.runner.execute(batching.with_learner_inputs(plain, self.runner.learners, reqs))
       if self.spec is not None:
         self.spec.count_plain(reqs)
     tokens, counts, lps = out["out"], out["count"], out["lps"]

@@ -212,7 +212,9 @@ class SpecPolicy:
       i = drafter_id(d.name)
       rows = (row_drafter == i) | (row_auto & bool(auto_allowed[i]))
       fed[:, i] = rows if d.fed_per_row else rows.any()
-    arrays = dict(plain.arrays, history=history, history_len=history_len,
+    own = tuple(f"{d.name}." for d in self.drafters)  # (a plain call's learner inputs)
+    arrays = {k: v for k, v in plain.arrays.items() if not k.startswith(own)}
+    arrays.update(history=history, history_len=history_len,
                   row_drafter=row_drafter, row_auto=row_auto, row_max_draft=row_max_draft,
                   row_accept=row_accept.astype(np.float32), accept=self.accept_seen.copy(),
                   auto_allowed=auto_allowed, fed=fed, costs=self.costs.costs(b))
