@@ -24,7 +24,7 @@ from engine.model.cache import init_cache
 from engine.model.config import load_config
 from engine.model.eagle3_config import (Eagle3Error, default_aux_layer_ids,
                                         eagle3_config_from_dict, resolve_aux_layer_ids)
-from engine.model.eagle3_loader import load_eagle3
+from engine.model.eagle3_loader import abstract_head_params, load_eagle3
 from engine.model.hf_loader import load_hf_params
 from engine.model.transformer import forward, rms_norm
 
@@ -83,6 +83,8 @@ def test_head_matches_pytorch_golden(target, variant):
   cfg, params = load_eagle3(os.path.join(FIXTURES, variant), tcfg, tparams, jnp.float32)
   golden = np.load(os.path.join(FIXTURES, variant, "golden.npz"))
   assert cfg.aux_layers == tuple(golden["aux_layers"]) == (2, 3, 4)
+  assert (jax.tree.map(lambda x: (x.shape, x.dtype), params)
+          == jax.tree.map(lambda x: (x.shape, x.dtype), abstract_head_params(cfg, jnp.float32)))
   aux, tokens, n, pt = batch(states, cfg.aux_layers)
   first, chain, drafts, _ = run_chain(cfg, params, aux, tokens, n, pt)
   check_against_golden(golden, first, chain, drafts, n, variant)
@@ -293,3 +295,43 @@ def test_target_fixture_gives_the_captured_residual_streams(target):
   want = rms_norm(jnp.asarray(states["residual_1"][-1]), tparams["final_norm"], tcfg.rms_norm_eps)
   assert rel_err(hidden[0], np.asarray(want)) <= REL_TOL
   assert int(jnp.argmax(hidden[0, -1] @ tparams["lm_head"])) == int(states["next_token_1"])
+
+
+K25_MLA_HEAD = dict(  # lightseekorg/kimi-k2.5-eagle3-mla's shape (TorchSpec's training config)
+    architectures=["Eagle3DeepseekV2ForCausalLM"], model_type="kimi_k2", hidden_size=7168,
+    intermediate_size=18432, num_hidden_layers=1, num_attention_heads=64,
+    num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-5, vocab_size=163840,
+    draft_vocab_size=163840, max_position_embeddings=262144, rope_theta=50000.0,
+    rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096,
+                      beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    eagle_config=dict(eagle_aux_hidden_state_layer_ids=[1, 29, 57]))
+K25_MHA_HEAD = dict(  # AQ-MedAI/Kimi-K25-eagle3's shape
+    architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=7168,
+    intermediate_size=18432, num_hidden_layers=1, num_attention_heads=64,
+    num_key_value_heads=64, head_dim=128, rms_norm_eps=1e-6, vocab_size=163840,
+    draft_vocab_size=32000, max_position_embeddings=262144, rope_theta=1000000.0,
+    eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 30, 58]))
+
+
+@pytest.mark.parametrize("head", ["mla", "mha"])
+def test_k25_shaped_head_lowers_for_cuda_with_mosaic_attention(target, head):
+  """The drafting program of a K2.5-sized head (bf16, no weights: shapes only) exported for
+  CUDA with the Mosaic GPU attention kernels: the first pass and the chained steps' kernels."""
+  from cuda_export import MOSAIC_CALL, export_cuda_calls
+  from engine.model.kernels import KernelChoice
+  k25 = dataclasses.replace(target[0], hidden_size=7168, vocab_size=163840, kv_lora_rank=512,
+                            qk_rope_head_dim=64, num_layers=61)
+  cfg = eagle3_config_from_dict(K25_MLA_HEAD if head == "mla" else K25_MHA_HEAD, k25)
+  assert cfg.aux_layers == (2, 30, 58) and cfg.reduced_vocab == (head == "mha")
+  b, t, page, pages = 2, 8, 64, 4
+  sds = jax.ShapeDtypeStruct
+  pool = {k: sds(s, jnp.bfloat16) for k, s in eagle3.pool_shapes(cfg, b * pages, page).items()}
+  row = sds((b,), jnp.int32)
+  calls = export_cuda_calls(
+      eagle3.draft_chain, abstract_head_params(cfg, jnp.bfloat16), pool,
+      sds((b, t, cfg.num_aux * 7168), jnp.bfloat16), sds((b, t), jnp.int32), row, row,
+      sds((b, pages), jnp.int32), cfg=cfg, num_drafts=3,
+      impl=KernelChoice(attention="mosaic_gpu"))
+  assert calls.count(MOSAIC_CALL) >= 2, calls
+  assert not {c for c in calls if "callback" in c or c.startswith("lapack")}, calls

@@ -34,6 +34,7 @@ import json
 import os
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -74,8 +75,27 @@ def _reshape(*shape: int) -> Transform:
   return lambda x: x.reshape(shape)
 
 
-# name -> (leaf path, HF shape, transform); "fc_norm.i" fills row i of fc_norm.
-Expected = dict[str, tuple[tuple[str, ...], tuple[int, ...], Transform]]
+# name -> (leaf path, HF shape, transform, our shape); "fc_norm.i" fills row i of fc_norm.
+Expected = dict[str, tuple[tuple[str, ...], tuple[int, ...], Transform, tuple[int, ...]]]
+
+
+def _linear(path: tuple[str, ...], out_in: tuple[int, int]):
+  """An HF Linear [out, in] kept as [in, out]."""
+  return path, out_in, _t, out_in[::-1]
+
+
+def _vector(path: tuple[str, ...], n: int):
+  return path, (n,), _same, (n,)
+
+
+def _in_heads(path: tuple[str, ...], n: int, d: int, x: int):
+  """HF [n*d, x] -> [x, n, d]."""
+  return path, (n * d, x), _heads_in(n, d), (x, n, d)
+
+
+def _out_heads(path: tuple[str, ...], x: int, n: int, d: int):
+  """HF o_proj [x, n*d] -> [n, d, x]."""
+  return path, (x, n * d), _heads_out(n, d), (n, d, x)
 
 
 def expected_tensors(cfg: Eagle3Config) -> Expected:
@@ -84,47 +104,61 @@ def expected_tensors(cfg: Eagle3Config) -> Expected:
   lc = cfg.layer
   H, H2, nH, I = lc.hidden_size, 2 * lc.hidden_size, lc.num_heads, lc.intermediate_size
   e: Expected = {
-      "embed_tokens.weight": (("embed",), (cfg.vocab_size, H), _same),
-      "fc.weight": (("fc",), (H, cfg.num_aux * cfg.target_hidden_size), _t),
-      "norm.weight": (("final_norm",), (H,), _same),
-      "midlayer.input_layernorm.weight": (("input_norm",), (H,), _same),
-      "midlayer.hidden_norm.weight": (("hidden_norm",), (H,), _same),
-      "midlayer.post_attention_layernorm.weight": (("post_attn_norm",), (H,), _same),
-      "midlayer.mlp.gate_proj.weight": (("mlp", "gate"), (I, H), _t),
-      "midlayer.mlp.up_proj.weight": (("mlp", "up"), (I, H), _t),
-      "midlayer.mlp.down_proj.weight": (("mlp", "down"), (H, I), _t),
+      "embed_tokens.weight": (("embed",), (cfg.vocab_size, H), _same, (cfg.vocab_size, H)),
+      "fc.weight": _linear(("fc",), (H, cfg.num_aux * cfg.target_hidden_size)),
+      "norm.weight": _vector(("final_norm",), H),
+      "midlayer.input_layernorm.weight": _vector(("input_norm",), H),
+      "midlayer.hidden_norm.weight": _vector(("hidden_norm",), H),
+      "midlayer.post_attention_layernorm.weight": _vector(("post_attn_norm",), H),
+      "midlayer.mlp.gate_proj.weight": _linear(("mlp", "gate"), (I, H)),
+      "midlayer.mlp.up_proj.weight": _linear(("mlp", "up"), (I, H)),
+      "midlayer.mlp.down_proj.weight": _linear(("mlp", "down"), (H, I)),
   }
   if not cfg.tie_word_embeddings:
-    e["lm_head.weight"] = (("lm_head",), (cfg.draft_vocab_size, H), _t)
+    e["lm_head.weight"] = _linear(("lm_head",), (cfg.draft_vocab_size, H))
   if cfg.fc_norm:
     for i in range(cfg.num_aux):
-      e[f"fc_norm.{i}.weight"] = (("fc_norm", str(i)), (cfg.target_hidden_size,), _same)
+      e[f"fc_norm.{i}.weight"] = _vector(("fc_norm", str(i)), cfg.target_hidden_size)
   a = "midlayer.self_attn."
   if cfg.is_mla:
     dn, dr, dv, dc = lc.qk_nope_head_dim, lc.qk_rope_head_dim, lc.v_head_dim, lc.kv_lora_rank
     if lc.q_lora_rank is None:
-      e[a + "q_proj.weight"] = (("attn", "q"), (nH * (dn + dr), H2), _heads_in(nH, dn + dr))
+      e[a + "q_proj.weight"] = _in_heads(("attn", "q"), nH, dn + dr, H2)
     else:
       ql = lc.q_lora_rank
-      e[a + "q_a_proj.weight"] = (("attn", "q_a"), (ql, H2), _t)
-      e[a + "q_a_layernorm.weight"] = (("attn", "q_a_norm"), (ql,), _same)
-      e[a + "q_b_proj.weight"] = (("attn", "q_b"), (nH * (dn + dr), ql), _heads_in(nH, dn + dr))
-    e[a + "kv_a_proj_with_mqa.weight"] = (("attn", "kv_a"), (dc + dr, H2), _t)
-    e[a + "kv_a_layernorm.weight"] = (("attn", "kv_a_norm"), (dc,), _same)
-    e[a + "kv_b_proj.weight"] = (("attn", "kv_b"), (nH * (dn + dv), dc), _heads_in(nH, dn + dv))
-    e[a + "o_proj.weight"] = (("attn", "o"), (H, nH * dv), _heads_out(nH, dv))
+      e[a + "q_a_proj.weight"] = _linear(("attn", "q_a"), (ql, H2))
+      e[a + "q_a_layernorm.weight"] = _vector(("attn", "q_a_norm"), ql)
+      e[a + "q_b_proj.weight"] = _in_heads(("attn", "q_b"), nH, dn + dr, ql)
+    e[a + "kv_a_proj_with_mqa.weight"] = _linear(("attn", "kv_a"), (dc + dr, H2))
+    e[a + "kv_a_layernorm.weight"] = _vector(("attn", "kv_a_norm"), dc)
+    e[a + "kv_b_proj.weight"] = _in_heads(("attn", "kv_b"), nH, dn + dv, dc)
+    e[a + "o_proj.weight"] = _out_heads(("attn", "o"), H, nH, dv)
   else:
     nKV, hd = lc.num_kv_heads, lc.head_dim
-    e[a + "q_proj.weight"] = (("attn", "q"), (nH * hd, H2), _heads_in(nH, hd))
-    e[a + "k_proj.weight"] = (("attn", "k"), (nKV * hd, H2), _heads_in(nKV, hd))
-    e[a + "v_proj.weight"] = (("attn", "v"), (nKV * hd, H2), _heads_in(nKV, hd))
-    e[a + "o_proj.weight"] = (("attn", "o"), (H, nH * hd), _heads_out(nH, hd))
+    e[a + "q_proj.weight"] = _in_heads(("attn", "q"), nH, hd, H2)
+    e[a + "k_proj.weight"] = _in_heads(("attn", "k"), nKV, hd, H2)
+    e[a + "v_proj.weight"] = _in_heads(("attn", "v"), nKV, hd, H2)
+    e[a + "o_proj.weight"] = _out_heads(("attn", "o"), H, nH, hd)
     if lc.attention_bias:
-      e[a + "q_proj.bias"] = (("attn", "q_bias"), (nH * hd,), _reshape(nH, hd))
-      e[a + "k_proj.bias"] = (("attn", "k_bias"), (nKV * hd,), _reshape(nKV, hd))
-      e[a + "v_proj.bias"] = (("attn", "v_bias"), (nKV * hd,), _reshape(nKV, hd))
-      e[a + "o_proj.bias"] = (("attn", "o_bias"), (H,), _same)
+      e[a + "q_proj.bias"] = (("attn", "q_bias"), (nH * hd,), _reshape(nH, hd), (nH, hd))
+      e[a + "k_proj.bias"] = (("attn", "k_bias"), (nKV * hd,), _reshape(nKV, hd), (nKV, hd))
+      e[a + "v_proj.bias"] = (("attn", "v_bias"), (nKV * hd,), _reshape(nKV, hd), (nKV, hd))
+      e[a + "o_proj.bias"] = _vector(("attn", "o_bias"), H)
   return e
+
+
+def abstract_head_params(cfg: Eagle3Config, dtype: Any = jnp.bfloat16) -> Params:
+  """The params pytree `load_eagle3` returns for `cfg`, as `jax.ShapeDtypeStruct`s (to lower
+  or size a head without weights)."""
+  params: Params = {}
+  for path, _, _, shape in expected_tensors(cfg).values():
+    if path[0] != "fc_norm":
+      _set(params, path, jax.ShapeDtypeStruct(shape, dtype))
+  if cfg.fc_norm:
+    params["fc_norm"] = jax.ShapeDtypeStruct((cfg.num_aux, cfg.target_hidden_size), dtype)
+  if cfg.reduced_vocab:
+    params["draft_to_target"] = jax.ShapeDtypeStruct((cfg.draft_vocab_size,), jnp.int32)
+  return params
 
 
 def canonical_name(name: str) -> str:
@@ -195,7 +229,7 @@ def _check(cfg: Eagle3Config, expected: Expected, found: dict[str, tuple[str, Te
     raise Eagle3Error(f"EAGLE-3 head {head_dir}: missing tensors: "
                       f"{', '.join(missing[:MAX_LISTED])} (names may also carry `layers.0.` "
                       f"instead of `midlayer.`)")
-  for name, (_, shape, _) in expected.items():
+  for name, (_, shape, _, _) in expected.items():
     if name in found:
       info = found[name][1]
       if info.shape != shape:
@@ -254,7 +288,7 @@ def load_eagle3(head_dir: str, target_cfg: ModelConfig, target_params: Params | 
   dtype = jnp.dtype(dtype)
   params: Params = {}
   fc_norm_rows: dict[int, np.ndarray] = {}
-  for name, (path, _, fn) in expected.items():
+  for name, (path, _, fn, _) in expected.items():
     if name not in found:
       continue
     arr = fn(_read(found, name)).astype(dtype)
