@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import checkpoints
-from engine.model.chat_template import ChatTemplate
+from engine.chat.template import ChatTemplate
 from engine.model.config import ModelConfig, load_config
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params, param_shapes
@@ -50,7 +50,7 @@ class LoadedModel:
   eos_token_ids: tuple[int, ...] = ()
   kernels: KernelChoice = REFERENCE
   mesh: Any = None  # the jax.sharding.Mesh the parameters live on (None: one device)
-  # The checkpoint's chat template (engine.model.chat_template), None if it ships none.
+  # The checkpoint's chat template (engine.chat.template), None if it ships none.
   chat_template: ChatTemplate | None = None
 
   def __iter__(self) -> Iterator[Any]:

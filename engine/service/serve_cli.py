@@ -28,8 +28,8 @@ from engine.api import DEMO_CHECKPOINT
 from engine.runtime import compile_cache
 from engine.runtime.engine import Engine, EngineConfig
 from engine.service import mesh_flags
-from engine.service.chat_parsers import PARSER_FAMILIES
-from engine.service.reasoning import ReasoningConfig
+from engine.chat.parsers import PARSER_FAMILIES
+from engine.chat.reasoning import ReasoningConfig
 from engine.service.server import InferenceServer, ServerConfig, read_api_keys
 
 FLAGS = flags.FLAGS

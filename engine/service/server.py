@@ -41,12 +41,13 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.runtime.engine import Engine
-from engine.service import chat, chat_parsers, reflection, structured, validation, wire
+from engine.chat import markup as chat_markup
+from engine.chat.reasoning import ReasoningConfig
+from engine.service import chat, reflection, structured, validation, wire
 from engine.service.engine_loop import EngineLoop
 from engine.service.metrics import ServingMetrics
 from engine.service.openai_http import OpenAIHTTP
 from engine.service.proto import inference_pb2 as pb
-from engine.service.reasoning import ReasoningConfig
 from engine.service.servicer import InferenceServicer
 from engine.service.streams import Rejected
 
@@ -78,7 +79,7 @@ class ServerConfig:
   max_ping_strikes: int = 2
   stats_log_interval_s: float = 10.0  # one-line stats log (0: off)
   reasoning: ReasoningConfig | None = None
-  # Chat output parser family (chat_parsers.PARSER_FAMILIES; None: the chat template's tool
+  # Chat output parser family (engine.chat.markup.FAMILY_NAMES; None: the chat template's tool
   # markup decides, else the model type).
   chat_parser: str | None = None
   warmup: bool = True  # compile every bucket before reporting SERVING
@@ -136,7 +137,7 @@ class InferenceServer:
                       "(Engine.from_model reads preprocessor_config.json): images refused")
     template = engine.chat_template
     self.chat_family = config.chat_parser or (template.family if template is not None else None
-                                              ) or chat_parsers.family_for(engine.cfg.model_type)
+                                              ) or chat_markup.family_for(engine.cfg.model_type)
     self.state = "created"  # -> starting -> serving -> draining -> stopped
     self.port: int | None = None
     self._server: grpc.aio.Server | None = None
