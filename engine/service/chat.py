@@ -83,6 +83,24 @@ def field_error(e: ValueError, default: str = "messages") -> FieldError:
   return FieldError(m.group(1), text[m.end():]) if m else FieldError(default, text)
 
 
+_MESSAGE_PATH = re.compile(r"^messages\[(\d+)\]")
+
+
+def renamed(e: FieldError, origins: list[str], renames: tuple[tuple[str, str], ...] = ()
+            ) -> FieldError:
+  """A FieldError from `prepare` with its path in the edge's own terms: `messages[i]` as where
+  message i came from (`origins[i]`, e.g. "input[3]"), then each (regex, replacement)."""
+  field = e.field
+  m = _MESSAGE_PATH.match(field)
+  if m and int(m.group(1)) < len(origins):
+    field = origins[int(m.group(1))] + field[m.end():]
+  for pattern, repl in renames:
+    field = re.sub(pattern, repl, field)
+  if field == e.field:
+    return e
+  return FieldError(field, str(e)[len(e.field) + 2:])
+
+
 def check_tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str | None]:
   """OpenAI `tool_choice` -> (mode, function name): "none" | "auto" | "required" | "named"."""
   if choice is None:

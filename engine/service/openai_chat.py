@@ -36,7 +36,8 @@ class ChatPlan:
 
 
 def parse_chat(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits, served: str,
-               family: str | None, vision: chat.Vision | None = None) -> ChatPlan:
+               family: str | None, vision: chat.Vision | None = None,
+               base_id: str | None = None) -> ChatPlan:
   """A /v1/chat/completions body -> engine requests (runs on a tokenizer thread)."""
   body = protocol.load_body(raw)
   if "messages" not in body:
@@ -56,7 +57,7 @@ def parse_chat(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits,
       template_kwargs=get(body, "chat_template_kwargs", dict, None), response=c.constraint,
       parallel_tool_calls=parallel, thinking=thinking_of(body))
   inputs = chat.prepare(template, tokenizer, limits, request, family=family, vision=vision)
-  plan_id = f"chatcmpl-{secrets.token_hex(12)}"
+  plan_id = f"chatcmpl-{base_id or secrets.token_hex(12)}"
   requests = protocol.choice_requests(plan_id, [inputs.prompt_ids], c, skip_special_tokens=False,
                                       prompt_field="messages", images=inputs.images)
   return ChatPlan(plan_id, c, chat.constrain(requests, inputs), inputs, logprobs)

@@ -115,6 +115,11 @@ flags.DEFINE_integer("max_image_pixels", 4096 * 4096, "Largest image, width x he
 flags.DEFINE_bool("allow_image_urls", False, "Fetch http(s) image URLs of chat requests "
                   "(with --image_url_timeout_s and --max_image_bytes; off: refused with 400).")
 flags.DEFINE_float("image_url_timeout_s", 10.0, "Time limit of one image URL fetch.")
+flags.DEFINE_integer("responses_store_size", 1024, "Responses /v1/responses keeps in memory "
+                     "for previous_response_id and GET (oldest dropped first; 0: none).",
+                     lower_bound=0)
+flags.DEFINE_bool("request_log", False, "Log one line per request: id, API, prompt, "
+                  "completion and cached tokens, TTFT, total time, finish reason.")
 flags.DEFINE_integer("encoder_cache_mb", 256, "Image encoder outputs kept for images sent "
                      "again (MiB).", lower_bound=0)
 flags.DEFINE_bool("starts_in_reasoning", False, "Generation starts inside the reasoning (the "
@@ -151,7 +156,8 @@ def server_config() -> ServerConfig:
       stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning,
       chat_parser=FLAGS.chat_parser, max_images_per_request=FLAGS.max_images_per_request,
       max_image_bytes=FLAGS.max_image_bytes, max_image_pixels=FLAGS.max_image_pixels,
-      allow_image_urls=FLAGS.allow_image_urls, image_url_timeout_s=FLAGS.image_url_timeout_s)
+      allow_image_urls=FLAGS.allow_image_urls, image_url_timeout_s=FLAGS.image_url_timeout_s,
+      responses_store_size=FLAGS.responses_store_size, request_log=FLAGS.request_log)
 
 
 async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> None:

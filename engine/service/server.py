@@ -89,6 +89,8 @@ class ServerConfig:
   max_image_pixels: int = 4096 * 4096
   allow_image_urls: bool = False  # fetch http(s) image URLs (off: refused with 400)
   image_url_timeout_s: float = 10.0
+  responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (0: none)
+  request_log: bool = False  # one log line per request (id, API, tokens, TTFT, time, finish)
 
   def grpc_options(self) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", self.max_message_bytes),

@@ -131,10 +131,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     return parsed
 
   async def _stream(self, context: grpc.aio.ServicerContext, parsed: validation.ParsedRequest,
-                    convert: Callable[[RequestOutput], Any]):
+                    convert: Callable[[RequestOutput], Any], api: str = "grpc.Generate"):
     """Admits the request and yields convert(output) until it finishes (see RequestGroup)."""
     rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
-    group = RequestGroup(self.srv, [(parsed, rid)])
+    group = RequestGroup(self.srv, [(parsed, rid)], api=api)
     try:
       async with group:
         async for _, item in group:
@@ -177,7 +177,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         context, request.request_id, chat.parse_chat_request, request, engine.chat_template,
         engine.tokenizer, srv.limits, srv.chat_family, srv.vision)
     stream = chat.stream_for(inputs)
-    async for response in self._stream(context, parsed, lambda out: chat_response(out, stream)):
+    async for response in self._stream(context, parsed, lambda out: chat_response(out, stream),
+                                       "grpc.Chat"):
       yield response
 
   async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
