@@ -220,7 +220,7 @@ def chat_tool_choice(choice: Any, tools: Any) -> tuple[Any, bool]:
   raise FieldError("tool_choice.type", f"must be auto, any, tool or none, got {kind!r}")
 
 
-def _request(body: dict, max_tokens: int | None) -> chat.ChatRequest:
+def _request(body: dict, max_tokens: int | None) -> tuple[chat.ChatRequest, list[str]]:
   tools = chat_tools(body.get("tools"))
   choice, parallel = chat_tool_choice(body.get("tool_choice"), tools)
   value = body.get("thinking")
@@ -264,13 +264,13 @@ def parse_messages(raw: bytes, template: Any, tokenizer: Any, limits: RequestLim
     raise FieldError("metadata", "must be an object")
   inputs = _prepare(body, template, tokenizer, limits, family, vision, max_tokens)
   plan_id = f"msg_{base_id or secrets.token_hex(12)}"
-  requests = protocol.choice_requests(plan_id, [inputs.prompt_ids], c, skip_special_tokens=False,
-                                      prompt_field="messages", images=inputs.images)
   try:
-    requests = chat.constrain(requests, inputs)
+    requests = protocol.choice_requests(plan_id, [inputs.prompt_ids], c,
+                                        skip_special_tokens=False, prompt_field="messages",
+                                        images=inputs.images)
   except FieldError as e:
     raise chat.renamed(e, [], _RENAMES) from None
-  return MessagesPlan(plan_id, c, requests, inputs)
+  return MessagesPlan(plan_id, c, chat.constrain(requests, inputs), inputs)
 
 
 def count_tokens(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits, served: str,

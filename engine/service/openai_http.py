@@ -440,7 +440,7 @@ class OpenAIHTTP:
     return out
 
   async def detokenize(self, request: Request) -> Response:
-    """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": text}."""
+    """vLLM's /detokenize: {"tokens": [...]} -> {"prompt": text} (special tokens kept)."""
     raw = await self._body(request)
     return JSONResponse(await self.srv.tokenize(self._detokenize, raw))
 
@@ -454,4 +454,5 @@ class OpenAIHTTP:
                                  for t in tokens):
       raise FieldError("tokens", "is required: an array of token ids")
     ids = validation.check_token_ids("tokens", tokens, srv.limits.vocab_size)
-    return {"prompt": validation.decode(srv.engine.tokenizer, ids)}
+    # As vLLM's: special tokens kept (a rendered prompt decodes to its markup).
+    return {"prompt": srv.engine.tokenizer.decode(ids, skip_special_tokens=False)}
