@@ -148,6 +148,11 @@ def test_responses_plain_streamed_stored_and_a_second_turn(server, ref):
   assert r2.previous_response_id == r.id
   assert r2.usage.input_tokens > r.usage.input_tokens + 5
   assert r2.usage.input_tokens_details.cached_tokens >= (r.usage.input_tokens - 8) // 4 * 4
+  # Chat completions count the same reasoning tokens.
+  c = client.chat.completions.create(model="k25", max_tokens=8, temperature=0,
+                                     messages=[{"role": "user", "content": USER}])
+  assert c.usage.completion_tokens_details.reasoning_tokens == ref["reasoning_tokens"]
+  assert c.choices[0].message.model_extra["reasoning_content"] == ref["reasoning"]
   unstored = client.responses.create(model="k25", input=USER, max_output_tokens=2, store=False)
   with pytest.raises(openai.NotFoundError):
     client.responses.retrieve(unstored.id)
@@ -342,6 +347,18 @@ def test_thinking_controls(server, k25_eng):
   assert r.usage.input_tokens == len(on) + 1 and r.reasoning.effort == "none"
   assert ant(server).messages.count_tokens(model="k25", thinking={"type": "disabled"}, messages=[
       {"role": "user", "content": USER}]).input_tokens == len(on) + 1
+  # gRPC ChatRequest: thinking off sets the flag; a budget rides on SamplingParams.
+  from engine.service.proto import inference_pb2 as pb
+  req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=USER)], thinking=False)
+  parsed, inputs = chat.parse_chat_request(req, k25_eng.chat_template, k25_eng.tokenizer,
+                                           limits_of(k25_eng), None)
+  assert len(parsed.prompt_ids) == len(on) + 1 and not inputs.starts_in_reasoning
+  assert parsed.sampling.thinking_token_budget is None
+  req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=USER)],
+                       thinking_token_budget=3)
+  parsed, _ = chat.parse_chat_request(req, k25_eng.chat_template, k25_eng.tokenizer,
+                                      limits_of(k25_eng), None)
+  assert parsed.sampling.thinking_token_budget == 3 and parsed.prompt_ids == on
   # A budget reaches the engine on SamplingParams, with the think markers' ids.
   tok = k25_eng.tokenizer
   end, section = tok.token_to_id("</think>"), tok.token_to_id("<|tool_calls_section_begin|>")
