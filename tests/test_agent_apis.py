@@ -21,6 +21,7 @@ import openai
 from engine.chat.template import ChatTemplate
 from engine.runtime.request import RequestOutput, Timings, Usage
 from engine.service import chat
+from engine.service.client import build_chat_request
 from engine.service.validation import RequestLimits
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
@@ -349,7 +350,7 @@ def test_thinking_controls(server, k25_eng):
       {"role": "user", "content": USER}]).input_tokens == len(on) + 1
   # gRPC ChatRequest: thinking off sets the flag; a budget rides on SamplingParams.
   from engine.service.proto import inference_pb2 as pb
-  req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=USER)], thinking=False)
+  req = build_chat_request([{"role": "user", "content": USER}], thinking=False)
   parsed, inputs = chat.parse_chat_request(req, k25_eng.chat_template, k25_eng.tokenizer,
                                            limits_of(k25_eng), None)
   assert len(parsed.prompt_ids) == len(on) + 1 and not inputs.starts_in_reasoning
