@@ -473,3 +473,36 @@ def test_request_ids_the_request_log_and_the_http_tokenizer(server, k25_eng, mon
   assert text_of(server, out["tokens"]) == "Hi there"
   status, _, err = post(server, "/detokenize", {"tokens": [10 ** 6]})
   assert status == 400 and err["error"]["param"] == "tokens"
+
+
+def test_failures_after_the_status_are_error_events_in_each_apis_shape(server, k25_eng,
+                                                                       monkeypatch):
+  step, failures = k25_eng.step, []
+
+  def failing_step():  # the next step with a client's request fails
+    if failures and server.server.engine_loop.subscribed():
+      failures.pop()
+      raise RuntimeError("device lost")
+    return step()
+
+  monkeypatch.setattr(k25_eng, "step", failing_step)
+  failures.append(1)
+  status, _, events = post(server, "/v1/responses", {
+      "model": "k25", "input": USER, "max_output_tokens": 4, "stream": True}, stream=True)
+  name, error = events[-1]
+  assert status == 200 and name == "error" and "device lost" in error["message"]
+  assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+  failures.append(1)
+  status, _, events = post(server, "/v1/messages", {
+      "model": "k25", "max_tokens": 4, "stream": True,
+      "messages": [{"role": "user", "content": USER}]}, stream=True)
+  name, error = events[-1]
+  assert status == 200 and name == "error" and error["type"] == "error"
+  assert error["error"]["type"] == "api_error" and "device lost" in error["error"]["message"]
+  failures.append(1)
+  with pytest.raises(anthropic.InternalServerError) as e:
+    ant(server).messages.create(model="k25", max_tokens=4, messages=[{"role": "user",
+                                                                      "content": USER}])
+  assert e.value.body["error"]["type"] == "api_error"
+  assert ant(server).messages.create(model="k25", max_tokens=2, messages=[
+      {"role": "user", "content": USER}]).usage.output_tokens == 2

@@ -190,9 +190,11 @@ class OpenAIHTTP:
     return JSONResponse(body)
 
   async def _error_events(self, events: AsyncIterator[bytes], group: RequestGroup,
-                          api: str = "chat") -> AsyncIterator[bytes]:
+                          api: str = "chat", numbered: Callable[..., dict] | None = None
+                          ) -> AsyncIterator[bytes]:
     """`events`, ending in an error event instead of an exception (the status is sent): a
-    `data:` error then [DONE] (completions, chat), an `error` event (responses, messages)."""
+    `data:` error then [DONE] (completions, chat), an `error` event (responses, numbered after
+    the stream's events; messages)."""
     try:
       async for event in events:
         yield event
@@ -206,8 +208,7 @@ class OpenAIHTTP:
       if api == "messages":
         yield named_sse(err.body(ANTHROPIC))
       elif api == "responses":
-        yield named_sse({"type": "error", "code": err.code, "message": str(err),
-                         "param": err.param, "sequence_number": 0})
+        yield named_sse(numbered("error", code=err.code, message=str(err), param=err.param))
       else:
         yield sse(err.body())
         yield DONE
@@ -367,7 +368,8 @@ class OpenAIHTTP:
       return output.response()
 
     return await self._admit(request, plan.requests, plan.common.stream,
-                             lambda g: self._error_events(events(g), g, "responses"), collect,
+                             lambda g: self._error_events(events(g), g, "responses",
+                                                          output.event), collect,
                              api="responses", label=plan.id)
 
   async def stored_response(self, request: Request) -> Response:

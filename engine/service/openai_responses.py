@@ -318,23 +318,23 @@ class ResponseOutput:
 
   # ---- events -------------------------------------------------------------------------------
 
-  def _event(self, kind: str, **fields: Any) -> dict:
+  def event(self, kind: str, **fields: Any) -> dict:
     event = {"type": kind, "sequence_number": self.seq, **fields}
     self.seq += 1
     return event
 
   def start_events(self) -> list[dict]:
     snapshot = self.response("in_progress")
-    return [self._event("response.created", response=snapshot),
-            self._event("response.in_progress", response=snapshot)]
+    return [self.event("response.created", response=snapshot),
+            self.event("response.in_progress", response=snapshot)]
 
   def _add(self, item: dict, part: dict | None) -> list[dict]:
     self.items.append(item)
     self.open = len(self.items) - 1
     shown = {**item, "content": []} if part is not None else dict(item)
-    events = [self._event("response.output_item.added", output_index=self.open, item=shown)]
+    events = [self.event("response.output_item.added", output_index=self.open, item=shown)]
     if part is not None:
-      events.append(self._event("response.content_part.added", output_index=self.open,
+      events.append(self.event("response.content_part.added", output_index=self.open,
                                 item_id=item["id"], content_index=0, part=dict(part)))
     return events
 
@@ -348,19 +348,19 @@ class ResponseOutput:
     events = []
     if item["type"] == "reasoning":
       text = item["content"][0]["text"]
-      events += [self._event("response.reasoning_text.done", content_index=0, text=text, **ids),
-                 self._event("response.content_part.done", content_index=0,
+      events += [self.event("response.reasoning_text.done", content_index=0, text=text, **ids),
+                 self.event("response.content_part.done", content_index=0,
                              part=dict(item["content"][0]), **ids)]
     elif item["type"] == "message":
       part = item["content"][0]
-      events += [self._event("response.output_text.done", content_index=0, text=part["text"],
+      events += [self.event("response.output_text.done", content_index=0, text=part["text"],
                              logprobs=[], **ids),
-                 self._event("response.content_part.done", content_index=0, part=dict(part),
+                 self.event("response.content_part.done", content_index=0, part=dict(part),
                              **ids)]
     elif status == "completed":
-      events.append(self._event("response.function_call_arguments.done",
+      events.append(self.event("response.function_call_arguments.done",
                                 arguments=item["arguments"], **ids))
-    events.append(self._event("response.output_item.done", output_index=i, item=dict(item)))
+    events.append(self.event("response.output_item.done", output_index=i, item=dict(item)))
     return events
 
   def _kind(self) -> str | None:
@@ -379,7 +379,7 @@ class ResponseOutput:
                              "content": [part], "status": "in_progress"}, part)
       item = self.items[self.open]
       item["content"][0]["text"] += delta.reasoning
-      events.append(self._event("response.reasoning_text.delta", output_index=self.open,
+      events.append(self.event("response.reasoning_text.delta", output_index=self.open,
                                 item_id=item["id"], content_index=0, delta=delta.reasoning))
     if delta.content:
       text = delta.content
@@ -396,7 +396,7 @@ class ResponseOutput:
       if text:
         item = self.items[self.open]
         item["content"][0]["text"] += text
-        events.append(self._event("response.output_text.delta", output_index=self.open,
+        events.append(self.event("response.output_text.delta", output_index=self.open,
                                   item_id=item["id"], content_index=0, delta=text, logprobs=[]))
     for call in delta.tool_calls:
       item = self.items[self.open] if self._kind() == "function_call" else None
@@ -409,7 +409,7 @@ class ResponseOutput:
         events[-1]["item"].pop("_index", None)
       if call.arguments:
         item["arguments"] += call.arguments
-        events.append(self._event("response.function_call_arguments.delta",
+        events.append(self.event("response.function_call_arguments.delta",
                                   output_index=self.open, item_id=item["id"],
                                   delta=call.arguments))
     if out.finished:
@@ -419,7 +419,7 @@ class ResponseOutput:
         events += self._close("incomplete")
       else:
         events += self._close()
-      events.append(self._event(f"response.{self.status()}", response=self.response()))
+      events.append(self.event(f"response.{self.status()}", response=self.response()))
     for e in events:
       if isinstance(e.get("item"), dict):
         e["item"].pop("_index", None)
