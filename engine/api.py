@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import checkpoints
 from engine.chat.template import ChatTemplate
 from engine.model.config import ModelConfig, load_config
-from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model import kernels as kernels_lib
+from engine.model.kernels import AUTO, KernelChoice
 from engine.model.params import Params, param_shapes
 from engine.runtime import compile_cache
 from engine.runtime import batch
@@ -48,10 +49,18 @@ class LoadedModel:
   tokenizer: Any
   path: str = ""
   eos_token_ids: tuple[int, ...] = ()
-  kernels: KernelChoice = REFERENCE
+  # The kernels asked for (`load(kernels=...)`); "auto" paths resolve per use: the Mosaic GPU
+  # kernels on Hopper where the model fits them (`resolved_kernels`).
+  kernels: KernelChoice = AUTO
   mesh: Any = None  # the jax.sharding.Mesh the parameters live on (None: one device)
   # The checkpoint's chat template (engine.chat.template), None if it ships none.
   chat_template: ChatTemplate | None = None
+
+  def resolved_kernels(self, page_size: int = 16) -> KernelChoice:
+    """`kernels` with "auto" made concrete for this model, its devices and `page_size` (the
+    result announced on stderr once: `kernels.announce`)."""
+    return kernels_lib.announce(kernels_lib.resolve_for_params(
+        self.kernels, self.config, self.params, mesh=self.mesh, page_size=page_size)).choice
 
   def __iter__(self) -> Iterator[Any]:
     return iter((self.config, self.params, self.tokenizer))
@@ -107,7 +116,8 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any = None,
-         progress: bool = True, mesh: Any = None) -> LoadedModel:
+         progress: bool = True, mesh: Any = None,
+         kernels: KernelChoice | str = AUTO) -> LoadedModel:
   """Loads an Orbax (moejax) or Hugging Face safetensors checkpoint directory.
 
   Args:
@@ -121,6 +131,10 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
     mesh: a `jax.sharding.Mesh` or a spec like "expert:8" / "tensor:4,expert:2": every
       parameter is loaded straight into its place by `engine.model.sharding`'s rules (no
       device ever holds the whole model). Mutually exclusive with `shardings`.
+    kernels: the hot paths' implementations, a `KernelChoice` or one name for both
+      ("auto": the Mosaic GPU kernels on a Hopper GPU where the model's shapes fit them, plain
+      JAX otherwise; "reference"; "mosaic_gpu"). Resolved here once; the result is one line
+      on stderr (`kernels: attention=... moe=... (reasons)`).
   """
   from engine.model import hf_loader, orbax_io  # deferred: heavy imports (orbax)
 
@@ -156,9 +170,13 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   for line in sharding_lib.format_param_bytes(sharding_lib.param_bytes_by_kind(params)):
     logging.getLogger("moejax").info("engine.load: parameters on %s", line)
   tokenizer = load_tokenizer(path)
-  return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
-                     eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh,
-                     chat_template=ChatTemplate.from_dir(path))
+  model = LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
+                      eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh,
+                      kernels=KernelChoice(attention=kernels, moe=kernels)
+                      if isinstance(kernels, str) else kernels,
+                      chat_template=ChatTemplate.from_dir(path))
+  model.resolved_kernels()  # at the engines' default page size: the stderr line, once
+  return model
 
 
 def _as_prompt_list(prompts: Any) -> tuple[list[Any], bool]:
@@ -224,7 +242,7 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
     completions = generate_tokens(
         model.params, model.config, ids, max_new_tokens=max_new_tokens, sampling=sampling,
         eos_ids=model.eos_token_ids, stop_token_ids=[list(stop_token_ids)] * len(ids),
-        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.kernels)
+        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.resolved_kernels())
   return _results(model, completions, single)
 
 
@@ -263,7 +281,7 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
         model.params, model.config, ids, max_new_tokens=max_new,
         sampling=sampling or [SamplingParams()] * b, eos_ids=model.eos_token_ids,
         stop_token_ids=[list(stop_token_ids)] * b, ignore_eos=ignore_eos,
-        min_new_tokens=min_new_tokens, speculative=speculative, impl=model.kernels,
+        min_new_tokens=min_new_tokens, speculative=speculative, impl=model.resolved_kernels(),
         tokenizer=model.tokenizer, mesh=model.mesh, warmup=warmup)
   return _results(model, completions, False)
 

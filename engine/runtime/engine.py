@@ -30,12 +30,12 @@ import numpy as np
 
 from engine.model.cache import cache_bytes_per_token, init_cache
 from engine.model.config import ModelConfig
-from engine.model.kernels import REFERENCE
+from engine.model.kernels import AUTO
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
 from engine.runtime import compile_cache, steps, structured, warmup
 from engine.runtime.buckets import TrafficStats, default_row_widths, derive_buckets
-from engine.runtime.engine_config import EngineConfig
+from engine.runtime.engine_config import EngineConfig, with_kernels_resolved
 from engine.runtime.multimodal import ImageInput, check_spans
 from engine.runtime.multimodal_step import ImageEncoder
 from engine.runtime.grammar import compile_grammar
@@ -65,6 +65,7 @@ class Engine:
     """`mesh`: the `jax.sharding.Mesh` the parameters are placed on (`engine.model.sharding`);
     the cache is placed by the same module's rules and every program runs under it.
     `draft`: (config, params) of a draft model with the target's vocabulary (drafter "draft")."""
+    config = with_kernels_resolved(config, cfg, params, mesh)  # "auto" -> this device's
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
     self.chat_template: Any = None  # the model's (`engine.load`), for the servers' chat APIs
@@ -137,7 +138,7 @@ class Engine:
                  draft_model: Any = None) -> "Engine":
     """From an `engine.load` result (and a loaded draft model for drafter "draft")."""
     eng = Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
-                 if config.kernels == REFERENCE else config, model.tokenizer,
+                 if config.kernels == AUTO else config, model.tokenizer,
                  model.eos_token_ids, mesh=getattr(model, "mesh", None),
                  draft=None if draft_model is None else (draft_model.config,
                                                          draft_model.params))

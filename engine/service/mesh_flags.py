@@ -2,8 +2,9 @@
 
     --mesh=data:1,expert:8,tensor:1      (default: one device)
     --coordinator_address=host:port --num_processes=2 --process_id=0   (multi-host)
-    --attention=mosaic_gpu --moe=mosaic_gpu --expert_parallel=dispatch   (default: the plain-JAX
-      references and psum; the Mosaic GPU kernels need a Hopper GPU and bf16 weights)
+    --attention=mosaic_gpu --moe=mosaic_gpu --expert_parallel=dispatch   (default: auto, i.e. the
+      Mosaic GPU kernels on a Hopper GPU where the model's shapes fit them, the plain-JAX
+      references otherwise, resolved at load and named on stderr; psum)
 
 Import this module from a script to define the flags; call `setup()` first thing in `main`.
 """
@@ -25,9 +26,10 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-
 flags.DEFINE_integer("num_processes", 1, "Processes in the job.", lower_bound=1)
 flags.DEFINE_integer("process_id", 0, "This process's index in the job.", lower_bound=0)
 
-flags.DEFINE_enum("attention", "reference", ["reference", "mosaic_gpu"],
-                  "Attention implementation.")
-flags.DEFINE_enum("moe", "reference", ["reference", "mosaic_gpu"], "Routed-expert implementation.")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "mosaic_gpu"],
+                  "Attention implementation (auto: Mosaic GPU on Hopper where the model fits).")
+flags.DEFINE_enum("moe", "auto", ["auto", "reference", "mosaic_gpu"],
+                  "Routed-expert implementation (auto: Mosaic GPU on Hopper where it fits).")
 flags.DEFINE_enum("expert_parallel", "psum", ["psum", "dispatch", "auto"],
                   "How an expert-parallel mesh combines experts: psum (tokens replicated, one "
                   "all-reduce), dispatch (tokens exchanged with the experts' owners), auto.")
@@ -36,7 +38,8 @@ FLAGS = flags.FLAGS
 
 
 def kernel_choice() -> KernelChoice:
-  """The kernels the flags name; a Mosaic GPU kernel on a machine without a GPU is refused."""
+  """The kernels the flags name ("auto" resolves at `engine.load`); a Mosaic GPU kernel named
+  on a machine without a GPU is refused."""
   for name in ("attention", "moe"):
     if FLAGS[name].value == "mosaic_gpu" and jax.default_backend() != "gpu":
       raise ValueError(f"--{name}=mosaic_gpu needs an NVIDIA GPU (the JAX backend here is "

@@ -205,8 +205,8 @@ def main(argv: list[str]) -> int:
   try:
     config = server_config()
     mesh = mesh_flags.setup()
-    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh)
-    model.kernels = mesh_flags.kernel_choice()
+    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh,
+                        kernels=mesh_flags.kernel_choice())
     draft = (engine.load(FLAGS.draft_checkpoint, dtype=FLAGS.dtype, mesh=mesh)
              if FLAGS.draft_checkpoint else None)
     eng = Engine.from_model(model, EngineConfig(
