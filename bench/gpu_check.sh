@@ -9,7 +9,7 @@
 #   results.jsonl  one JSON row per measurement, appended and fsynced as measured (device, jax
 #                  version, commit, stage, impl, case, us, bytes, GB/s, fractions of this run's
 #                  ceilings, dry_run; `bench/protocol/rows.py`), a `stage_end` row per stage
-#   raw.tgz        raw dumps (SASS and ptxas reports of the int4 stage, nvidia-smi -q, pip list),
+#   raw.tgz        raw dumps (the int4 stage's SASS and ptxas reports, nvidia-smi -q, pip list),
 #                  repacked after every stage
 #   summary.md     tables from results.jsonl (`bench/summarize.py`), under 10,000 characters,
 #                  printed last (a device call returns only the end of its output)
@@ -38,6 +38,7 @@ set -u
 mkdir -p "$OUT"
 rm -f "$OUT/run.log" "$OUT/results.jsonl" "$OUT/raw.tgz" "$OUT/summary.md"
 exec > >(tee -a "$OUT/run.log") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 export DRY_RUN=${DRY_RUN:-0}
@@ -47,6 +48,8 @@ TORCH_PY=${TORCH_PY:-python3}
 if [ "$DRY_RUN" != 0 ]; then BUDGET_S=${BUDGET_S:-300}; else BUDGET_S=${BUDGET_S:-480}; fi
 STAGES=${STAGES:-}
 LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defaults below
+# (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
+[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:110,mla:80,experts:70}
 RESERVE=15
 ORDER="ceilings:25 int4:95 k25_slice:190 mla:60 experts:45 peers:35 kernel_check:120"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"
@@ -62,9 +65,12 @@ later_limits() {  # the limits of the selected stages after $1
   echo $sum
 }
 rows_of() { grep -c "\"stage\": \"$1\"" "$OUT/results.jsonl" 2>/dev/null || true; }
-pack_raw() {  # raw dumps, the SASS and ptxas reports but not Mosaic's MLIR and PTX
-  (cd "$SCRATCH" && find . -type f \( -name '*.sass' -o -name '*.ptxas' -o -name '*.txt' \
-     -o -name '*.json' \) | tar -czf "$SCRATCH.tgz" -T - 2>/dev/null) && cp "$SCRATCH.tgz" "$OUT/raw.tgz"
+pack_raw() {  # the raw dumps, at most 15 MiB compressed (a device call returns 16 MiB a file)
+  tar -czf "$SCRATCH.tgz" -C "$SCRATCH" . 2>/dev/null
+  if [ "$(stat -c %s "$SCRATCH.tgz" 2>/dev/null || echo 0)" -gt $((15 << 20)) ]; then
+    tar -czf "$SCRATCH.tgz" -C "$SCRATCH" --exclude=int4_sass.txt . 2>/dev/null
+  fi
+  cp "$SCRATCH.tgz" "$OUT/raw.tgz"
 }
 stage() {  # stage NAME LIMIT COMMAND...
   local name=$1 limit=$2 entry; shift 2
@@ -85,7 +91,11 @@ stage() {  # stage NAME LIMIT COMMAND...
   echo "=== $name (limit ${limit}s, ${SECONDS}s into the run) ==="
   local t0=$SECONDS before rc
   before=$(rows_of "$name")
-  STAGE_LIMIT_S=$limit timeout -k 5 "$limit" "$@"
+  if [ -n "${STAGE_STDOUT:-}" ]; then  # (the int4 stage's stdout: Mosaic GPU's SASS dumps)
+    STAGE_LIMIT_S=$limit timeout -k 5 "$limit" "$@" > "$STAGE_STDOUT"
+  else
+    STAGE_LIMIT_S=$limit timeout -k 5 "$limit" "$@"
+  fi
   rc=$?
   local rows=$(( $(rows_of "$name") - before ))
   [ -s "$OUT/results.jsonl" ] && [ -n "$(tail -c1 "$OUT/results.jsonl")" ] && echo >> "$OUT/results.jsonl"
@@ -105,11 +115,11 @@ if [ "$DRY_RUN" != 0 ]; then
   stage int4 95 $PY -m bench.protocol.experts "$OUT" --formats=int4
   stage k25_slice 190 $PY -m bench.protocol.k25_slice "$OUT" --layers=3
 else
-  mkdir -p "$SCRATCH/sass"
-  stage int4 95 env MOSAIC_GPU_DUMP_TO="$SCRATCH/sass" $PY -m bench.protocol.experts "$OUT" \
-    --formats=int4
-  # (no Triton GEMM autotuning: the slice's compiles stay short)
-  stage k25_slice 190 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+  STAGE_STDOUT="$SCRATCH/int4_sass.txt" stage int4 95 env MOSAIC_GPU_DUMP_SASS=1 \
+    MOSAIC_GPU_DUMP_PTXAS=1 SASS_LOG="$SCRATCH/int4_sass.txt" $PY -m bench.protocol.experts \
+    "$OUT" --formats=int4
+  # (XLA's GEMM autotuning off, as in the second GPU run: the slice's compiles stay short)
+  stage k25_slice 190 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     $PY -m bench.protocol.k25_slice "$OUT" --layers=4
 fi
 stage mla 60 $PY -m bench.protocol.mla "$OUT"
@@ -123,3 +133,7 @@ rm -rf "$SCRATCH" "$SCRATCH.tgz"
 echo
 cat "$OUT/summary.md"
 $PY -m bench.protocol.rows check "$OUT" "${RAN#,}"
+status=$?
+exec >&- 2>&-
+wait "$TEE_PID" 2>/dev/null  # run.log complete before the call returns
+exit $status

@@ -136,7 +136,13 @@ def test_summary_stays_under_the_output_limit(tmp_path):
   assert len(text) <= summarize.LIMIT + 1 and "## mla" in text
 
 
-SASS = """
+SASS = """ptxas info    : Compiling entry function 'body_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Used 168 registers, 40 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
+	.headerflags	@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+//--------------------- .text.body_mosaic_gpu_kernel --------------------------
+	.section	.text.body_mosaic_gpu_kernel,"ax",@progbits
+	.sectioninfo	@"SHI_REGISTERS=168"
+.text.body_mosaic_gpu_kernel:
         /*0000*/                   LDC R1, c[0x0][0x28] ;
         /*0010*/              @!P0 HGMMA.64x8x16.F32.BF16 gdesc[UR4], RZ, !UPT ;
         /*0020*/                   LOP3.LUT R2, R3, 0xf, RZ, 0xc0, !PT ;
@@ -147,13 +153,11 @@ SASS = """
 """
 
 
-def test_sass_counts_opcode_families_and_ptxas_reports(tmp_path):
-  (tmp_path / "body_0.sass").write_text(SASS)
-  (tmp_path / "body_0.ptxas").write_text(
-      "ptxas info    : Used 168 registers, 40 bytes stack frame, 8 bytes spill stores, "
-      "8 bytes spill loads")
-  (r,) = sass.summarize(str(tmp_path))
-  assert r["module"] == "body_0" and r["instructions"] == 7
+def test_sass_counts_opcode_families_and_ptxas_reports():
+  second = SASS.replace("LOP3.LUT R4", "PRMT R4").split("\t.headerflags", 1)[1]
+  r, r2 = sass.summarize(SASS + "\t.headerflags" + second)  # the same kernel compiled twice
+  assert r["module"] == "body_mosaic_gpu_kernel#1" and r2["module"].endswith("#2")
+  assert r["instructions"] == 7 and r2["top_opcodes"][0][1] == 1
   assert r["families"]["mma"] == 1 and r["families"]["bit_ops"] == 2
   assert r["families"]["smem_store"] == 1 and r["families"]["bf16x2_math"] == 1
   assert r["families"]["barrier"] == 1 and r["top_opcodes"][0] == ("LOP3", 2)

@@ -13,8 +13,8 @@ a shard's one or two hit experts are not re-read from L2.
 
 INT4 also sweeps the kernel's configuration at 1 token (`DequantConfig`: CTAs per SM,
 pipeline depth, K step), each variant's output checked against the default's, and, with
-`MOSAIC_GPU_DUMP_TO` set (gpu_check.sh does), counts each kernel's SASS opcodes, registers and
-spills (`sass.py`). The default kernel is checked against the plain-JAX reference at 1 token.
+`SASS_LOG` naming the file its stdout goes to and Mosaic GPU's SASS and ptxas dumps on
+(gpu_check.sh does both), counts each kernel's SASS opcodes, registers and spills (`sass.py`). The default kernel is checked against the plain-JAX reference at 1 token.
 
 Weights: INT4 packed nibbles and FP8 values are random bits; scales and bf16 weights random
 normals. In the dry run: toy shapes in Mosaic GPU's interpreter, and every GPU program above
@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import sys
 import time
 
 import jax
@@ -213,11 +214,13 @@ def run(out_dir: str, formats: list[str], stage: str) -> None:
     gc.collect()
     if dry_run():
       export_rows(rec, fmt, shape)
-  dump = os.environ.get("MOSAIC_GPU_DUMP_TO")
-  if dump and os.path.isdir(dump):
+  listing = os.environ.get("SASS_LOG")  # this process's stdout (gpu_check.sh), where Mosaic
+  if listing and os.path.exists(listing):  # GPU printed each kernel's SASS and ptxas report
     from bench.protocol import sass
-    for r in sass.summarize(dump):
-      rec.row("sass", r.pop("module"), **r)
+    sys.stdout.flush()
+    with open(listing, errors="replace") as fh:
+      for r in sass.summarize(fh.read()):
+        rec.row("sass", r.pop("module"), **r)
 
 
 def main(argv=None) -> None:

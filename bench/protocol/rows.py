@@ -92,7 +92,8 @@ class Recorder:
       fh.flush()
       os.fsync(fh.fileno())
     self.count += 1
-    print(f"[{self.stage} {r['t_s']:7.1f}s] {_brief(r)}", flush=True)
+    # (stderr: a stage's stdout may be a file of Mosaic GPU's SASS dumps)
+    print(f"[{self.stage} {r['t_s']:7.1f}s] {_brief(r)}", file=sys.stderr, flush=True)
     return r
 
   def skip(self, reason: str) -> dict[str, Any]:
