@@ -215,3 +215,20 @@ def test_protocol_imports_only_what_the_gpu_image_has():
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                      env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_k25_projection_prices_the_busiest_device_and_the_verify():
+  from bench import k25_projection as proj
+  # The busiest of 8 devices holds ~2.56 of a token's 8 experts; a 4-token verify's 31
+  # distinct experts put ~6.7 on it (gpu-plan section 5.1's Monte Carlo, checked here).
+  assert proj.busiest_device_experts(1).mean() == pytest.approx(2.56, abs=0.05)
+  assert proj.busiest_device_experts(4).mean() == pytest.approx(6.71, abs=0.08)
+  assert proj.busiest_device_experts(4, balanced=True).mean() == pytest.approx(31.0 / 8, abs=0.05)
+  # Today's W4A16 rate model reproduces the first GPU run's 275 us for 8 experts.
+  assert proj.int4_kernel_today_s(np.array([8.0])) == pytest.approx(275e-6, rel=0.02)
+  assert proj.other_bytes_per_device() == pytest.approx(3.26e9, rel=0.01)
+  rows = proj.project(proj.TARGETS, [1.5, 3.0], 4.3e12, 8192, tau=3.0, drafts=3, draft_gb=0.41,
+                      draft_overhead_ms=0.15)
+  assert rows[0]["tok_s"] > rows[1]["tok_s"]  # more overhead, fewer tokens
+  for r in rows:  # a verify costs more than a step, so speculation gains less than tau
+    assert r["verify_ms"] > 1.3 * r["step_ms"] and r["tok_s"] < r["spec_tok_s"] < 3 * r["tok_s"]

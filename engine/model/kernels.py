@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from engine.model.params import abstract_params
 from pallas_kernels.attention import reference as attn_ref
 from pallas_kernels.moe import reference as moe_ref
 
@@ -139,7 +140,6 @@ def moe_experts(k: KernelChoice) -> Callable:
   return _pick(_MOE_EXPERTS, k.moe, "MoE experts")
 
 
-
 # ---- "auto": the kernels a device and a model allow, chosen once at load ----------------------
 
 AUTO = KernelChoice(attention="auto", moe="auto")
@@ -205,7 +205,6 @@ def _moe_problem(cfg, dtype) -> str | None:
   """Why the Mosaic GPU expert kernels cannot take some MoE layer's routed experts (bf16, INT4
   or FP8 as stored), or None: `moe_experts` traced at the layer's shapes for a decode (1
   token) and a prefill (256 tokens) batch, which take different kernels."""
-  from engine.model.params import abstract_params  # (params imports this module)
   if not cfg.num_experts:
     return "the model has no routed experts"
   tree = abstract_params(cfg, dtype)
@@ -255,8 +254,11 @@ def resolve_for_params(choice: KernelChoice, cfg, params, *, mesh=None, cache_dt
                        page_size: int = 16) -> Resolution:
   """`resolve` for the devices holding `params` (the mesh's first device if given), their
   dtype (the embedding's) and `page_size`."""
-  device = (mesh.devices.flat[0] if mesh is not None
-            else next(iter(jax.tree.leaves(params)[0].sharding.device_set)))
+  if mesh is not None:
+    device = mesh.devices.flat[0]
+  else:  # (host arrays: JAX's default device)
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    device = next(iter(sharding.device_set)) if sharding is not None else jax.devices()[0]
   dtype = params["embed"].dtype
   return resolve(choice, cfg, device_kind=device.device_kind, platform=device.platform,
                  dtype=dtype, cache_dtype=cache_dtype or dtype, page_size=page_size)
