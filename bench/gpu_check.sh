@@ -28,7 +28,9 @@
 # BUDGET_S (480; dry run 300) bounds the whole script: a stage gets min(its limit, what is
 # left less 15 s for the summary); one with under 20 s left writes a skip row. STAGES=a,b
 # runs only those (sharing the budget: each may run past its limit by what the later ones
-# leave); extra stages by name: kernel_check (compiled kernels vs references). Exit status 0
+# leave); an extra stage by name, run right after the ceilings: kernel_check (every compiled
+# kernel against its reference; a kernel issue's session: STAGES=ceilings,kernel_check,int4
+# or ...,mla: without the ceilings a stage has no fractions). Exit status 0
 # when every stage run wrote at least one row or a skip row (`bench.protocol.rows check`).
 # QUICK=1 with DRY_RUN=1: each stage's first case and first CUDA lowering only (the CI test).
 # LIMITS="mla:120,..." sets stage limits outright (still within the budget).
@@ -51,7 +53,7 @@ LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defau
 # (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
 [ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:110,mla:80,experts:70}
 RESERVE=15
-ORDER="ceilings:25 int4:95 k25_slice:190 mla:60 experts:45 peers:35 kernel_check:120"
+ORDER="ceilings:25 kernel_check:120 int4:95 k25_slice:190 mla:60 experts:45 peers:35"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"
 SCRATCH=$(mktemp -d /tmp/moejax_gpu_check.XXXXXX)
 RAN=""
@@ -111,6 +113,7 @@ stage() {  # stage NAME LIMIT COMMAND...
 echo "gpu_check: OUT=$OUT DRY_RUN=$DRY_RUN BUDGET_S=$BUDGET_S COMMIT=$COMMIT STAGES=${STAGES:-default}"
 
 stage ceilings 25 $PY -m bench.protocol.ceilings "$OUT"
+stage kernel_check 120 $PY -m bench.kernel_check --results="$OUT" --out="$SCRATCH/kernel_check.json"
 if [ "$DRY_RUN" != 0 ]; then
   stage int4 95 $PY -m bench.protocol.experts "$OUT" --formats=int4
   stage k25_slice 190 $PY -m bench.protocol.k25_slice "$OUT" --layers=3
@@ -125,7 +128,6 @@ fi
 stage mla 60 $PY -m bench.protocol.mla "$OUT"
 stage experts 45 $PY -m bench.protocol.experts "$OUT" --formats=fp8,bf16
 stage peers 35 $TORCH_PY -m bench.protocol.peers "$OUT"
-stage kernel_check 120 $PY -m bench.kernel_check --results="$OUT" --out="$SCRATCH/kernel_check.json"
 
 $PY -m bench.summarize "$OUT" > "$OUT/summary.md" 2>&1
 pack_raw

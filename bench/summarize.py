@@ -7,6 +7,7 @@ comes back, so the summary stays under 10,000 characters).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, Callable
@@ -84,6 +85,12 @@ def sections(rows: list[dict]) -> list[str]:
                                          ("TFLOP/s", lambda r: _f(r.get("tflops"), 4)),
                                          ("us", lambda r: _f(r.get("us"))),
                                          ("by", lambda r: r.get("timed_by", "do_bench"))]))
+  checks = [r for r in by_stage.get("kernel_check", []) if _timed(r) and "ok" in r]
+  if checks:
+    bad = [r for r in checks if not r["ok"]]
+    out.append(f"kernel_check: {len(checks) - len(bad)} of {len(checks)} within tolerance" +
+               "".join(f"\n- {r.get('case')} {json.dumps({k: r.get(k) for k in ('tokens', 'heads', 'lens', 'q_len') if k in r})}: "
+                       f"{r.get('error') or _f(r.get('rel_err'))}"[:200] for r in bad))
   expert_cols = [("impl", lambda r: r["impl"]), ("case", lambda r: r.get("case")),
                  ("hit", lambda r: _f(r.get("experts_hit"))),
                  ("kernel us", lambda r: _f(r.get("us"))),
