@@ -65,6 +65,9 @@ def test_slurm_and_open_mpi_environments():
   assert not launch_env.job_from(None, None, None, 8476, dict(
       slurm, SLURM_STEP_TASKS_PER_NODE="8(x2)")).all_local_devices
   assert launch_env.job_from(None, None, None, 8476, dict(slurm, SLURM_NTASKS="1")) is None
+  # The batch script itself (no `srun` step): one process.
+  assert launch_env.job_from(None, None, None, 8476, {
+      k: v for k, v in slurm.items() if not k.startswith("SLURM_STEP")}) is None
   ompi = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
           "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
   job = launch_env.job_from(None, None, None, 8476, ompi)

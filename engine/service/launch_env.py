@@ -2,8 +2,8 @@
 
 Precedence: `--coordinator_address/--num_processes/--process_id` when given; else
 LeaderWorkerSet's environment (`LWS_LEADER_ADDRESS` + `--coordinator_port`, `LWS_GROUP_SIZE`,
-`LWS_WORKER_INDEX`); else SLURM or Open MPI, whose coordinator address and process index
-`jax.distributed` derives itself (its SLURM port comes from the job id unless
+`LWS_WORKER_INDEX`); else SLURM (inside an `srun` step) or Open MPI, whose coordinator address
+and process index `jax.distributed` derives itself (its SLURM port comes from the job id unless
 `JAX_COORDINATOR_PORT` is set). A launcher counts only when it says the job has more than one
 process: a one-task SLURM allocation or an LWS group of size 1 is a single process.
 """
@@ -84,7 +84,8 @@ def job_from(coordinator_address: str | None, num_processes: int | None,
     if index >= size:
       raise ValueError(f"LWS_WORKER_INDEX={index} outside [0, {size})")
     return Job(f"{leader}:{coordinator_port}", size, index, "LeaderWorkerSet")
-  if "SLURM_JOB_ID" in environ and "SLURM_NTASKS" in environ:
+  if "SLURM_JOB_ID" in environ and "SLURM_NTASKS" in environ and (
+      "SLURM_STEP_NODELIST" in environ):  # inside an `srun` step, as jax's detection needs
     if _int(environ, "SLURM_NTASKS") <= 1:
       return None
     per_node = _slurm_tasks_per_node(environ)
