@@ -117,6 +117,7 @@ class Leader:
     self._seq = 0
     self._closed = threading.Event()
     self._lost = False
+    self._lose_lock = threading.Lock()
 
   def accept(self, timeout_s: float) -> None:
     """Waits for every follower's HELLO; raises LockstepError on a timeout or a mismatch."""
@@ -124,7 +125,7 @@ class Leader:
     while len(self._conns) < self.num_followers:
       self._server.settimeout(max(0.1, deadline - time.monotonic()))
       try:
-        conn, peer = self._server.accept()
+        conn, _ = self._server.accept()
       except socket.timeout:
         missing = self.num_followers - len(self._conns)
         raise LockstepError(f"{missing} follower(s) did not connect within {timeout_s:.0f}s")
@@ -187,9 +188,10 @@ class Leader:
         pass
 
   def _lose(self, pid: int, reason: str) -> None:
-    if self._lost or self._closed.is_set():
-      return
-    self._lost = True
+    with self._lose_lock:  # the reader and heartbeat threads may both find the loss
+      if self._lost or self._closed.is_set():
+        return
+      self._lost = True
     if self.on_lost is not None:
       self.on_lost(pid, reason)
 

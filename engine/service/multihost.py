@@ -140,9 +140,14 @@ class _Liveness(http.server.BaseHTTPRequestHandler):
   """`/health` of a follower: 200 while in lockstep (its server's `healthy()`), else 503."""
 
   def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-    ok = self.path.split("?")[0] == "/health" and self.server.healthy()
-    body = json.dumps({"status": "ok" if ok else "not in lockstep"}).encode()
-    self.send_response(200 if ok else (503 if self.path.startswith("/health") else 404))
+    if self.path.split("?")[0] != "/health":
+      code, status = 404, "not found (a follower serves only /health)"
+    elif self.server.healthy():
+      code, status = 200, "ok"
+    else:
+      code, status = 503, "not in lockstep"
+    body = json.dumps({"status": status}).encode()
+    self.send_response(code)
     self.send_header("content-type", "application/json")
     self.send_header("content-length", str(len(body)))
     self.end_headers()
