@@ -33,7 +33,7 @@ from engine.model.config import ModelConfig
 from engine.model.kernels import AUTO
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
-from engine.runtime import compile_cache, steps, structured, warmup
+from engine.runtime import compile_cache, kv_sizing, steps, structured, warmup
 from engine.runtime.buckets import TrafficStats, default_row_widths, derive_buckets
 from engine.runtime.engine_config import EngineConfig, with_kernels_resolved
 from engine.runtime.multimodal import ImageInput, check_spans
@@ -82,11 +82,12 @@ class Engine:
                                         max_model_len=max_len)
     self.max_pages_per_seq = -(-max_len // config.page_size)
     dtype = config.cache_dtype or params["embed"].dtype
-    num_pages = config.num_pages or self._default_num_pages(dtype)
+    devices = jax.tree.leaves(params)[0].sharding.device_set
+    num_pages = kv_sizing.agree_num_pages(
+        config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
     self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
     self.scheduler = Scheduler(self.sched_config, self.pool)
     self.cache = init_cache(cfg, num_pages, config.page_size, dtype)
-    devices = jax.tree.leaves(params)[0].sharding.device_set
 
     def place(cache, c=cfg):
       if mesh is not None:
@@ -153,14 +154,14 @@ class Engine:
   def _on_mesh(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _default_num_pages(self, dtype: Any) -> int:
-    page_bytes = cache_bytes_per_token(self.cfg, dtype) * self.config.page_size
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-      free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-      return max(2, int(free * self.config.kv_cache_memory_fraction) // page_bytes)
-    # No memory statistics (CPU): room for every sequence at full length, plus the null page.
-    return self.sched_config.max_num_seqs * self.max_pages_per_seq + 1
+  def _default_num_pages(self, dtype: Any, devices: Any) -> int:
+    """From the free memory of this process's devices (`kv_sizing`); without memory
+    statistics (CPU), room for every sequence at full length, plus the null page."""
+    return kv_sizing.pages_for(
+        kv_sizing.free_device_bytes(devices),
+        cache_bytes_per_token(self.cfg, dtype) * self.config.page_size,
+        self.config.kv_cache_memory_fraction,
+        self.sched_config.max_num_seqs * self.max_pages_per_seq + 1)
 
   # ---- requests ------------------------------------------------------------------------------
 

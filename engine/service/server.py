@@ -224,12 +224,17 @@ class InferenceServer:
     for service in ("", SERVICE_NAME):
       await self.health.set(service, status)
 
+  async def refuse_new(self) -> None:
+    """NOT_SERVING, and new requests get UNAVAILABLE (the first half of `drain`)."""
+    if self.state not in ("draining", "stopped"):
+      self.state = "draining"
+      await self._set_health(NOT_SERVING)
+
   async def drain(self) -> None:
     """NOT_SERVING and UNAVAILABLE for new requests; in-flight ones get drain_timeout_s."""
     if self.state in ("draining", "stopped"):
       return
-    self.state = "draining"
-    await self._set_health(NOT_SERVING)
+    await self.refuse_new()
     deadline = time.monotonic() + self.config.drain_timeout_s
     while self.engine_loop.subscribed() and time.monotonic() < deadline:
       await asyncio.sleep(0.02)
