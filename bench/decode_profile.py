@@ -26,7 +26,6 @@ made on the device: 27 layers, hidden 2048, 64 experts top-6, MLA; 31 GB in bf16
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -50,7 +49,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "demo", ["demo", "dsv2_lite", "tiny"], "Which model.")
 flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
 flags.DEFINE_integer("context", 1024, "Cached tokens per row.")
-flags.DEFINE_string("kernels", "reference", "Kernel choice for attention and MoE.")
+flags.DEFINE_string("kernels", "reference", "Kernel choice for attention and MoE (auto: the "
+                    "Mosaic GPU kernels on Hopper where the model fits them).")
 flags.DEFINE_integer("iters", 10, "Timed iterations per measurement.")
 flags.DEFINE_bool("host", True, "Also measure the serving engine's per-token host overhead.")
 flags.DEFINE_list("ablate", None, "Batch sizes to break down by ablation (default: all).")
@@ -77,25 +77,60 @@ TINY = dict(DSV2_LITE, vocab_size=512, hidden_size=128, intermediate_size=256,
             v_head_dim=32, max_position_embeddings=4096)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _random_leaf(key, shape, dtype, scale):
-  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+  """Integer leaves (INT4 packed nibbles) as random bits, so every nibble value is equally
+  likely (a float cast to uint8 would be mostly zeros); FP8 values as random bits less the
+  NaN codes; float leaves of standard deviation `scale`."""
+  dt = jnp.dtype(dtype)
+  if jnp.issubdtype(dt, jnp.integer):
+    unsigned = jnp.dtype(f"uint{dt.itemsize * 8}")
+    return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, unsigned), dt)
+  if dt == jnp.dtype(jnp.float8_e4m3fn):
+    b = jax.random.bits(key, shape, jnp.uint8)
+    return jax.lax.bitcast_convert_type(jnp.where((b & 0x7F) == 0x7F, b ^ 1, b), dt)
+  # (uniform with the same spread as N(0, scale^2): a generator XLA compiles in a fraction of
+  # the time of a normal's, for a program making every leaf)
+  return jax.random.uniform(key, shape, jnp.float32, -scale * 3 ** 0.5,
+                            scale * 3 ** 0.5).astype(dtype)
 
 
-def random_params_on_device(cfg: ModelConfig, dtype, seed: int = 0):
-  """Random weights generated on the device leaf by leaf (never on the host); one compile per
-  distinct leaf shape (DeepSeek-V2-Lite: 15 for 377 leaves)."""
+def _layer_free_name(path) -> str:
+  """`layers.3.moe.experts.gate.packed` -> `layers.*.moe.experts.gate.packed`."""
+  parts = path_str(path).split(".")
+  if len(parts) > 1 and parts[0] in ("layers", "mtp") and parts[1].isdigit():
+    parts[1] = "*"
+  return ".".join(parts)
+
+
+def random_params_on_device(cfg: ModelConfig, dtype, seed: int = 0,
+                            share_layers: bool = False):
+  """Random weights generated on the device (never on the host) by one compiled program. With
+  `share_layers`, every layer
+  holds the same arrays as the first layer of its kind (one buffer per leaf name and shape):
+  a slice of a big model in a fraction of its memory, each layer still reading its weights
+  (a layer's weights are far larger than the L2 cache, so no layer reads its neighbour's
+  from it)."""
   abstract = abstract_params(cfg, dtype)
   flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
   keys = jax.random.split(jax.random.key(seed), len(flat))
-  leaves = []
-  for (path, a), key in zip(flat, keys):
-    if path_str(path).endswith("norm"):
-      leaves.append(jnp.ones(a.shape, a.dtype))
-      continue
-    scale = 1.0 if path_str(path) == "embed" else 0.02
-    leaves.append(_random_leaf(key, tuple(a.shape), jnp.dtype(a.dtype), scale))
-  return jax.tree_util.tree_unflatten(tree, leaves)
+  index, specs = [], {}  # leaf i -> the made leaf it is; made leaf -> (key, how)
+  for i, (path, a) in enumerate(flat):
+    name = path_str(path)
+    shared = (_layer_free_name(path), tuple(a.shape), str(a.dtype)) if share_layers else i
+    if shared not in specs:
+      scale = 1.0 if name == "embed" else 0.02 / 4.6 if name.endswith(".scale") else 0.02
+      specs[shared] = (len(specs), tuple(a.shape), jnp.dtype(a.dtype), scale,
+                       name.endswith("norm"))
+    index.append(specs[shared][0])
+  how = [s[1:] for s in specs.values()]
+
+  @jax.jit
+  def make(keys):
+    return [jnp.ones(shape, dtype) if norm else _random_leaf(k, shape, dtype, scale)
+            for k, (shape, dtype, scale, norm) in zip(keys, how)]
+
+  made = make(keys[:len(how)])
+  return jax.tree_util.tree_unflatten(tree, [made[j] for j in index])
 
 
 def load_model(name: str):
@@ -205,6 +240,8 @@ def main(argv):
   impl = KernelChoice(attention=FLAGS.kernels, moe=FLAGS.kernels)
   t0 = time.perf_counter()
   cfg, params = load_model(FLAGS.model)
+  if FLAGS.kernels == "auto":  # (step_program's pages are 64 tokens)
+    impl = kernels.announce(kernels.resolve_for_params(impl, cfg, params, page_size=64)).choice
   bw = copy_bandwidth(FLAGS.iters)
   # Progress as it goes, and the JSON rewritten after each batch size: a run stopped at a time
   # limit (gpu_check.sh's stages) keeps what it measured and shows where the time went.

@@ -50,8 +50,8 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 def main(argv):
   del argv
-  model = moejax.load(FLAGS.checkpoint, mesh=mesh_flags.setup())
-  model.kernels = mesh_flags.kernel_choice()
+  model = moejax.load(FLAGS.checkpoint, mesh=mesh_flags.setup(),
+                      kernels=mesh_flags.kernel_choice())
   conc = sorted(int(c) for c in FLAGS.concurrency)
   max_len = max(FLAGS.prompt_len + FLAGS.output_len, FLAGS.prefix_len + 64)
   config = EngineConfig(page_size=FLAGS.page_size, max_num_seqs=max(conc),

@@ -1,48 +1,63 @@
 #!/usr/bin/env bash
-# The GPU check: one script for a developer who draws a GPU, run as a single device call from
-# the repository root:
-#     OUT=/tmp/out bash bench/gpu_check.sh          (the device tool sets $OUT)
-# Sized to finish within one device call (600 s) on one H200, compilation included; each stage
-# has its own time limit and a failing stage does not stop the others. Writes JSON per stage and
-# $OUT/summary.md (a markdown table per stage) for BENCHMARKS.md.
-#   1. compiled kernels vs references (bench.kernel_check)        exit status = correctness
-#   2. kernel benchmarks with measured copy bandwidth / matmul rate (attention, MoE); the
-#      quantized expert kernels (W4A16 INT4, W8A16 FP8) at Kimi K2.5 decode shapes (384 experts,
-#      hidden 7168, expert width 2048, top-8; batch 1 and 64) against the dequantize-then-bf16
-#      path, bytes of the hit experts as stored per second vs the measured copy bandwidth
-#      (stage quant_experts); sampling at Kimi's vocabulary (candidate prefilter vs full sort)
-#   3. end-to-end decode of a DeepSeek-V2-Lite-shaped random model at batch 1, 8, 64 against
-#      the bandwidth floor, Mosaic GPU kernels (breakdown by ablation at batch 8), and the XLA
-#      reference at batch 8
-#   4. what a speculative verify forward over T = 2, 5, 9 positions per row costs in decode
-#      steps on the same model (4 layers) and kernels (bench.decode_profile --verify); the demo
-#      model with and without speculation
-#   5. token-dispatch expert parallelism compiled on the device (ragged_all_to_all exchange)
-#   6. the serving engine's speculative calls on the demo model (bench.spec_serving, no draft
-#      model; last: its warm-up compiles and times every bucket; its JSON is written after
-#      each workload, so a stage cut short by its limit keeps the workloads it finished)
-# The stage limits add up to more than one device call may run (600 s), so the script keeps a
-# deadline: each stage gets min(its limit, what is left of BUDGET_S less a reserve for the
-# summary) and a stage with under 30 s left is skipped (named in summary.md). STAGES picks
-# stages by name for a session that needs only some (they then share the whole budget, each
-# keeping at least its limit for those after it), e.g. the speculative issue's:
-#     STAGES=verify_cost,speculative,spec_serving OUT=/tmp/out bash bench/gpu_check.sh
+# The GPU protocol: one device call that always returns numbers. From the repository root:
+#     OUT=/tmp/out bash bench/gpu_check.sh              (the device tool sets $OUT; required)
+#     DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_check.sh    (CPU: every stage at toy shapes, the
+#                                                        Mosaic GPU kernels interpreted, the
+#                                                        GPU programs lowered for CUDA)
+# Writes exactly four files to $OUT:
+#   run.log        everything printed (this script's output is tee'd into it)
+#   results.jsonl  one JSON row per measurement, appended and fsynced as measured (device, jax
+#                  version, commit, stage, impl, case, us, bytes, GB/s, fractions of this run's
+#                  ceilings, dry_run; `bench/protocol/rows.py`), a `stage_end` row per stage
+#   raw.tgz        raw dumps (the int4 stage's SASS and ptxas reports, nvidia-smi -q, pip list),
+#                  repacked after every stage
+#   summary.md     tables from results.jsonl (`bench/summarize.py`), under 10,000 characters,
+#                  printed last (a device call returns only the end of its output)
+# Stages, in priority order, each one Python process with its own time limit (a stage cut at
+# its limit keeps every row it wrote; the next starts on time):
+#   ceilings (25 s)   XLA copy, read-only reduction, bf16 matmul: the fractions' denominators
+#   int4 (95 s)       W4A16 experts at K2.5 shapes (E 384 and a shard of 48; 1/8/64 tokens),
+#                     configuration sweep, SASS opcode counts
+#   k25_slice (190 s) Kimi K2.5-shaped 4-layer slice: decode at B 1/8/64 with the kernel
+#                     breakdown and bytes floor, an 8,192-token prefill chunk, verify T[B, k]
+#                     until its deadline
+#   mla (60 s)        MLA decode at K2.5 shapes, split sweep, page 16 vs 64
+#   experts (45 s)    FP8 and bf16 experts
+#   peers (35 s)      torch cuBLAS bf16 and tinygemm W4A16 on the same bytes (python3 with
+#                     torch; a skip row without it)
+# BUDGET_S (480; dry run 300) bounds the whole script: a stage gets min(its limit, what is
+# left less 15 s for the summary); one with under 20 s left writes a skip row. STAGES=a,b
+# runs only those (sharing the budget: each may run past its limit by what the later ones
+# leave); an extra stage by name, run right after the ceilings: kernel_check (every compiled
+# kernel against its reference; a kernel issue's session: STAGES=ceilings,kernel_check,int4
+# or ...,mla: without the ceilings a stage has no fractions). Exit status 0
+# when every stage run wrote at least one row or a skip row (`bench.protocol.rows check`).
+# QUICK=1 with DRY_RUN=1: each stage's first case and first CUDA lowering only (the CI test).
+# LIMITS="mla:120,..." sets stage limits outright (still within the budget).
+# COMMIT labels the rows (default: git rev-parse, absent on the device's copy of the tree).
 set -u
-OUT=${OUT:-/tmp/moejax_gpu_check}
+: "${OUT:?set OUT to the output directory}"
 mkdir -p "$OUT"
+rm -f "$OUT/run.log" "$OUT/results.jsonl" "$OUT/raw.tgz" "$OUT/summary.md"
+exec > >(tee -a "$OUT/run.log") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export DRY_RUN=${DRY_RUN:-0}
+export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 PY=${PY:-python3}
-# Smoke run of the plumbing on a CPU: MODEL=tiny KERNELS=reference bash bench/gpu_check.sh
-MODEL=${MODEL:-dsv2_lite}
-KERNELS=${KERNELS:-mosaic_gpu}
-BUDGET_S=${BUDGET_S:-570}   # whole script, summary included; the device tool stops at 600 s
-STAGES=${STAGES:-}          # comma-separated stage names; empty = every stage
-# Every stage in order with its limit when all run (keep in step with the calls below).
-ORDER="kernel_check:120 attention:90 moe:90 quant_experts:120 sampling:30 e2e_kernels:150 e2e_reference:60
-verify_cost:90 speculative:120 dispatch:60 spec_serving:150"
-status=0
-selected() { [ -z "$STAGES" ] || [[ ",$STAGES," == *",$1,"* ]]; }
+TORCH_PY=${TORCH_PY:-python3}
+if [ "$DRY_RUN" != 0 ]; then BUDGET_S=${BUDGET_S:-300}; else BUDGET_S=${BUDGET_S:-480}; fi
+STAGES=${STAGES:-}
+LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defaults below
+# (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
+[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:110,mla:80,experts:70}
+RESERVE=15
+ORDER="ceilings:25 kernel_check:120 int4:95 k25_slice:190 mla:60 experts:45 peers:35"
+DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"
+SCRATCH=$(mktemp -d /tmp/moejax_gpu_check.XXXXXX)
+RAN=""
+selected() { if [ -z "$STAGES" ]; then [[ ",$DEFAULT," == *",$1,"* ]]; else [[ ",$STAGES," == *",$1,"* ]]; fi; }
 later_limits() {  # the limits of the selected stages after $1
   local sum=0 after=0 entry
   for entry in $ORDER; do
@@ -51,54 +66,76 @@ later_limits() {  # the limits of the selected stages after $1
   done
   echo $sum
 }
-stage() {  # stage NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
+rows_of() { grep -c "\"stage\": \"$1\"" "$OUT/results.jsonl" 2>/dev/null || true; }
+pack_raw() {  # the raw dumps, at most 15 MiB compressed (a device call returns 16 MiB a file)
+  tar -czf "$SCRATCH.tgz" -C "$SCRATCH" . 2>/dev/null
+  if [ "$(stat -c %s "$SCRATCH.tgz" 2>/dev/null || echo 0)" -gt $((15 << 20)) ]; then
+    tar -czf "$SCRATCH.tgz" -C "$SCRATCH" --exclude=int4_sass.txt . 2>/dev/null
+  fi
+  cp "$SCRATCH.tgz" "$OUT/raw.tgz"
+}
+stage() {  # stage NAME LIMIT COMMAND...
+  local name=$1 limit=$2 entry; shift 2
   selected "$name" || return 0
-  local left=$((BUDGET_S - 20 - SECONDS))
-  if [ "$left" -lt 30 ]; then
-    echo "=== $name: skipped, ${left}s of the budget left ===" | tee -a "$OUT/skipped.txt"
-    status=1
+  RAN="$RAN,$name"
+  local left=$((BUDGET_S - RESERVE - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "=== $name: skipped, ${left}s of the budget left ==="
+    $PY -m bench.protocol.rows "$OUT" "$name" "budget: ${left}s of BUDGET_S=$BUDGET_S left"
     return
   fi
-  # A chosen few stages share the budget: each may run past its limit by what the later ones
-  # leave (compiling the speculative programs for the GPU may take longer than the CPU guess).
   if [ -n "$STAGES" ]; then
     local spare=$((left - $(later_limits "$name")))
     [ "$spare" -gt "$limit" ] && limit=$spare
   fi
+  for entry in ${LIMITS//,/ }; do [ "${entry%%:*}" = "$name" ] && limit=${entry##*:}; done
   [ "$left" -lt "$limit" ] && limit=$left
-  echo "=== $name (limit ${limit}s) ==="
-  local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc after $((SECONDS - t0))s ===" | tee -a "$OUT/stages.txt"
-  [ "$rc" = 0 ] || status=1
+  echo "=== $name (limit ${limit}s, ${SECONDS}s into the run) ==="
+  local t0=$SECONDS before rc
+  before=$(rows_of "$name")
+  if [ -n "${STAGE_STDOUT:-}" ]; then  # (the int4 stage's stdout: Mosaic GPU's SASS dumps)
+    STAGE_LIMIT_S=$limit timeout -k 5 "$limit" "$@" > "$STAGE_STDOUT"
+  else
+    STAGE_LIMIT_S=$limit timeout -k 5 "$limit" "$@"
+  fi
+  rc=$?
+  local rows=$(( $(rows_of "$name") - before ))
+  [ -s "$OUT/results.jsonl" ] && [ -n "$(tail -c1 "$OUT/results.jsonl")" ] && echo >> "$OUT/results.jsonl"
+  printf '{"stage": "%s", "impl": "stage_end", "case": "", "rc": %d, "seconds": %d, "limit_s": %d, "rows": %d, "commit": "%s", "dry_run": %s}\n' \
+    "$name" "$rc" $((SECONDS - t0)) "$limit" "$rows" "$COMMIT" \
+    "$([ "$DRY_RUN" != 0 ] && echo true || echo false)" >> "$OUT/results.jsonl"
+  echo "=== $name: exit $rc after $((SECONDS - t0))s, $rows rows ==="
+  pack_raw
 }
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
-git rev-parse HEAD 2>/dev/null > "$OUT/commit.txt"
-stage kernel_check 120 $PY -m bench.kernel_check --out="$OUT/kernel_check.json"
-stage attention 90 $PY -m bench.attention_kernels --out "$OUT/attention.json"
-stage moe 90 $PY -m bench.moe_kernels --out "$OUT/moe.json" --tokens 1 8 64 512 8192
-stage quant_experts 120 $PY -m bench.moe_kernels --out "$OUT/quant_experts.json" --tokens 1 64 \
-  --experts 384 --formats int4 fp8 --iters 3 --reps 5
-stage sampling 30 $PY -m bench.sampling --vocab=163840 --rows=1,8,40,320 --out="$OUT/sampling.json"
-stage e2e_kernels 150 $PY -m bench.decode_profile --model=$MODEL --batch=1,8,64 --ablate=8 \
-  --kernels=$KERNELS --nohost --iters=5 --out="$OUT/e2e_kernels.json"
-stage e2e_reference 60 $PY -m bench.decode_profile --model=$MODEL --batch=8 --ablate= \
-  --kernels=reference --nohost --iters=5 --out="$OUT/e2e_reference.json"
-# (4 layers: each 27-layer program took ~95 s to compile on the H200; the ratios are per layer
-# but for the embedding and head)
-stage verify_cost 90 $PY -m bench.decode_profile --model=$MODEL --layers=${VERIFY_LAYERS:-4} \
-  --batch=1,8 --ablate= --verify=2,5,9 --kernels=$KERNELS --nohost --iters=5 \
-  --out="$OUT/verify_cost.json"
-if [ -f bench/speculative.py ]; then
-  stage speculative 120 $PY -m bench.speculative --methods=ngram,learned,mtp --num_draft=4 \
-    --rounds=3 --learning_curve=3 --out="$OUT/speculative.json"
+{ nvidia-smi -q 2>&1 | head -300; } > "$SCRATCH/nvidia_smi.txt"
+{ $PY -m pip list 2>&1; echo; $TORCH_PY -m pip list 2>&1; } > "$SCRATCH/pip_list.txt"
+{ env | grep -E '^(XLA|JAX|CUDA|NVIDIA|TF_|MOSAIC)' ; } > "$SCRATCH/env.txt" 2>&1
+echo "gpu_check: OUT=$OUT DRY_RUN=$DRY_RUN BUDGET_S=$BUDGET_S COMMIT=$COMMIT STAGES=${STAGES:-default}"
+
+stage ceilings 25 $PY -m bench.protocol.ceilings "$OUT"
+stage kernel_check 120 $PY -m bench.kernel_check --results="$OUT" --out="$SCRATCH/kernel_check.json"
+if [ "$DRY_RUN" != 0 ]; then
+  stage int4 95 $PY -m bench.protocol.experts "$OUT" --formats=int4
+  stage k25_slice 190 $PY -m bench.protocol.k25_slice "$OUT" --layers=3
+else
+  STAGE_STDOUT="$SCRATCH/int4_sass.txt" stage int4 95 env MOSAIC_GPU_DUMP_SASS=1 \
+    MOSAIC_GPU_DUMP_PTXAS=1 SASS_LOG="$SCRATCH/int4_sass.txt" $PY -m bench.protocol.experts \
+    "$OUT" --formats=int4
+  # (XLA's GEMM autotuning off, as in the second GPU run: the slice's compiles stay short)
+  stage k25_slice 190 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    $PY -m bench.protocol.k25_slice "$OUT" --layers=4
 fi
-stage dispatch 60 $PY -m bench.dispatch_check --out="$OUT/dispatch.json"
-stage spec_serving 150 $PY -m bench.spec_serving --modes=off,ngram,learned,auto \
-  --draft_checkpoint= --repeats=2 --out="$OUT/spec_serving.json"
-{ cat "$OUT/stages.txt" "$OUT/skipped.txt" 2>/dev/null | sed 's/^/    /'; echo
-  $PY -m bench.summarize "$OUT"; } > "$OUT/summary.md" 2>&1 || status=1
+stage mla 60 $PY -m bench.protocol.mla "$OUT"
+stage experts 45 $PY -m bench.protocol.experts "$OUT" --formats=fp8,bf16
+stage peers 35 $TORCH_PY -m bench.protocol.peers "$OUT"
+
+$PY -m bench.summarize "$OUT" > "$OUT/summary.md" 2>&1
+pack_raw
+rm -rf "$SCRATCH" "$SCRATCH.tgz"
+echo
 cat "$OUT/summary.md"
+$PY -m bench.protocol.rows check "$OUT" "${RAN#,}"
+status=$?
+exec >&- 2>&-
+wait "$TEE_PID" 2>/dev/null  # run.log complete before the call returns
 exit $status

@@ -27,6 +27,8 @@ from engine.model.kernels import KernelChoice
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "Write JSON here.")
 flags.DEFINE_string("name", "mosaic_gpu", "Kernel implementation to check.")
+flags.DEFINE_string("results", "", "Also append one row per case to DIR/results.jsonl (the GPU "
+                    "protocol's rows, stage kernel_check).")
 TOL = 2e-2
 
 
@@ -119,6 +121,9 @@ def main(argv):
   if jax.default_backend() != "gpu":
     print("kernel_check: no GPU here; the Mosaic GPU kernels are checked in interpret mode by "
           "the CPU tests. Nothing checked.")
+    if FLAGS.results:
+      from bench.protocol.rows import Recorder
+      Recorder(FLAGS.results, "kernel_check").skip("no GPU: the CPU tests interpret the kernels")
     return 0
   impl = KernelChoice(attention=FLAGS.name, moe=FLAGS.name)
   rows = []
@@ -133,6 +138,13 @@ def main(argv):
     detail = r.get("error") or f"rel_err {r['rel_err']:.2e}"
     print(f"{status:8} {json.dumps({k: v for k, v in r.items() if k not in ('error', 'rel_err')})}"
           f"  {detail}")
+  if FLAGS.results:
+    from bench.protocol import timing
+    from bench.protocol.rows import Recorder
+    rec = Recorder(FLAGS.results, "kernel_check", **timing.labels())
+    for r in rows:
+      r = dict(r)
+      rec.row(FLAGS.name, r.pop("kernel"), ok="error" not in r and r["rel_err"] <= TOL, **r)
   if FLAGS.out:
     with open(FLAGS.out, "w") as fh:
       json.dump(dict(device=jax.devices()[0].device_kind, tolerance=TOL, ok=ok, rows=rows), fh,

@@ -24,9 +24,10 @@ from typing import Any, Iterator, Sequence
 import jax.numpy as jnp
 
 import checkpoints
-from engine.model.chat_template import ChatTemplate
+from engine.chat.template import ChatTemplate
 from engine.model.config import ModelConfig, load_config
-from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model import kernels as kernels_lib
+from engine.model.kernels import AUTO, KernelChoice
 from engine.model.params import Params, param_shapes
 from engine.runtime import compile_cache
 from engine.runtime.grammar import StructuredOutputsParams
@@ -47,11 +48,19 @@ class LoadedModel:
   tokenizer: Any
   path: str = ""
   eos_token_ids: tuple[int, ...] = ()
-  kernels: KernelChoice = REFERENCE
+  # The kernels asked for (`load(kernels=...)`); "auto" paths resolve per use: the Mosaic GPU
+  # kernels on Hopper where the model fits them (`resolved_kernels`).
+  kernels: KernelChoice = AUTO
   mesh: Any = None  # the jax.sharding.Mesh the parameters live on (None: one device)
-  # The checkpoint's chat template (engine.model.chat_template), None if it ships none.
+  # The checkpoint's chat template (engine.chat.template), None if it ships none.
   chat_template: ChatTemplate | None = None
   _llm: LLM | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+  def resolved_kernels(self, page_size: int = 16) -> KernelChoice:
+    """`kernels` with "auto" made concrete for this model, its devices and `page_size` (the
+    result announced on stderr once: `kernels.announce`)."""
+    return kernels_lib.announce(kernels_lib.resolve_for_params(
+        self.kernels, self.config, self.params, mesh=self.mesh, page_size=page_size)).choice
 
   def __iter__(self) -> Iterator[Any]:
     return iter((self.config, self.params, self.tokenizer))
@@ -115,7 +124,8 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any = None,
-         progress: bool = True, mesh: Any = None) -> LoadedModel:
+         progress: bool = True, mesh: Any = None,
+         kernels: KernelChoice | str = AUTO) -> LoadedModel:
   """Loads an Orbax (moejax) or Hugging Face safetensors checkpoint directory.
 
   Args:
@@ -129,6 +139,10 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
     mesh: a `jax.sharding.Mesh` or a spec like "expert:8" / "tensor:4,expert:2": every
       parameter is loaded straight into its place by `engine.model.sharding`'s rules (no
       device ever holds the whole model). Mutually exclusive with `shardings`.
+    kernels: the hot paths' implementations, a `KernelChoice` or one name for both
+      ("auto": the Mosaic GPU kernels on a Hopper GPU where the model's shapes fit them, plain
+      JAX otherwise; "reference"; "mosaic_gpu"). Resolved here once; the result is one line
+      on stderr (`kernels: attention=... moe=... (reasons)`).
   """
   from engine.model import hf_loader, orbax_io  # deferred: heavy imports (orbax)
 
@@ -164,9 +178,13 @@ def load(path: str | None = None, dtype: str | Any | None = None, shardings: Any
   for line in sharding_lib.format_param_bytes(sharding_lib.param_bytes_by_kind(params)):
     logging.getLogger("moejax").info("engine.load: parameters on %s", line)
   tokenizer = load_tokenizer(path)
-  return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
-                     eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh,
-                     chat_template=ChatTemplate.from_dir(path))
+  model = LoadedModel(config=cfg, params=params, tokenizer=tokenizer, path=path,
+                      eos_token_ids=_eos_ids(path, cfg, tokenizer), mesh=mesh,
+                      kernels=KernelChoice(attention=kernels, moe=kernels)
+                      if isinstance(kernels, str) else kernels,
+                      chat_template=ChatTemplate.from_dir(path))
+  model.resolved_kernels()  # at the engines' default page size: the stderr line, once
+  return model
 
 
 def _as_prompt_list(prompts: Any) -> tuple[list[Any], bool]:

@@ -37,7 +37,7 @@ from engine.service import bench
 from engine.service import server as server_module
 from engine.service import servicer as servicer_module
 from engine.service.client import AsyncInferenceClient, InferenceClient, build_request
-from engine.service.reasoning import ReasoningConfig
+from engine.chat.reasoning import ReasoningConfig
 from engine.service.background import BackgroundServer
 from engine.service.server import ServerConfig, read_api_keys
 

@@ -117,7 +117,36 @@ def run_multiprocess(port, pid):
   placed = jax.device_put(params, sharding.param_shardings(cfg, params, mesh))
   out = logits(cfg, placed, mesh)
   return dict(process=pid, devices=len(jax.devices()), local=len(jax.local_devices()),
-              logits=out.reshape(-1)[:64].tolist(), checksum=float(np.abs(out).sum()))
+              logits=out.reshape(-1)[:64].tolist(), checksum=float(np.abs(out).sum()),
+              **kv_sizing_across_processes(pid))
+
+
+def kv_sizing_across_processes(pid):
+  """The KV cache's page count agreed by the job: each process measures only its own devices
+  (another process's `memory_stats` raises), the smallest choice wins, an explicit count must
+  match everywhere."""
+  from engine.runtime import kv_sizing
+
+  class FakeGPU:  # a device with memory statistics, as on GPU (XLA:CPU reports none)
+    def __init__(self, process_index, free):
+      self.process_index, self.free = process_index, free
+
+    def memory_stats(self):
+      if self.process_index != jax.process_index():
+        raise RuntimeError("MemoryStats is only supported for addressable PjRt devices")
+      return {"bytes_limit": self.free + 1000, "bytes_in_use": 1000}
+
+  free = kv_sizing.free_device_bytes(
+      [FakeGPU(p, (1 + p) * 800 + 100 * d) for p in range(2) for d in range(2)])
+  local = kv_sizing.pages_for(free, page_bytes=10, fraction=0.5, fallback=7)
+  try:
+    kv_sizing.agree_num_pages(30 + pid, explicit=True)
+    mismatch = ""
+  except ValueError as e:
+    mismatch = str(e)
+  return dict(cpu_free=kv_sizing.free_device_bytes(jax.devices()), free=free,
+              local_pages=local, agreed_pages=kv_sizing.agree_num_pages(local, explicit=False),
+              same_explicit=kv_sizing.agree_num_pages(12, explicit=True), mismatch=mismatch)
 
 
 def run_dispatch():

@@ -91,6 +91,8 @@ def test_cli_json_matches_golden():
   assert r.returncode == 0, r.stderr
   obj = json.loads(r.stdout.strip().splitlines()[-1])
   assert obj["token_ids"] == g["greedy_0"].tolist()
+  # --attention / --moe default to auto: resolved at load, the result one stderr line
+  assert r.stderr.count("kernels: attention=reference moe=reference (no Hopper GPU") == 1
   assert isinstance(obj["text"], str) and obj["finish_reason"] == "length"
 
 

@@ -19,9 +19,10 @@ import pytest
 from PIL import Image
 
 from engine import api
-from engine.model.chat_template import ChatTemplate, encode_prompt
+from engine.chat import markup, parsers
+from engine.chat.template import ChatTemplate, encode_prompt
 from engine.model.image_processing import ImageProcessorConfig
-from engine.service import chat, chat_parsers, openai_chat
+from engine.service import chat, openai_chat
 from engine.service.proto import inference_pb2 as pb
 from engine.service.validation import RequestLimits
 
@@ -88,7 +89,7 @@ def test_the_checkpoint_directory_serves_k25s_own_template(ckpt):
   path, tokenizer, template, _ = ckpt
   with open(os.path.join(CHAT, "templates", K25), encoding="utf-8") as fh:
     assert template.templates["default"] == fh.read()
-  assert template.family == chat_parsers.family_for("kimi_k25") == "kimi_k2"
+  assert template.family == markup.family_for("kimi_k25") == "kimi_k2"
   assert len(SERVED) >= 8 and {"kimi_k25_hello_no_thinking", "kimi_k25_tool_call_in_flight",
                                "kimi_k25_tool_round_trip"} <= {c["name"] for c in SERVED}
 
@@ -118,8 +119,8 @@ def test_an_image_part_renders_as_k25s_placeholder_then_expands(ckpt):
                                            {"type": "text", "text": "What is in this picture?"}]}]
   pad = tokenizer.token_to_id("<|media_pad|>")
   vision = chat.Vision(pad, ImageProcessorConfig.from_dir(path))
-  inputs = chat.prepare(template, tokenizer, limits, messages=messages, tools=None,
-                        tool_choice=None, template_kwargs=None, family=None, vision=vision)
+  inputs = chat.prepare(template, tokenizer, limits, chat.ChatRequest(messages=messages),
+                        family=None, vision=vision)
   ids = inputs.prompt_ids
   (image,) = inputs.images
   start, n = image.offset, image.num_tokens
@@ -128,7 +129,7 @@ def test_an_image_part_renders_as_k25s_placeholder_then_expands(ckpt):
 
 
 def parse(inputs, text):
-  parser = chat_parsers.make_parser(inputs.family, starts_in_reasoning=inputs.starts_in_reasoning,
+  parser = parsers.make_parser(inputs.family, starts_in_reasoning=inputs.starts_in_reasoning,
                                     tools_enabled=inputs.tools_enabled)
   deltas = [parser.feed(text), parser.finish()]
   return ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas),

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from engine.service.chat_parsers import (PARSER_FAMILIES, ChatDelta, family_for, make_parser,
-                                         starts_in_reasoning)
+from engine.chat.markup import family_for, starts_in_reasoning
+from engine.chat.parsers import PARSER_FAMILIES, ChatDelta, make_parser
 
 K_SEC, K_SEC_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 K_CALL, K_ARG, K_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -209,8 +209,14 @@ def test_partial_marker_is_held_back_then_released_as_text():
   assert p.feed("a <|tool_calls").content == "a "
   assert p.feed(" not a marker").content == "<|tool_calls not a marker"
   p = make_parser("qwen3", tools_enabled=True)
-  assert p.feed("x<thi").content == "x"
+  assert p.feed("x<tool_ca").content == "x"
+  assert p.finish().content == "<tool_ca"
+  # A thought opens only at the output's start: held back there, answer text afterwards.
+  p = make_parser("qwen3", tools_enabled=True)
+  assert p.feed("<thi").content == ""
   assert p.finish().content == "<thi"
+  p = make_parser("qwen3", tools_enabled=True)
+  assert p.feed("x<think>y</think>").content == "x<think>y</think>"
 
 
 def test_tools_disabled_leave_tool_markup_in_the_content():

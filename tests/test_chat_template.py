@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from engine.model import tool_declaration_ts
-from engine.model.chat_template import (ChatTemplate, ChatTemplateError, ToolArguments,
-                                         encode_prompt)
-from engine.service.chat_parsers import starts_in_reasoning
+from engine.chat import tool_declaration_ts
+from engine.chat.markup import starts_in_reasoning
+from engine.chat.messages import ToolArguments
+from engine.chat.template import ChatTemplate, ChatTemplateError, encode_prompt
 
 CHAT = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "chat")
 RENDER = json.load(open(os.path.join(CHAT, "render_cases.json"), encoding="utf-8"))["cases"]

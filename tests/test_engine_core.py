@@ -21,7 +21,6 @@ from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.runner import ModelRunner
-from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import drafters
 from engine.runtime.speculative.drafters import Drafter, Proposal
 from engine.runtime.step_description import (DECODE, MIXED, SPEC_DECODE, StepDescription)

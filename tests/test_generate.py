@@ -3,7 +3,6 @@ batching, stopping rules, sampling reproducibility, compiled shapes, the decode 
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import engine

@@ -15,7 +15,7 @@ import socket
 
 import openai
 
-from engine.model.chat_template import ChatTemplate
+from engine.chat.template import ChatTemplate
 from engine.runtime.request import RequestOutput, Timings, Usage
 from engine.service import chat, openai_chat
 from engine.service.proto import inference_pb2 as pb
@@ -56,8 +56,9 @@ def client_for(bg, key=KEY):
 
 def reference(eng, messages, max_tokens, tools=None, **kwargs):
   """The engine's own greedy continuation of the rendered conversation."""
-  inputs = chat.prepare(eng.chat_template, eng.tokenizer, server_limits(eng), messages=messages,
-                        tools=tools, tool_choice=None, template_kwargs=kwargs, family=None)
+  inputs = chat.prepare(eng.chat_template, eng.tokenizer, server_limits(eng),
+                        chat.ChatRequest(messages=messages, tools=tools, template_kwargs=kwargs),
+                        family=None)
   out = eng.generate([inputs.prompt_ids], SamplingParams(),
                      StopParams(max_tokens=max_tokens, ignore_eos=True,
                                 skip_special_tokens=False))[0]
@@ -263,7 +264,7 @@ def test_parsed_tool_calls_in_the_openai_shapes():
   done = choices.completion()["choices"][0]
   assert done["message"]["content"] == "".join(CALL_TEXT) and done["finish_reason"] == "stop"
   # gRPC: fragments, then the whole calls and TOOL_CALLS on the final message.
-  stream = chat.ChatStream(inputs)
+  stream = chat.stream_for(inputs)
   responses = [servicer_module.chat_response(out, stream) for out in outputs(CALL_TEXT)]
   frags = [t for r in responses for t in r.tool_calls]
   assert frags[0].name == "read.file-v2" and frags[0].id
@@ -273,7 +274,7 @@ def test_parsed_tool_calls_in_the_openai_shapes():
   assert [(c.function.name, c.function.arguments) for c in final.complete_tool_calls] == [
       ("read.file-v2", '{"path": "a.py"}')]
   # Cut off by max_tokens mid-call: the finish reason stays "length", the text is content.
-  stream = chat.ChatStream(inputs)
+  stream = chat.stream_for(inputs)
   last = [servicer_module.chat_response(out, stream)
           for out in outputs(CALL_TEXT[:2], "length")][-1]
   assert last.final.finish_reason == pb.FINISH_REASON_LENGTH and not last.complete_tool_calls

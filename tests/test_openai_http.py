@@ -241,9 +241,19 @@ def test_warming_up_and_draining_are_503(serve, eng, monkeypatch):
   assert status == 503 and "warming up" in err["error"]["message"]
   status, err = raw(bg, "POST", "/v1/completions", {"model": "demo", "prompt": PROMPT})
   assert status == 503 and "warming up" in err["error"]["message"]
+  # Readiness: every endpoint but /metrics answers 503 until warm, /v1/models included (a
+  # client polling it for readiness does not start too early), each in its API's shape.
+  status, err = raw(bg, "GET", "/v1/models")
+  assert status == 503 and err["error"]["type"] == "service_unavailable"
+  status, err = raw(bg, "POST", "/v1/messages", {"model": "demo", "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "x"}]})
+  assert status == 503 and err["type"] == "error" and err["error"]["type"] == "overloaded_error"
+  assert raw(bg, "POST", "/tokenize", {"prompt": "x"})[0] == 503
+  assert raw(bg, "GET", "/metrics", key=None)[0] == 200
   warm_gate.set()
   bg.starting.result(30)
   assert raw(bg, "GET", "/health")[0] == 200
+  assert raw(bg, "GET", "/v1/models")[0] == 200
   with gated_engine(monkeypatch, eng) as step_gate:
     conn = http.client.HTTPConnection("127.0.0.1", bg.server.http_port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(

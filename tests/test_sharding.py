@@ -107,8 +107,13 @@ def test_two_processes_match_one():
     assert p.returncode == 0, stderr[-3000:]
     outs.append(json.loads(stdout.strip().splitlines()[-1]))
   ref = _run("reference")
-  for o in outs:
+  for pid, o in enumerate(outs):
     assert o["devices"] == 8 and o["local"] == 4
+    # KV cache sizing: own devices only (CPU: no statistics), the job's smallest choice.
+    assert o["cpu_free"] is None
+    assert o["free"] == (1 + pid) * 800 and o["local_pages"] == (1 + pid) * 40
+    assert o["agreed_pages"] == 40 and o["same_explicit"] == 12
+    assert "process 0: 30, process 1: 31" in o["mismatch"]
     assert o["logits"] == pytest.approx(ref["logits"], rel=1e-5, abs=1e-5)
     assert o["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
 

@@ -20,20 +20,17 @@ import openai
 import pydantic
 from tokenizers import AddedToken, Tokenizer
 
-from engine.model.chat_template import ChatTemplate
+from engine.chat.template import ChatTemplate
 from engine.runtime import grammar
-from engine.service import chat, chat_parsers, structured, tool_constraints, validation
-from engine.service.chat_parser_families import DeepSeekV3Parser, KimiK2Parser, Qwen3Parser
+from engine.chat import parsers
+from engine.chat.markup import DEEPSEEK_V3, KIMI_K2, QWEN3
+from engine.service import chat, structured, tool_constraints, validation
 from engine.service.proto import inference_pb2 as pb
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
 KEY = "structured-key"
 TOKENIZER = os.path.join(DEMO, "tokenizer.json")
-MARKERS = (KimiK2Parser.tool_begin, KimiK2Parser.section_end, KimiK2Parser.call_begin,
-           KimiK2Parser.header_end, KimiK2Parser.call_end, DeepSeekV3Parser.tool_begin,
-           DeepSeekV3Parser.section_end, DeepSeekV3Parser.call_begin,
-           DeepSeekV3Parser.header_end, DeepSeekV3Parser.call_end, Qwen3Parser.tool_begin,
-           Qwen3Parser.call_end, "<think>", "</think>")
+MARKERS = (*KIMI_K2.markers, *DEEPSEEK_V3.markers, *QWEN3.markers, "<think>", "</think>")
 # Bounded values, so a constrained small model (or a random walk) always finishes.
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]},
@@ -77,7 +74,7 @@ def accepts(lark, tok, text):
 
 
 def parsed_calls(family, text, thinking=False):
-  parser = chat_parsers.make_parser(family, tools_enabled=True, starts_in_reasoning=thinking)
+  parser = parsers.make_parser(family, tools_enabled=True, starts_in_reasoning=thinking)
   delta = parser.feed(text)
   end = parser.finish()
   return parser.tool_calls, delta.content + end.content
@@ -86,13 +83,13 @@ def parsed_calls(family, text, thinking=False):
 def call_text(family, name, args, index=0, fenced=False):
   a = json.dumps(args)
   if family == "kimi_k2":
-    return (f"{KimiK2Parser.call_begin}functions.{name}:{index}{KimiK2Parser.header_end}{a}"
-            f"{KimiK2Parser.call_end}")
+    return (f"{KIMI_K2.call_begin}functions.{name}:{index}{KIMI_K2.call_sep}{a}"
+            f"{KIMI_K2.call_end}")
   if family == "deepseek_v3":
-    p = DeepSeekV3Parser
+    p = DEEPSEEK_V3
     if fenced:
-      return f"{p.call_begin}function{p.header_end}{name}\n```json\n{a}\n```{p.call_end}"
-    return f"{p.call_begin}{name}{p.header_end}{a}{p.call_end}"
+      return f"{p.call_begin}function{p.call_sep}{name}\n```json\n{a}\n```{p.call_end}"
+    return f"{p.call_begin}{name}{p.call_sep}{a}{p.call_end}"
   if family == "qwen3":
     return f'<tool_call>\n{{"name": "{name}", "arguments": {a}}}\n</tool_call>'
   return f'{{"name": "{name}", "parameters": {a}}}'
@@ -101,10 +98,10 @@ def call_text(family, name, args, index=0, fenced=False):
 def calls_text(family, calls, fenced=False):
   parts = [call_text(family, n, a, i, fenced) for i, (n, a) in enumerate(calls)]
   if family == "kimi_k2":
-    return KimiK2Parser.tool_begin + "".join(parts) + KimiK2Parser.section_end
+    return KIMI_K2.tools_begin + "".join(parts) + KIMI_K2.tools_end
   if family == "deepseek_v3":
     sep = "\n" if fenced else ""
-    return DeepSeekV3Parser.tool_begin + sep.join(parts) + DeepSeekV3Parser.section_end
+    return DEEPSEEK_V3.tools_begin + sep.join(parts) + DEEPSEEK_V3.tools_end
   return ("\n" if family == "qwen3" else "; ").join(parts)
 
 
@@ -171,14 +168,14 @@ def test_kimi_tool_grammar_on_a_tiktoken_tokenizer():
   from engine.model.tiktoken_tokenizer import KIMI_PAT_STR, NUM_SPECIAL_IDS, TiktokenTokenizer
   ranks = {bytes([i]): i for i in range(256)}
   n = len(ranks)
-  names = ["[EOS]", "<|im_end|>", "</think>", KimiK2Parser.tool_begin, KimiK2Parser.section_end,
-           KimiK2Parser.call_begin, KimiK2Parser.header_end, KimiK2Parser.call_end]
+  names = ["[EOS]", "<|im_end|>", "</think>", KIMI_K2.tools_begin, KIMI_K2.tools_end,
+           KIMI_K2.call_begin, KIMI_K2.call_sep, KIMI_K2.call_end]
   specials = {f"<|reserved_token_{i}|>": i for i in range(n + len(names), n + NUM_SPECIAL_IDS)}
   specials.update({name: n + i for i, name in enumerate(names)})
   tt = TiktokenTokenizer(ranks, specials, set(specials.values()), "[EOS]", pat_str=KIMI_PAT_STR)
   lark = tool_constraints.tool_call_grammar("kimi_k2", TOOLS, starts_in_reasoning=True,
                                             tokenizer=tt)
-  assert f"<[{n + 3}]>" in lark and KimiK2Parser.call_begin not in lark
+  assert f"<[{n + 3}]>" in lark and KIMI_K2.call_begin not in lark
   m = grammar.compile_grammar(grammar.StructuredOutputsParams(grammar=lark), tt,
                               vocab_size=n + NUM_SPECIAL_IDS).matcher()
   text = "The weather, then.</think>" + calls_text(
@@ -201,17 +198,19 @@ def test_chat_prepare_builds_the_constraint_after_the_prompts_think_block():
   limits = validation.RequestLimits(vocab_size=PLAIN.get_vocab_size(), max_model_len=4096,
                                     num_eos_ids=1, eos_token_ids=(2,))
   template = ChatTemplate(TEMPLATE)
-  kw = dict(messages=USER, template_kwargs={"thinking": True}, family=None)
+  kw = dict(messages=USER, template_kwargs={"thinking": True})
   answer = '{"name": "a", "size": 3, "kind": "dir"}'
   c = structured.from_response_format(response_format())
-  inputs = chat.prepare(template, PLAIN, limits, tools=None, tool_choice=None, response=c, **kw)
+
+  def prepare(**fields):
+    return chat.prepare(template, PLAIN, limits, chat.ChatRequest(**fields), family=None)
+  inputs = prepare(tools=None, tool_choice=None, response=c, **kw)
   assert inputs.starts_in_reasoning and inputs.family == "qwen3"
   assert accepts(inputs.constraint.grammar, PLAIN, "Hm.</think>\n" + answer)
   assert not accepts(inputs.constraint.grammar, PLAIN, answer)
-  plain = chat.prepare(template, PLAIN, limits, tools=None, tool_choice=None, response=c,
-                       **{**kw, "template_kwargs": None})
+  plain = prepare(tools=None, tool_choice=None, response=c, **{**kw, "template_kwargs": None})
   assert plain.constraint == c.spec  # no think block: the schema itself
-  calls = chat.prepare(template, PLAIN, limits, tools=TOOLS, tool_choice="required", **kw)
+  calls = prepare(tools=TOOLS, tool_choice="required", **kw)
   weather = calls_text("qwen3", [("get_weather", {"city": "Rome", "unit": "c", "days": 2})])
   assert accepts(calls.constraint.grammar, PLAIN, "Hm.</think>\n" + weather)
   assert not accepts(calls.constraint.grammar, PLAIN, weather)

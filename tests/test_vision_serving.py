@@ -22,7 +22,7 @@ from engine.service.validation import FieldError, RequestLimits
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
 from engine.model import image_processing
-from engine.model.chat_template import ChatTemplate
+from engine.chat.template import ChatTemplate
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 

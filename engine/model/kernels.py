@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import re
+import sys
 from typing import Callable
 
 import jax
 import numpy as np
 
+from engine.model.params import abstract_params
 from pallas_kernels.attention import reference as attn_ref
 from pallas_kernels.moe import reference as moe_ref
 
@@ -66,6 +69,9 @@ _MOE_EXPERTS: dict[str, Callable | _Deferred] = {
 
 
 def _pick(table: dict[str, Callable | _Deferred], name: str, what: str) -> Callable:
+  if name == "auto":
+    raise ValueError(f"{what}: the kernel choice 'auto' must be resolved first "
+                     "(`kernels.resolve`; engine.load and Engine do)")
   try:
     fn = table[name]
   except KeyError:
@@ -133,3 +139,139 @@ def route(k: KernelChoice) -> Callable:
 def moe_experts(k: KernelChoice) -> Callable:
   return _pick(_MOE_EXPERTS, k.moe, "MoE experts")
 
+
+# ---- "auto": the kernels a device and a model allow, chosen once at load ----------------------
+
+AUTO = KernelChoice(attention="auto", moe="auto")
+MOSAIC_GPU = "mosaic_gpu"
+# Hopper (sm_90): the Mosaic GPU kernels are written for WGMMA and TMA, which Blackwell's
+# tcgen05 path does not share; device kinds as jax reports them ("NVIDIA H100 80GB HBM3",
+# "NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA H20").
+_HOPPER = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+def is_hopper(device_kind: str, platform: str = "gpu") -> bool:
+  return platform in ("gpu", "cuda") and bool(_HOPPER.search(device_kind))
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+  """A resolved `KernelChoice` and, per hot path that "auto" left on the plain-JAX reference,
+  why (path, reason)."""
+  choice: KernelChoice
+  reasons: tuple[tuple[str, str], ...] = ()
+
+  def line(self) -> str:
+    """`kernels: attention=mosaic_gpu moe=reference (moe: ...)`: the one stderr line."""
+    why = "; ".join(f"{path}: {reason}" if path else reason for path, reason in self.reasons)
+    return (f"kernels: attention={self.choice.attention} moe={self.choice.moe}"
+            + (f" ({why})" if why else ""))
+
+
+def _first_problem(checks) -> str | None:
+  """The first failing check's message, shortened to one line (a check raises the kernel's
+  own ValueError / NotImplementedError / TypeError for shapes or dtypes it cannot take)."""
+  for check in checks:
+    try:
+      check()
+    except (ValueError, NotImplementedError, TypeError) as e:
+      msg = " ".join(str(e).split())
+      return msg if len(msg) <= 160 else msg[:157] + "..."
+  return None
+
+
+def _attention_problem(cfg, cache_dtype, page_size: int) -> str | None:
+  """Why the Mosaic GPU attention kernel cannot take this model's cache, or None: the kernel
+  wrapper traced (`jax.eval_shape`, nothing compiled) at the model's head dims and page size,
+  so its own checks decide (dtype, page size, head dims against the swizzle tiling)."""
+  s, i32 = jax.ShapeDtypeStruct, jax.numpy.int32
+  pick = KernelChoice(attention=MOSAIC_GPU)
+  nh, table = cfg.num_heads, (s((1, 2), i32), s((1, 1), i32), s((1,), i32))
+  if cfg.is_mla:
+    dc, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    args = (s((1, 1, nh, dc), cache_dtype), s((1, 1, nh, dr), cache_dtype),
+            s((2, page_size, dc + dr), cache_dtype), *table)
+    fn = mla_attention(pick)
+  else:
+    hd, nkv = cfg.head_dim, cfg.num_kv_heads
+    pages = s((2, page_size, nkv, hd), cache_dtype)
+    args = (s((1, 1, nh, hd), cache_dtype), pages, pages, *table)
+    fn = gqa_attention(pick)
+  return _first_problem([lambda: jax.eval_shape(
+      functools.partial(fn, softmax_scale=cfg.softmax_scale), *args)])
+
+
+def _moe_problem(cfg, dtype) -> str | None:
+  """Why the Mosaic GPU expert kernels cannot take some MoE layer's routed experts (bf16, INT4
+  or FP8 as stored), or None: `moe_experts` traced at the layer's shapes for a decode (1
+  token) and a prefill (256 tokens) batch, which take different kernels."""
+  if not cfg.num_experts:
+    return "the model has no routed experts"
+  tree = abstract_params(cfg, dtype)
+  layers = [*tree["layers"], *tree.get("mtp", [])]
+  formats = {}  # one check per distinct expert layout
+  for layer in layers:
+    if "moe" in layer:
+      experts = layer["moe"]["experts"]
+      formats.setdefault(str(jax.tree.map(lambda a: (a.shape, a.dtype), experts)), experts)
+  s = jax.ShapeDtypeStruct
+  fn = moe_experts(KernelChoice(moe=MOSAIC_GPU))
+  k = cfg.num_experts_per_tok
+  return _first_problem(
+      lambda ex=ex, t=t: jax.eval_shape(fn, s((t, cfg.hidden_size), dtype), s((t, k), np.float32),
+                                        s((t, k), np.int32), ex["gate"], ex["up"], ex["down"])
+      for ex in formats.values() for t in (1, 256))
+
+
+def resolve(choice: KernelChoice, cfg, *, device_kind: str, platform: str, dtype,
+            cache_dtype=None, page_size: int = 16) -> Resolution:
+  """Each "auto" path of `choice` made concrete for this device and model: "mosaic_gpu" where
+  the device is Hopper and the path's kernel takes the model's dtypes and shapes (attention:
+  cache dtype, head dims, `page_size`; MoE: activation dtype, hidden and expert widths, the
+  experts' format), "reference" (plain JAX) otherwise, with the reason. Paths named explicitly
+  are kept as named. `dtype`: the parameters' (activations'); `cache_dtype` defaults to it.
+  A function of its arguments only (no device is touched)."""
+  wanted = {"attention": choice.attention, "moe": choice.moe}
+  if "auto" not in wanted.values():
+    return Resolution(choice)
+  hopper = is_hopper(device_kind, platform)
+  problems = {"attention": lambda: _attention_problem(cfg, cache_dtype or dtype, page_size),
+              "moe": lambda: _moe_problem(cfg, dtype)}
+  picked, reasons = dict(wanted), []
+  if not hopper:
+    reasons.append(("", f"no Hopper GPU: {device_kind or platform}"))
+  for path, name in wanted.items():
+    if name != "auto":
+      continue
+    problem = problems[path]() if hopper else "not Hopper"
+    picked[path] = "reference" if problem else MOSAIC_GPU
+    if problem and hopper:
+      reasons.append((path, problem))
+  return Resolution(dataclasses.replace(choice, **picked), tuple(reasons))
+
+
+def resolve_for_params(choice: KernelChoice, cfg, params, *, mesh=None, cache_dtype=None,
+                       page_size: int = 16) -> Resolution:
+  """`resolve` for the devices holding `params` (the mesh's first device if given), their
+  dtype (the embedding's) and `page_size`."""
+  if mesh is not None:
+    device = mesh.devices.flat[0]
+  else:  # (host arrays: JAX's default device)
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    device = next(iter(sharding.device_set)) if sharding is not None else jax.devices()[0]
+  dtype = params["embed"].dtype
+  return resolve(choice, cfg, device_kind=device.device_kind, platform=device.platform,
+                 dtype=dtype, cache_dtype=cache_dtype or dtype, page_size=page_size)
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def announce(resolution: Resolution) -> Resolution:
+  """Prints `resolution.line()` on stderr, once per distinct line in this process (a model
+  loaded, then its engine built with the same page size, say it once)."""
+  line = resolution.line()
+  if line not in _ANNOUNCED:
+    _ANNOUNCED.add(line)
+    print(line, file=sys.stderr, flush=True)
+  return resolution

@@ -155,7 +155,7 @@ def restore_orbax(ckpt_dir: str, cfg: ModelConfig | None = None, shardings: Any 
   params_dir = os.path.join(ckpt_dir, PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise CheckpointError(f"{ckpt_dir}: no {PARAMS_DIR}/ directory")
-  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   by_leaf = shardings_by_leaf(shardings, cfg) if shardings is not None else {}
   with ocp.StandardCheckpointer() as ckptr:
     _check_stored(ckpt_dir, cfg, ckptr.metadata(params_dir).item_metadata.tree)

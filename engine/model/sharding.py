@@ -24,9 +24,11 @@ GQA K/V pages are split over `tensor` by KV head when the head count divides.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from engine.model.config import ModelConfig
@@ -200,20 +202,75 @@ def format_param_bytes(by_device: dict[Any, dict[str, int]]) -> list[str]:
   return lines
 
 
-def initialize_distributed(coordinator_address: str | None, num_processes: int,
-                           process_id: int) -> None:
+def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
+                           process_id: int | None, *, initialization_timeout_s: int = 300,
+                           heartbeat_timeout_s: int = 100, shutdown_timeout_s: int = 300,
+                           detect: bool = False, all_local_devices: bool = True) -> None:
   """Joins a multi-process JAX job (one process per host, or several on one machine).
 
   Call before any JAX computation. On CPU the processes exchange data through gloo; on GPU
   through NCCL. After it, `jax.devices()` lists every process's devices and a mesh over them
   spans the job.
+
+  `detect`: the address, count and index left None come from the cluster environment
+  `jax.distributed` recognises (SLURM, Open MPI). `all_local_devices`: this process uses every
+  device of its host (one process per host, the layout `engine.serve` expects) rather than the
+  one device per process jax assigns under SLURM or Open MPI. The timeouts (seconds): how long
+  `initialize` waits for every process to join; how long a process may miss heartbeats before
+  the coordinator declares it dead (every other process then aborts); how long a process
+  leaving waits for the others at the shutdown barrier. jax's defaults are 300, 100 and 300.
   """
-  if num_processes <= 1:
-    return
-  if not coordinator_address:
-    raise ValueError("coordinator_address: required when num_processes > 1")
-  if not 0 <= process_id < num_processes:
-    raise ValueError(f"process_id: {process_id} outside [0, {num_processes})")
+  if not detect:
+    if not num_processes or num_processes <= 1:
+      return
+    if not coordinator_address:
+      raise ValueError("coordinator_address: required when num_processes > 1")
+    if process_id is None or not 0 <= process_id < num_processes:
+      raise ValueError(f"process_id: {process_id} outside [0, {num_processes})")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # The preemption service installs a SIGTERM handler that only records the signal (a process
+  # stuck at start-up then ignores SIGTERM); the server handles SIGTERM itself.
+  jax.config.update("jax_enable_preemption_service", False)
+  kwargs: dict[str, Any] = {}
+  if detect:
+    # An empty list (not None) keeps jax from narrowing a SLURM / Open MPI process to the
+    # device numbered by its local rank; JAX_LOCAL_DEVICE_IDS, when set, still decides.
+    if all_local_devices and "JAX_LOCAL_DEVICE_IDS" not in os.environ:
+      kwargs["local_device_ids"] = []
+  else:
+    kwargs["cluster_detection_method"] = "deactivate"  # every parameter is given
   jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+                             num_processes=num_processes, process_id=process_id,
+                             initialization_timeout=int(initialization_timeout_s),
+                             heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+                             shutdown_timeout_seconds=int(shutdown_timeout_s), **kwargs)
+
+
+def process_index() -> int:
+  return jax.process_index()
+
+
+def gather_from_processes(value: int) -> list[int]:
+  """`value` of every process of the job, by process index (a collective: every process must
+  call it, in the same order as its other collectives). One process: [value]."""
+  if jax.process_count() == 1:
+    return [int(value)]
+  from jax.experimental import multihost_utils
+  if not -2**31 <= value < 2**31:
+    raise ValueError(f"gather_from_processes: {value} does not fit int32")
+  return [int(v) for v in multihost_utils.process_allgather(np.int32(value))]
+
+
+def broadcast_from_leader(data: bytes, size: int) -> bytes:
+  """Process 0's `data` (at most `size` bytes) in every process (a collective, like
+  `gather_from_processes`); the others' `data` is ignored. One process: `data`."""
+  if len(data) > size:
+    raise ValueError(f"broadcast_from_leader: {len(data)} bytes > size {size}")
+  if jax.process_count() == 1:
+    return data
+  from jax.experimental import multihost_utils
+  buf = np.zeros(size + 4, np.uint8)
+  buf[:4] = np.frombuffer(np.uint32(len(data)).tobytes(), np.uint8)
+  buf[4:4 + len(data)] = np.frombuffer(data, np.uint8)
+  out = np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes()
+  return out[4:4 + int(np.frombuffer(out[:4], np.uint32)[0])]

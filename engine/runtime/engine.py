@@ -28,15 +28,14 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from engine.model.cache import cache_bytes_per_token
 from engine.model.config import ModelConfig
-from engine.model.kernels import REFERENCE
+from engine.model.kernels import AUTO
 from engine.model.params import Params
-from engine.runtime import batching, compile_cache, structured, warmup
+from engine.runtime import batching, compile_cache, kv_sizing, structured, warmup
 from engine.runtime.buckets import TrafficStats, default_row_widths, derive_buckets
-from engine.runtime.engine_config import EngineConfig
+from engine.runtime.engine_config import EngineConfig, with_kernels_resolved
 from engine.runtime.multimodal import ImageInput, check_spans
 from engine.runtime.multimodal_step import ImageEncoder
 from engine.runtime.grammar import compile_grammar
@@ -49,7 +48,6 @@ from engine.runtime.runner import ModelRunner
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.runtime.speculative import drafters as drafter_registry
-from engine.runtime.speculative.drafters import AUTO
 from engine.runtime.speculative.policy import SpecPolicy
 from engine.runtime.step_description import MASKED, StepDescription
 
@@ -69,6 +67,7 @@ class Engine:
     """`mesh`: the `jax.sharding.Mesh` the parameters are placed on (`engine.model.sharding`);
     the cache is placed by the same module's rules and every program runs under it.
     `draft`: (config, params) of a draft model with the target's vocabulary (drafter "draft")."""
+    config = with_kernels_resolved(config, cfg, params, mesh)  # "auto" -> this device's
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
     self.chat_template: Any = None  # the model's (`engine.load`), for the servers' chat APIs
@@ -85,13 +84,15 @@ class Engine:
                                         max_model_len=max_len)
     self.max_pages_per_seq = -(-max_len // config.page_size)
     dtype = config.cache_dtype or params["embed"].dtype
-    num_pages = config.num_pages or self._default_num_pages(dtype)
+    devices = jax.tree.leaves(params)[0].sharding.device_set
+    num_pages = kv_sizing.agree_num_pages(
+        config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
     self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
     self.scheduler = Scheduler(self.sched_config, self.pool)
     draft_cfg = draft[0] if draft is not None else None
-    wanted = ({config.speculative} if config.speculative not in (None, AUTO) else set()
-              ) | set(config.drafters)
-    if config.speculative == AUTO and not wanted:
+    wanted = ({config.speculative} if config.speculative not in (None, drafter_registry.AUTO)
+              else set()) | set(config.drafters)
+    if config.speculative == drafter_registry.AUTO and not wanted:
       raise ValueError("EngineConfig.speculative='auto' chooses among EngineConfig.drafters, "
                        "which is empty")
     drafters = drafter_registry.build(wanted, cfg, config, draft_cfg)
@@ -137,7 +138,7 @@ class Engine:
                  draft_model: Any = None) -> "Engine":
     """From an `engine.load` result (and a loaded draft model for drafter "draft")."""
     eng = Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
-                 if config.kernels == REFERENCE else config, model.tokenizer,
+                 if config.kernels == AUTO else config, model.tokenizer,
                  model.eos_token_ids, mesh=getattr(model, "mesh", None),
                  draft=None if draft_model is None else (draft_model.config,
                                                          draft_model.params))
@@ -168,14 +169,14 @@ class Engine:
     """Drafts per speculative iteration (0: no drafters)."""
     return self.spec.k if self.spec is not None else 0
 
-  def _default_num_pages(self, dtype: Any) -> int:
-    page_bytes = cache_bytes_per_token(self.cfg, dtype) * self.config.page_size
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-      free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-      return max(2, int(free * self.config.kv_cache_memory_fraction) // page_bytes)
-    # No memory statistics (CPU): room for every sequence at full length, plus the null page.
-    return self.sched_config.max_num_seqs * self.max_pages_per_seq + 1
+  def _default_num_pages(self, dtype: Any, devices: Any) -> int:
+    """From the free memory of this process's devices (`kv_sizing`); without memory
+    statistics (CPU), room for every sequence at full length, plus the null page."""
+    return kv_sizing.pages_for(
+        kv_sizing.free_device_bytes(devices),
+        cache_bytes_per_token(self.cfg, dtype) * self.config.page_size,
+        self.config.kv_cache_memory_fraction,
+        self.sched_config.max_num_seqs * self.max_pages_per_seq + 1)
 
   # ---- requests ------------------------------------------------------------------------------
 

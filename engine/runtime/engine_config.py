@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model import kernels as kernels_lib
+from engine.model.kernels import AUTO, KernelChoice
 from engine.runtime import compile_cache
 
 
@@ -45,7 +46,9 @@ class EngineConfig:
   # JAX's persistent cache (`compile_cache`): restarts load, not recompile ("" or None: off).
   compilation_cache_dir: str | None = dataclasses.field(default_factory=compile_cache.default_dir)
   traffic_stats_path: str | None = None  # histogram read at start (bucket choice), written back
-  kernels: KernelChoice = REFERENCE
+  # "auto" paths resolve when the engine is built (`with_kernels_resolved`): the Mosaic GPU
+  # kernels on Hopper where the model's shapes fit them, plain JAX otherwise.
+  kernels: KernelChoice = AUTO
   # Image encoder outputs kept for images sent again (`multimodal.EncoderCache`), in bytes.
   encoder_cache_bytes: int = 256 << 20
   # Warm-up also compiles the masked step of constrained rows (structured outputs) at every
@@ -57,3 +60,15 @@ class EngineConfig:
   # decode loop runs at most this many iterations per step, so constrained requests are not
   # starved by long loops (BENCHMARKS.md, "Structured outputs: constrained vs unconstrained").
   constrained_decode_steps: int = 4
+
+
+def with_kernels_resolved(config: EngineConfig, cfg: Any, params: Any,
+                          mesh: Any = None) -> EngineConfig:
+  """`config` with its "auto" kernel paths made concrete for the devices holding `params`, the
+  model, the cache dtype and the page size (`kernels.resolve`; the result on stderr, once)."""
+  if "auto" not in (config.kernels.attention, config.kernels.moe):
+    return config
+  res = kernels_lib.announce(kernels_lib.resolve_for_params(
+      config.kernels, cfg, params, mesh=mesh, cache_dtype=config.cache_dtype,
+      page_size=config.page_size))
+  return dataclasses.replace(config, kernels=res.choice)

@@ -148,6 +148,9 @@ def default_eos_ids(tokenizer: Any) -> tuple[int, ...]:
 def _build_ll_tokenizer(tokenizer: Any, vocab_size: int, eos: tuple[int, ...]) -> Any:
   from engine.model.tiktoken_tokenizer import TiktokenTokenizer
   eos_arg = list(eos) if eos else None
+  # llguidance needs every id of the tokenizer; a model whose embedding is smaller than its
+  # tokenizer (ids it can never sample) gets masks cut to its vocabulary (`fill_bitmask`).
+  vocab_size = max(vocab_size, tokenizer.get_vocab_size())
   if isinstance(tokenizer, TiktokenTokenizer):
     enc = tokenizer.encoding
     # The ranks, the 256 special ids after them (named as our tokenizer names them) and Kimi's
@@ -231,7 +234,13 @@ class GrammarMatcher:
     """Writes the allowed next tokens into `out` (int32 [bitmask_words(V)], C-contiguous):
     bit t % 32 of word t // 32 set iff token t is allowed. A terminated matcher allows only
     EOS; one in an error state allows only EOS too (llguidance's rule)."""
-    llg_np.fill_next_token_bitmask(self._m, out.reshape(1, -1), 0)
+    words = bitmask_words(self.grammar.tokenizer.vocab_size)
+    if words <= out.size:
+      llg_np.fill_next_token_bitmask(self._m, out.reshape(1, -1), 0)
+      return
+    full = np.zeros((1, words), np.int32)   # the tokenizer has ids past the model's
+    llg_np.fill_next_token_bitmask(self._m, full, 0)
+    out.reshape(-1)[:] = full[0, :out.size]
 
   def accept(self, token: int) -> bool:
     """Consumes `token`; False (and the matcher in an error state) if the grammar forbids it."""

@@ -29,8 +29,6 @@ import collections
 import dataclasses
 from typing import Any, Sequence
 
-import jax
-
 from engine.model.config import ModelConfig
 from engine.model.params import Params
 from engine.runtime import warmup as warmup_lib

@@ -46,6 +46,13 @@ class SamplingParams:
   # Serving and engine.generate: constrain the output to a JSON schema / regex / choice /
   # grammar (engine/runtime/grammar.py); the allowed-token mask applies before sampling.
   structured_outputs: StructuredOutputsParams | None = None
+  # Serving: at most this many reasoning tokens (None: unbounded). The output starts inside
+  # a thought (or at think_start_token_id as its first token); at the budget the decode loop
+  # writes think_end_token_ids[0] itself. Any of think_end_token_ids ends the thought (Kimi's
+  # tool section begin too); the markers are no reasoning tokens (engine/chat/reasoning.py).
+  thinking_token_budget: int | None = None
+  think_start_token_id: int | None = None
+  think_end_token_ids: tuple[int, ...] = ()
 
   def validate(self) -> None:
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -64,6 +71,12 @@ class SamplingParams:
       raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
     if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
       raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+    if self.thinking_token_budget is not None:
+      if self.thinking_token_budget < 0:
+        raise ValueError(f"thinking_token_budget must be >= 0, got {self.thinking_token_budget}")
+      if not self.think_end_token_ids:
+        raise ValueError("thinking_token_budget needs think_end_token_ids (the marker the "
+                         "engine writes at the budget)")
     if self.structured_outputs is not None:
       if not isinstance(self.structured_outputs, StructuredOutputsParams):
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "

@@ -74,13 +74,16 @@ def build_chat_request(messages: Sequence[dict], *, tools: Sequence[dict] | None
                        template_kwargs: dict | None = None, request_id: str = "",
                        stop: Sequence[str] = (), ignore_eos: bool = False,
                        structured_outputs: pb.StructuredOutputs | None = None,
+                       thinking: bool | None = None, thinking_token_budget: int | None = None,
                        **sampling: Any) -> pb.ChatRequest:
   """A ChatRequest from OpenAI-shaped messages, tools and tool_choice ("auto", "none",
   "required" or {"type": "function", "function": {"name": ...}}; required and a named function
-  constrain the output to tool calls) and an optional answer constraint."""
+  constrain the output to tool calls), an optional answer constraint and the thinking
+  controls (on/off; a budget of reasoning tokens)."""
   base = build_request([], stop=stop, ignore_eos=ignore_eos, **sampling)
   req = pb.ChatRequest(request_id=request_id, sampling=base.sampling,
-                       structured_outputs=structured_outputs)
+                       structured_outputs=structured_outputs, thinking=thinking,
+                       thinking_token_budget=thinking_token_budget)
   for m in messages:
     msg = req.messages.add(role=m["role"], reasoning_content=m.get("reasoning_content") or "",
                            tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")

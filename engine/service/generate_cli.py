@@ -117,8 +117,8 @@ def main(argv: list[str]) -> int:
   prompts: list[str | list[int]] = list(FLAGS.prompt) + [_parse_ids(s) for s in FLAGS.prompt_ids]
   t0 = time.perf_counter()
   try:
-    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup())
-    model.kernels = mesh_flags.kernel_choice()
+    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh_flags.setup(),
+                        kernels=mesh_flags.kernel_choice())
     speculative = _speculative_config(model)
     t1 = time.perf_counter()
     results = engine.generate(

@@ -1,11 +1,13 @@
 """`/v1/chat/completions`: the request body -> engine requests, outputs -> OpenAI objects.
 
 The conversation goes through `chat.prepare` (template, tools, tool_choice, template kwargs,
+thinking: Moonshot's `thinking` object, `reasoning_effort`, vLLM's `thinking_token_budget`,
 and the output constraint: tool_choice required/named or `response_format`);
 sampling, stop and stream fields through `openai_protocol.common`, as for completions, with
 `max_completion_tokens` preferred over `max_tokens`. Each choice's output is parsed by its own
 `chat.ChatStream`: `content`, `reasoning_content` and `tool_calls` in deltas and messages, and
-finish_reason "tool_calls" when a request that stopped by itself called tools.
+finish_reason "tool_calls" when a request that stopped by itself called tools; usage counts
+the reasoning tokens (`completion_tokens_details.reasoning_tokens`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import dataclasses
 import secrets
 from typing import Any
 
+from engine.chat import thinking as thinking_controls
+from engine.chat.parser_base import ChatDelta, ToolCallDelta
 from engine.runtime.request import RequestOutput
 from engine.runtime.sampling import MAX_TOP_LOGPROBS
-from engine.service import chat, structured
+from engine.service import chat
 from engine.service import openai_protocol as protocol
-from engine.service.chat_parsers import ChatDelta, ToolCallDelta
 from engine.service.openai_protocol import get
 from engine.service.validation import FieldError, ParsedRequest, RequestLimits
 
@@ -33,7 +36,8 @@ class ChatPlan:
 
 
 def parse_chat(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits, served: str,
-               family: str | None, vision: chat.Vision | None = None) -> ChatPlan:
+               family: str | None, vision: chat.Vision | None = None,
+               base_id: str | None = None) -> ChatPlan:
   """A /v1/chat/completions body -> engine requests (runs on a tokenizer thread)."""
   body = protocol.load_body(raw)
   if "messages" not in body:
@@ -48,17 +52,32 @@ def parse_chat(raw: bytes, template: Any, tokenizer: Any, limits: RequestLimits,
   c = protocol.common(body, limits, served, logprobs=(top or 0) if logprobs else None,
                       max_tokens_names=("max_completion_tokens", "max_tokens"))
   parallel = get(body, "parallel_tool_calls", bool, True)
-  get(body, "reasoning_effort", str, None)
-  inputs = chat.prepare(template, tokenizer, limits, messages=body["messages"],
-                        tools=body.get("tools"), tool_choice=body.get("tool_choice"),
-                        template_kwargs=get(body, "chat_template_kwargs", dict, None),
-                        family=family, vision=vision, parallel_tool_calls=parallel,
-                        response=c.constraint)
-  plan_id = f"chatcmpl-{secrets.token_hex(12)}"
+  request = chat.ChatRequest(
+      messages=body["messages"], tools=body.get("tools"), tool_choice=body.get("tool_choice"),
+      template_kwargs=get(body, "chat_template_kwargs", dict, None), response=c.constraint,
+      parallel_tool_calls=parallel, thinking=thinking_of(body))
+  inputs = chat.prepare(template, tokenizer, limits, request, family=family, vision=vision)
+  plan_id = f"chatcmpl-{base_id or secrets.token_hex(12)}"
   requests = protocol.choice_requests(plan_id, [inputs.prompt_ids], c, skip_special_tokens=False,
                                       prompt_field="messages", images=inputs.images)
-  requests = structured.constrain(requests, inputs.constraint)
-  return ChatPlan(plan_id, c, requests, inputs, logprobs)
+  return ChatPlan(plan_id, c, chat.constrain(requests, inputs), inputs, logprobs)
+
+
+def thinking_of(body: dict, effort_field: str = "reasoning_effort",
+                effort: str | None = None) -> thinking_controls.Thinking:
+  """Moonshot's `thinking`, the effort and vLLM's `thinking_token_budget` as one setting."""
+  effort = get(body, effort_field, str, None) if effort is None else effort
+  try:
+    by_effort = (thinking_controls.from_effort(effort, effort_field)
+                 if effort is not None else None)
+    return thinking_controls.combine(
+        chat.thinking_object(body.get("thinking"), "thinking"),
+        thinking_controls.Thinking(None, chat.check_budget(body.get("thinking_token_budget"),
+                                                           "thinking_token_budget"),
+                                   "thinking_token_budget"),
+        by_effort)
+  except ValueError as e:
+    raise chat.field_error(e, "thinking") from None
 
 
 def tool_call_json(call: ToolCallDelta) -> dict:
@@ -88,7 +107,7 @@ class ChatChoices:
 
   def __init__(self, plan: ChatPlan, tokenizer: Any):
     self.plan, self.tokenizer = plan, tokenizer
-    self.streams = [chat.ChatStream(plan.inputs) for _ in plan.requests]
+    self.streams = [chat.stream_for(plan.inputs) for _ in plan.requests]
     self.logprobs: list[list[dict]] = [[] for _ in plan.requests]
     self.last: list[RequestOutput | None] = [None] * len(plan.requests)
     self.usage = protocol.UsageTally(plan.common.n)
@@ -124,8 +143,11 @@ class ChatChoices:
       choice["stop_reason"] = out.stop_reason
     return self.object("chat.completion.chunk", [choice])
 
+  def usage_json(self) -> dict:
+    return self.usage.json(sum(s.reasoning_tokens for s in self.streams))
+
   def usage_chunk(self) -> dict:
-    return self.object("chat.completion.chunk", [], usage=self.usage.json())
+    return self.object("chat.completion.chunk", [], usage=self.usage_json())
 
   def completion(self) -> dict:
     choices = []
@@ -140,4 +162,4 @@ class ChatChoices:
                       "logprobs": {"content": self.logprobs[i]} if self.plan.logprobs else None,
                       "finish_reason": stream.finish_reason(out),
                       "stop_reason": out.stop_reason})
-    return self.object("chat.completion", choices, usage=self.usage.json())
+    return self.object("chat.completion", choices, usage=self.usage_json())

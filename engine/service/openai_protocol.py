@@ -203,7 +203,7 @@ def _prompts(body: dict, tokenizer: Any, limits: RequestLimits) -> list[list[int
 
 
 def parse_completion(raw: bytes, tokenizer: Any, limits: RequestLimits,
-                     served: str) -> CompletionPlan:
+                     served: str, base_id: str | None = None) -> CompletionPlan:
   """A /v1/completions body -> engine requests (runs on a tokenizer thread)."""
   body = load_body(raw)
   if get(body, "echo", bool, False):
@@ -221,7 +221,7 @@ def parse_completion(raw: bytes, tokenizer: Any, limits: RequestLimits,
   spec = None
   if c.constraint is not None:
     spec = structured.compile_checked(c.constraint.spec, c.constraint.field, tokenizer, limits)
-  plan_id = f"cmpl-{secrets.token_hex(12)}"
+  plan_id = f"cmpl-{base_id or secrets.token_hex(12)}"
   requests = structured.constrain(choice_requests(plan_id, prompts, c), spec)
   return CompletionPlan(plan_id, c, requests, logprobs,
                         get(body, "return_token_ids", bool, False))

@@ -8,6 +8,10 @@
 Prints where it listens, then "ready" once every shape is compiled (health turns SERVING).
 SIGTERM or Ctrl-C drains: health NOT_SERVING, new requests UNAVAILABLE, in-flight requests get
 --drain_timeout_s to finish.
+
+One replica over several hosts: every host runs the same command; process 0 serves, the others
+follow it (`multihost.py`). The job comes from --coordinator_address/--num_processes/
+--process_id, or from LeaderWorkerSet's, SLURM's or Open MPI's environment (`launch_env.py`).
 """
 
 from __future__ import annotations
@@ -22,15 +26,16 @@ import time
 
 from absl import flags
 from absl import logging
+import jax
 
 import engine
 from engine.api import DEMO_CHECKPOINT
 from engine.runtime import compile_cache
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.speculative import drafters
-from engine.service import mesh_flags
-from engine.service.chat_parsers import PARSER_FAMILIES
-from engine.service.reasoning import ReasoningConfig
+from engine.service import lockstep, mesh_flags, multihost
+from engine.chat.parsers import PARSER_FAMILIES
+from engine.chat.reasoning import ReasoningConfig
 from engine.service.server import InferenceServer, ServerConfig, read_api_keys
 
 FLAGS = flags.FLAGS
@@ -116,8 +121,16 @@ flags.DEFINE_integer("max_image_pixels", 4096 * 4096, "Largest image, width x he
 flags.DEFINE_bool("allow_image_urls", False, "Fetch http(s) image URLs of chat requests "
                   "(with --image_url_timeout_s and --max_image_bytes; off: refused with 400).")
 flags.DEFINE_float("image_url_timeout_s", 10.0, "Time limit of one image URL fetch.")
+flags.DEFINE_integer("responses_store_size", 1024, "Responses /v1/responses keeps in memory "
+                     "for previous_response_id and GET (oldest dropped first; 0: none).",
+                     lower_bound=0)
+flags.DEFINE_bool("request_log", False, "Log one line per request: id, API, prompt, "
+                  "completion and cached tokens, TTFT, total time, finish reason.")
 flags.DEFINE_integer("encoder_cache_mb", 256, "Image encoder outputs kept for images sent "
                      "again (MiB).", lower_bound=0)
+flags.DEFINE_integer("lockstep_port", 0, "Multi-process: the leader's port for its followers' "
+                     "lockstep channel (0: any free port, told to the followers at start).",
+                     lower_bound=0, upper_bound=65535)
 flags.DEFINE_bool("starts_in_reasoning", False, "Generation starts inside the reasoning (the "
                   "chat template already wrote think-start).")
 
@@ -152,14 +165,18 @@ def server_config() -> ServerConfig:
       stats_log_interval_s=FLAGS.stats_log_interval_s, reasoning=reasoning,
       chat_parser=FLAGS.chat_parser, max_images_per_request=FLAGS.max_images_per_request,
       max_image_bytes=FLAGS.max_image_bytes, max_image_pixels=FLAGS.max_image_pixels,
-      allow_image_urls=FLAGS.allow_image_urls, image_url_timeout_s=FLAGS.image_url_timeout_s)
+      allow_image_urls=FLAGS.allow_image_urls, image_url_timeout_s=FLAGS.image_url_timeout_s,
+      responses_store_size=FLAGS.responses_store_size, request_log=FLAGS.request_log)
 
 
-async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None) -> None:
+async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None,
+                group: multihost.Group | None = None) -> None:
   server = InferenceServer(eng, config)
   loop = asyncio.get_running_loop()
   for sig in (signal.SIGTERM, signal.SIGINT):
     loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+  if group is not None:
+    multihost.watch(group, server, loop)
   t0 = time.perf_counter()
   print(f"[moejax] binding {config.host}:{config.port}; compiling (health NOT_SERVING until "
         "ready) ...", file=sys.stderr, flush=True)
@@ -197,11 +214,16 @@ def main(argv: list[str]) -> int:
   if not os.path.isdir(FLAGS.checkpoint):
     raise SystemExit(f"error: checkpoint directory not found: {FLAGS.checkpoint}")
   os.environ[compile_cache.ENV] = FLAGS.compilation_cache_dir  # for engine.load too
+  joined = False
   try:
     config = server_config()
-    mesh = mesh_flags.setup()
-    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh)
-    model.kernels = mesh_flags.kernel_choice()
+    job = mesh_flags.job()
+    if job is not None:
+      mesh_flags.join(job)
+      joined = True
+    mesh = mesh_flags.mesh()
+    model = engine.load(FLAGS.checkpoint, dtype=FLAGS.dtype, mesh=mesh,
+                        kernels=mesh_flags.kernel_choice())
     draft = (engine.load(FLAGS.draft_checkpoint, dtype=FLAGS.dtype, mesh=mesh)
              if FLAGS.draft_checkpoint else None)
     eng = Engine.from_model(model, EngineConfig(
@@ -218,7 +240,26 @@ def main(argv: list[str]) -> int:
         encoder_cache_bytes=FLAGS.encoder_cache_mb << 20,
         constrained_warmup=FLAGS.structured_warmup),
         draft_model=draft)
-  except (ValueError, FileNotFoundError, OSError, NotImplementedError) as e:
+    group = None
+    if jax.process_count() > 1:
+      group = multihost.connect(eng, multihost.Settings(
+          coordinator_host=(job.coordinator_address.rpartition(":")[0].strip("[]")
+                            if job is not None and job.coordinator_address else None),
+          lockstep_port=FLAGS.lockstep_port, connect_timeout_s=FLAGS.coordinator_timeout_s,
+          heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
+          drain_timeout_s=FLAGS.drain_timeout_s),
+          extra=dict(checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint))
+  except (ValueError, FileNotFoundError, OSError, NotImplementedError,
+          lockstep.LockstepError) as e:
+    if joined:  # not through jax's shutdown barrier, which would wait for the other processes
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      os._exit(1)
     raise SystemExit(f"error: {e}") from None
-  asyncio.run(serve(eng, config, FLAGS.metrics_port))
+  if group is not None and group.follower is not None:
+    return multihost.follow(eng, group, FLAGS.host, FLAGS.http_port)
+  if group is not None:
+    multihost.refuse_steps(eng)
+  asyncio.run(serve(eng, config, FLAGS.metrics_port, group))
+  if group is not None:
+    multihost.leave(group)
   return 0

@@ -41,12 +41,13 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.runtime.engine import Engine
-from engine.service import chat, chat_parsers, reflection, structured, validation, wire
+from engine.chat import markup as chat_markup
+from engine.chat.reasoning import ReasoningConfig
+from engine.service import chat, reflection, structured, validation, wire
 from engine.service.engine_loop import EngineLoop
 from engine.service.metrics import ServingMetrics
 from engine.service.openai_http import OpenAIHTTP
 from engine.service.proto import inference_pb2 as pb
-from engine.service.reasoning import ReasoningConfig
 from engine.service.servicer import InferenceServicer
 from engine.service.streams import Rejected
 
@@ -78,7 +79,7 @@ class ServerConfig:
   max_ping_strikes: int = 2
   stats_log_interval_s: float = 10.0  # one-line stats log (0: off)
   reasoning: ReasoningConfig | None = None
-  # Chat output parser family (chat_parsers.PARSER_FAMILIES; None: the chat template's tool
+  # Chat output parser family (engine.chat.markup.FAMILY_NAMES; None: the chat template's tool
   # markup decides, else the model type).
   chat_parser: str | None = None
   warmup: bool = True  # compile every bucket before reporting SERVING
@@ -88,6 +89,8 @@ class ServerConfig:
   max_image_pixels: int = 4096 * 4096
   allow_image_urls: bool = False  # fetch http(s) image URLs (off: refused with 400)
   image_url_timeout_s: float = 10.0
+  responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (0: none)
+  request_log: bool = False  # one log line per request (id, API, tokens, TTFT, time, finish)
 
   def grpc_options(self) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", self.max_message_bytes),
@@ -136,7 +139,7 @@ class InferenceServer:
                       "(Engine.from_model reads preprocessor_config.json): images refused")
     template = engine.chat_template
     self.chat_family = config.chat_parser or (template.family if template is not None else None
-                                              ) or chat_parsers.family_for(engine.cfg.model_type)
+                                              ) or chat_markup.family_for(engine.cfg.model_type)
     self.state = "created"  # -> starting -> serving -> draining -> stopped
     self.port: int | None = None
     self._server: grpc.aio.Server | None = None
@@ -221,12 +224,17 @@ class InferenceServer:
     for service in ("", SERVICE_NAME):
       await self.health.set(service, status)
 
+  async def refuse_new(self) -> None:
+    """NOT_SERVING, and new requests get UNAVAILABLE (the first half of `drain`)."""
+    if self.state not in ("draining", "stopped"):
+      self.state = "draining"
+      await self._set_health(NOT_SERVING)
+
   async def drain(self) -> None:
     """NOT_SERVING and UNAVAILABLE for new requests; in-flight ones get drain_timeout_s."""
     if self.state in ("draining", "stopped"):
       return
-    self.state = "draining"
-    await self._set_health(NOT_SERVING)
+    await self.refuse_new()
     deadline = time.monotonic() + self.config.drain_timeout_s
     while self.engine_loop.subscribed() and time.monotonic() < deadline:
       await asyncio.sleep(0.02)

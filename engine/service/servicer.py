@@ -14,19 +14,21 @@ from typing import Any, Callable
 import grpc
 from absl import logging
 
+from engine.chat.reasoning import ReasoningSplitter
+from engine.chat.stream import ChatStream
 from engine.runtime.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RequestOutput
 from engine.service import chat, structured, validation, wire
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
-from engine.service.reasoning import ReasoningState
 from engine.service.streams import Rejected, RequestGroup
 
 FINISH_REASONS = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
                   FINISH_ABORT: pb.FINISH_REASON_ABORT}
 
 
-def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
-                         answer_started_s: float | None) -> pb.GenerateResponse:
+def response_from_output(out: RequestOutput, reasoning: ReasoningSplitter | None,
+                         answer_started_s: float | None,
+                         tokenizer: Any = None) -> pb.GenerateResponse:
   """One stream message for one engine delta; the final one carries FinalInfo."""
   resp = pb.GenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids)
   for lp in out.new_logprobs or ():
@@ -36,11 +38,13 @@ def response_from_output(out: RequestOutput, reasoning: ReasoningState | None,
   if reasoning is None:
     resp.text = out.text_delta
   else:
-    split = reasoning.split(out.new_token_ids, out.text_delta)
+    split = reasoning.split_ids(out.new_token_ids, out.text_delta, tokenizer)
     resp.text, resp.reasoning_text = split.answer_text, split.reasoning_text
     resp.num_reasoning_tokens = split.num_reasoning_tokens
   if out.finished:
     fill_final(resp.final, out)
+    if reasoning is not None:
+      resp.final.usage.reasoning_tokens = reasoning.reasoning_tokens
     if answer_started_s is not None:
       resp.final.timings.time_to_first_answer_token_s = answer_started_s
   return resp
@@ -66,7 +70,7 @@ def fill_final(final: pb.FinalInfo, out: RequestOutput) -> None:
   final.timings.encode_s = t.encode_s
 
 
-def chat_response(out: RequestOutput, stream: chat.ChatStream) -> pb.ChatResponse:
+def chat_response(out: RequestOutput, stream: ChatStream) -> pb.ChatResponse:
   """One Chat stream message for one engine delta, through the request's output parser."""
   delta = stream.feed(out)
   resp = pb.ChatResponse(request_id=out.request_id, content=delta.content,
@@ -80,6 +84,7 @@ def chat_response(out: RequestOutput, stream: chat.ChatStream) -> pb.ChatRespons
       entry.top.add(token_id=token_id, logprob=value)
   if out.finished:
     fill_final(resp.final, out)
+    resp.final.usage.reasoning_tokens = stream.reasoning_tokens
     if stream.finish_reason(out) == chat.FINISH_TOOL_CALLS:
       resp.final.finish_reason = pb.FINISH_REASON_TOOL_CALLS
     for call in stream.tool_calls:
@@ -126,10 +131,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     return parsed
 
   async def _stream(self, context: grpc.aio.ServicerContext, parsed: validation.ParsedRequest,
-                    convert: Callable[[RequestOutput], Any]):
+                    convert: Callable[[RequestOutput], Any], api: str = "grpc.Generate"):
     """Admits the request and yields convert(output) until it finishes (see RequestGroup)."""
     rid = parsed.request_id or f"req-{uuid.uuid4().hex}"
-    group = RequestGroup(self.srv, [(parsed, rid)])
+    group = RequestGroup(self.srv, [(parsed, rid)], api=api)
     try:
       async with group:
         async for _, item in group:
@@ -149,14 +154,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     srv, engine = self.srv, self.engine
     parsed = await self._parse(context, request.request_id, structured.parse_generate,
                                request, engine.tokenizer, srv.limits)
-    reasoning = (ReasoningState(srv.config.reasoning, engine.tokenizer)
+    reasoning = (ReasoningSplitter.for_ids(srv.config.reasoning)
                  if srv.config.reasoning is not None else None)
     answer_started_s: float | None = None
 
     def convert(item: RequestOutput) -> pb.GenerateResponse:
       nonlocal answer_started_s
       was_answering = reasoning is not None and reasoning.answer_started
-      response = response_from_output(item, reasoning, answer_started_s)
+      response = response_from_output(item, reasoning, answer_started_s, engine.tokenizer)
       if reasoning is not None and reasoning.answer_started and not was_answering:
         answer_started_s = time.monotonic() - item.timings.arrival
         if item.finished:
@@ -171,8 +176,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     parsed, inputs = await self._parse(
         context, request.request_id, chat.parse_chat_request, request, engine.chat_template,
         engine.tokenizer, srv.limits, srv.chat_family, srv.vision)
-    stream = chat.ChatStream(inputs)
-    async for response in self._stream(context, parsed, lambda out: chat_response(out, stream)):
+    stream = chat.stream_for(inputs)
+    async for response in self._stream(context, parsed, lambda out: chat_response(out, stream),
+                                       "grpc.Chat"):
       yield response
 
   async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):

@@ -19,6 +19,7 @@ import time
 from typing import Any, Sequence
 
 import grpc
+from absl import logging
 
 from engine.runtime.request import FINISH_ABORT, RequestOutput
 from engine.service import validation
@@ -39,9 +40,11 @@ _DISCONNECTED = object()
 class RequestGroup:
   """n engine requests of one call; async-iterate for (index, RequestOutput) until all finish."""
 
-  def __init__(self, server: Any, requests: Sequence[tuple[validation.ParsedRequest, str]]):
+  def __init__(self, server: Any, requests: Sequence[tuple[validation.ParsedRequest, str]],
+               api: str = "grpc", label: str | None = None):
     self.srv = server
     self.requests = list(requests)
+    self.api, self.label = api, label   # for the request log
     self.queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -59,6 +62,7 @@ class RequestGroup:
     self.disconnected = False
     self.closed = False
     self._last_chunk: list[float | None] = [None] * len(self.requests)
+    self._finals: list[RequestOutput | None] = [None] * len(self.requests)
 
   @property
   def done(self) -> bool:
@@ -88,6 +92,8 @@ class RequestGroup:
     if self.closed:
       return
     self.closed = True
+    if getattr(self.srv.config, "request_log", False):
+      logging.info("%s", self.log_line())
     for _, rid in self.requests:
       self.srv.drain_aborted.discard(rid)
     if not self.done:
@@ -126,9 +132,26 @@ class RequestGroup:
       self._last_chunk[index] = now
     if item.finished:
       self.finished[index] = True
+      self._finals[index] = item
       self.srv.engine_loop.unsubscribe(rid)  # the id is free once the client has the final
       self.srv.metrics.observe_finished(item.finish_reason, item.timings, item.usage)
     return index, item
+
+  def log_line(self) -> str:
+    """The request log's line: id, API, tokens (prompt, completion, cached), TTFT, total time
+    and finish reason (over the group's choices: tokens summed, the first TTFT, the longest
+    time; a choice that did not finish reads "abort")."""
+    finals = [f for f in self._finals if f is not None]
+    prompt = sum(f.usage.prompt_tokens for f in finals[:1])
+    ttft = next((f.timings.ttft_s for f in finals if f.timings.ttft_s is not None), None)
+    total = max((f.timings.e2e_s or 0.0 for f in finals), default=None)
+    reasons = ",".join(f.finish_reason if f is not None else "abort" for f in self._finals)
+    return (f"request id={self.label or self.requests[0][1]} api={self.api} "
+            f"prompt_tokens={prompt} completion_tokens="
+            f"{sum(f.usage.completion_tokens for f in finals)} cached_tokens="
+            f"{sum(f.usage.cached_tokens for f in finals[:1])} ttft_s="
+            f"{'-' if ttft is None else f'{ttft:.3f}'} total_s="
+            f"{'-' if total is None else f'{total:.3f}'} finish={reasons}")
 
   def fail(self) -> None:
     """The consumer hit an internal error: the exit's aborts are not client aborts."""

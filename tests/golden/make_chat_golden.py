@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate the chat-template golden fixtures under ``tests/golden/fixtures/chat/``.
 
-``engine/model/chat_template.py`` renders a checkpoint's chat template itself (jinja2, no
+``engine/chat/template.py`` renders a checkpoint's chat template itself (jinja2, no
 transformers); these fixtures hold what transformers' ``apply_chat_template`` renders for the
 same template, conversation, tools and keyword arguments, and what the Kimi K2.5 checkpoint's
 ``tool_declaration_ts.py`` writes for a set of tool schemas. ``tests/test_chat_template.py``

@@ -253,7 +253,7 @@ class ToolChoice(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., function_name: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "tools", "tool_choice", "template_kwargs", "sampling", "speculative", "structured_outputs", "parallel_tool_calls")
+    __slots__ = ("request_id", "messages", "tools", "tool_choice", "template_kwargs", "sampling", "speculative", "structured_outputs", "parallel_tool_calls", "thinking", "thinking_token_budget")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,8 @@ class ChatRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
@@ -272,7 +274,9 @@ class ChatRequest(_message.Message):
     speculative: SpeculativeOptions
     structured_outputs: StructuredOutputs
     parallel_tool_calls: bool
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    thinking: bool
+    thinking_token_budget: int
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeOptions, _Mapping]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., thinking: _Optional[bool] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")

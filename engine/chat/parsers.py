@@ -1,34 +1,54 @@
-"""The chat output parsers of each model family's tool-call format (see chat_parsers.py for the
-formats and the public entry points)."""
+"""Streaming parsers for chat output text: answer, reasoning and tool calls.
+
+The server detokenizes a chat request's output with special tokens kept and feeds the text
+deltas here. Each family's parser (its markup in `markup.py`) is the reasoning splitter, then a
+small state machine over the answer text: it emits what can no longer change and holds back a
+tail that could still be the start of a marker, so the result does not depend on how the text
+was cut into deltas (one character, one token, or a speculative bundle of several markers).
+Markers never reach content or reasoning; tool-call text that does not follow the family's
+grammar ends as content, never an exception; a call cut off (by the end of the output or
+another marker) after its id and name were sent stays a call, with the arguments that came,
+since the client has already seen it, unless the token limit cut it (`finish(truncated=True)`).
+
+With `tools_enabled=False` tool-call markup is not parsed: it stays in the content as written
+(the request asked for no tools), as an OpenAI server without a tool parser returns it.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Callable
 
-from engine.service.chat_parser_base import ChatOutputParser
+from engine.chat import markup as markups
+from engine.chat.markup import (DEEPSEEK_V3, DEEPSEEK_V3_FENCE, KIMI_K2, LLAMA3_JSON, NONE, QWEN3,
+                                THINK, kimi_call_name)
+from engine.chat.parser_base import ChatDelta, ChatOutputParser, ToolCallDelta, random_call_id
+from engine.chat.reasoning import ReasoningSplitter
+
+__all__ = ["ChatDelta", "ChatOutputParser", "PARSER_FAMILIES", "ToolCallDelta", "make_parser",
+           "random_call_id"]
+
+PARSER_FAMILIES = markups.FAMILY_NAMES
 
 
 class PlainParser(ChatOutputParser):
-  family = "none"
+  markup = NONE
 
 
 class ThinkParser(ChatOutputParser):
-  family = "think"
-  parses_think = True
+  markup = THINK
 
 
 class SectionParser(ChatOutputParser):
   """Kimi and DeepSeek: a section of calls between begin/end markers; each call is its own
   begin marker, a header naming the function, a separator marker, arguments, an end marker."""
 
-  parses_think = True
-  section_end = call_begin = header_end = call_end = ""
-  section_end_variants: tuple[str, ...] = ()
-
   def __init__(self, **kwargs):
     super().__init__(**kwargs)
-    self._ends = (self.section_end,) + self.section_end_variants
+    m = self.markup
+    self._ends = m.tool_ends
+    self.call_begin, self.header_end, self.call_end = m.call_begin, m.call_sep, m.call_end
 
   def _begin_tools(self) -> None:
     self._state, self._raw = "section", ""
@@ -111,24 +131,10 @@ class SectionParser(ChatOutputParser):
 
 
 class KimiK2Parser(SectionParser):
-  family = "kimi_k2"
-  tool_begin = "<|tool_calls_section_begin|>"
-  section_end = "<|tool_calls_section_end|>"
-  # Kimi models also write the singular spellings (vLLM's Kimi parser accepts them too).
-  tool_begin_variants = ("<|tool_call_section_begin|>",)
-  section_end_variants = ("<|tool_call_section_end|>",)
-  call_begin = "<|tool_call_begin|>"
-  header_end = "<|tool_call_argument_begin|>"
-  call_end = "<|tool_call_end|>"
-  reasoning_ends_at_tools = True
-  markers = (tool_begin, section_end, call_begin, header_end, call_end, *tool_begin_variants,
-             *section_end_variants)
-  # functions.NAME:IDX (the prefix may be missing); the name may hold '.', '-', ':'.
-  _HEADER = re.compile(r"(?:functions\.)?(\S+):\d+")
+  markup = KIMI_K2
 
   def _name_from_header(self, header: str) -> str | None:
-    m = self._HEADER.fullmatch(header)
-    return m.group(1) if m else None
+    return kimi_call_name(header)   # functions.NAME:IDX; NAME may hold '.', '-', ':'
 
   def _start_args(self, name: str) -> None:
     self._open_call(name, id=self._raw.strip())
@@ -136,14 +142,8 @@ class KimiK2Parser(SectionParser):
 
 
 class DeepSeekV3Parser(SectionParser):
-  family = "deepseek_v3"
-  tool_begin = "<｜tool▁calls▁begin｜>"
-  section_end = "<｜tool▁calls▁end｜>"
-  call_begin = "<｜tool▁call▁begin｜>"
-  header_end = "<｜tool▁sep｜>"
-  call_end = "<｜tool▁call▁end｜>"
-  markers = (tool_begin, section_end, call_begin, header_end, call_end)
-  _FENCE = "```json"
+  markup = DEEPSEEK_V3
+  _FENCE = DEEPSEEK_V3_FENCE
 
   def _name_from_header(self, header: str) -> str | None:
     return header if header and not any(c.isspace() for c in header) else None
@@ -199,12 +199,8 @@ class DeepSeekV3Parser(SectionParser):
 
 
 class Qwen3Parser(ChatOutputParser):
-  family = "qwen3"
-  parses_think = True
-  tool_begin = "<tool_call>"
-  tool_separator = "\n"
-  call_end = "</tool_call>"
-  markers = (tool_begin, call_end)
+  markup = QWEN3
+  tool_begin, call_end = QWEN3.tools_begin, QWEN3.call_end
   # The object's head up to its arguments value (settled once a non-space char follows).
   _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 
@@ -279,9 +275,8 @@ class Llama3JsonParser(ChatOutputParser):
   several separated by ';' or newlines. Decided by the reply's first non-space text: any other
   reply is an answer (content); text after the calls is content too."""
 
-  family = "llama3_json"
-  tool_begin = "<|python_tag|>"
-  markers = (tool_begin,)
+  markup = LLAMA3_JSON
+  tool_begin = LLAMA3_JSON.tools_begin
   _ENDS = ("<|eom_id|>", "<|eot_id|>")   # if the server keeps them in the text
   _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:parameters|arguments)"'
                      r'\s*:\s*(?=\S)')
@@ -423,3 +418,18 @@ class _JsonScan:
       elif c == "," and self.depth == 0:
         return i
     return None
+
+
+_PARSERS = {p.markup.family: p for p in (KimiK2Parser, DeepSeekV3Parser, Qwen3Parser,
+                                         Llama3JsonParser, ThinkParser, PlainParser)}
+
+
+def make_parser(family: str, *, starts_in_reasoning: bool = False, tools_enabled: bool = False,
+                make_id: Callable[[], str] = random_call_id,
+                splitter: ReasoningSplitter | None = None) -> ChatOutputParser:
+  """A fresh parser for one request's output. Kimi's call ids are the model's own headers;
+  the others' come from `make_id`. `splitter`: one made with the marker ids (it then also
+  counts reasoning tokens), else one from the family's markup."""
+  markups.markup(family)   # ValueError naming the unknown family
+  return _PARSERS[family](starts_in_reasoning=starts_in_reasoning, tools_enabled=tools_enabled,
+                          make_id=make_id, splitter=splitter)

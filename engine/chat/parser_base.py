@@ -1,9 +1,11 @@
-"""The machinery under the chat output parsers (engine/service/chat_parsers.py): the deltas
-they return and the base parser, a state machine over the text not yet settled.
+"""The machinery under the chat output parsers (`parsers.py`): the deltas they return and the
+base parser, the reasoning splitter (`reasoning.py`) then a state machine over the answer text
+not yet settled.
 
 Text comes in as decoded deltas; each state consumes the buffer up to the earliest of its
 terminators, or all of it but a tail that could still begin one, so what is emitted never
-depends on where the deltas were cut. Families (chat_parser_families.py) add tool-call states.
+depends on where the deltas were cut. Families (`parsers.py`) add tool-call states, their
+markers read from their `markup.Markup`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import dataclasses
 import secrets
 from typing import Callable
 
-THINK_START, THINK_END = "<think>", "</think>"
+from engine.chat.markup import NONE, Markup
+from engine.chat.reasoning import ReasoningSplitter, partial_tail
+
 
 
 @dataclasses.dataclass
@@ -46,27 +50,26 @@ class _Call:
 
 
 class ChatOutputParser:
-  """Base: content and <think> reasoning; families add their tool-call states.
+  """Base: reasoning (the splitter) and content; families add their tool-call states.
 
-  `feed(text)` returns what the new text settles; `finish()` flushes the held-back tail.
-  `tool_calls` lists the calls closed so far in the OpenAI shape (after `finish()` also one
-  the output cut off).
+  `feed(text)` returns what the new text settles; `finish(truncated)` flushes the held-back
+  tail. `tool_calls` lists the calls closed so far in the OpenAI shape (after `finish()` also
+  one the end of the output cut off, unless `truncated`: an output cut by its token limit
+  inside a call has no half call, and its unfinished tool markup is no content).
   """
 
-  family = "none"
-  parses_think = False
-  tool_begin: str | None = None      # the marker that opens tool-call text in the content
-  tool_begin_variants: tuple[str, ...] = ()   # spellings a model also writes for it
-  reasoning_ends_at_tools = False    # Kimi: the tool section also closes the thought
-  tool_separator = ""                # written between content and the tool calls (Qwen: "\n")
-  markers: tuple[str, ...] = ()      # stripped from malformed leftovers
+  markup: Markup = NONE
 
   def __init__(self, *, starts_in_reasoning: bool = False, tools_enabled: bool = False,
-               make_id: Callable[[], str] = random_call_id):
+               make_id: Callable[[], str] = random_call_id,
+               splitter: ReasoningSplitter | None = None):
+    m = self.markup
+    self.splitter = splitter or ReasoningSplitter.for_markup(
+        m, starts_in_reasoning=starts_in_reasoning)
     self._buf = ""
-    self._state = "reasoning" if (starts_in_reasoning and self.parses_think) else "content"
-    self._tools = tools_enabled and self.tool_begin is not None
-    self._begins = ((self.tool_begin,) + self.tool_begin_variants) if self.tool_begin else ()
+    self._state = "content"
+    self._tools = tools_enabled and m.tools_begin is not None
+    self._begins = m.tool_begins
     self._make_id = make_id
     self._calls: list[_Call] = []
     self._open: _Call | None = None   # the call whose arguments are streaming
@@ -75,29 +78,42 @@ class ChatOutputParser:
     self._skip_space = False          # after tool-call text: its trailing whitespace is dropped
     self._out = ChatDelta()
     self._final = False
+    self._truncated = False
 
   # ---- public -------------------------------------------------------------------------------
 
   def feed(self, text: str) -> ChatDelta:
     if self._final:
       raise ValueError("feed after finish")
-    self._buf += text
+    reasoning, answer = self.splitter.feed(text)
+    self._out.reasoning += reasoning
+    self._buf += answer
     return self._run()
 
-  def finish(self) -> ChatDelta:
-    self._final = True
+  def finish(self, truncated: bool = False) -> ChatDelta:
+    reasoning, answer = self.splitter.finish()
+    self._out.reasoning += reasoning
+    self._buf += answer
+    self._final, self._truncated = True, truncated
     while self._step():
       pass
     self._abandon_block(at_end=True)
     leftover, self._buf = self._buf, ""
+    if truncated and self._tools and partial_tail(leftover, self._begins) == len(leftover):
+      leftover = ""   # a tool marker the limit cut in half
     if leftover and not (self._skip_space and not leftover.strip()):
-      self._emit_text(leftover)
+      self._out.content += leftover
     return self._take_out()
 
   @property
   def tool_calls(self) -> list[dict]:
     return [{"id": c.id, "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in self._calls]
+
+  @property
+  def in_tool_call(self) -> bool:
+    """Whether the text so far ends inside tool-call markup."""
+    return self._state != "content"
 
   # ---- machinery ----------------------------------------------------------------------------
 
@@ -122,18 +138,10 @@ class ChatOutputParser:
       i, t = best
       text, self._buf = self._buf[:i], self._buf[i + len(t):]
       return text, t
-    keep = 0 if self._final else _partial_tail(self._buf, terminators)
+    keep = 0 if self._final else partial_tail(self._buf, terminators)
     cut = len(self._buf) - keep
     text, self._buf = self._buf[:cut], self._buf[cut:]
     return text, None
-
-  def _emit_text(self, text: str) -> None:
-    if not text:
-      return
-    if self._state == "reasoning":
-      self._out.reasoning += text
-    else:
-      self._out.content += text
 
   def _emit_call_delta(self, index: int, *, id: str | None = None, name: str | None = None,
                        arguments: str = "") -> None:
@@ -150,8 +158,6 @@ class ChatOutputParser:
   def _step(self) -> bool:
     if self._state == "content":
       return self._content_step()
-    if self._state == "reasoning":
-      return self._reasoning_step()
     return self._tool_step()
 
   def _content_step(self) -> bool:
@@ -160,10 +166,8 @@ class ChatOutputParser:
       if not stripped and not self._final:
         return False
       self._buf, self._skip_space = stripped, False
-    terms = ((THINK_START,) if self.parses_think else ()) + (
-        self._begins if self._tools else ())
-    text, term = self._take_until(terms)
-    sep = self.tool_separator if self._tools else ""
+    text, term = self._take_until(self._begins if self._tools else ())
+    sep = self.markup.call_separator if self._tools else ""
     if sep and text.endswith(sep):
       if term is None and not self._final:   # it may turn out to be the separator
         self._buf = sep + self._buf
@@ -171,25 +175,8 @@ class ChatOutputParser:
       elif term in self._begins:
         text = text[:-len(sep)]
     self._out.content += text
-    if term == THINK_START:
-      self._state = "reasoning"
-    elif term is not None:
+    if term is not None:
       self._begin_tools()
-    return term is not None
-
-  def _reasoning_step(self) -> bool:
-    terms = (THINK_END, THINK_START) + (
-        self._begins if self.reasoning_ends_at_tools else ())
-    text, term = self._take_until(terms)
-    self._out.reasoning += text
-    if term == THINK_END:
-      self._state = "content"
-    elif term is not None and term != THINK_START:   # a repeated <think> is swallowed
-      self._state = "content"
-      if self._tools:
-        self._begin_tools()
-      else:
-        self._out.content += term
     return term is not None
 
   # ---- tool calls (families override _begin_tools / _tool_step) -----------------------------
@@ -239,16 +226,21 @@ class ChatOutputParser:
     A call already announced (its id and name were sent) stays a call, its arguments as far
     as they came, as the client has seen them; text never announced becomes content (at the
     end with the unconsumed rest), markers removed."""
-    if self._state in ("content", "reasoning"):
+    if self._state == "content":
       return
     raw = self._raw
     if self._open is not None:
-      self._close_call()
+      if at_end and self._truncated:
+        self._open = None   # cut by the token limit: no half call
+      else:
+        self._close_call()
       raw = ""
       if at_end:
         self._buf = ""    # only held-back trailing space (and Qwen's brace) is left
     elif at_end:
       raw, self._buf = raw + self._buf, ""
+      if self._truncated:
+        raw = ""          # a call the limit cut before its name: neither call nor content
     self._raw, self._open = "", None
     self._state, self._skip_space = "content", False
     raw = self._without_markers(raw)
@@ -256,22 +248,9 @@ class ChatOutputParser:
       self._out.content += raw
 
   def _without_markers(self, text: str) -> str:
-    for m in self.markers:
+    for m in self.markup.markers:
       text = text.replace(m, "")
     return text
 
   def _end_tools(self) -> None:
     self._state, self._raw, self._skip_space = "content", "", True
-
-
-def _partial_tail(buf: str, terminators: tuple[str, ...]) -> int:
-  """Length of the longest suffix of `buf` that is a proper prefix of a terminator."""
-  best = 0
-  for t in terminators:
-    for n in range(min(len(t) - 1, len(buf)), best, -1):
-      if buf.endswith(t[:n]):
-        best = n
-        break
-  return best
-
-

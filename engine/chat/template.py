@@ -6,19 +6,12 @@ same jinja2 sandbox and options, the same `tojson` / `raise_exception` / `strfti
 `reasoning_content` and `thinking`, the tokenizer's named special tokens as variables, and extra
 keyword arguments (Kimi's `thinking`, Qwen's `enable_thinking`) passed through.
 
-What this layer adds, as OpenAI servers do before rendering (vLLM's chat_utils):
-  * validation, with a ValueError naming the field (`messages[2].role`, `tools[0].function.name`);
-  * `developer` messages become `system` unless the template knows the role;
-  * list content: text parts joined with "\\n" for templates that read a string, kept as parts for
-    templates that loop over them; `{"type": "image"}` parts (images the serving edge took out,
-    `engine/service/images.py`) are kept for templates that loop over parts (Kimi's render
-    `<|media_begin|>image<|media_content|><|media_pad|><|media_end|>`) and refused by the
-    others; other part types are refused; a tool-call-only assistant turn gets empty content;
-  * a tool call's `arguments` JSON string is parsed for the template (`ToolArguments`, a dict
-    that still renders as the original text where a template concatenates it);
-  * Kimi K2.5-style templates (they read `tools_ts_str`) get their tools declared in its
-    TypeScript style, with the tool dicts key-sorted, and `thinking=True` unless given, as
-    that checkpoint's tokenizer does.
+What this adds, as OpenAI servers do before rendering: the validation and shaping of
+`messages.py` (errors name the field, `messages[2].role`); for templates that write Kimi's tool
+markup, other clients' tool-call ids renamed to Kimi's `functions.NAME:IDX`
+(`messages.kimi_call_ids`); and Kimi K2.5-style templates (they read `tools_ts_str`) get
+their tools declared in its TypeScript style (`tool_declaration_ts.py`), with the tool dicts
+key-sorted, and `thinking=True` unless given, as that checkpoint's tokenizer does.
 """
 
 from __future__ import annotations
@@ -32,10 +25,13 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.model import tool_declaration_ts
+from engine.chat import tool_declaration_ts
+from engine.chat.markup import family_of_template, markup
+from engine.chat.messages import kimi_call_ids, prepare_messages, validate_tools
 
 TEMPLATE_FILE = "chat_template.jinja"
 LEGACY_TEMPLATE_FILE = "chat_template.json"
@@ -44,10 +40,6 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
-ROLES = ("system", "developer", "user", "assistant", "tool")
-# Markers that tell which output parser a template's model needs (engine/service/chat_parsers).
-_FAMILY_MARKERS = (("<|tool_calls_section_begin|>", "kimi_k2"),
-                   ("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<tool_call>", "qwen3"))
 
 
 _REQUEST_FIELD = re.compile(r"(messages|tools|tool_choice|documents)(\[\d+\])*(\.\w+)*: ")
@@ -55,24 +47,6 @@ _REQUEST_FIELD = re.compile(r"(messages|tools|tool_choice|documents)(\[\d+\])*(\
 
 class ChatTemplateError(ValueError):
   """The template itself refused the conversation (its `raise_exception`) or failed on it."""
-
-
-class ToolArguments(dict):
-  """A tool call's parsed `arguments`: a dict for templates that read or `tojson` it, and the
-  original JSON text where a template concatenates or prints it (DeepSeek V3.1 does)."""
-
-  def __init__(self, parsed: dict, text: str):
-    super().__init__(parsed)
-    self.text = text
-
-  def __str__(self) -> str:
-    return self.text
-
-  def __add__(self, other):
-    return self.text + other if isinstance(other, str) else NotImplemented
-
-  def __radd__(self, other):
-    return other + self.text if isinstance(other, str) else NotImplemented
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -188,6 +162,7 @@ class ChatTemplate:
     self.special_tokens = dict(special_tokens or {})
     self.source = source
     self._compiled: dict[str, tuple[jinja2.Template, bool]] = {}
+    self._variables: dict[str, frozenset[str]] = {}
 
   # ---- loading ------------------------------------------------------------------------------
 
@@ -239,12 +214,22 @@ class ChatTemplate:
 
   @property
   def family(self) -> str | None:
-    """The output parser family the default template's tool markup implies, or None."""
-    text = "\n".join(self.templates.values())
-    for marker, family in _FAMILY_MARKERS:
-      if marker in text:
-        return family
-    return None
+    """The output parser family the templates' tool markup implies, or None."""
+    return family_of_template("\n".join(self.templates.values()))
+
+  def variables(self, tools: list | None = None) -> frozenset[str]:
+    """The variables the template (for these tools) reads from its context."""
+    source = self.template_for(tools)
+    if source not in self._variables:
+      self._variables[source] = frozenset(jinja2.meta.find_undeclared_variables(
+          _ENV.parse(source)))
+    return self._variables[source]
+
+  @property
+  def kimi_k25_style(self) -> bool:
+    """Templates that read `tools_ts_str` (Kimi K2.5): TypeScript tool declarations, thinking
+    on unless told otherwise, as that checkpoint's tokenizer renders them."""
+    return "tools_ts_str" in self.template_for(None)
 
   def render(self, messages: list[dict], *, tools: list[dict] | None = None,
              add_generation_prompt: bool = True, documents: list[dict] | None = None,
@@ -256,6 +241,10 @@ class ChatTemplate:
     if documents is not None and not (isinstance(documents, list)
                                       and all(isinstance(d, dict) for d in documents)):
       raise ValueError("documents: must be a list of objects")
+    family = family_of_template(source)
+    id_format = markup(family).call_id_format if family else None
+    if id_format:   # the ids the template echoes are the model's own form
+      messages = kimi_call_ids(messages, id_format)
     chat = prepare_messages(messages, reads_parts=reads_parts,
                             knows_developer="developer" in source)
     kwargs = {**self.special_tokens, **template_kwargs}
@@ -363,137 +352,6 @@ def _plain_ids(tokenizer: Any, text: str) -> list[int]:
     raise ValueError(f"messages: {text!r} is a control token this tokenizer cannot encode as "
                      "plain text")
   return ids
-
-
-# ---- input validation and shaping -----------------------------------------------------------
-
-def validate_tools(tools: Any) -> list[dict] | None:
-  """OpenAI `tools`: [{"type": "function", "function": {"name", "description"?,
-  "parameters"?}}]; returned as given (None stays None)."""
-  if tools is None:
-    return None
-  if not isinstance(tools, list):
-    raise ValueError("tools: must be a list")
-  for i, tool in enumerate(tools):
-    where = f"tools[{i}]"
-    if not isinstance(tool, dict):
-      raise ValueError(f"{where}: must be an object")
-    if tool.get("type", "function") != "function":
-      raise ValueError(f"{where}.type: only 'function' tools are supported")
-    fn = tool.get("function")
-    if not isinstance(fn, dict):
-      raise ValueError(f"{where}.function: must be an object")
-    name = fn.get("name")
-    if not isinstance(name, str) or not name.strip():
-      raise ValueError(f"{where}.function.name: must be a non-empty string")
-    if fn.get("description") is not None and not isinstance(fn["description"], str):
-      raise ValueError(f"{where}.function.description: must be a string")
-    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-      raise ValueError(f"{where}.function.parameters: must be an object (a JSON schema)")
-  return tools
-
-
-def prepare_messages(messages: Any, *, reads_parts: bool = False,
-                     knows_developer: bool = False) -> list[dict]:
-  """Validated copies of the messages in the shape templates read (module docstring)."""
-  if not isinstance(messages, list) or not messages:
-    raise ValueError("messages: must be a non-empty list")
-  out = []
-  for i, message in enumerate(messages):
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-      raise ValueError(f"{where}: must be an object")
-    msg = {k: v for k, v in message.items() if v is not None}  # as transformers does
-    role = msg.get("role")
-    if role not in ROLES:
-      raise ValueError(f"{where}.role: must be one of {', '.join(ROLES)} (got {role!r})")
-    if role == "developer" and not knows_developer:
-      msg["role"] = "system"
-    if "content" in msg:
-      msg["content"] = _content(msg["content"], f"{where}.content", reads_parts)
-    elif role != "assistant":
-      raise ValueError(f"{where}.content: required for a {role} message")
-    for key in ("name", "tool_call_id", "reasoning_content", "thinking", "reasoning"):
-      if key in msg and not isinstance(msg[key], str):
-        raise ValueError(f"{where}.{key}: must be a string")
-    if role == "tool" and "tool_call_id" in msg and not msg["tool_call_id"]:
-      raise ValueError(f"{where}.tool_call_id: must not be empty")
-    if "tool_calls" in msg:
-      if role != "assistant":
-        raise ValueError(f"{where}.tool_calls: only assistant messages make tool calls")
-      msg["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
-    elif role == "assistant" and "content" not in msg:
-      raise ValueError(f"{where}.content: required unless the message has tool_calls")
-    if "content" not in msg:
-      # A tool-call-only turn (OpenAI sends content null): empty, as vLLM gives it, since
-      # templates such as Qwen3's call string methods on it.
-      msg["content"] = [] if reads_parts else ""
-    # transformers 5.x: reasoning under any of its names is given as reasoning_content and
-    # thinking (gpt-oss templates read the latter).
-    reasoning = next((msg[k] for k in ("reasoning_content", "thinking", "reasoning")
-                      if k in msg), None)
-    if reasoning is not None:
-      msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
-    out.append(msg)
-  return out
-
-
-def _content(content: Any, where: str, reads_parts: bool) -> str | list[dict]:
-  if isinstance(content, str):
-    return content
-  if not isinstance(content, list):
-    raise ValueError(f"{where}: must be a string or a list of content parts")
-  parts = []
-  for j, part in enumerate(content):
-    if not isinstance(part, dict):
-      raise ValueError(f"{where}[{j}]: must be an object")
-    if part.get("type") == "image":  # an image the edge took out (engine/service/images.py)
-      if not reads_parts:
-        raise ValueError(f"{where}[{j}]: this model's chat template renders no images")
-      parts.append({"type": "image"})
-      continue
-    if part.get("type") != "text":
-      raise ValueError(f"{where}[{j}].type: only 'text' parts (and images, given to the "
-                       f"serving API) are supported "
-                       f"(got {part.get('type')!r})")
-    if not isinstance(part.get("text"), str):
-      raise ValueError(f"{where}[{j}].text: must be a string")
-    parts.append({"type": "text", "text": part["text"]})
-  if reads_parts:
-    return parts
-  return "\n".join(p["text"] for p in parts)
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict]:
-  if not isinstance(calls, list):
-    raise ValueError(f"{where}: must be a list")
-  out = []
-  for k, call in enumerate(calls):
-    w = f"{where}[{k}]"
-    if not isinstance(call, dict):
-      raise ValueError(f"{w}: must be an object")
-    call = {key: v for key, v in call.items() if v is not None}
-    if call.get("type", "function") != "function":
-      raise ValueError(f"{w}.type: only 'function' calls are supported")
-    if "id" in call and not isinstance(call["id"], str):
-      raise ValueError(f"{w}.id: must be a string")
-    fn = call.get("function")
-    if not isinstance(fn, dict):
-      raise ValueError(f"{w}.function: must be an object")
-    if not isinstance(fn.get("name"), str) or not fn["name"]:
-      raise ValueError(f"{w}.function.name: must be a non-empty string")
-    args = fn.get("arguments", {})
-    if isinstance(args, str):
-      try:
-        parsed = json.loads(args)
-      except ValueError:
-        parsed = None   # not JSON: templates get the text as it is
-      if isinstance(parsed, dict):
-        args = ToolArguments(parsed, args)
-    elif not isinstance(args, dict):
-      raise ValueError(f"{w}.function.arguments: must be a JSON string or an object")
-    out.append({**call, "type": "function", "function": {**fn, "arguments": args}})
-  return out
 
 
 # ---- files ----------------------------------------------------------------------------------

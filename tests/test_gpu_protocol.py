@@ -1,0 +1,234 @@
+"""The GPU protocol (`bench/gpu_check.sh`, `bench/protocol/`) on the CPU: a subset of its dry
+run end to end (every stage's first case at toy shapes, the Mosaic GPU kernels interpreted,
+their first GPU program lowered for CUDA), the stage machinery (a stage cut at its limit keeps
+its rows and the next one runs; a spent budget writes skip rows), the rows' fractions, the
+summary's size, the SASS counts, and the benches' random weights."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import summarize
+from bench.decode_profile import random_params_on_device
+from bench.expert_bytes import INT4, KIMI_K25_TEXT
+from bench.protocol import k25_slice, rows, sass
+from engine.model.config import config_from_dict
+from model_configs import CONFIGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOUR_FILES = {"run.log", "results.jsonl", "raw.tgz", "summary.md"}
+
+
+def _gpu_check(out, **env):
+  env = {**os.environ, "OUT": str(out), "PY": sys.executable, "TORCH_PY": sys.executable,
+         "PYTHONPATH": ROOT, **env}
+  return subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh")], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
+
+
+def _rows(out):
+  return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_dry_run_subset_runs_every_stage_and_writes_the_four_files(tmp_path):
+  r = _gpu_check(tmp_path, DRY_RUN="1", QUICK="1", COMMIT="abc1234")
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert set(os.listdir(tmp_path)) == FOUR_FILES
+  got = _rows(tmp_path)
+  stages = ["ceilings", "int4", "k25_slice", "mla", "experts", "peers"]
+  assert [x["stage"] for x in got if x["impl"] == "stage_end"] == stages
+  assert all(x["commit"] == "abc1234" and x["dry_run"] is True for x in got)
+  labelled = [x for x in got if x["impl"] != "stage_end" and x["stage"] != "peers"]
+  assert all(x["jax"] == jax.__version__ and x["device"] for x in labelled)
+  by = {(x["stage"], x["impl"]): x for x in got}
+  ceil = {k: by[("ceilings", k)] for k in ("xla_copy", "xla_read", "xla_matmul_bf16")}
+  assert all(c["us"] > 0 for c in ceil.values()) and ceil["xla_matmul_bf16"]["tflops"] > 0
+  # The kernels ran (interpreted) and match their references; fractions of this run's ceilings.
+  for stage in ("int4", "experts", "mla"):
+    k = by[(stage, "mosaic_gpu")]
+    assert k["rel_err_vs_reference"] < 2e-2, k
+    ceiling = max(ceil["xla_copy"]["gbps"], ceil["xla_read"]["gbps"])
+    assert k["frac_ceiling"] == pytest.approx(k["bytes"] / k["us"] / 1e3 / ceiling)
+  slice_rows = [x for x in got if x["stage"] == "k25_slice" and "kind" in x]
+  assert {x["kind"] for x in slice_rows} == {"decode", "prefill"}
+  assert all(x["us"] > 0 and x["compile_s"] > 0 and x["flops"] > 0 for x in slice_rows)
+  # Each stage's first real-shape GPU program lowers for CUDA with its Mosaic GPU kernels.
+  exports = [x for x in got if x["impl"] == "cuda_export"]
+  assert {x["stage"] for x in exports} == {"int4", "k25_slice", "mla", "experts"}
+  assert all(x.get("mosaic_calls", 0) >= 1 for x in exports), exports
+  peers = [x for x in got if x["stage"] == "peers" and x["impl"] != "stage_end"]
+  assert peers and all(x.get("skipped") or x.get("us") or x.get("error") for x in peers)
+  summary = (tmp_path / "summary.md").read_text()
+  assert len(summary) < 10_000 and "## int4" in summary and "## k25_slice" in summary
+  assert summary.strip() in r.stdout and r.stdout.rstrip().endswith("every stage wrote a row")
+  assert "kernels: attention=reference moe=reference" in (tmp_path / "run.log").read_text()
+
+
+FAKE_PY = """#!/usr/bin/env bash
+# A stage that writes one row, then hangs past its limit; every other command runs as is.
+if [[ "$*" == *bench.protocol.ceilings* ]]; then
+  exec {py} -c 'import sys, time; from bench.protocol.rows import Recorder
+Recorder(sys.argv[1], "ceilings").row("xla_copy", us=10.0, bytes=10_000_000)
+time.sleep(60)' "$OUT"
+fi
+exec {py} "$@"
+"""
+
+
+def test_a_stage_cut_at_its_limit_keeps_its_rows_and_the_next_stage_runs(tmp_path):
+  fake = tmp_path / "py"
+  fake.write_text(FAKE_PY.format(py=sys.executable))
+  fake.chmod(0o755)
+  out = tmp_path / "out"
+  r = _gpu_check(out, STAGES="ceilings,peers", LIMITS="ceilings:3", PY=str(fake),
+                 TORCH_PY=str(fake))
+  assert r.returncode == 0, r.stdout[-2000:]
+  assert set(os.listdir(out)) == FOUR_FILES
+  got = _rows(out)
+  assert got[0]["impl"] == "xla_copy" and got[0]["gbps"] == pytest.approx(1000.0)
+  end = [x for x in got if x["impl"] == "stage_end"]
+  assert [(x["stage"], x["rc"], x["rows"]) for x in end] == [("ceilings", 124, 1),
+                                                              ("peers", 0, 1)]
+  assert any(x["stage"] == "peers" and x.get("skipped") for x in got)
+  # A budget already spent: every stage writes its skip row, and that counts as its row.
+  out2 = tmp_path / "out2"
+  r = _gpu_check(out2, STAGES="ceilings,mla", BUDGET_S="20")
+  assert r.returncode == 0, r.stdout[-2000:]
+  assert [x["stage"] for x in _rows(out2) if "budget" in x.get("skipped", "")] == ["ceilings",
+                                                                                   "mla"]
+
+
+def test_a_stage_without_rows_fails_the_run(tmp_path):
+  (tmp_path / rows.RESULTS).write_text(json.dumps(
+      {"stage": "mla", "impl": "mosaic_gpu", "error": "OOM"}) + "\n{torn")
+  assert rows.missing(str(tmp_path), ["mla", "peers"]) == ["mla", "peers"]
+  assert rows.main(["check", str(tmp_path), "mla,peers"]) == 1
+  rows.Recorder(str(tmp_path), "peers").skip("torch not importable")
+  assert rows.missing(str(tmp_path), ["mla", "peers"]) == ["mla"]
+
+
+def test_rows_carry_fractions_of_the_same_runs_ceilings(tmp_path):
+  rec = rows.Recorder(str(tmp_path), "ceilings")
+  rec.row("xla_copy", us=1000.0, bytes=3_000_000_000)  # 3,000 GB/s read + write
+  rec.row("xla_read", us=1000.0, bytes=4_000_000_000)  # 4,000 GB/s
+  rec.row("xla_matmul_bf16", us=1000.0, flops=800_000_000_000)  # 800 TFLOP/s
+  k = rows.Recorder(str(tmp_path), "int4").row("mosaic_gpu", us=100.0, bytes=200_000_000,
+                                               flops=40_000_000_000)
+  assert k["gbps"] == pytest.approx(2000.0)
+  assert k["frac_ceiling"] == pytest.approx(0.5) and k["frac_copy"] == pytest.approx(2 / 3)
+  assert k["tflops"] == pytest.approx(400.0) and k["frac_matmul"] == pytest.approx(0.5)
+  assert len(rows.read_rows(str(tmp_path))) == 4
+
+
+def test_summary_stays_under_the_output_limit(tmp_path):
+  rec = rows.Recorder(str(tmp_path), "mla")
+  for i in range(400):
+    rec.row("mosaic_gpu", f"B={i} ctx=4096 h=8 T=1 page=64", us=10.0 + i, bytes=10 ** 7)
+  text = summarize.summary(str(tmp_path))
+  assert len(text) <= summarize.LIMIT + 1 and "## mla" in text
+
+
+SASS = """ptxas info    : Compiling entry function 'body_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Used 168 registers, 40 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads
+	.headerflags	@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+//--------------------- .text.body_mosaic_gpu_kernel --------------------------
+	.section	.text.body_mosaic_gpu_kernel,"ax",@progbits
+	.sectioninfo	@"SHI_REGISTERS=168"
+.text.body_mosaic_gpu_kernel:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 HGMMA.64x8x16.F32.BF16 gdesc[UR4], RZ, !UPT ;
+        /*0020*/                   LOP3.LUT R2, R3, 0xf, RZ, 0xc0, !PT ;
+        /*0030*/                   LOP3.LUT R4, R3, 0xf0, RZ, 0xc0, !PT ;
+        /*0040*/                   STS.128 [R5], R6 ;
+        /*0050*/                   HFMA2.BF16_V2 R7, R8, R9, -RZ ;
+        /*0060*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+"""
+
+
+def test_sass_counts_opcode_families_and_ptxas_reports():
+  second = SASS.replace("LOP3.LUT R4", "PRMT R4").split("\t.headerflags", 1)[1]
+  r, r2 = sass.summarize(SASS + "\t.headerflags" + second)  # the same kernel compiled twice
+  assert r["module"] == "body_mosaic_gpu_kernel#1" and r2["module"].endswith("#2")
+  assert r["instructions"] == 7 and r2["top_opcodes"][0][1] == 1
+  assert r["families"]["mma"] == 1 and r["families"]["bit_ops"] == 2
+  assert r["families"]["smem_store"] == 1 and r["families"]["bf16x2_math"] == 1
+  assert r["families"]["barrier"] == 1 and r["top_opcodes"][0] == ("LOP3", 2)
+  assert r["registers"] == 168 and r["spill_store_bytes"] == 8
+
+
+def test_random_weights_integer_leaves_are_random_bits_not_zeros():
+  cfg = dataclasses.replace(config_from_dict(dict(
+      CONFIGS["deepseek_v3"], hidden_size=128, moe_intermediate_size=128, num_hidden_layers=3)),
+      int4=INT4)
+  params = random_params_on_device(cfg, jnp.bfloat16, share_layers=True)
+  packed = np.asarray(params["layers"][1]["moe"]["experts"]["gate"].packed)
+  assert packed.dtype == np.uint8 and packed.size > 10_000
+  assert np.mean(packed == 0) < 0.02  # a float cast to uint8 made ~all of them 0
+  nibbles = np.concatenate([packed & 0xF, packed >> 4]).ravel()
+  counts = np.bincount(nibbles, minlength=16)
+  assert counts.min() > 0.8 * nibbles.size / 16  # every value about equally likely
+  # Shared across layers of a kind, never across kinds.
+  layers = params["layers"]
+  assert layers[2]["moe"]["experts"]["gate"].packed is layers[1]["moe"]["experts"]["gate"].packed
+  assert layers[2]["attn"]["kv_a"] is layers[0]["attn"]["kv_a"]
+  fp8 = random_params_on_device(dataclasses.replace(cfg, int4=None, fp8_experts=(128, 128)),
+                                jnp.bfloat16)  # (not shared: each layer its own)
+  assert fp8["layers"][2]["attn"]["kv_a"] is not fp8["layers"][0]["attn"]["kv_a"]
+  w = np.asarray(fp8["layers"][1]["moe"]["experts"]["up"].w.astype(jnp.float32))
+  assert np.isfinite(w).all() and np.mean(w == 0) < 0.05
+
+
+def test_forward_flops_of_the_kimi_k25_slice():
+  # One decode token over no context: twice the active matmul weights, from the published
+  # sizes (billions): attention 6.17, dense MLP 0.40, shared experts 2.64, routers 0.17, head
+  # 1.17, and 8 of 384 routed experts of 1014.69 (the embedding is a lookup, not a matmul).
+  cfg = k25_slice.slice_config(61, toy=False)
+  flops = k25_slice.forward_flops(cfg, 1, 1, 0, 1)
+  active = (6.169 + 0.396 + 2.642 + 0.165 + 1.174 + 1014.686 * 8 / 384) * 1e9
+  assert flops == pytest.approx(2 * active, rel=2e-3)
+  # A prefill chunk: tokens x that, plus causal attention over the latent (576 + 512 per key).
+  f = k25_slice.forward_flops(cfg, 1, 8192, 0, 1)
+  attn = 2 * 8192 * 64 * (576 + 512) * (8192 + 1) / 2 * 61
+  assert f == pytest.approx(8192 * (flops - 2 * 7168 * 163840) + 2 * 7168 * 163840 + attn,
+                            rel=1e-3)
+
+
+def test_protocol_imports_only_what_the_gpu_image_has():
+  # The device image lacks the serving stack's packages; the stages must not need them.
+  blocked = ["llguidance", "starlette", "uvicorn", "grpc", "prometheus_client",
+             "grpc_health", "grpc_reflection", "orbax", "torch"]
+  code = textwrap.dedent(f"""
+      import sys
+      for name in {blocked!r}:
+        sys.modules[name] = None
+      import bench.protocol.ceilings, bench.protocol.experts, bench.protocol.k25_slice
+      import bench.protocol.mla, bench.protocol.peers, bench.summarize
+  """)
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                     env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_k25_projection_prices_the_busiest_device_and_the_verify():
+  from bench import k25_projection as proj
+  # The busiest of 8 devices holds ~2.56 of a token's 8 experts; a 4-token verify's 31
+  # distinct experts put ~6.7 on it (gpu-plan section 5.1's Monte Carlo, checked here).
+  assert proj.busiest_device_experts(1).mean() == pytest.approx(2.56, abs=0.05)
+  assert proj.busiest_device_experts(4).mean() == pytest.approx(6.71, abs=0.08)
+  assert proj.busiest_device_experts(4, balanced=True).mean() == pytest.approx(31.0 / 8, abs=0.05)
+  # Today's W4A16 rate model reproduces the first GPU run's 275 us for 8 experts.
+  assert proj.int4_kernel_today_s(np.array([8.0])) == pytest.approx(275e-6, rel=0.02)
+  assert proj.other_bytes_per_device() == pytest.approx(3.26e9, rel=0.01)
+  rows = proj.project(proj.TARGETS, [1.5, 3.0], 4.3e12, 8192, tau=3.0, drafts=3, draft_gb=0.41,
+                      draft_overhead_ms=0.15)
+  assert rows[0]["tok_s"] > rows[1]["tok_s"]  # more overhead, fewer tokens
+  for r in rows:  # a verify costs more than a step, so speculation gains less than tau
+    assert r["verify_ms"] > 1.3 * r["step_ms"] and r["tok_s"] < r["spec_tok_s"] < 3 * r["tok_s"]
