@@ -13,6 +13,7 @@ against Mosaic's `TiledLayout`s) and its lowering; `bench/int4_gpu_check.py` che
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,37 @@ def test_register_plan_matches_mosaic_layouts():
             assert got == (row, layout.k_column(stored)), (t, c, rh, b, half)
             seen.add((c, *got))
   assert len(seen) == 4 * 64 * 64  # every element of the 4 chunks, once
+
+
+def _lop3(a, b, c, lut):
+  """PTX lop3.b32 on uint32 arrays: bit = lut[(a << 2) | (b << 1) | c] per bit position."""
+  out = np.zeros_like(a)
+  for bit in range(32):
+    idx = ((a >> bit) & 1) << 2 | ((b >> bit) & 1) << 1 | ((c >> bit) & 1)
+    out |= ((np.uint32(lut) >> idx) & 1) << bit
+  return out
+
+
+def test_register_conversion_ptx_is_compressed_tensors_product():
+  # `_CONVERT_PAIR` emulated instruction by instruction on every word of 8 nibbles a shift
+  # leaves (all 16 x 16 low/high nibble pairs) and a range of bf16 scales: the pair must be
+  # (nibble - 8) * scale rounded to bf16 once, exactly `dequantize`'s product.
+  ptx = layout._CONVERT_PAIR
+  consts = [int(v, 16) for v in re.findall(r"0x[0-9A-Fa-f]+", ptx)]
+  magic, mask, lut, bias = consts  # mov k, lop3 mask, lop3 lut, mov k (in program order)
+  assert "lop3.b32 q, $1, " in ptx and "sub.bf16x2 q, q, k" in ptx and "mul.rn.bf16x2" in ptx
+  lo, hi = np.meshgrid(np.arange(16, dtype=np.uint32), np.arange(16, dtype=np.uint32))
+  word = (lo | hi << 16 | np.uint32(0xABC0_DEF0)).reshape(-1)  # junk in the other nibbles
+  q = _lop3(word, np.uint32(mask), np.uint32(magic), lut)
+  halves = np.stack([q & 0xFFFF, q >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16)
+  b = np.uint16(bias & 0xFFFF).view(ml_dtypes.bfloat16)
+  assert bias >> 16 == bias & 0xFFFF
+  diff = (halves.astype(np.float32) - np.float32(b)).astype(ml_dtypes.bfloat16)  # exact
+  for scale in np.asarray([1.0, -0.5, 3.0e-3, 7.1e-5, 1.37], ml_dtypes.bfloat16):
+    got = (diff.astype(np.float32) * np.float32(scale)).astype(ml_dtypes.bfloat16)
+    want = ((np.stack([lo.reshape(-1), hi.reshape(-1)], -1).astype(np.int32) - 8)
+            .astype(ml_dtypes.bfloat16) * scale).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 def test_permute_k_is_the_plan_order():

@@ -65,7 +65,7 @@ class W4A16Config:
   the split choice; partial_budget: bytes of f32 partials allowed; splits: a fixed K split
   count (0: chosen per call; the sweep and tests force it)."""
   block_k: int = 256
-  max_stages: int = 4
+  max_stages: int = 8
   num_sms: int = 132
   max_splits: int = 8
   a_operand: str = "registers"
