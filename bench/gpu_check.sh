@@ -5,6 +5,7 @@
 # Sized to finish within one device call (600 s) on one H200, compilation included; each stage
 # has its own time limit and a failing stage does not stop the others. Writes JSON per stage and
 # $OUT/summary.md (a markdown table per stage) for BENCHMARKS.md.
+#   0. the W4A16 expert kernel alone (bench.int4_gpu_check: STAGES=int4_w4a16)
 #   1. compiled kernels vs references (bench.kernel_check)        exit status = correctness
 #   2. kernel benchmarks with measured copy bandwidth / matmul rate (attention, MoE); the
 #      quantized expert kernels (W4A16 INT4, W8A16 FP8) at Kimi K2.5 decode shapes (384 experts,
@@ -39,8 +40,8 @@ KERNELS=${KERNELS:-mosaic_gpu}
 BUDGET_S=${BUDGET_S:-570}   # whole script, summary included; the device tool stops at 600 s
 STAGES=${STAGES:-}          # comma-separated stage names; empty = every stage
 # Every stage in order with its limit when all run (keep in step with the calls below).
-ORDER="kernel_check:120 attention:90 moe:90 quant_experts:120 sampling:30 e2e_kernels:150 e2e_reference:60
-verify_cost:90 speculative:120 dispatch:60 spec_serving:150"
+ORDER="int4_w4a16:300 kernel_check:120 attention:90 moe:90 quant_experts:120 sampling:30 e2e_kernels:150
+e2e_reference:60 verify_cost:90 speculative:120 dispatch:60 spec_serving:150"
 status=0
 selected() { [ -z "$STAGES" ] || [[ ",$STAGES," == *",$1,"* ]]; }
 later_limits() {  # the limits of the selected stages after $1
@@ -76,6 +77,9 @@ stage() {  # stage NAME SECONDS COMMAND...
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 git rev-parse HEAD 2>/dev/null > "$OUT/commit.txt"
+# The W4A16 expert kernel (issue 52): correctness, sweep and per-kernel times at K2.5 shapes,
+# SASS counts; rows in $OUT/results.jsonl (bench/int4_gpu_check.py).
+stage int4_w4a16 300 $PY -m bench.int4_gpu_check "$OUT"
 stage kernel_check 120 $PY -m bench.kernel_check --out="$OUT/kernel_check.json"
 stage attention 90 $PY -m bench.attention_kernels --out "$OUT/attention.json"
 stage moe 90 $PY -m bench.moe_kernels --out "$OUT/moe.json" --tokens 1 8 64 512 8192
