@@ -150,8 +150,7 @@ def expert_matmul(act: jax.Array, weights: Sequence[Int4Weight], slot_expert: ja
 
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == 2)
-    def _producer():
+    def producer():
       plgpu.set_max_registers(40, action="decrease")
 
       def unit(i, t):
@@ -186,8 +185,7 @@ def expert_matmul(act: jax.Array, weights: Sequence[Int4Weight], slot_expert: ja
       def _drain(t):
         plgpu.barrier_wait(empty.at[lax.rem(t, stages)])
 
-    @pl.when(wg < 2)
-    def _consumer():
+    def consumer():
       plgpu.set_max_registers(232, action="increase")
       rows_wg = pl.ds(wg * ROWS, ROWS)
 
@@ -249,6 +247,9 @@ def expert_matmul(act: jax.Array, weights: Sequence[Int4Weight], slot_expert: ja
 
       lax.fori_loop(0, local_units, unit, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
+
+    # One if/else of the two roles: what ptxas needs to honour setmaxnreg (HOPPER.md).
+    lax.cond(wg == 2, producer, consumer)
 
   if final:
     out_dtype = act.dtype if nw == 2 else jnp.float32
