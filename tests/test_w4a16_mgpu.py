@@ -280,3 +280,14 @@ def test_lowers_for_cuda_at_kimi_shapes(t, e, offset, a_operand):
       s((t, KIMI_H), jnp.bfloat16), s((t, KIMI_K), jnp.float32), s((t, KIMI_K), jnp.int32),
       _spec(e, KIMI_H, KIMI_I), _spec(e, KIMI_H, KIMI_I), _spec(e, KIMI_I, KIMI_H))
   assert calls.count(MOSAIC_CALL) == 2, calls  # gate/up (+ SwiGLU), down
+
+
+def test_gpu_check_sweeps_configurations_the_kernel_takes():
+  # `bench/int4_gpu_check.py` runs on a GPU without a second chance: every configuration it
+  # sweeps must exist and pass the kernel's own checks at K2.5 shapes (its dry run lowers each).
+  from bench import int4_gpu_check
+  ws = (_spec(384, KIMI_H, KIMI_I), _spec(384, KIMI_H, KIMI_I), _spec(384, KIMI_I, KIMI_H))
+  for changes in int4_gpu_check.sweep(real=True) + int4_gpu_check.SWEEP_T8:
+    cfg = int4_mlp_mgpu.Int4Config(**changes)
+    assert int4_mlp_mgpu.problem(jnp.bfloat16, *ws, cfg) is None, changes
+  assert {"a_operand": "smem"} in int4_gpu_check.sweep(real=True)
