@@ -86,11 +86,12 @@ def _matmul(act, ws, slot_expert, used, nt, cfg):
   slots, k = act.shape[0] // nt, act.shape[1]
   n, nw, group = ws[0].shape[2], len(ws), ws[0].group
   bound = max_splits(slots, nw, n, nt, k, _k_step(k, cfg))
-  cfg = fit_config(k, nt, nw, group, bound == 1, cfg)
+  final = bound == 1
+  cfg = fit_config(k, nt, nw, group, final, cfg)  # (may shorten the K step: SMEM)
   for w in ws:
     w4a16_mgpu.check(act.dtype, w, nt, cfg)
-  bound = max_splits(slots, nw, n, nt, k, cfg)
-  if bound == 1:
+  bound = 1 if final else min(bound, max_splits(slots, nw, n, nt, k, cfg))
+  if final:
     sched = jnp.stack([used, jnp.int32(1)]).astype(jnp.int32)
     return w4a16_mgpu.expert_matmul(act, ws, slot_expert, sched, nt, cfg, final=True), True
   if cfg.splits:
