@@ -47,6 +47,9 @@ def _note(r: dict) -> str:
   for key in ("error", "skipped"):
     if r.get(key):
       return f"{key}: {str(r[key])[:90]}"
+  if "mismatches" in r:  # (the W4A16 register plan's bitwise check)
+    return "bitwise" if r["mismatches"] == 0 else f"{r['mismatches']} mismatches, max diff " \
+        f"{_f(r.get('max_abs_diff'), 2)}"
   for key in ("rel_err_vs_reference", "rel_err_vs_default"):
     if key in r:
       return f"{key.replace('rel_err_vs_', 'err vs ')} {_f(r[key], 2)}"
@@ -54,7 +57,8 @@ def _note(r: dict) -> str:
 
 
 def _timed(r: dict) -> bool:
-  return r.get("impl") not in ("cuda_export", "sass", "env", "weights", "pool", "stage_end")
+  return r.get("impl") not in ("cuda_export", "sass", "env", "weights", "pool", "stage_end",
+                               "summary")
 
 
 def _by_kind(r: dict, kind: str) -> str:
@@ -97,10 +101,15 @@ def sections(rows: list[dict]) -> list[str]:
                  ("call us", lambda r: _f(r.get("call_us"))),
                  ("GB/s", lambda r: _f(r.get("gbps"))),
                  ("% ceil", lambda r: _pct(r.get("frac_ceiling"))), ("note", _note)]
+  int4_cols = expert_cols[:4] + [("gate/up us", lambda r: _f(r.get("gate_up_us"))),
+                                 ("down us", lambda r: _f(r.get("down_us")))] + expert_cols[4:]
   for stage in ("int4", "experts"):
     rs = [r for r in by_stage.get(stage, []) if _timed(r)]
     if rs:
-      out.append(f"## {stage}\n" + table(rs, expert_cols))
+      end = next((r for r in by_stage[stage] if r.get("impl") == "summary"), None)
+      out.append(f"## {stage}\n" + table(rs, int4_cols if stage == "int4" else expert_cols) +
+                 (f"\nplan bitwise {end.get('plan_bitwise')}, timed as {end.get('timed')}"
+                  if end else ""))
     sass = [r for r in by_stage.get(stage, []) if r.get("impl") == "sass"]
     if sass:
       fam = lambda r, k: _f((r.get("families") or {}).get(k))

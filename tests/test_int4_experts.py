@@ -57,7 +57,7 @@ def _assert_packed(params):
   for name, (k, n) in (("gate", (H, IM)), ("up", (H, IM)), ("down", (IM, H))):
     w = experts[name]
     assert isinstance(w, Int4Weight), name
-    assert w.packed.dtype == jnp.uint8 and w.packed.shape == (E, k // 2, n), name
+    assert w.packed.dtype == jnp.uint8 and w.packed.shape == (E, n, k // 2), name
     assert w.scale.dtype == jnp.bfloat16 and w.scale.shape == (E, k // 32, n), name
     assert w.shape == (E, k, n)
     # 4 bits per weight plus a bf16 scale per 32: 4.5 bits, not 16 or 32.
@@ -166,7 +166,7 @@ def test_unpack_hand_built_word():
 # ---- every formulation of the MoE reference from packed weights -------------------------------
 
 def _random_int4(rng, e, k, n, group=32):
-  packed = rng.integers(0, 256, size=(e, k // 2, n), dtype=np.uint8)
+  packed = rng.integers(0, 256, size=(e, n, k // 2), dtype=np.uint8)
   scale = (0.02 + 0.02 * rng.random((e, k // group, n))).astype(ml_dtypes.bfloat16)
   return Int4Weight(jnp.asarray(packed), jnp.asarray(scale))
 
