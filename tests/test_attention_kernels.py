@@ -14,7 +14,7 @@ from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward, forward_logits
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
+from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
 from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import paged_flash_mgpu, reference

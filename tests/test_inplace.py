@@ -10,13 +10,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
-from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import runtime as spec_runtime
 from engine.runtime.speculative.inplace import run_if
 from model_configs import CONFIGS

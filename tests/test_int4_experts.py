@@ -28,7 +28,7 @@ from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import ConfigError, config_from_dict, without_vision
 from engine.model.hf_loader import CheckpointError, load_hf_params
 from engine.model.params import init_params
-from engine.model.safetensors_io import SafetensorsError, load_file
+from engine.model.safetensors_io import load_file
 from engine.model.transformer import forward_logits
 from engine.runtime.generate import generate_tokens
 from pallas_kernels.moe import reference as moe_ref

@@ -5,8 +5,6 @@ output memory is NaN there (`uninitialized_memory="nan"`), so a kernel that skip
 fails the comparison. Every kernel is also exported for CUDA at Kimi-K2.5 shapes.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,7 @@ from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward, moe as moe_layer
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
+from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
 from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, moe_mgpu, permute, reference
 from pallas_kernels.moe import routing

@@ -5,7 +5,6 @@ constrained rows are verified against the grammar's masks."""
 import json
 import re
 
-import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np

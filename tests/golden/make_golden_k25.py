@@ -64,7 +64,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration  # noqa: E402
 
 from golden_cases import EXPECTED_TRANSFORMERS, MIN_GREEDY_MARGIN, MIN_ROUTER_GAP, N_GREEDY  # noqa: E402
-from golden_quality import RouterMonitor, top2_margin  # noqa: E402
+from golden_quality import RouterMonitor  # noqa: E402
 from make_golden import case_seed, make_prompts, reinit_, run_prompt  # noqa: E402
 
 NAME = "kimi_k25_int4"
