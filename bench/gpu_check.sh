@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU protocol: one device call that always returns numbers. From the repository root:
-#     OUT=/tmp/out bash bench/gpu_check.sh              (the device tool sets $OUT; required)
-#     DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_check.sh    (CPU: every stage at toy shapes, the
+#     OUT=gpu_out bash bench/gpu_check.sh               (the device tool sets $OUT; required)
+#     DRY_RUN=1 OUT=gpu_dry bash bench/gpu_check.sh     (CPU: every stage at toy shapes, the
 #                                                        Mosaic GPU kernels interpreted, the
 #                                                        GPU programs lowered for CUDA)
 # Writes exactly four files to $OUT:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -14,6 +15,8 @@ from engine.model.params import check_params
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
                     "demo")
+# The tokenized corpus, kept between runs in the temporary folder (not the user's cache).
+CORPUS_CACHE = os.path.join(tempfile.gettempdir(), "moejax-test-corpus")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "target", "moejax.json")),
                                 reason="demo checkpoints not trained yet")
 
@@ -53,7 +56,7 @@ def test_target_beats_draft_and_4gram_on_heldout(target, draft):
   """On the same held-out windows (evenly spaced over the split, no context across windows):
   cross-entropy of the shipped (bf16) target < draft, and < the smoothed 4-gram."""
   tok = demo_corpus.load_tokenizer(os.path.join(DEMO, "tokenizer.json"))
-  train_ids, heldout_ids = demo_corpus.tokenized_corpus("/tmp/moejax_corpus", tok)
+  train_ids, heldout_ids = demo_corpus.tokenized_corpus(CORPUS_CACHE, tok)
   windows = train_demo.heldout_windows(heldout_ids, 256)
   windows = windows[np.linspace(0, len(windows) - 1, 48).astype(int)]
   t = train_demo.evaluate(target.params, target.config, windows, batch=8)
