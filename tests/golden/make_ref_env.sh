@@ -10,9 +10,9 @@
 #
 # What the committed fixtures were made with: Python 3.11, torch 2.13.0+cpu, transformers
 # 5.24.0, compressed-tensors 0.20.1, tokenizers 0.23.3, numpy 2.4.6, safetensors, tiktoken.
-# --vision adds PyPI's torchvision 0.28.0 outside the venv, in .venv-ref/torchvision/ (its C
-# extension does not load beside a CPU torch; make_golden_k25_vision.py explains why it does not
-# need it): run that generator with PYTHONPATH=.venv-ref/torchvision.
+# --vision adds pillow, and PyPI's torchvision 0.28.0 outside the venv, in .venv-ref/torchvision/
+# (its C extension does not load beside a CPU torch; make_golden_k25_vision.py explains why it
+# does not need it): run that generator with PYTHONPATH=.venv-ref/torchvision.
 #
 # Environment: PYTHON, a Python 3.11 interpreter (default python3.11); REF_ENV, where to build
 # (default <repo>/.venv-ref; an existing one is reused); TORCH_INDEX_URL, an index for the CPU
@@ -43,6 +43,7 @@ pip=("$REF_ENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 "${pip[@]}" transformers==5.24.0 compressed-tensors==0.20.1 safetensors numpy tokenizers tiktoken
 if [ "$vision" = 1 ]; then
+  "${pip[@]}" pillow  # the test images (vision_images.py) and torchvision's imports
   "${pip[@]}" --no-deps --upgrade --target "$REF_ENV/torchvision" torchvision==0.28.0
 fi
 
