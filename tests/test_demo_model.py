@@ -52,6 +52,7 @@ def test_configs_and_shapes(target, draft):
   assert _dir_bytes(DEMO) <= 25 * 2**20
 
 
+@pytest.mark.slow
 def test_target_beats_draft_and_4gram_on_heldout(target, draft):
   """On the same held-out windows (evenly spaced over the split, no context across windows):
   cross-entropy of the shipped (bf16) target < draft, and < the smoothed 4-gram."""
@@ -70,6 +71,7 @@ def test_target_beats_draft_and_4gram_on_heldout(target, draft):
   assert t["mtp_agree"] > 0.5, t
 
 
+@pytest.mark.slow
 def test_generates_python(target):
   prompt = target.encode("def read_config(path):")  # no trailing newline (BPE merges it)
   assert prompt[0] == demo_corpus.BOS_ID  # the tokenizer frames prompts like training documents

@@ -193,7 +193,10 @@ def test_transformers_commands_default_to_the_reference_environment(module, tmp_
 
 
 def test_every_test_module_keeps_a_fast_test():
-  """The fast tier (`-m "not slow"`) runs at least one test of every tests/test_*.py."""
+  """The fast tier (`-m "not slow"`, as the README names it) runs at least one test of every
+  tests/test_*.py."""
+  with open(ROOT / "README.md") as fh:
+    assert 'python -m pytest -q -n 2 -m "not slow"' in fh.read()
   r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
                       "-p", "no:cacheprovider", "-m", "not slow", "tests"], cwd=ROOT,
                      env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
@@ -204,3 +207,26 @@ def test_every_test_module_keeps_a_fast_test():
   assert fast <= modules
   assert not modules - fast, ("modules whose every test is marked slow (keep one in the fast "
                               f"tier): {sorted(modules - fast)}")
+
+
+class _Item:
+  """What the fast tier's collection hook reads of a collected test."""
+
+  def __init__(self, name, case, sweep):
+    self.path, self.originalname, self.marks = pathlib.Path("tests/test_x.py"), name, []
+    self.callspec = None if case is None else {"case": case}
+    self.sweep = sweep
+
+  def get_closest_marker(self, name):
+    return pytest.mark.sweep.mark if name == "sweep" and self.sweep else None
+
+  def add_marker(self, mark):
+    self.marks.append(mark.name)
+
+
+def test_a_sweep_keeps_its_first_case_in_the_fast_tier():
+  from conftest import pytest_collection_modifyitems
+  items = [_Item("test_a", 0, True), _Item("test_a", 1, True), _Item("test_b", 0, False),
+           _Item("test_b", 1, False), _Item("test_a", 2, True), _Item("test_c", None, True)]
+  pytest_collection_modifyitems(None, items)
+  assert [i.marks for i in items] == [[], ["slow"], [], [], ["slow"], []]
