@@ -28,6 +28,7 @@ IMPORT_NAMES = {
     "prometheus-client": "prometheus_client",
     "protobuf": "google.protobuf",
     "pytest-xdist": "xdist",
+    "pyyaml": "yaml",
 }
 # Tools used from CI's command line, not imported: each with what `.ci/run` must say.
 TOOLS = {"ruff": "ruff check", "pytest-xdist": "pytest -q -n 2"}
