@@ -40,7 +40,7 @@ from engine.model import kernels
 from engine.model.cache import cache_bytes_per_token, contiguous_page_table, init_cache
 from engine.model.config import ModelConfig, config_from_dict
 from engine.model.kernels import KernelChoice
-from engine.model.params import abstract_params, leaf_dtype, path_str
+from engine.model.params import abstract_params, path_str
 from engine.model.transformer import compute_logits, forward
 from engine.runtime.speculative import costs
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU protocol: one device call that always returns numbers. From the repository root:
-#     OUT=/tmp/out bash bench/gpu_check.sh              (the device tool sets $OUT; required)
-#     DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_check.sh    (CPU: every stage at toy shapes, the
+#     OUT=gpu_out bash bench/gpu_check.sh               (the device tool sets $OUT; required)
+#     DRY_RUN=1 OUT=gpu_dry bash bench/gpu_check.sh     (CPU: every stage at toy shapes, the
 #                                                        Mosaic GPU kernels interpreted, the
 #                                                        GPU programs lowered for CUDA)
 # Writes exactly four files to $OUT:
@@ -57,7 +57,7 @@ LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defau
 RESERVE=15
 ORDER="ceilings:25 kernel_check:120 int4:150 k25_slice:160 mla:55 experts:40 peers:30"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"
-SCRATCH=$(mktemp -d /tmp/moejax_gpu_check.XXXXXX)
+SCRATCH=$(mktemp -d -t moejax_gpu_check.XXXXXX)
 RAN=""
 selected() { if [ -z "$STAGES" ]; then [[ ",$DEFAULT," == *",$1,"* ]]; else [[ ",$STAGES," == *",$1,"* ]]; fi; }
 later_limits() {  # the limits of the selected stages after $1

@@ -14,10 +14,13 @@ from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward, forward_logits
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
+from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
 from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import paged_flash_mgpu, reference
+
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
 
 
 
@@ -112,6 +115,7 @@ def test_gqa_kernel_matches_reference(name):
   np.testing.assert_allclose(got, np.asarray(want, np.float32), **_tol(dtype))
 
 
+@pytest.mark.slow
 def test_kernel_partials_and_split_combine():
   """The raw kernel outputs: with more splits than KV blocks some splits are idle (lse -inf, their
   partial left unwritten: NaN here); active splits write every row; padded rows see nothing."""
@@ -262,6 +266,7 @@ def test_kernel_switch_picks_mosaic_gpu():
   assert kernels.mla_attention(kernels.REFERENCE) is reference.mla_paged_attention
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,overrides,page_size", [
     # The kernel needs head dims in whole swizzle tiles: latent 32 + rope 32 with 32-token pages.
     ("deepseek_v3", dict(kv_lora_rank=32, qk_rope_head_dim=32, num_hidden_layers=2), 32),

@@ -93,6 +93,7 @@ def captured():
   return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["reference", "mosaic_gpu"])
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_engine_program_lowers_for_cuda(captured, name, kernels):

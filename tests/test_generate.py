@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from engine.model.config import config_from_dict
@@ -22,6 +21,7 @@ def model():
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14, 15, 16], [1, 40]]
 
 
+@pytest.mark.slow
 def test_batch_of_mixed_lengths_equals_single_runs(model):
   cfg, params = model
   batch = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9])

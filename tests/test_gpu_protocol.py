@@ -18,7 +18,7 @@ import pytest
 
 from bench import summarize
 from bench.decode_profile import random_params_on_device
-from bench.expert_bytes import INT4, KIMI_K25_TEXT
+from bench.expert_bytes import INT4
 from bench.protocol import k25_slice, rows, sass
 from engine.model.config import config_from_dict
 from model_configs import CONFIGS
@@ -38,6 +38,7 @@ def _rows(out):
   return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_dry_run_subset_runs_every_stage_and_writes_the_four_files(tmp_path):
   r = _gpu_check(tmp_path, DRY_RUN="1", QUICK="1", COMMIT="abc1234")
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -86,6 +87,7 @@ exec {py} "$@"
 """
 
 
+@pytest.mark.slow
 def test_a_stage_cut_at_its_limit_keeps_its_rows_and_the_next_stage_runs(tmp_path):
   fake = tmp_path / "py"
   fake.write_text(FAKE_PY.format(py=sys.executable))

@@ -28,7 +28,7 @@ from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import ConfigError, config_from_dict, without_vision
 from engine.model.hf_loader import CheckpointError, load_hf_params
 from engine.model.params import init_params
-from engine.model.safetensors_io import SafetensorsError, load_file
+from engine.model.safetensors_io import load_file
 from engine.model.transformer import forward_logits
 from engine.runtime.generate import generate_tokens
 from pallas_kernels.moe import reference as moe_ref
@@ -171,6 +171,7 @@ def _random_int4(rng, e, k, n, group=32):
   return Int4Weight(jnp.asarray(packed), jnp.asarray(scale))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [1, 3, 40, 300])
 def test_formulations_from_packed_equal_float_reference(tokens):
   """Each formulation `moe_experts` picks (gathered, all experts, tiled) on packed weights
@@ -393,6 +394,7 @@ def test_init_params_int4_runs():
   assert np.all(np.isfinite(np.asarray(logits)))
 
 
+@pytest.mark.slow
 def test_packed_experts_split_whole_over_eight_devices():
   """engine.load(mesh=...) places each device's whole experts, still packed; the psum and the
   token-dispatch forwards equal one device's logits."""

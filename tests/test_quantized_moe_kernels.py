@@ -27,6 +27,9 @@ from model_configs import CONFIGS
 from pallas_kernels.moe import dequant_mlp_mgpu, fp8_mlp_mgpu, moe_mgpu, reference
 from pallas_kernels.quant import Fp8Weight, Int4Weight, dequantize
 
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 SMALL = dequant_mlp_mgpu.DequantConfig(block_k=128, max_concurrent_steps=2, num_sms=3)
@@ -135,6 +138,7 @@ def _quantized_moe_config(fmt):
   return dataclasses.replace(cfg, fp8_experts=(128, 128))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_moe_layer_with_quantized_experts_uses_the_kernel_and_equals_reference(fmt):
   cfg = _quantized_moe_config(fmt)
@@ -208,6 +212,7 @@ def test_int4_decode_forward_lowers_for_cuda():
   assert n_moe > 1 and calls.count(MOSAIC_CALL) == 2, calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,mode", [("int4", "psum"), ("int4", "dispatch"), ("bf16", "psum")])
 def test_experts_split_over_8_h200s_lower_for_cuda(fmt, mode):
   # Expert parallelism over an abstract mesh of 8 H200s (expert:8): each device's kernel pair
