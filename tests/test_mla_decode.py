@@ -83,27 +83,27 @@ def test_partial_rows():
 # ---- the kernels against the reference (interpret mode) ----
 
 CASES = {
-    # name: (B, T, nH, Dc, Dr, page, kv_lens, parts, partial dtype, detect races)
+    # name: (B, T, nH, Dc, Dr, page, kv_lens, parts, partial dtype, combine chunk, races)
     # 8 heads (tensor:8): lengths 1, a 64-token boundary and 4k in one ragged batch; 16-token
     # pages (4 TMA copies per 64-token block); the 4k row split over the 5 parts.
     "h8_decode_len1_boundary_4k_page16_f32": (3, 1, 8, 128, 64, 16, [1, 64, 4096], 5,
-                                              jnp.float32, False),
+                                              jnp.float32, 64, False),
     # Kimi K2.5's 512 + 64, an 8-head verify block (T = 4: 32 rows, two slots per combine
-    # tile), bf16 partials.
-    "k25_h8_verify_t4_bf16": (2, 4, 8, 512, 64, 64, [4, 130], 3, jnp.bfloat16, False),
+    # tile), bf16 partials, 32-column combine blocks.
+    "k25_h8_verify_t4_bf16": (2, 4, 8, 512, 64, 64, [4, 130], 3, jnp.bfloat16, 32, False),
     # 64 heads verify (T = 4: 256 rows, 4 query blocks side by side), races tracked.
-    "h64_verify_t4_races": (2, 4, 64, 128, 64, 32, [40, 200], 3, jnp.bfloat16, True),
+    "h64_verify_t4_races": (2, 4, 64, 128, 64, 32, [40, 200], 3, jnp.bfloat16, 128, True),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_decode_kernel_matches_reference(name):
-  b, t, nh, dc, dr, page, kv_lens, parts, pdtype, races = CASES[name]
+  b, t, nh, dc, dr, page, kv_lens, parts, pdtype, chunk, races = CASES[name]
   args = _inputs(len(name), b, t, nh, dc, dr, page, kv_lens)
   scale = (dc + dr) ** -0.5
   with gpu_interpret(detect_races=races):
     got = mla.mla_paged_attention(*args, softmax_scale=scale, kernel="decode", num_parts=parts,
-                                  partial_dtype=pdtype)
+                                  partial_dtype=pdtype, combine_chunk=chunk)
   want = reference.mla_paged_attention(*args, softmax_scale=scale)
   assert got.shape == want.shape and got.dtype == want.dtype
   got = np.asarray(got, np.float32)

@@ -13,7 +13,8 @@ stage cut at its time limit keeps what it measured, so the order is the priority
    T = 1 and 4, pages of 16 and 64, float32 and bf16 partials: `rel_err_vs_reference` and
    `ok` (within 2e-2 of the reference's largest value).
 2. `sweep`: the split policy measured, not guessed: at batch 1 / 4k the minimum KV blocks per
-   part (1, 2, 4, 8: 64 down to 8 parts); at batch 1 / 32k the parts (66, 132, 264) and bf16
+   part (1, 2, 4, 8: 64 down to 8 parts) and the combine's columns per CUDA block (32, 64,
+   128; also at batch 64); at batch 1 / 32k the parts (66, 132, 264) and bf16
    partials; on a ragged batch of 64 (512 and 8k alternating) the per-segment overhead (0, 2,
    5 blocks); at 64 heads / 64k bf16 partials (132 x 128 KiB of float32 partials otherwise).
 3. `grid`: the decode kernel at defaults: 8 heads, batch 1 / 8 / 64 x 4k / 8k / 32k / 64k; 8
@@ -67,6 +68,7 @@ class Case:
   min_blocks: int = 1
   overhead: int | None = None  # decode: blocks charged per segment (None: the default)
   partials: str = "f32"
+  combine_chunk: int | None = None  # decode: the combine's columns per CUDA block
   check: bool = False  # against the XLA reference
   dc: int = 512
   dr: int = 64
@@ -88,6 +90,8 @@ class Case:
       s += f" overhead={self.overhead}"
     if self.partials != "f32":
       s += f" partials={self.partials}"
+    if self.combine_chunk is not None:
+      s += f" combine_chunk={self.combine_chunk}"
     return s
 
   def kv_bytes(self) -> int:
@@ -106,11 +110,14 @@ class Case:
         kw["num_parts"] = self.parts
       if self.overhead is not None:
         kw["overhead_blocks"] = self.overhead
+      if self.combine_chunk is not None:
+        kw["combine_chunk"] = self.combine_chunk
     return kw
 
   def lowering_key(self) -> tuple:
     """What decides whether a configuration lowers (not the lengths)."""
-    return (self.kernel, self.heads, self.q_len, self.page, self.partials, self.dc, self.dr)
+    return (self.kernel, self.heads, self.q_len, self.page, self.partials, self.combine_chunk,
+            self.dc, self.dr)
 
 
 def gpu_cases() -> list[Case]:
@@ -123,6 +130,8 @@ def gpu_cases() -> list[Case]:
             c(3, 4096, h64, lens=(1, 2049, 4096), group="check", check=True),
             c(2, 4096, h64, q_len=4, page=16, lens=(300, 4096), group="check", check=True)]
   sweep = ([c(1, 4 * K, h8, min_blocks=n, group="sweep") for n in (2, 4, 8)]
+           + [c(1, 4 * K, h8, combine_chunk=n, group="sweep") for n in (32, 128)]
+           + [c(64, 4 * K, h8, combine_chunk=128, group="sweep")]
            + [c(1, 32 * K, h8, parts=p, group="sweep") for p in (66, 264)]
            + [c(1, 32 * K, h8, partials="bf16", group="sweep")]
            + [c(64, 8192, h8, lens=ragged, overhead=o, group="sweep") for o in (0, 2, 5)]
