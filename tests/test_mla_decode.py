@@ -168,6 +168,37 @@ def test_partials_are_the_segments_attention_and_the_combine_merges_them():
                              rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("rows,lens,parts,dtype", [
+    (8, [4096, 64, 700], 96, jnp.float32),  # 8 slots per tile: 64 slots wrap the 4-tile ring
+    (64, [1200, 0], 7, jnp.bfloat16),  # one slot per tile: 7 tiles
+])
+def test_combine_of_many_slots_matches_its_reference(rows, lens, parts, dtype):
+  """The combine alone, on random partials laid out by a real schedule (slots past the
+  scheduled ones NaN, some rows unseen in some slots), against the XLA merge."""
+  s = sched.decode_schedule(jnp.asarray(lens), num_parts=parts, overhead_blocks=0)
+  slots, dv = sched.num_slots(len(lens), parts), 64
+  rng = np.random.default_rng(rows)
+  partial = np.full((slots, rows, dv), np.nan, np.float32)
+  lse = np.full((slots, rows), np.nan, np.float32)
+  for part, seq, _, _ in sched.segments(s):
+    partial[seq + part] = rng.standard_normal((rows, dv))
+    lse[seq + part] = rng.normal(0.0, 3.0, rows)
+    lse[seq + part, rng.random(rows) < 0.2] = -np.inf  # rows this split never saw
+  for seq, part in [(0, 0)]:  # (a row unseen everywhere in the first sequence)
+    first, n = int(s.first_slot[seq]), int(s.count[seq])
+    lse[first:first + n, 3] = -np.inf
+  partial = jnp.asarray(partial, dtype)
+  with gpu_interpret():
+    got = mla_combine_mgpu.combine_partials(partial, jnp.asarray(lse), s.first_slot, s.count,
+                                            out_dtype=jnp.float32)
+  want = np.asarray(sched.combine_reference(partial, jnp.asarray(lse), s))
+  assert int(s.count[0]) > 4 * sched.BLOCK_Q // rows or rows == 64  # more tiles than stages
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  assert (np.asarray(got)[0, 3] == 0).all()
+  if lens[-1] == 0:
+    assert (np.asarray(got)[-1] == 0).all()
+
+
 # ---- CUDA lowering at Kimi K2.5 shapes (no GPU needed) ----
 
 @pytest.mark.parametrize("b,t,nh,page,max_pages,partials", [

@@ -40,6 +40,8 @@ registers; on the GPU it accumulates in place. Everything else is the same code.
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -55,6 +57,7 @@ _MEMORY_WG_REGISTERS = 40  # per thread; the memory warpgroup only issues TMA co
 _COMPUTE_WG_REGISTERS = 232  # (65536 - 128 * 40) / 256, rounded down to a multiple of 8
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _PARTIAL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_LN2 = math.log(2.0)
 
 
 def check_shapes(dc: int, dr: int, page_size: int, dtype, partial_dtype=jnp.float32) -> None:
@@ -115,6 +118,8 @@ def decode_partials(q_latent: jax.Array, q_rope: jax.Array, pages: jax.Array,
     kv_src = pages
   accumulate_in_place = not interpreting()
   row_layout = plgpu.Layout.WGMMA.reduce(1)
+  # Scores in log2 units: exp2 is one ex2.approx (approx_math), and the scale folds log2(e).
+  scale_log2 = softmax_scale * math.log2(math.e)
 
   def kernel(ql_ref, qr_ref, kv_ref, pt_ref, limit_ref, part_ref, seq_ref, out_ref, lse_ref,
              q_or_stage, k_smem, p_smem, vec_smem, q_bars, k_bars, k_free, p_ready, p_free, l_ready, stage_free):
@@ -236,6 +241,8 @@ def decode_partials(q_latent: jax.Array, q_rope: jax.Array, pages: jax.Array,
         for j in range(3):
           plgpu.barrier_wait(q_bars.at[j])
         limit = plgpu.load(limit_smem, layout=row_layout).astype(jnp.int32)
+        col = plgpu.broadcasted_iota(jnp.int32, (BLOCK_Q, BLOCK_KV), 1,
+                                     layout=plgpu.Layout.WGMMA)
 
         def step(i, carry):
           acc, m_i, l_i = carry
@@ -249,16 +256,16 @@ def decode_partials(q_latent: jax.Array, q_rope: jax.Array, pages: jax.Array,
             plgpu.wgmma(acc_ref, qr_smem, kv.at[:, pl.ds(dc, dr)].transpose((1, 0)))
             return acc_ref[...]
           s = pl.run_scoped(scores, plgpu.ACC((BLOCK_Q, BLOCK_KV), jnp.float32))
-          s = s * softmax_scale
-          kv_pos = (first + i) * BLOCK_KV + plgpu.broadcasted_iota(
-              jnp.int32, (BLOCK_Q, BLOCK_KV), 1, layout=plgpu.Layout.WGMMA)
-          s = jnp.where(kv_pos < lax.broadcast_in_dim(limit, s.shape, [0]), s, -jnp.inf)
+          # Key positions (first + i) * 64 + col are visible below each row's limit.
+          keys_left = limit - (first + i) * BLOCK_KV
+          s = jnp.where(col < lax.broadcast_in_dim(keys_left, s.shape, [0]), s * scale_log2,
+                        -jnp.inf)
           # m stays -inf while a row has seen no visible key; m_safe keeps exp(-inf - -inf)
           # from turning into NaN.
           m_new = jnp.maximum(m_i, s.max(axis=1))
           m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          alpha = jnp.exp(m_i - m_safe)
-          p = jnp.exp(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+          alpha = jnp.exp2(m_i - m_safe)
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
           l_i = l_i * alpha + p.sum(axis=1)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           # One P buffer: warpgroup 1 has finished the previous block's P @ V (it ran while
@@ -283,7 +290,9 @@ def decode_partials(q_latent: jax.Array, q_rope: jax.Array, pages: jax.Array,
         plgpu.barrier_arrive(l_ready)
         slot = b + part
         write_partial(acc, inv_l, slot)
-        lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)), -jnp.inf)
+        # (natural log-sum-exp of the unscaled scores: m is in log2 units)
+        lse_smem[...] = jnp.where(seen, (m_i + jnp.log2(jnp.where(seen, l_i, 1.0))) * _LN2,
+                                  -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_q)], lse_ref.at[slot, q_rows])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -358,8 +367,8 @@ def decode_partials(q_latent: jax.Array, q_rope: jax.Array, pages: jax.Array,
       entry, out_type=out_type, grid=(q_blocks, parts), grid_names=("q_block", "part"),
       num_threads=3, thread_name="wg",
       # (every reduction here is along a row, inside a warp: no cross-warp scratch needed,
-      # and the SMEM is full)
-      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0))
+      # and the SMEM is full; ex2.approx / rcp.approx / lg2.approx, as FlashAttention-3)
+      compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0, approx_math=True))
   # (row limits as float32, exact below 2^24 positions, to share the row-vector buffer)
   return call(q_latent, q_rope, kv_src, page_table.astype(jnp.int32),
               row_limit.astype(jnp.float32), schedule.part_meta, schedule.seq_meta)
