@@ -83,27 +83,29 @@ def test_partial_rows():
 # ---- the kernels against the reference (interpret mode) ----
 
 CASES = {
-    # name: (B, T, nH, Dc, Dr, page, kv_lens, parts, partial dtype, combine chunk, races)
+    # name: (B, T, nH, Dc, Dr, page, kv_lens, parts, partial dtype, combine chunk and rows
+    # (interpret mode's time grows with the combine's CUDA blocks), races)
     # 8 heads (tensor:8): lengths 1, a 64-token boundary and 4k in one ragged batch; 16-token
     # pages (4 TMA copies per 64-token block); the 4k row split over the 5 parts.
     "h8_decode_len1_boundary_4k_page16_f32": (3, 1, 8, 128, 64, 16, [1, 64, 4096], 5,
-                                              jnp.float32, 64, False),
+                                              jnp.float32, 64, None, False),
     # Kimi K2.5's 512 + 64, an 8-head verify block (T = 4: 32 rows, two slots per combine
     # tile), bf16 partials, 32-column combine blocks.
-    "k25_h8_verify_t4_bf16": (2, 4, 8, 512, 64, 64, [4, 130], 3, jnp.bfloat16, 32, False),
+    "k25_h8_verify_t4_bf16": (2, 4, 8, 512, 64, 64, [4, 130], 3, jnp.bfloat16, 32, 32, False),
     # 64 heads verify (T = 4: 256 rows, 4 query blocks side by side), races tracked.
-    "h64_verify_t4_races": (2, 4, 64, 128, 64, 32, [40, 200], 3, jnp.bfloat16, 128, True),
+    "h64_verify_t4_races": (2, 4, 64, 128, 64, 32, [40, 200], 3, jnp.bfloat16, 128, 64, True),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_decode_kernel_matches_reference(name):
-  b, t, nh, dc, dr, page, kv_lens, parts, pdtype, chunk, races = CASES[name]
+  b, t, nh, dc, dr, page, kv_lens, parts, pdtype, chunk, rows, races = CASES[name]
   args = _inputs(len(name), b, t, nh, dc, dr, page, kv_lens)
   scale = (dc + dr) ** -0.5
   with gpu_interpret(detect_races=races):
     got = mla.mla_paged_attention(*args, softmax_scale=scale, kernel="decode", num_parts=parts,
-                                  partial_dtype=pdtype, combine_chunk=chunk)
+                                  partial_dtype=pdtype, combine_chunk=chunk,
+                                  combine_rows=rows)
   want = reference.mla_paged_attention(*args, softmax_scale=scale)
   assert got.shape == want.shape and got.dtype == want.dtype
   got = np.asarray(got, np.float32)
@@ -168,13 +170,18 @@ def test_partials_are_the_segments_attention_and_the_combine_merges_them():
                              rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("rows,lens,parts,dtype", [
-    (8, [4096, 64, 700], 96, jnp.float32),  # 8 slots per tile: 64 slots wrap the 4-tile ring
-    (64, [1200, 0], 7, jnp.bfloat16),  # one slot per tile: 7 tiles
+@pytest.mark.parametrize("rows,lens,parts,dtype,group_rows", [
+    # 8 rows: 8 slots per tile, one TMA copy each; 64 slots wrap the 4-tile ring.
+    (8, [4096, 64, 700], 96, jnp.float32, None),
+    # 64 rows of few sequences: 8-row groups (`lane_rows`), 8 slots per tile, a copy per slot.
+    (64, [1200, 0], 7, jnp.bfloat16, None),
+    # 128 rows in 64-row groups: one slot per tile, 7 tiles.
+    (128, [1200, 0], 7, jnp.float32, 64),
 ])
-def test_combine_of_many_slots_matches_its_reference(rows, lens, parts, dtype):
+def test_combine_of_many_slots_matches_its_reference(rows, lens, parts, dtype, group_rows):
   """The combine alone, on random partials laid out by a real schedule (slots past the
   scheduled ones NaN, some rows unseen in some slots), against the XLA merge."""
+  assert (group_rows or mla_combine_mgpu.lane_rows(len(lens), rows, 1)) == (group_rows or 8)
   s = sched.decode_schedule(jnp.asarray(lens), num_parts=parts, overhead_blocks=0)
   slots, dv = sched.num_slots(len(lens), parts), 64
   rng = np.random.default_rng(rows)
@@ -190,9 +197,11 @@ def test_combine_of_many_slots_matches_its_reference(rows, lens, parts, dtype):
   partial = jnp.asarray(partial, dtype)
   with gpu_interpret():
     got = mla_combine_mgpu.combine_partials(partial, jnp.asarray(lse), s.first_slot, s.count,
-                                            out_dtype=jnp.float32)
+                                            out_dtype=jnp.float32, group_rows=group_rows)
   want = np.asarray(sched.combine_reference(partial, jnp.asarray(lse), s))
-  assert int(s.count[0]) > 4 * sched.BLOCK_Q // rows or rows == 64  # more tiles than stages
+  lanes = sched.BLOCK_Q // (group_rows or 8)
+  if rows != 64:  # (the first and last cases: more tiles than the ring's 4 stages)
+    assert int(s.count[0]) > 4 * lanes
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
   assert (np.asarray(got)[0, 3] == 0).all()
   if lens[-1] == 0:

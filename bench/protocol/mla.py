@@ -16,7 +16,9 @@ stage cut at its time limit keeps what it measured, so the order is the priority
    part (1, 2, 4, 8: 64 down to 8 parts) and the combine's columns per CUDA block (32, 64,
    128; also at batch 64); at batch 1 / 32k the parts (66, 132, 264) and bf16
    partials; on a ragged batch of 64 (512 and 8k alternating) the per-segment overhead (0, 2,
-   5 blocks); at 64 heads / 64k bf16 partials (132 x 128 KiB of float32 partials otherwise).
+   5 blocks); at 64 heads / 64k bf16 partials (132 x 128 KiB of float32 partials otherwise);
+   at 64 heads / 32k the combine's 64-row groups (its default at batch 1 is 8: 8x the CUDA
+   blocks, 8 slots per tile) and 4 or 8 blocks per part (fewer, larger partials).
 3. `grid`: the decode kernel at defaults: 8 heads, batch 1 / 8 / 64 x 4k / 8k / 32k / 64k; 8
    heads verify (T = 4) at batch 1 / 8 / 64 x 4k / 32k; 64 heads decode at batch 1 / 8 / 64 x
    4k / 32k and verify at batch 1 / 8 x 4k / 32k (the cases of BENCHMARKS' issue 53 prediction).
@@ -69,6 +71,7 @@ class Case:
   overhead: int | None = None  # decode: blocks charged per segment (None: the default)
   partials: str = "f32"
   combine_chunk: int | None = None  # decode: the combine's columns per CUDA block
+  combine_rows: int | None = None  # decode: the combine's rows per CUDA block
   check: bool = False  # against the XLA reference
   dc: int = 512
   dr: int = 64
@@ -92,6 +95,8 @@ class Case:
       s += f" partials={self.partials}"
     if self.combine_chunk is not None:
       s += f" combine_chunk={self.combine_chunk}"
+    if self.combine_rows is not None:
+      s += f" combine_rows={self.combine_rows}"
     return s
 
   def kv_bytes(self) -> int:
@@ -112,12 +117,14 @@ class Case:
         kw["overhead_blocks"] = self.overhead
       if self.combine_chunk is not None:
         kw["combine_chunk"] = self.combine_chunk
+      if self.combine_rows is not None:
+        kw["combine_rows"] = self.combine_rows
     return kw
 
   def lowering_key(self) -> tuple:
     """What decides whether a configuration lowers (not the lengths)."""
     return (self.kernel, self.heads, self.q_len, self.page, self.partials, self.combine_chunk,
-            self.dc, self.dr)
+            self.combine_rows, self.dc, self.dr)
 
 
 def gpu_cases() -> list[Case]:
@@ -135,7 +142,9 @@ def gpu_cases() -> list[Case]:
            + [c(1, 32 * K, h8, parts=p, group="sweep") for p in (66, 264)]
            + [c(1, 32 * K, h8, partials="bf16", group="sweep")]
            + [c(64, 8192, h8, lens=ragged, overhead=o, group="sweep") for o in (0, 2, 5)]
-           + [c(1, 64 * K, h64, partials="bf16", group="sweep")])
+           + [c(1, 64 * K, h64, partials="bf16", group="sweep")]
+           + [c(1, 32 * K, h64, combine_rows=64, group="sweep")]
+           + [c(1, 32 * K, h64, min_blocks=n, group="sweep") for n in (4, 8)])
   grid = ([c(b, n * K, h8) for b in (1, 8, 64) for n in (4, 8, 32, 64)]
           + [c(b, n * K, h8, q_len=4) for b in (1, 8, 64) for n in (4, 32)]
           + [c(b, n * K, h64) for b in (1, 8, 64) for n in (4, 32)]

@@ -8,15 +8,15 @@ Returns:
   [B, R, Dv] in `out_dtype`: sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M) per row (M the
   row's largest lse); rows no slot saw, and sequences with no slot, are 0.
 
-The partials are read as 64-row tiles of their flattened [S x R, Dv] view, so a tile holds
-G = 64 / R consecutive slots when R < 64 (Kimi K2.5 under tensor:8 decodes 8 rows per sequence:
-8 slots per tile) and one slot's 64 rows of one query block when R >= 64. One CUDA block per
-(column chunk, query block, sequence) streams its sequence's tiles through a 4-stage TMA ring
-and keeps an online softmax per tile row ("lane"), every update elementwise in the WGMMA
-layout; at the end the G lanes of each output row are folded together through SMEM (row
-windows shifted by multiples of R, whose row r < R gathers the lanes r, r + R, ...). Each
-sequence costs one tile per G slots, so a batch of mostly unsplit sequences costs one tile
-each, and batch 1 split over 132 parts reads its 132 slots in ceil(132 / G) tiles.
+One CUDA block per (column chunk, group of rho rows, sequence) merges rows [r0, r0 + rho) of
+its sequence's slots, reading 64-row tiles that hold G = 64 / rho consecutive slots' rows (one
+TMA copy when those rows are contiguous in memory, rho = R or 64, else one per slot); rho comes
+from the shape (`lane_rows`): 8 rows when few sequences are split many ways (batch 1 over 132
+parts: 8 slots per tile and 64 blocks at 64 heads instead of 8 blocks of 132 tiles each), whole
+64-row tiles for large batches. The tiles stream through a 4-stage TMA ring; an online softmax
+runs per tile row ("lane"), every update elementwise in the WGMMA layout; at the end the G
+lanes of each output row are folded together through SMEM (row windows shifted by multiples of
+rho, whose row r < rho gathers the lanes r, r + rho, ...).
 
 Constraints: R in {8, 16, 32} or a multiple of 64; Dv a multiple of `chunk` (64).
 """
@@ -43,18 +43,34 @@ def _transforms(dtype, cols: int) -> tuple:
           plgpu.SwizzleTransform(swizzle))
 
 
+def lane_rows(batch: int, rows: int, col_blocks: int, target: int = 132) -> int:
+  """Rows of each slot a CUDA block merges (rho): the largest of 64, 32, 16, 8 (at most R)
+  that still gives `target` CUDA blocks, else 8. Few sequences split many ways (batch 1 over
+  132 parts) then get 8-row groups, 8 slots per tile and 8-64x more blocks; a large batch
+  keeps whole 64-row tiles per slot."""
+  for rho in (64, 32, 16, 8):
+    if rho <= rows and batch * (rows // rho) * col_blocks >= target:
+      return rho
+  return min(rows, 8)
+
+
 def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
-                     count: jax.Array, *, out_dtype, chunk: int = CHUNK) -> jax.Array:
-  """See the module docstring."""
+                     count: jax.Array, *, out_dtype, chunk: int = CHUNK,
+                     group_rows: int | None = None) -> jax.Array:
+  """See the module docstring; `group_rows` (rho) defaults to `lane_rows`."""
   slots, rows, dv = partial.shape
   batch = first_slot.shape[0]
   if rows not in (8, 16, 32) and rows % BLOCK_Q:
     raise ValueError(f"rows={rows} must be 8, 16, 32 or a multiple of {BLOCK_Q}")
   if dv % chunk or chunk % 32:
     raise ValueError(f"Dv={dv} must be a multiple of chunk={chunk} (a multiple of 32)")
-  rows_t = min(rows, BLOCK_Q)  # output rows a CUDA block writes
-  lanes_per_row = BLOCK_Q // rows_t  # G: slots per 64-row tile
-  q_blocks = rows // rows_t
+  rho = group_rows or lane_rows(batch, rows, dv // chunk)
+  if rho not in (8, 16, 32, 64) or rows % rho:
+    raise ValueError(f"group_rows={rho} must be 8, 16, 32 or 64 and divide rows={rows}")
+  lanes_per_row = BLOCK_Q // rho  # G: slots per 64-row tile
+  # One TMA copy per tile when a tile's 64 rows are contiguous in the flattened partials
+  # (whole slots, or 64 rows of one), else one per slot.
+  copies = 1 if rho in (rows, BLOCK_Q) else lanes_per_row
   pdtype = partial.dtype
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   tile = (BLOCK_Q, chunk)
@@ -62,23 +78,34 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
   def kernel(x_ref, l_ref, first_ref, count_ref, out_ref,
              x_smem, fold_smem, out_smem, vec_smem, x_bars, l_bars):
     col = lax.axis_index("chunk")
-    q_block = lax.axis_index("q_block")
+    group = lax.axis_index("rows")
     b = lax.axis_index("seq")
     n = count_ref[b]
     s0 = first_ref[b]
+    r0 = group * rho
     tiles = lax.div(n + (lanes_per_row - 1), jnp.int32(lanes_per_row))
     cols = pl.ds(col * chunk, chunk)
-    # Rows 0..63: lse windows in flight ([NUM_STAGES] rows of vec_smem); then the fold's
-    # shifted windows over (m, M, z), each stored in the first half of a 128-entry row.
+    # Rows 0..NUM_STAGES-1: lse windows in flight; then the fold's shifted windows over
+    # (m, M, z), each stored in the first half of a 128-entry row.
     l_smem = vec_smem.at[pl.ds(0, NUM_STAGES)]
     fold_vecs = vec_smem.at[pl.ds(NUM_STAGES, 3)]
 
     def issue(t, slot):
-      row0 = (s0 + t * lanes_per_row) * rows + q_block * BLOCK_Q
-      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row0, BLOCK_Q), cols], x_smem.at[slot],
-                              x_bars.at[slot])
-      plgpu.copy_gmem_to_smem(l_ref.at[pl.ds(row0, BLOCK_Q)], l_smem.at[slot, pl.ds(0, BLOCK_Q)],
-                              l_bars.at[slot])
+      first = s0 + t * lanes_per_row
+      if copies == 1:
+        row0 = first * rows + r0
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row0, BLOCK_Q), cols], x_smem.at[slot],
+                                x_bars.at[slot])
+        plgpu.copy_gmem_to_smem(l_ref.at[pl.ds(row0, BLOCK_Q)],
+                                l_smem.at[slot, pl.ds(0, BLOCK_Q)], l_bars.at[slot])
+        return
+      for j in range(copies):  # (slots past the sequence's: read, then selected away)
+        plgpu.copy_gmem_to_smem(x_ref.at[first + j, pl.ds(r0, rho), cols],
+                                x_smem.at[slot, pl.ds(j * rho, rho)],
+                                x_bars.at[slot * copies + j])
+        plgpu.copy_gmem_to_smem(l_ref.at[first + j, pl.ds(r0, rho)],
+                                l_smem.at[slot, pl.ds(j * rho, rho)],
+                                l_bars.at[slot * copies + j])
 
     @pl.loop(0, jnp.minimum(tiles, NUM_STAGES))
     def _(t):
@@ -90,9 +117,10 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
     def step(t, carry):
       m, l, acc = carry
       slot = lax.rem(t, jnp.int32(NUM_STAGES))
-      plgpu.barrier_wait(x_bars.at[slot])
-      plgpu.barrier_wait(l_bars.at[slot])
-      valid = t * lanes_per_row + lane // rows_t < n
+      for j in range(copies):
+        plgpu.barrier_wait(x_bars.at[slot * copies + j])
+        plgpu.barrier_wait(l_bars.at[slot * copies + j])
+      valid = t * lanes_per_row + lane // rho < n
       lse_t = jnp.where(valid, plgpu.load(l_smem.at[slot, pl.ds(0, BLOCK_Q)], layout=row_layout),
                         -jnp.inf)
       # (lanes past the sequence's slots hold other sequences' or unwritten memory: selected
@@ -118,11 +146,10 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
     if lanes_per_row == 1:
       out = acc * bcast(jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0))
     else:
-      out = _fold(m, l, acc, lane, fold_vecs, fold_smem, rows_t, lanes_per_row, bcast)
+      out = _fold(m, l, acc, lane, fold_vecs, fold_smem, rho, lanes_per_row, bcast)
     out_smem[...] = out.astype(out_dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows_t)],
-                            out_ref.at[b, pl.ds(q_block * rows_t, rows_t), cols])
+    plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rho)], out_ref.at[b, pl.ds(r0, rho), cols])
     plgpu.wait_smem_to_gmem(0)
 
   def entry(*refs):
@@ -133,17 +160,20 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
         if lanes_per_row > 1 else None,
         plgpu.SMEM(tile, out_dtype, transforms=_transforms(out_dtype, chunk)),
         plgpu.SMEM((NUM_STAGES + 3, 2 * BLOCK_Q), jnp.float32),
-        plgpu.Barrier(num_barriers=NUM_STAGES),
-        plgpu.Barrier(num_barriers=NUM_STAGES),
+        plgpu.Barrier(num_barriers=NUM_STAGES * copies),
+        plgpu.Barrier(num_barriers=NUM_STAGES * copies),
     )
     pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)
 
   call = plgpu.kernel(
       entry, out_type=jax.ShapeDtypeStruct((batch, rows, dv), out_dtype),
-      grid=(dv // chunk, q_blocks, batch), grid_names=("chunk", "q_block", "seq"),
+      grid=(dv // chunk, rows // rho, batch), grid_names=("chunk", "rows", "seq"),
       compiler_params=plgpu.CompilerParams(approx_math=True))
-  return call(partial.reshape(slots * rows, dv), lse.reshape(slots * rows),
-              first_slot.astype(jnp.int32), count.astype(jnp.int32))
+  if copies == 1:
+    x, l = partial.reshape(slots * rows, dv), lse.reshape(slots * rows)
+  else:
+    x, l = partial, lse
+  return call(x, l, first_slot.astype(jnp.int32), count.astype(jnp.int32))
 
 
 def _fold(m, l, acc, lane, fold_vecs, fold_smem, rows_t, lanes_per_row, bcast):

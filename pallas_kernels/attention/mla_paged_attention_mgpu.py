@@ -79,12 +79,14 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
                         overhead_blocks: int = schedule_lib.DEFAULT_OVERHEAD_BLOCKS,
                         min_blocks_per_part: int = 1, partial_dtype=jnp.float32,
                         combine_chunk: int = mla_combine_mgpu.CHUNK,
+                        combine_rows: int | None = None,
                         num_splits: int | None = None, block_kv: int = 32, num_stages: int = 3,
                         min_tokens_per_split: int = 512) -> jax.Array:
   """See the module docstring. Decode kernel: `num_parts` CUDA blocks per query block (default:
   the GPU's SMs / query blocks), `overhead_blocks` and `min_blocks_per_part` shape the split
-  (`mla_decode_schedule`), `partial_dtype` float32 or bf16, `combine_chunk` value columns per
-  CUDA block of the combine (32, 64 or 128: narrower means more blocks for a few sequences).
+  (`mla_decode_schedule`), `partial_dtype` float32 or bf16, `combine_chunk` value columns and
+  `combine_rows` rows per CUDA block of the combine (32 / 64 / 128 and 8 / 16 / 32 / 64;
+  default rows: `mla_combine_mgpu.lane_rows`).
   Flash kernel: `num_splits` defaults
   to filling 132 SMs twice; `block_kv` tokens (a divisor of the page size) per pipeline step;
   with Dc + Dr = 576 the SMEM (227 KiB: queries 72 KiB + the KV ring) allows 3 stages of 32."""
@@ -101,7 +103,7 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
     return _decode(q_latent, q_rope, latent_pages, page_table, limit, softmax_scale=softmax_scale,
                    num_parts=num_parts, overhead_blocks=overhead_blocks,
                    min_blocks_per_part=min_blocks_per_part, partial_dtype=partial_dtype,
-                   combine_chunk=combine_chunk)
+                   combine_chunk=combine_chunk, combine_rows=combine_rows)
   rows_used = t * nh
   rows = -(-rows_used // core.BLOCK_Q) * core.BLOCK_Q
   q = jnp.concatenate([q_latent, q_rope], axis=-1).astype(dtype).reshape(b, rows_used, -1)
@@ -121,7 +123,8 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
 
 
 def _decode(q_latent, q_rope, latent_pages, page_table, limit, *, softmax_scale, num_parts,
-            overhead_blocks, min_blocks_per_part, partial_dtype, combine_chunk):
+            overhead_blocks, min_blocks_per_part, partial_dtype, combine_chunk,
+            combine_rows):
   """The decode kernel and its combine; limit [B, T] per query token."""
   b, t, nh, dc = q_latent.shape
   dtype = latent_pages.dtype
@@ -146,5 +149,6 @@ def _decode(q_latent, q_rope, latent_pages, page_table, limit, *, softmax_scale,
       ql, qr, latent_pages, page_table, row_limit, schedule, softmax_scale=softmax_scale,
       partial_dtype=partial_dtype)
   out = mla_combine_mgpu.combine_partials(partial, lse, schedule.first_slot, schedule.count,
-                                          out_dtype=q_latent.dtype, chunk=combine_chunk)
+                                          out_dtype=q_latent.dtype, chunk=combine_chunk,
+                                          group_rows=combine_rows)
   return out[:, :rows_used].reshape(b, t, nh, dc)
