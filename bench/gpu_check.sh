@@ -51,7 +51,7 @@ if [ "$DRY_RUN" != 0 ]; then BUDGET_S=${BUDGET_S:-300}; else BUDGET_S=${BUDGET_S
 STAGES=${STAGES:-}
 LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defaults below
 # (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
-[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:110,mla:80,experts:70}
+[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:110,mla:100,experts:70}
 RESERVE=15
 ORDER="ceilings:25 kernel_check:120 int4:95 k25_slice:190 mla:60 experts:45 peers:35"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"

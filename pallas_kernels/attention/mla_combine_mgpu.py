@@ -13,12 +13,12 @@ its sequence's slots, reading 64-row tiles that hold G = 64 / rho consecutive sl
 TMA copy when those rows are contiguous in memory, rho = R or 64, else one per slot); rho comes
 from the shape (`lane_rows`): 8 rows when few sequences are split many ways (batch 1 over 132
 parts: 8 slots per tile and 64 blocks at 64 heads instead of 8 blocks of 132 tiles each), whole
-64-row tiles for large batches. The tiles stream through a 4-stage TMA ring; an online softmax
-runs per tile row ("lane"), every update elementwise in the WGMMA layout; at the end the G
-lanes of each output row are folded together through SMEM (row windows shifted by multiples of
-rho, whose row r < rho gathers the lanes r, r + rho, ...).
+64-row tiles for large batches. The tiles stream through a TMA ring (4 or 8 tiles in flight,
+`auto_config`); an online softmax runs per tile row ("lane"), every update elementwise in the
+WGMMA layout; at the end the G lanes of each output row are folded together through SMEM (row
+windows shifted by multiples of rho, whose row r < rho gathers the lanes r, r + rho, ...).
 
-Constraints: R in {8, 16, 32} or a multiple of 64; Dv a multiple of `chunk` (64).
+Constraints: R in {8, 16, 32} or a multiple of 64; Dv a multiple of `chunk` (32, 64 or 128).
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.mla_decode_schedule import BLOCK_Q
 
-# Tiles in flight: batch 1 split over 64-132 parts gives a block 8-17 tiles in a row, each an L2
-# round trip (~0.7 us) against ~0.15 us of arithmetic.
-NUM_STAGES = 4
 CHUNK = 64  # output columns per CUDA block
+TARGET_BLOCKS = 132  # one per SM
 
 
 def _transforms(dtype, cols: int) -> tuple:
@@ -43,7 +41,7 @@ def _transforms(dtype, cols: int) -> tuple:
           plgpu.SwizzleTransform(swizzle))
 
 
-def lane_rows(batch: int, rows: int, col_blocks: int, target: int = 132) -> int:
+def lane_rows(batch: int, rows: int, col_blocks: int, target: int = TARGET_BLOCKS) -> int:
   """Rows of each slot a CUDA block merges (rho): the largest of 64, 32, 16, 8 (at most R)
   that still gives `target` CUDA blocks, else 8. Few sequences split many ways (batch 1 over
   132 parts) then get 8-row groups, 8 slots per tile and 8-64x more blocks; a large batch
@@ -54,12 +52,31 @@ def lane_rows(batch: int, rows: int, col_blocks: int, target: int = 132) -> int:
   return min(rows, 8)
 
 
+def auto_config(batch: int, rows: int, dv: int) -> tuple[int, int, int]:
+  """(chunk, rho, stages). Batch 1 split over 64-132 parts gives a block 8-17 tiles in a row,
+  each an L2 round trip (~0.7 us) against ~0.1 us of arithmetic: with fewer blocks than SMs,
+  32-column chunks (twice the blocks, half the arithmetic per tile) and 8 tiles in flight;
+  else 64 columns and 4 in flight (3 blocks per SM)."""
+  rho = lane_rows(batch, rows, dv // CHUNK)
+  if batch * (rows // rho) * (dv // CHUNK) < TARGET_BLOCKS and dv % 32 == 0:
+    return 32, lane_rows(batch, rows, dv // 32), 8
+  return CHUNK, rho, 4
+
+
 def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
-                     count: jax.Array, *, out_dtype, chunk: int = CHUNK,
+                     count: jax.Array, *, out_dtype, chunk: int | None = None,
                      group_rows: int | None = None) -> jax.Array:
-  """See the module docstring; `group_rows` (rho) defaults to `lane_rows`."""
+  """See the module docstring; `chunk` (value columns per CUDA block) and `group_rows` (rho)
+  default to `auto_config`'s."""
   slots, rows, dv = partial.shape
   batch = first_slot.shape[0]
+  auto_chunk, auto_rho, num_stages = auto_config(batch, rows, dv)
+  if chunk is None:
+    chunk = auto_chunk
+  else:
+    num_stages = 8 if chunk <= 32 else 4
+  if group_rows is None and chunk == auto_chunk:
+    group_rows = auto_rho
   if rows not in (8, 16, 32) and rows % BLOCK_Q:
     raise ValueError(f"rows={rows} must be 8, 16, 32 or a multiple of {BLOCK_Q}")
   if dv % chunk or chunk % 32:
@@ -71,6 +88,7 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
   # One TMA copy per tile when a tile's 64 rows are contiguous in the flattened partials
   # (whole slots, or 64 rows of one), else one per slot.
   copies = 1 if rho in (rows, BLOCK_Q) else lanes_per_row
+  num_stages = min(num_stages, 32 // copies)  # (Mosaic: at most 32 barriers per group)
   pdtype = partial.dtype
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   tile = (BLOCK_Q, chunk)
@@ -85,10 +103,10 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
     r0 = group * rho
     tiles = lax.div(n + (lanes_per_row - 1), jnp.int32(lanes_per_row))
     cols = pl.ds(col * chunk, chunk)
-    # Rows 0..NUM_STAGES-1: lse windows in flight; then the fold's shifted windows over
+    # Rows 0..num_stages-1: lse windows in flight; then the fold's shifted windows over
     # (m, M, z), each stored in the first half of a 128-entry row.
-    l_smem = vec_smem.at[pl.ds(0, NUM_STAGES)]
-    fold_vecs = vec_smem.at[pl.ds(NUM_STAGES, 3)]
+    l_smem = vec_smem.at[pl.ds(0, num_stages)]
+    fold_vecs = vec_smem.at[pl.ds(num_stages, 3)]
 
     def issue(t, slot):
       first = s0 + t * lanes_per_row
@@ -107,7 +125,7 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
                                 l_smem.at[slot, pl.ds(j * rho, rho)],
                                 l_bars.at[slot * copies + j])
 
-    @pl.loop(0, jnp.minimum(tiles, NUM_STAGES))
+    @pl.loop(0, jnp.minimum(tiles, num_stages))
     def _(t):
       issue(t, t)
 
@@ -116,7 +134,7 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
 
     def step(t, carry):
       m, l, acc = carry
-      slot = lax.rem(t, jnp.int32(NUM_STAGES))
+      slot = lax.rem(t, jnp.int32(num_stages))
       for j in range(copies):
         plgpu.barrier_wait(x_bars.at[slot * copies + j])
         plgpu.barrier_wait(l_bars.at[slot * copies + j])
@@ -129,9 +147,9 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
                     plgpu.load(x_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(jnp.float32),
                     0.0)
 
-      @pl.when(t + NUM_STAGES < tiles)
+      @pl.when(t + num_stages < tiles)
       def _():
-        issue(t + NUM_STAGES, slot)
+        issue(t + num_stages, slot)
       m_new = jnp.maximum(m, lse_t)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       a = jnp.exp(m - m_safe)
@@ -154,14 +172,14 @@ def combine_partials(partial: jax.Array, lse: jax.Array, first_slot: jax.Array,
 
   def entry(*refs):
     scratch = (
-        plgpu.SMEM((NUM_STAGES,) + tile, pdtype, transforms=_transforms(pdtype, chunk)),
+        plgpu.SMEM((num_stages,) + tile, pdtype, transforms=_transforms(pdtype, chunk)),
         # The fold's row windows: the scaled lanes, then 64 rows of zeros.
         plgpu.SMEM((2 * BLOCK_Q, chunk), jnp.float32, transforms=_transforms(jnp.float32, chunk))
         if lanes_per_row > 1 else None,
         plgpu.SMEM(tile, out_dtype, transforms=_transforms(out_dtype, chunk)),
-        plgpu.SMEM((NUM_STAGES + 3, 2 * BLOCK_Q), jnp.float32),
-        plgpu.Barrier(num_barriers=NUM_STAGES * copies),
-        plgpu.Barrier(num_barriers=NUM_STAGES * copies),
+        plgpu.SMEM((num_stages + 3, 2 * BLOCK_Q), jnp.float32),
+        plgpu.Barrier(num_barriers=num_stages * copies),
+        plgpu.Barrier(num_barriers=num_stages * copies),
     )
     pl.run_scoped(lambda *s: kernel(*refs, *s), *scratch)
 

@@ -78,7 +78,7 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
                         softmax_scale: float, kernel: str = "auto", num_parts: int | None = None,
                         overhead_blocks: int = schedule_lib.DEFAULT_OVERHEAD_BLOCKS,
                         min_blocks_per_part: int = 1, partial_dtype=jnp.float32,
-                        combine_chunk: int = mla_combine_mgpu.CHUNK,
+                        combine_chunk: int | None = None,
                         combine_rows: int | None = None,
                         num_splits: int | None = None, block_kv: int = 32, num_stages: int = 3,
                         min_tokens_per_split: int = 512) -> jax.Array:
@@ -86,7 +86,7 @@ def mla_paged_attention(q_latent: jax.Array, q_rope: jax.Array, latent_pages: ja
   the GPU's SMs / query blocks), `overhead_blocks` and `min_blocks_per_part` shape the split
   (`mla_decode_schedule`), `partial_dtype` float32 or bf16, `combine_chunk` value columns and
   `combine_rows` rows per CUDA block of the combine (32 / 64 / 128 and 8 / 16 / 32 / 64;
-  default rows: `mla_combine_mgpu.lane_rows`).
+  defaults: `mla_combine_mgpu.auto_config`).
   Flash kernel: `num_splits` defaults
   to filling 132 SMs twice; `block_kv` tokens (a divisor of the page size) per pipeline step;
   with Dc + Dr = 576 the SMEM (227 KiB: queries 72 KiB + the KV ring) allows 3 stages of 32."""
