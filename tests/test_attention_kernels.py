@@ -259,6 +259,10 @@ def test_kernel_switch_picks_mosaic_gpu():
   assert kernels.mla_attention(choice).__wrapped__ is mla_paged_attention_mgpu.mla_paged_attention
   assert kernels.gqa_attention(choice).__wrapped__ is gqa_paged_attention_mgpu.gqa_paged_attention
   assert kernels.mla_attention(choice) is kernels.mla_attention(choice)
+  flash = kernels.KernelChoice(attention="mosaic_gpu_flash")  # the flash kernel for every block
+  assert (kernels.mla_attention(flash).__wrapped__
+          is mla_paged_attention_mgpu.mla_paged_attention_flash)
+  assert kernels.gqa_attention(flash).__wrapped__ is gqa_paged_attention_mgpu.gqa_paged_attention
   assert kernels.write_pages(choice) is reference.write_pages
   assert kernels.mla_attention(kernels.REFERENCE) is reference.mla_paged_attention
 

@@ -26,8 +26,9 @@ flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-
 flags.DEFINE_integer("num_processes", 1, "Processes in the job.", lower_bound=1)
 flags.DEFINE_integer("process_id", 0, "This process's index in the job.", lower_bound=0)
 
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "mosaic_gpu"],
-                  "Attention implementation (auto: Mosaic GPU on Hopper where the model fits).")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "mosaic_gpu", "mosaic_gpu_flash"],
+                  "Attention implementation (auto: Mosaic GPU on Hopper where the model fits; "
+                  "mosaic_gpu_flash: the flash-decoding kernel for every MLA block).")
 flags.DEFINE_enum("moe", "auto", ["auto", "reference", "mosaic_gpu"],
                   "Routed-expert implementation (auto: Mosaic GPU on Hopper where it fits).")
 flags.DEFINE_enum("expert_parallel", "psum", ["psum", "dispatch", "auto"],

@@ -152,3 +152,11 @@ def _decode(q_latent, q_rope, latent_pages, page_table, limit, *, softmax_scale,
                                           out_dtype=q_latent.dtype, chunk=combine_chunk,
                                           group_rows=combine_rows)
   return out[:, :rows_used].reshape(b, t, nh, dc)
+
+
+def mla_paged_attention_flash(q_latent, q_rope, latent_pages, page_table, q_positions, kv_lens,
+                              **kwargs) -> jax.Array:
+  """`mla_paged_attention` with the flash kernel for every block (the kernel before the
+  split-KV decode kernel): `attention="mosaic_gpu_flash"`, for A/B runs and as a fallback."""
+  return mla_paged_attention(q_latent, q_rope, latent_pages, page_table, q_positions, kv_lens,
+                             kernel="flash", **kwargs)
