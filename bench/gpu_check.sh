@@ -53,7 +53,7 @@ if [ "$DRY_RUN" != 0 ]; then BUDGET_S=${BUDGET_S:-300}; else BUDGET_S=${BUDGET_S
 STAGES=${STAGES:-}
 LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defaults below
 # (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
-[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:130,mla:80,experts:70}
+[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:130,mla:100,experts:70}
 RESERVE=15
 ORDER="ceilings:25 kernel_check:120 int4:150 k25_slice:160 mla:55 experts:40 peers:30"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"

@@ -34,12 +34,13 @@ def _pct(v: Any) -> str:
 MAX_ROWS = 24  # per table
 
 
-def table(rows: list[dict], cols: list[tuple[str, Callable[[dict], Any]]]) -> str:
+def table(rows: list[dict], cols: list[tuple[str, Callable[[dict], Any]]],
+          max_rows: int = MAX_ROWS) -> str:
   lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-  for r in rows[:MAX_ROWS]:
+  for r in rows[:max_rows]:
     lines.append("| " + " | ".join(str(fn(r)) for _, fn in cols) + " |")
-  if len(rows) > MAX_ROWS:
-    lines.append(f"({len(rows) - MAX_ROWS} more rows in results.jsonl)")
+  if len(rows) > max_rows:
+    lines.append(f"({len(rows) - max_rows} more rows in results.jsonl)")
   return "\n".join(lines)
 
 
@@ -133,12 +134,19 @@ def sections(rows: list[dict]) -> list[str]:
          r.get("kind") == "verify" and decode.get(r.get("batch")) else "-"),
         ("compile s", lambda r: _f(r.get("compile_s"))), ("note", _note)]))
   rs = [r for r in by_stage.get("mla", []) if _timed(r)]
+  checks = [r for r in rs if "ok" in r]
+  if checks:
+    bad = [r for r in checks if not r["ok"]]
+    out.append(f"mla checks: {len(checks) - len(bad)} of {len(checks)} within tolerance" +
+               "".join(f"\n- {r.get('case')}: err {_f(r.get('rel_err_vs_reference'))}"[:200]
+                       for r in bad))
   if rs:
+    # (the decode path's `us`: its two Mosaic kernels; `call us`: the standalone call)
     out.append("## mla\n" + table(rs, [
-        ("impl", lambda r: r["impl"]), ("case", lambda r: r.get("case")),
-        ("us", lambda r: _f(r.get("us"))), ("kernel us", lambda r: _f(r.get("kernel_us"))),
+        ("group", lambda r: r.get("group", "")), ("case", lambda r: r.get("case")),
+        ("us", lambda r: _f(r.get("us"))), ("call us", lambda r: _f(r.get("call_us"))),
         ("GB/s", lambda r: _f(r.get("gbps"))), ("% ceil", lambda r: _pct(r.get("frac_ceiling"))),
-        ("note", _note)]))
+        ("note", _note)], max_rows=56))
   rs = [r for r in by_stage.get("peers", [])
         if _timed(r) and r.get("impl") not in ("torch_copy", "torch_read")]
   if rs:

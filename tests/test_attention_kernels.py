@@ -47,7 +47,7 @@ def _normal(key, shape, dtype):
   return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
 
 
-# ---- MLA kernel vs reference (interpret mode) ----
+# ---- MLA flash kernel vs reference (interpret mode; the decode kernel: test_mla_decode.py) ----
 
 MLA_CASES = {
     # name: (B, T, nH, Dc, Dr, page, max_pages, kv_lens, dtype, num_splits, detect_races)
@@ -73,8 +73,8 @@ def test_mla_kernel_matches_reference(name):
   scale = (dc + dr) ** -0.5
   with gpu_interpret(detect_races=races):
     got = mla_paged_attention_mgpu.mla_paged_attention(
-        q_latent, q_rope, pages, table, q_pos, kv_lens, softmax_scale=scale, num_splits=splits,
-        min_tokens_per_split=1)
+        q_latent, q_rope, pages, table, q_pos, kv_lens, softmax_scale=scale, kernel="flash",
+        num_splits=splits, min_tokens_per_split=1)
   want = reference.mla_paged_attention(q_latent, q_rope, pages, table, q_pos, kv_lens,
                                        softmax_scale=scale)
   assert got.shape == want.shape and got.dtype == want.dtype
@@ -172,7 +172,8 @@ def _export_for_cuda(fn, shapes):
 def test_mla_lowers_for_cuda(b, t, nh, max_pages):
   bf16, i32 = jnp.bfloat16, jnp.int32
   calls = _export_for_cuda(
-      lambda *a: mla_paged_attention_mgpu.mla_paged_attention(*a, softmax_scale=576 ** -0.5),
+      lambda *a: mla_paged_attention_mgpu.mla_paged_attention(*a, softmax_scale=576 ** -0.5,
+                                                             kernel="flash"),
       [((b, t, nh, 512), bf16), ((b, t, nh, 64), bf16), ((4096, 64, 576), bf16),
        ((b, max_pages), i32), ((b, t), i32), ((b,), i32)])
   assert calls.count(MOSAIC_CALL) == 1, calls
@@ -262,6 +263,10 @@ def test_kernel_switch_picks_mosaic_gpu():
   assert kernels.mla_attention(choice).__wrapped__ is mla_paged_attention_mgpu.mla_paged_attention
   assert kernels.gqa_attention(choice).__wrapped__ is gqa_paged_attention_mgpu.gqa_paged_attention
   assert kernels.mla_attention(choice) is kernels.mla_attention(choice)
+  flash = kernels.KernelChoice(attention="mosaic_gpu_flash")  # the flash kernel for every block
+  assert (kernels.mla_attention(flash).__wrapped__
+          is mla_paged_attention_mgpu.mla_paged_attention_flash)
+  assert kernels.gqa_attention(flash).__wrapped__ is gqa_paged_attention_mgpu.gqa_paged_attention
   assert kernels.write_pages(choice) is reference.write_pages
   assert kernels.mla_attention(kernels.REFERENCE) is reference.mla_paged_attention
 

@@ -61,6 +61,8 @@ def test_dry_run_subset_runs_every_stage_and_writes_the_four_files(tmp_path):
     assert k["rel_err_vs_reference"] < 2e-2, k
     ceiling = max(ceil["xla_copy"]["gbps"], ceil["xla_read"]["gbps"])
     assert k["frac_ceiling"] == pytest.approx(k["bytes"] / k["us"] / 1e3 / ceiling)
+  # The MLA stage starts with the split-KV decode kernel's correctness cases.
+  assert by[("mla", "mosaic_gpu")]["group"] == "check" and by[("mla", "mosaic_gpu")]["ok"]
   slice_rows = [x for x in got if x["stage"] == "k25_slice" and "kind" in x]
   assert {x["kind"] for x in slice_rows} == {"decode", "prefill"}
   assert all(x["us"] > 0 and x["compile_s"] > 0 and x["flops"] > 0 for x in slice_rows)
