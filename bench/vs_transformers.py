@@ -1,11 +1,13 @@
 """This engine against Hugging Face transformers on the same weights, side by side in one run.
 
-    python -m bench.vs_transformers --ref_python=/work/venv311ref/bin/python --out=vs.json
+    python -m bench.vs_transformers --out=vs.json
 
 The bundled demo model is exported to Hugging Face format (float32) and run by transformers'
 `generate` in the reference interpreter (Python 3.11 with torch, as a subprocess:
-`bench/hf_generate_child.py`) and by this engine (`engine.generate`, float32), on the same
-prompts (held-out standard-library modules), greedy, fixed output length (EOS ignored).
+`bench/hf_generate_child.py`; `--ref_python`, default `.venv-ref/bin/python`, which
+`bash tests/golden/make_ref_env.sh` builds) and by this engine (`engine.generate`, float32),
+on the same prompts (held-out standard-library modules), greedy, fixed output length (EOS
+ignored).
 Rounds alternate transformers / engine (`--rounds`); each side warms up first (our compile,
 their first call) and reports the median of its timed runs. Every call of ours computes its
 prompt (the model's engines' prefix caches are emptied before it), as transformers' does.
@@ -28,13 +30,15 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 from absl import app, flags
+
+from checkpoints import ref_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
-flags.DEFINE_string("ref_python", "/work/venv311ref/bin/python",
-                    "Python with torch + transformers (kept out of this environment).")
+flags.DEFINE_string("ref_python", ref_env.PYTHON,
+                    "Python with torch + transformers (kept out of this environment; "
+                    f"`bash {ref_env.MAKE_SCRIPT}` builds the default).")
 flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "target"), "Model.")
 flags.DEFINE_string("draft_checkpoint", os.path.join(ROOT, "checkpoints", "demo", "draft"),
                     "Draft model for the assistant / draft-model jobs.")
@@ -119,6 +123,7 @@ def _run_ours(model, draft, jobs: list[dict], warm: bool) -> list[dict]:
 
 def main(argv):
   del argv
+  ref_env.require(FLAGS.ref_python)
   import engine
   from checkpoints.export_hf import export
   model = engine.load(FLAGS.checkpoint, dtype="float32")

@@ -7,8 +7,10 @@ requests on the CPU with every drafter enabled, the arguments of each program it
 captured, and each program is exported for "cuda" (`jax.export`, under an abstract H200 mesh):
 with the plain-JAX kernels (what the GPU benchmarks run on the demo model, whose head dims the
 Mosaic kernels do not take) and with the Mosaic GPU attention and MoE kernels on a
-configuration they take (hidden and expert width multiples of 64; MLA latent 32 + rope 32 with
-32-token pages; bf16).
+configuration they take (hidden and expert width multiples of 64; MLA latent 128 + rope 64 with
+32-token pages, which every program's query block up to 512 rows sends to the split-KV decode
+kernel and its combine inside the loops; bf16). The flash kernel (prefill chunks, latent 32 +
+rope 32) is lowered per layer below.
 """
 
 import dataclasses
@@ -58,8 +60,8 @@ def captured():
   shapes and dtypes."""
   # Two layers, dense then MoE (the CPU compiles what it runs). The draft model has two as
   # well: `draft_forward` returns only the cache, so a last layer's attention is dead code.
-  base = dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=32,
-              qk_rope_head_dim=32, num_hidden_layers=2)
+  base = dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=128,
+              qk_rope_head_dim=64, num_hidden_layers=2)
   cfg = config_from_dict(dict(base, num_nextn_predict_layers=1))
   draft_cfg = config_from_dict(base)
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
@@ -98,6 +100,7 @@ def captured():
   return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["reference", "mosaic_gpu"])
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_engine_program_lowers_for_cuda(captured, name, kernels):
@@ -120,9 +123,10 @@ def test_engine_program_lowers_for_cuda(captured, name, kernels):
   assert not {t for t in targets if "callback" in t or t.startswith("lapack")}, targets
 
 
-def _mosaic_calls_in_forward(layers: int) -> int:
-  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=32,
-                              qk_rope_head_dim=32, num_hidden_layers=layers))
+def _mosaic_calls_in_forward(layers: int, latent: int = 32, rope: int = 32) -> int:
+  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64,
+                              kv_lora_rank=latent, qk_rope_head_dim=rope,
+                              num_hidden_layers=layers))
   b, page = 2, 32
   table = contiguous_page_table(b, 64, page)
   cache = jax.eval_shape(lambda: init_cache(cfg, table.size, page, jnp.bfloat16))
@@ -137,9 +141,10 @@ def _mosaic_calls_in_forward(layers: int) -> int:
   return calls.count(MOSAIC_CALL)
 
 
-def test_mosaic_kernels_lower_once_per_shape_not_per_layer():
+@pytest.mark.parametrize("latent,rope", [(32, 32), (128, 64)])  # flash; decode + combine
+def test_mosaic_kernels_lower_once_per_shape_not_per_layer(latent, rope):
   """Layers whose kernel calls are identical share one lowered kernel (`kernels.py`): each
   layer lowering (and compiling) its own took a 27-layer decode step ~95 s to compile on an
-  H200. Dense layer then MoE layers: the MLA kernel, and the MoE experts' kernels."""
-  two = _mosaic_calls_in_forward(2)
-  assert two >= 2 and _mosaic_calls_in_forward(4) == two, two
+  H200. Dense layer then MoE layers: the MLA kernel(s), and the MoE experts' kernels."""
+  two = _mosaic_calls_in_forward(2, latent, rope)
+  assert two >= 2 and _mosaic_calls_in_forward(4, latent, rope) == two, two

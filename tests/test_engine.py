@@ -294,6 +294,7 @@ def test_chunked_prefill_equals_one_shot_logits(model):
                              atol=1e-4)
 
 
+@pytest.mark.slow
 def test_preemption_recomputes_without_changing_outputs(model, eng):
   cfg, params = model
   ps = prompts(6, seed=21, lo=20, hi=30)
@@ -311,6 +312,7 @@ def test_preemption_recomputes_without_changing_outputs(model, eng):
   assert_pool_full(tight)
 
 
+@pytest.mark.slow
 def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   import engine as moejax
   demo = moejax.load("checkpoints/demo/target")
@@ -337,6 +339,7 @@ def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   assert counter.count == 0
 
 
+@pytest.mark.slow
 def test_persistent_compilation_cache_survives_a_restart(tmp_path):
   import json
   import os

@@ -42,6 +42,7 @@ def close(model):
 
 # ---- output: every drafter, any company ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_drafter_and_auto_keep_plain_output_in_any_batch_company(model, close):
   eng = every_drafter_engine(model, draft=close)
   eng.spec.costs.drafter[:] = 0.0  # (with the roofline's T = 1: every iteration drafts)
@@ -106,6 +107,7 @@ def test_every_drafter_and_auto_keep_plain_output_in_any_batch_company(model, cl
 
 # ---- the rule, by what it does -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_fresh_text_with_dear_costs_drafts_nothing_and_keeps_its_output(model):
   # Drafting would pay at full acceptance (k + 1 > 1 + 0.6 k) but not at the prior's 0.5.
   eng = every_drafter_engine(model, step=lambda b, k: 1.0 + 0.6 * k, speculative="auto")
@@ -118,6 +120,7 @@ def test_fresh_text_with_dear_costs_drafts_nothing_and_keeps_its_output(model):
   assert_pool_full(eng)
 
 
+@pytest.mark.slow
 def test_repetitive_text_with_cheap_costs_accepts_long_blocks_and_learns(model):
   eng = every_drafter_engine(model, step=lambda b, k: 1.0 + 0.05 * k, speculative="learned")
   ps = fresh_prompts(2, seed=8)
@@ -134,6 +137,7 @@ def test_repetitive_text_with_cheap_costs_accepts_long_blocks_and_learns(model):
   assert_pool_full(eng)
 
 
+@pytest.mark.slow
 def test_at_and_above_the_break_even_batch_the_plain_program_runs(model):
   # Batch 2 (one or two rows): a block costs what a decode step does; batch 4 (three or
   # four): k + 1 tokens' worth.
@@ -170,6 +174,7 @@ def test_the_rule_for_one_call(model):
   assert off[0].spec is None and not spec.speculates(off, 8)
 
 
+@pytest.mark.slow
 def test_auto_drafter_picks_what_pays_per_request(model):
   # The target as its own draft model (always right) and the learned table (free; right where
   # it has seen the continuation).
@@ -231,6 +236,7 @@ def check_mtp_state(eng, req, model):
                              atol=1e-4)
 
 
+@pytest.mark.slow
 def test_model_drafters_in_a_tight_pool(model, close):
   """MTP and the draft model, fixed K, in a pool that one long request fits and a batch does
   not: MTP's cache entries and hidden state after chunked prefill and decode loops; both
@@ -287,6 +293,7 @@ def test_catch_up_plan_cuts_spans_like_the_scheduler():
 
 # ---- warm-up ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(model):
   """A branch's first run is slow (~40 ms on the CPU demo): warm-up runs the speculative
   loop at every batch size and block width with rows live, with and without logprobs and
@@ -328,6 +335,7 @@ def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(model):
   assert not eng.spec.k_steps.any() and eng.stats() == stats
 
 
+@pytest.mark.slow
 def test_draft_model_is_fed_lazily_and_caught_up_over_shared_prefixes(model):
   # The target as its own draft model: a greedy draft is rejected only where the draft cache
   # is wrong, so "every draft accepted" checks that a catch-up filled every position.

@@ -122,6 +122,7 @@ def test_kept_weights_equal_load_time_dequant_bitwise(ckpt):
   assert n_fp8 == 6 + 15 + 3 + 6
 
 
+@pytest.mark.slow
 def test_kept_forward_equals_dequantized_at_load(ckpt):
   cfg_kept, cfg_plain = checkpoint_config(ckpt, keep_fp8=True), checkpoint_config(ckpt)
   kept = load_hf_params(ckpt, cfg_kept, dtype=jnp.float32, progress=False)
@@ -197,6 +198,7 @@ def test_fp8_dense_only_when_every_linear_is_fp8(tmp_path):
   assert m.params["layers"][1]["attn"]["q_b"].dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_fp8_kept_sharded_on_eight_devices(ckpt):
   """Placed by the sharding rules (tensor-parallel attention values split by head, block
   scales replicated; experts split whole), the kept-FP8 forward equals one device's."""

@@ -24,6 +24,7 @@ def model():
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14, 15, 16], [1, 40]]
 
 
+@pytest.mark.slow
 def test_batch_of_mixed_lengths_equals_single_runs(model):
   batch = generate_ids(model, PROMPTS, max_new_tokens=[6, 12, 9])
   for p, n, got in zip(PROMPTS, [6, 12, 9], batch):

@@ -38,6 +38,7 @@ def draft(model):
   return perturbed(model.params, 0.05, seed=3)
 
 
+@pytest.mark.slow
 def test_auto_uses_every_drafter_and_keeps_greedy_output(model, want, draft):
   spec = SpeculativeConfig("auto", 3, model.config, draft, measure_costs=False)
   assert spec.drafters(model.config) == ("ngram", "learned", "mtp", "draft")
@@ -56,6 +57,7 @@ def test_auto_uses_every_drafter_and_keeps_greedy_output(model, want, draft):
   assert all(r.spec is None for r in off)
 
 
+@pytest.mark.slow
 def test_the_engine_is_kept_between_calls(model, want, monkeypatch):
   """The model keeps its engines (no process-wide cache): calls of one configuration share
   one (its prefix cache serves a repeated prompt); the least recently used beyond

@@ -20,6 +20,9 @@ import engine
 from tests import golden_check
 from tests.generation import generate_ids, loaded
 
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "golden", "fixtures")
@@ -47,6 +50,7 @@ def test_prefill_and_decode_logits(case):
   golden_check.assert_logits_match(params, cfg, g, name)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_identical(case):
   name, model, g = case
   cfg, params, _ = model

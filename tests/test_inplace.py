@@ -16,7 +16,6 @@ from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
-from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative.inplace import run_if
 from engine.runtime.step_description import SPEC_DECODE
 from model_configs import CONFIGS
@@ -108,6 +107,7 @@ def test_run_if_keeps_closed_over_work_inside_the_loop():
   assert homes(run_if) == ["while body"]
 
 
+@pytest.mark.slow
 def test_serving_loop_keeps_caches_and_table_in_place():
   """The speculative serving loop with every drafter: no copy of a target cache layer (the
   MTP layer's included), of the draft model's cache, or of the learned table."""

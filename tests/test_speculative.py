@@ -180,6 +180,7 @@ def _spec(model, method, k=3, **kw):
 PROMPTS = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 10, 11, 12, 13, 14, 15, 16], [1, 40]]
 
 
+@pytest.mark.slow
 def test_generate_keeps_plain_output_and_reproduces_samples(model):
   """`engine.generate(speculative=...)`'s batch path with a draft model that agrees with the
   target often, not always: greedy output is plain greedy in any batch composition, stop ids
@@ -221,6 +222,7 @@ def test_generate_keeps_plain_output_and_reproduces_samples(model):
   assert a[0].token_ids == greedy.token_ids and a[0].spec["accepted"] > 0
 
 
+@pytest.mark.slow
 def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   """Drafters with their own q (draft model, MTP) through the whole loop: 2048 seeded samples
   of a 16-token-vocabulary target, per output position, against 2048 plain samples (one engine
@@ -258,6 +260,7 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
         u.spec_draft_tokens for u in use) < 0.8, drafter
 
 
+@pytest.mark.slow
 def test_learned_drafter_carries_knowledge_across_calls(model, tmp_path):
   from engine.runtime.buckets import CompileCounter
   from engine.runtime.speculative.drafters import NgramMemory
@@ -297,6 +300,7 @@ def test_bad_speculative_settings_are_named(model):
       generate_ids(loaded(c, params), [[1, 2]], max_new_tokens=2, speculative=spec)
 
 
+@pytest.mark.slow
 def test_rejected_drafts_roll_back_by_length(model):
   """After partially accepted steps, the tokens and the cache at every valid position equal
   plain decoding's (rejected drafts' entries lie past n_cached and are overwritten later)."""
@@ -371,6 +375,7 @@ DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "demo")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "target", "moejax.json")),
                     reason="demo checkpoints not trained yet")
 def test_demo_model_accepts_several_tokens_per_step():

@@ -2,6 +2,7 @@
 run finds every program it calls compiled already, and serving compiles nothing."""
 
 import jax.numpy as jnp
+import pytest
 
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
@@ -17,6 +18,7 @@ CONFIG = dict(page_size=8, max_num_seqs=1, max_num_batched_tokens=16, row_widths
               constrained_warmup=True)
 
 
+@pytest.mark.slow
 def test_the_programs_compiled_ahead_are_the_ones_warmup_runs():
   cfg = config_from_dict(CONFIGS["llama"])
   eng = Engine(cfg, init_params(cfg, seed=5), EngineConfig(**CONFIG))
@@ -48,6 +50,7 @@ def test_one_worker_compiles_nothing_ahead(monkeypatch):
   assert warmup.compile_ahead(eng, warmup.warmup_shapes(eng), 1, None, []) == set()
 
 
+@pytest.mark.slow
 def test_a_vision_model_compiles_its_image_steps_ahead_too():
   """A mixed shape of a model with a vision tower is two programs, the text step and the one
   whose rows take image features, each donating the cache the run made the next one's with."""
