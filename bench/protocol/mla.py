@@ -21,7 +21,8 @@ stage cut at its time limit keeps what it measured, so the order is the priority
    blocks, 8 slots per tile) and 4 or 8 blocks per part (fewer, larger partials).
 3. `grid`: the decode kernel at defaults: 8 heads, batch 1 / 8 / 64 x 4k / 8k / 32k / 64k; 8
    heads verify (T = 4) at batch 1 / 8 / 64 x 4k / 32k; 64 heads decode at batch 1 / 8 / 64 x
-   4k / 32k and verify at batch 1 / 8 x 4k / 32k (the cases of BENCHMARKS' issue 53 prediction).
+   4k / 32k and verify at batch 1 / 8 x 4k / 32k (the cases of docs/design/gpu-predictions.md's
+   issue 53 prediction).
 4. `baseline`: the flash kernel (`kernel="flash"`, the kernel before issue 53) at four of them.
 5. `page`: pages of 16 tokens (the serving default) against the grid's 64.
 
