@@ -73,7 +73,7 @@ class EngineLoop:
         outputs = self.engine.step()
       except Exception as e:  # keep serving: fail what was in flight, free its pages
         logging.exception("engine step failed; failing the in-flight requests")
-        self._fail_all(f"{type(e).__name__}: {e}")
+        self.fail_all(f"{type(e).__name__}: {e}")
         continue
       for out in outputs:
         if out.finished:  # before delivery: the client may reuse the id as soon as it reads
@@ -83,7 +83,8 @@ class EngineLoop:
         if deliver is not None:
           deliver(out)
 
-  def _fail_all(self, message: str) -> None:
+  def fail_all(self, message: str) -> None:
+    """Every subscribed request ends with `message` (an EngineFailure) and is aborted."""
     with self._lock:
       subscribers = list(self._subscribers.items())
     for rid, deliver in subscribers:
