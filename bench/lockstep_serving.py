@@ -14,8 +14,9 @@ every request, so a shared host's load falls on both alike) and reports, per ser
 TTFT and the median time per output token after the first (with `--max_decode_steps=1` every
 token is one program call: the per-step cost). Ratios lockstep/one are what to read: on the
 CPU the lockstep side pays its collectives across processes (gloo over loopback) as well as the
-channel (`bench/lockstep_channel.py`: ~15 us a step-sized message). Prints a table, one JSON
-line, and writes JSON with `--out`.
+channel (`bench/lockstep_channel.py`: ~15 us a step-sized message), whose own share the
+leader reports at exit (STEPs sent, bytes and time in `send` per step, warm-up included).
+Prints a table, one JSON line, and writes JSON with `--out`.
 """
 
 from __future__ import annotations
@@ -134,6 +135,13 @@ def run_setting(mds: int) -> dict:
   finally:
     codes = {name: s.stop() for name, s in servers.items()}
   out = {"max_decode_steps": mds, "exit_codes": codes}
+  time.sleep(0.5)  # (the reader threads take the last lines)
+  for line in servers["lockstep"].lines[0]:
+    m = re.search(r"lockstep: sent (\d+) steps, (\d+) bytes, ([\d.]+) ms in send", line)
+    if m:  # (warm-up's steps included)
+      n = int(m.group(1))
+      out["channel"] = {"steps": n, "bytes_per_step": int(m.group(2)) / n,
+                        "send_us_per_step": float(m.group(3)) * 1e3 / n}
   for name, rows in samples.items():
     ttft = statistics.median(r[0] for r in rows)
     tpot = statistics.median(r[1] for r in rows)
@@ -155,6 +163,10 @@ def main(argv: list[str]) -> None:
             f"{x['ms_per_token']:>8.2f} | {x['tok_s']:>7.1f}")
     print(f"{'':>17} | {'ratio':>8} | {r['ratio_ttft']:>8.2f} | "
           f"{r['ratio_ms_per_token']:>8.2f} |")
+    if "channel" in r:
+      c = r["channel"]
+      print(f"{'':>17} | channel: {c['steps']} STEPs, {c['bytes_per_step']:.0f} B and "
+            f"{c['send_us_per_step']:.0f} us of send per step")
   summary = {"requests": FLAGS.requests, "max_tokens": FLAGS.max_tokens, "results": results}
   print(json.dumps(summary))
   if FLAGS.out:

@@ -115,6 +115,7 @@ class Leader:
     self.step_timeout_s = step_timeout_s
     self._steps: collections.deque[tuple[int, float]] = collections.deque()  # not all DONE
     self._done: dict[int, int] = {}  # each follower's last DONE step number
+    self.sent = dict(steps=0, bytes=0, seconds=0.0)  # STEPs: how many, their bytes, send time
     self.on_lost = on_lost
     if socket.has_dualstack_ipv6():
       self._server = socket.create_server(("", port), family=socket.AF_INET6,
@@ -174,6 +175,7 @@ class Leader:
     with self._send_lock:
       if self._lost:
         raise LockstepError("a follower is lost")
+      t0 = time.perf_counter()
       self._seq += 1
       data = frame(kind, self._seq, payload)
       if kind == Kind.STEP:
@@ -184,6 +186,10 @@ class Leader:
         except OSError as e:
           self._lose(pid, f"send failed: {e}")
           raise LockstepError(f"process {pid}: {e}") from None
+      if kind == Kind.STEP:
+        self.sent["steps"] += 1
+        self.sent["bytes"] += len(payload)
+        self.sent["seconds"] += time.perf_counter() - t0
       return self._seq
 
   def shutdown(self) -> None:

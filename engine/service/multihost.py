@@ -148,6 +148,9 @@ def leave(group: Group) -> None:
   together (its barrier waits up to the heartbeat timeout for each process)."""
   if group.leader is not None:
     group.leader.on_lost = None  # the followers now close their connections on purpose
+    sent = group.leader.sent
+    print(f"[moejax] lockstep: sent {sent['steps']} steps, {sent['bytes']} bytes, "
+          f"{sent['seconds'] * 1e3:.1f} ms in send", file=sys.stderr, flush=True)
     try:
       group.leader.shutdown()
     except lockstep.LockstepError as e:
