@@ -209,8 +209,8 @@ def test_leader_stops_serving_and_exits_when_a_follower_is_lost(monkeypatch):
   class Loop:
     failed = []
 
-    def fail_all(self, message):
-      self.failed.append(message)
+    def fail_all(self, message, retryable=False):
+      self.failed.append((message, retryable))
 
   class Server:
     refused = False
@@ -233,7 +233,8 @@ def test_leader_stops_serving_and_exits_when_a_follower_is_lost(monkeypatch):
   loop.call_soon_threadsafe(loop.stop)
   assert exits == [1] and server.refused
   # The in-flight requests end with the reason rather than waiting on a step that cannot end.
-  assert len(Loop.failed) == 1 and "lost process 1" in Loop.failed[0]
+  # (UNAVAILABLE / 503: a gateway may retry them on another replica.)
+  assert len(Loop.failed) == 1 and "lost process 1" in Loop.failed[0][0] and Loop.failed[0][1]
 
 
 # ---- two engine.serve processes -------------------------------------------------------------
@@ -420,7 +421,9 @@ def test_a_killed_follower_fails_requests_and_the_leader_exits():
       with pytest.raises(grpc.RpcError) as e:
         for _ in stream:
           pass
-      assert e.value.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+      # UNAVAILABLE naming the lost process (`multihost.watch`), or INTERNAL when the leader's
+      # own program fails first on the broken collective: never the client's deadline.
+      assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
       code = procs[0].wait(timeout=60)
       assert code != 0 and time.monotonic() - t0 < 60
     assert "lost process 1" in logs[0].text(), logs[0].text()[-3000:]

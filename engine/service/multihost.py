@@ -135,7 +135,7 @@ def watch(group: Group, server: Any, loop: asyncio.AbstractEventLoop) -> None:
     print(f"[moejax] error: {message}; not serving, exiting", file=sys.stderr, flush=True)
     try:
       asyncio.run_coroutine_threadsafe(server.refuse_new(), loop).result(5)
-      server.engine_loop.fail_all(f"the replica stopped serving: {message}")
+      server.engine_loop.fail_all(f"the replica stopped serving: {message}", retryable=True)
       time.sleep(FAIL_GRACE_S)
     except Exception:  # the loop may be gone; exiting matters more
       pass
