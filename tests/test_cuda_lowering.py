@@ -110,7 +110,7 @@ def test_engine_program_lowers_for_cuda(captured, name, kernels):
   assert not {t for t in targets if "callback" in t or t.startswith("lapack")}, targets
 
 
-def _mosaic_calls_in_forward(layers: int) -> int:
+def _mosaic_calls_in_forward(layers: int, scan_layers: bool = True) -> int:
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=32,
                               qk_rope_head_dim=32, num_hidden_layers=layers))
   b, page = 2, 32
@@ -118,7 +118,8 @@ def _mosaic_calls_in_forward(layers: int) -> int:
   cache = jax.eval_shape(lambda: init_cache(cfg, table.size, page, jnp.bfloat16))
 
   def step(params, cache, tokens, start, n_new, table):
-    return forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=MOSAIC)
+    return forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=MOSAIC,
+                   scan_layers=scan_layers)
 
   row = jax.ShapeDtypeStruct((b,), jnp.int32)
   calls = export_cuda_calls(step, abstract_params(cfg, jnp.bfloat16), cache,
@@ -130,6 +131,8 @@ def _mosaic_calls_in_forward(layers: int) -> int:
 def test_mosaic_kernels_lower_once_per_shape_not_per_layer():
   """Layers whose kernel calls are identical share one lowered kernel (`kernels.py`): each
   layer lowering (and compiling) its own took a 27-layer decode step ~95 s to compile on an
-  H200. Dense layer then MoE layers: the MLA kernel, and the MoE experts' kernels."""
-  two = _mosaic_calls_in_forward(2)
-  assert two >= 2 and _mosaic_calls_in_forward(4) == two, two
+  H200. Dense layer then MoE layers: the MLA kernel over each stack's pool (the dense layer's,
+  the MoE layers'), and the MoE experts' kernels; unrolled or scanned, however many layers."""
+  three = _mosaic_calls_in_forward(3)
+  assert three >= 3 and _mosaic_calls_in_forward(5) == three, three
+  assert _mosaic_calls_in_forward(3, False) == _mosaic_calls_in_forward(5, False) == three

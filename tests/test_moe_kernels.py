@@ -17,7 +17,7 @@ from engine.model import kernels
 from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
-from engine.model.params import init_params
+from engine.model.params import init_params, layer_params
 from engine.model.transformer import compute_logits, forward, moe as moe_layer
 from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
@@ -254,7 +254,7 @@ def _tiny_moe_config(**overrides):
 def test_moe_layer_equals_reference(t):
   cfg = _tiny_moe_config()
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
-  p = params["layers"][1]["moe"]
+  p = layer_params(cfg, params, 1)["moe"]
   x = jnp.asarray(np.random.default_rng(t).standard_normal((1, t, cfg.hidden_size)),
                   jnp.bfloat16)
   want = moe_layer(p, x, cfg, REFERENCE)
@@ -283,10 +283,11 @@ def test_tiny_model_forward_calls_mosaic_gpu_moe_and_matches_reference_per_layer
   kernels.register("moe_experts", "checked_mosaic_gpu", checked)
   with gpu_interpret():
     cache = init_cache(cfg, page_table.size, ps, jnp.bfloat16)
+    # Layer by layer (the unrolled path): the checker compares each call's values.
     hidden, _ = forward(params, cache, tokens, jnp.zeros((b,), jnp.int32),
                         jnp.full((b,), t, jnp.int32), page_table, cfg=cfg,
-                        impl=KernelChoice(moe="checked_mosaic_gpu"))
-  n_moe = sum("moe" in layer for layer in params["layers"])
+                        impl=KernelChoice(moe="checked_mosaic_gpu"), scan_layers=False)
+  n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
   assert len(calls) == n_moe > 0
   for got, want in calls:
     _assert_close(got, want, jnp.bfloat16)

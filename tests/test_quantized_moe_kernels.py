@@ -22,7 +22,7 @@ from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
-from engine.model.params import init_params
+from engine.model.params import init_params, layer_params
 from engine.model.transformer import forward, moe as moe_layer
 from model_configs import CONFIGS
 from pallas_kernels.moe import fp8_mlp_mgpu, int4_mlp_mgpu, moe_mgpu, reference
@@ -238,7 +238,7 @@ def _quantized_moe_config(fmt):
 def test_moe_layer_with_quantized_experts_uses_the_kernel_and_equals_reference(fmt):
   cfg = _quantized_moe_config(fmt)
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
-  p = params["layers"][1]["moe"]
+  p = layer_params(cfg, params, 1)["moe"]
   assert isinstance(p["experts"]["gate"], Int4Weight if fmt == "int4" else Fp8Weight)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, cfg.hidden_size)),
                   jnp.bfloat16)
@@ -280,7 +280,7 @@ def test_quantized_moe_experts_lower_for_cuda_at_kimi_shapes(fmt, t, e, offset):
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_quantized_moe_layer_lowers_for_cuda(fmt):
   cfg = _quantized_moe_config(fmt)
-  p = init_params(cfg, seed=3, dtype=jnp.bfloat16)["layers"][1]["moe"]
+  p = layer_params(cfg, init_params(cfg, seed=3, dtype=jnp.bfloat16), 1)["moe"]
   specs = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), p)
   x = jax.ShapeDtypeStruct((2, 4, cfg.hidden_size), jnp.bfloat16)
   calls = export_cuda_calls(lambda p, x: moe_layer(p, x, cfg, KernelChoice(moe="mosaic_gpu")),
@@ -303,7 +303,7 @@ def test_int4_decode_forward_lowers_for_cuda():
   fwd = jax.jit(lambda *a: forward(*a, cfg=cfg, impl=KernelChoice(moe="mosaic_gpu")))
   calls = export_cuda_calls(fwd, spec(params), spec(cache), i32(b, 1), i32(b), i32(b),
                             i32(b, pages // b))
-  n_moe = sum("moe" in layer for layer in params["layers"])
+  n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
   assert n_moe > 1 and calls.count(MOSAIC_CALL) == 2, calls
 
 

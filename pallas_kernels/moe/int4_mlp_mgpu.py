@@ -158,11 +158,15 @@ def int4_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.
 
 def moe_experts_int4(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                      w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, *,
-                     expert_offset: int = 0, cfg: Int4Config = Int4Config()) -> jax.Array:
+                     expert_offset: int = 0,
+                     layer: jax.Array | int | None = None,
+                     cfg: Int4Config = Int4Config()) -> jax.Array:
   """`reference.moe_experts` contract through the W4A16 kernels, any token count (slots:
-  `dequant_mlp_mgpu.block_tokens`)."""
+  `dequant_mlp_mgpu.block_tokens`); with `layer`, the weights are stacks and the kernels read
+  layer `layer`'s experts in place."""
   if not all(is_int4(w) for w in (w_gate, w_up, w_down)):
     raise TypeError("moe_experts_int4 takes Int4Weight experts")
+  (w_gate, w_up, w_down), e_local, base = permute_lib.expert_pool((w_gate, w_up, w_down), layer)
   return dequant_lib.moe_experts_slots(
-      x, weights, expert_ids, w_gate.shape[0], expert_offset,
-      lambda xs, se, ns, nt: int4_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg))
+      x, weights, expert_ids, e_local, expert_offset,
+      lambda xs, se, ns, nt: int4_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg), base)
