@@ -11,11 +11,13 @@ configuration they take (hidden and expert width multiples of 64; MLA latent 32 
 32-token pages; bf16).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from cuda_export import MOSAIC_CALL, export_cuda_calls
+from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
 from engine.model.config import config_from_dict
 from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.kernels import REFERENCE, KernelChoice
@@ -110,7 +112,9 @@ def test_engine_program_lowers_for_cuda(captured, name, kernels):
   assert not {t for t in targets if "callback" in t or t.startswith("lapack")}, targets
 
 
-def _mosaic_calls_in_forward(layers: int, scan_layers: bool = True) -> int:
+def _forward_for_cuda(layers: int, scan_layers: bool = True) -> tuple[str, int]:
+  """(the exported module's text, its Mosaic GPU calls) of a decode forward with the Mosaic
+  kernels: a dense layer, then MoE layers of 8 experts [8, 64, 64]; 2 x 2 pages of 32 tokens."""
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64, kv_lora_rank=32,
                               qk_rope_head_dim=32, num_hidden_layers=layers))
   b, page = 2, 32
@@ -122,17 +126,25 @@ def _mosaic_calls_in_forward(layers: int, scan_layers: bool = True) -> int:
                    scan_layers=scan_layers)
 
   row = jax.ShapeDtypeStruct((b,), jnp.int32)
-  calls = export_cuda_calls(step, abstract_params(cfg, jnp.bfloat16), cache,
-                            jax.ShapeDtypeStruct((b, 1), jnp.int32), row, row,
-                            jax.ShapeDtypeStruct(table.shape, jnp.int32))
-  return calls.count(MOSAIC_CALL)
+  with jax.sharding.use_abstract_mesh(H200):
+    exported = jax.export.export(
+        jax.jit(step), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(MOSAIC_CALL)])(
+            abstract_params(cfg, jnp.bfloat16), cache, jax.ShapeDtypeStruct((b, 1), jnp.int32),
+            row, row, jax.ShapeDtypeStruct(table.shape, jnp.int32))
+  text = exported.mlir_module()
+  return text, len(re.findall(rf"stablehlo.custom_call @{MOSAIC_CALL}\b", text))
 
 
 def test_mosaic_kernels_lower_once_per_shape_not_per_layer():
   """Layers whose kernel calls are identical share one lowered kernel (`kernels.py`): each
   layer lowering (and compiling) its own took a 27-layer decode step ~95 s to compile on an
   H200. Dense layer then MoE layers: the MLA kernel over each stack's pool (the dense layer's,
-  the MoE layers'), and the MoE experts' kernels; unrolled or scanned, however many layers."""
-  three = _mosaic_calls_in_forward(3)
-  assert three >= 3 and _mosaic_calls_in_forward(5) == three, three
-  assert _mosaic_calls_in_forward(3, False) == _mosaic_calls_in_forward(5, False) == three
+  the MoE layers'), and the MoE experts' kernels; unrolled or scanned, however many layers.
+  Scanned, the kernels read the stacked experts and pages in place: no layer's experts or
+  pages are sliced out of a stack for them ([8, 64, 64] / [1, 8, 64, 64], [4, 32, 64])."""
+  text, three = _forward_for_cuda(3)
+  assert three >= 3 and _forward_for_cuda(5)[1] == three, three
+  assert _forward_for_cuda(5, False)[1] == three
+  sliced = re.findall(r"stablehlo.dynamic_slice .*-> tensor<([\dx]+)xbf16>", text)
+  assert not {"8x64x64", "1x8x64x64", "4x32x64", "1x4x32x64"} & set(sliced), sliced

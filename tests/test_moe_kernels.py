@@ -162,13 +162,14 @@ def _assert_close(got, want, dtype):
   np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
 
 
-def _run_path(path, x, w, ids, wg, wu, wd, offset=0, detect_races=False):
+def _run_path(path, x, w, ids, wg, wu, wd, offset=0, detect_races=False, layer=None):
   with gpu_interpret(detect_races):
     if path == "grouped":
       return grouped_mlp_mgpu.moe_experts_grouped(x, w, ids, wg, wu, wd,
-                                                  expert_offset=offset, cfg=GROUPED)
+                                                  expert_offset=offset, layer=layer,
+                                                  cfg=GROUPED)
     return decode_mlp_mgpu.moe_experts_decode(x, w, ids, wg, wu, wd, expert_offset=offset,
-                                              cfg=DECODE)
+                                              layer=layer, cfg=DECODE)
 
 
 @pytest.mark.parametrize("path,t", [("grouped", 40), ("grouped", 1), ("decode", 1),
@@ -199,6 +200,21 @@ def test_kernel_expert_shards_sum_to_whole(path, t):
                   jnp.bfloat16)
   summed = sum(np.asarray(p, np.float32) for p in parts)
   _assert_close(summed, whole, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("path,t,layer,offset", [("decode", 3, 2, 3)])
+def test_kernel_reads_one_layer_of_stacked_experts(path, t, layer, offset):
+  """A scanned layer stack hands the kernels its layers' experts stacked, [L, E, ...], and the
+  layer's index: they read that layer's experts where they lie (as one pool of L * E experts),
+  with that layer's result; an expert shard's offset still applies."""
+  x, w, ids, wg, wu, wd = _problem(t, E, 3, H, I, jnp.bfloat16, seed=17)
+  stacks = [jnp.stack([a[::-1], a, a * -1.5])[:, offset:] for a in (wg, wu, wd)]
+  got = _run_path(path, x, w, ids, *stacks, offset=offset, layer=jnp.int32(layer))
+  want = reference.moe_experts_dense(x, w, ids, *(a[layer] for a in stacks),
+                                     expert_offset=offset)
+  _assert_close(got, want, jnp.bfloat16)
+  _assert_close(reference.moe_experts(x, w, ids, *stacks, expert_offset=offset,
+                                      layer=jnp.int32(layer)), want, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("path,t", [("grouped", 70), ("decode", 5)])

@@ -116,6 +116,18 @@ def test_int4_kernel_expert_shards_sum_to_whole():
   _assert_close(sum(parts), _reference_f32(x, w, ids, wg, wu, wd))
 
 
+def test_kernel_reads_one_layer_of_stacked_quantized_experts():
+  """A scanned stack's quantized experts, [L, E, ...] packed leaves, and a layer index: the
+  W4A16 kernels (and W8A16, on the same skeleton and `permute.expert_pool`) read that layer's
+  experts in place, as if given it alone."""
+  x, w, ids, *layer1 = _problem(19, 3, 6, 2, 128, 128)
+  _, _, _, *layer0 = _problem(20, 3, 6, 2, 128, 128)
+  stacks = [jax.tree.map(lambda a, b: jnp.stack([a, b]), u, v) for u, v in zip(layer0, layer1)]
+  with gpu_interpret():
+    got = moe_mgpu.moe_experts(x, w, ids, *stacks, layer=jnp.int32(1))
+  _assert_close(got, _reference_f32(x, w, ids, *layer1))
+
+
 def test_int4_swiglu_skips_unused_slots_and_equals_its_reference():
   # Hand-made layout: slots 0..2 used (experts 2, 0, 2), slot 3 not.
   rng = np.random.default_rng(5)
