@@ -140,6 +140,10 @@ def test_version_1_per_layer_checkpoint_restores_stacked(tmp_path):
   got = restore_orbax(str(out), cfg, shardings=shardings)
   _assert_bit_exact(got, params)
   assert all(x.sharding == jax.sharding.SingleDeviceSharding(dev) for x in jax.tree.leaves(got))
+  from engine.model import hf_loader  # large stacks: built in place on the device
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(hf_loader, "HOST_STACK_MAX_BYTES", 0)
+    _assert_bit_exact(restore_orbax(str(out), cfg), params)
   deeper = config_from_dict(dict(fx.DEEPSEEK_V3, num_hidden_layers=4))
   with pytest.raises(CheckpointError, match=r"missing parameter 'layers\.3\.attn\.kv_a'"):
     restore_orbax(str(out), deeper)

@@ -13,8 +13,8 @@ the layout from the Orbax metadata before reading any array.
 Version 2 stores the stacked layout the model runs (`param_shapes`: layers stacked per run), so
 a restore places each leaf where it belongs with no further work. Version 1 (the committed demo
 models, checkpoints converted before the layers were stacked) stores the per-layer layout
-(`per_layer_shapes`); it is restored layer by layer and stacked on the devices, leaf by leaf
-(peak: the model plus one stacked leaf).
+(`per_layer_shapes`); it is restored layer by layer and stacked leaf by leaf
+(`hf_loader.LayerStacker`; peak: the model plus one stacked leaf).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 
 from engine.model.config import ModelConfig, config_from_dict, load_config
 from engine.model.hf_loader import (INDEX_FILE, PICKLE_SUFFIXES, SINGLE_FILE, CheckpointError,
-                                    layer_sharding, shardings_by_leaf)
+                                    LayerStacker, layer_sharding, shardings_by_leaf)
 from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
                                  path_str, per_layer_shapes, shape_leaves, stacked_leaf)
 
@@ -177,28 +177,28 @@ def restore_orbax(ckpt_dir: str, cfg: ModelConfig | None = None, shardings: Any 
         lambda p, s: jax.ShapeDtypeStruct(s, leaf_dtype(p, dtype), sharding=where(path_str(p))),
         per_layer_shapes(cfg) if per_layer else param_shapes(cfg), is_leaf=is_shape)
     params = ckptr.restore(params_dir, target)
-  return _stack_on_devices(cfg, params, by_leaf, default) if per_layer else params
+  if not per_layer:
+    return params
+  return _stack_on_devices(cfg, params, {name: by_leaf.get(name, default)
+                                         for name in shape_leaves(cfg)}, dtype)
 
 
 def _stack_on_devices(cfg: ModelConfig, params: Params, by_leaf: dict[str, Any],
-                      default: Any) -> Params:
-  """A restored per-layer tree stacked (`stack_layers`), leaf by leaf, each stacked leaf placed
-  by its sharding and the layers' arrays freed as it is built."""
-  layers = params.pop("layers")
-  stacks = []
-  for r, (start, stop) in enumerate(cfg.layer_stacks):
-    flat = [jax.tree_util.tree_flatten_with_path(layer)[0] for layer in layers[start:stop]]
-    treedef = jax.tree.structure(layers[start])
-    leaves = []
-    for k, (path, _) in enumerate(flat[0]):
-      parts = [x[k][1] for x in flat]
-      out = by_leaf.get(f"stacks.{r}.{path_str(path)}", default)
-      leaves.append(jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)(*parts))
-      for x in parts:
-        x.delete()
-    stacks.append(jax.tree.unflatten(treedef, leaves))
-  params["stacks"] = stacks
-  return params
+                      dtype: Any) -> Params:
+  """A restored per-layer tree stacked (`stack_layers`), leaf by leaf (`LayerStacker`: small
+  stacks through the host, large ones in place on their devices), each layer's arrays freed
+  as they are used."""
+  stacker = LayerStacker(cfg, dtype, by_leaf)
+  placed = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    done = stacker.add(path_str(path), leaf)
+    if done is None:
+      leaf.delete()
+    else:
+      placed[done[0]] = done[1]
+  placed.update(stacker.stacks)
+  return jax.tree_util.tree_map_with_path(lambda p, _: placed[path_str(p)], param_shapes(cfg),
+                                          is_leaf=is_shape)
 
 
 def is_orbax_checkpoint(path: str) -> bool:

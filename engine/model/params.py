@@ -41,8 +41,8 @@ what the loaders fill and `export_hf` writes; `stack_layers` / `unstack_layers` 
                      experts kept quantized (`cfg.experts_fp8(i)`) an `Fp8Weight`: w
                      float8_e4m3fn [E, K, N] and scale_inv float32 [E, K/bk, N/bn]
         shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
-    mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer
-                 (the keys above, MoE or dense as layer num_layers + k) plus
+    mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer,
+                 not stacked (the keys above, MoE or dense as layer num_layers + k) plus
       enorm [H]  hnorm [H]  eh_proj [2H, H] (input: [enorm(embed(next)), hnorm(hidden)])
       final_norm [H]      (its output head reuses `embed`/`lm_head` of the main model)
 
