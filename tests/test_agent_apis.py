@@ -372,7 +372,8 @@ def test_thinking_controls(server, k25_eng):
     s = openai_chat.parse_chat(json.dumps({**body, **extra}).encode(), *args).requests[0].sampling
     assert s.thinking_token_budget == budget, extra
     if budget is not None:
-      assert s.think_end_token_ids == (end, section) and s.think_start_token_id is None
+      assert s.think_end_token_ids == (end, section) and s.think_in_prompt
+      assert s.think_start_token_id == tok.token_to_id("<think>")
   s = anthropic_messages.parse_messages(json.dumps({
       **body, "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 7}}).encode(),
       *args).requests[0].sampling
