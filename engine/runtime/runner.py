@@ -227,7 +227,7 @@ class ModelRunner:
     return {"out": np.asarray(emitted), "count": np.asarray(counts), "lps": _lps(lps)}
 
   def _clear_null_page(self) -> None:
-    self.cache = clear_page(self.cache, NULL_PAGE)
+    self.cache = clear_page(self.cache, NULL_PAGE, self.cfg)
     for name, d in self.drafters.items():
       if name in self.state:
         self.state[name] = d.clear_null_page(self.state[name])

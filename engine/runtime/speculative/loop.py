@@ -189,7 +189,7 @@ def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, sp
   cfg, widths, drafters, impl = config.cfg, config.widths, config.drafters, config.impl
   if any(d.aux_layers for d in drafters):
     raise NotImplementedError("drafters reading layers' hidden states (aux_layers) need the "
-                              "forward to return them (the scanned layer stack)")
+                              "loop to pass transformer.forward_hidden_states' states on")
   b = batch.tokens.shape[0]
   all_ids = registry.ids()
   n_ids = len(all_ids)

@@ -174,7 +174,7 @@ class DraftModelDrafter(Drafter):
     return place_cache(init_cache(self.draft_cfg, num_pages, page_size, dtype), self.draft_cfg)
 
   def clear_null_page(self, state: Cache) -> Cache:
-    return clear_page(state, NULL_PAGE)
+    return clear_page(state, NULL_PAGE, self.draft_cfg)
 
   def start(self, state: Cache, rows: Any, b: int, k_max: int) -> dict:
     return {"cache": state, "pending": jnp.zeros((b, k_max), jnp.int32),
