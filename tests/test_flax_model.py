@@ -4,6 +4,7 @@ state; that state round-trips through Orbax and export_hf + the HF loader; jitte
 the modules only at trace time."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -108,7 +109,7 @@ def test_initialised_module_runs_as_the_jitted_forward(name):
 def test_bind_holds_the_callers_arrays():
   """`bind` copies nothing: the merged module's leaves are the pytree's own arrays."""
   cfg = CONFIGS["deepseek_v3"]
-  params = to_params(nnx.state(init_model(cfg)))
+  params = to_params(nnx.state(nnx.eval_shape(lambda: init_model(cfg))))
   again = to_params(nnx.state(bind(cfg, params)))
   a, b = _flat(again), _flat(params)
   assert a.keys() == b.keys() and all(a[k] is b[k] for k in b)
@@ -133,8 +134,9 @@ def test_module_state_round_trips_through_orbax_and_export_hf(tmp_path):
 def test_layer_modules_take_one_layers_parameters():
   """The per-layer entry points (tests and tools) merge the same modules the forward runs."""
   cfg = CONFIGS["deepseek_v3"]
-  params = to_params(nnx.state(init_model(cfg)))
-  layer = modules.layer_module(cfg, 1, jax.tree.map(lambda w: w[0], params["stacks"][1]))
+  params = to_params(nnx.state(nnx.eval_shape(lambda: init_model(cfg))))
+  first = functools.partial(jax.eval_shape, lambda s: jax.tree.map(lambda w: w[0], s))
+  layer = modules.layer_module(cfg, 1, first(params["stacks"][1]))
   assert isinstance(layer.moe, modules.MoE) and isinstance(layer.attn, modules.MLAAttention)
-  dense = modules.layer_module(cfg, 0, jax.tree.map(lambda w: w[0], params["stacks"][0]))
+  dense = modules.layer_module(cfg, 0, first(params["stacks"][0]))
   assert isinstance(dense.mlp, modules.MLP) and not hasattr(dense, "moe")

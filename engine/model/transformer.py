@@ -271,8 +271,14 @@ def bind(cfg: ModelConfig, params: Params) -> Transformer:
 
 
 def init_model(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> Transformer:
-  """A randomly initialised `Transformer` (`modules.ParamInit`'s values)."""
-  return Transformer(cfg, ParamInit(nnx.Rngs(seed), dtype))
+  """A randomly initialised `Transformer` (`modules.ParamInit`'s values), drawn by one
+  compiled program (not op by op), compiled once per (cfg, dtype)."""
+  return _init_program(cfg, jnp.dtype(dtype))(jax.random.key(seed))
+
+
+@functools.cache
+def _init_program(cfg: ModelConfig, dtype: Any) -> Any:
+  return nnx.jit(lambda key: Transformer(cfg, ParamInit(nnx.Rngs(key), dtype)))
 
 
 def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
