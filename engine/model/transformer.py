@@ -1,6 +1,9 @@
-"""The decoder forward pass, written as pure functions of a parameter pytree.
+"""The decoder forward pass: the `Transformer` module, and the pure functions of a parameter
+pytree every jitted program calls.
 
-Read top to bottom: `forward` embeds tokens, runs every layer (attention writes its new cache
+Read top to bottom: `forward(params, ...)` binds the parameter pytree to the Flax modules
+(`bind`: `nnx.merge` with a cached graphdef, at trace time) and calls `Transformer`, which
+embeds tokens, runs every layer (`modules.DecoderLayer`: attention writes its new cache
 entries, then reads the paged cache; then a dense MLP or a MoE), normalises and returns hidden
 states; `compute_logits` applies the LM head.
 
