@@ -1,6 +1,6 @@
 """Benchmarks the paged attention kernels against the XLA reference at Kimi-K2.5 shapes.
 
-    python -m bench.attention_kernels --out /tmp/attention.json
+    python -m bench.attention_kernels --out attention.json
 
 On a GPU, per kernel and shape: time, achieved GB/s (bytes the attention must read: the KV
 tokens of every sequence plus queries and outputs) and that as a fraction of the device-to-device

@@ -3,7 +3,7 @@ timed from launch to the `[moejax] ready` line; the server's CPU time (user + sy
 /usr/bin/time) and the load average before and after, since a shared machine's load moves
 the wall time more than anything compared. Variants run interleaved, round by round.
 
-    python -m bench.cold_warmup --rounds=3 main=/work/main new=/work/wt-warm
+    python -m bench.cold_warmup --rounds=3 base=../moejax-base new=.
     python -m bench.cold_warmup new1=.:MOEJAX_COMPILE_WORKERS=1 new2=.:MOEJAX_COMPILE_WORKERS=2
 
 A variant is NAME=TREE[:VAR=VALUE,...]: the server runs from that source tree (PYTHONPATH) with

@@ -40,28 +40,34 @@ from engine.model import kernels
 from engine.model.cache import cache_bytes_per_token, contiguous_page_table, init_cache
 from engine.model.config import ModelConfig, config_from_dict
 from engine.model.kernels import KernelChoice
-from engine.model.params import abstract_params, leaf_dtype, path_str
+from engine.model.params import abstract_params, path_str
 from engine.model.transformer import compute_logits, forward
 from engine.runtime.speculative import costs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "demo", ["demo", "dsv2_lite", "tiny"], "Which model.")
-flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
-flags.DEFINE_integer("context", 1024, "Cached tokens per row.")
-flags.DEFINE_string("kernels", "reference", "Kernel choice for attention and MoE (auto: the "
-                    "Mosaic GPU kernels on Hopper where the model fits them).")
-flags.DEFINE_integer("iters", 10, "Timed iterations per measurement.")
-flags.DEFINE_bool("host", True, "Also measure the serving engine's per-token host overhead.")
-flags.DEFINE_list("ablate", None, "Batch sizes to break down by ablation (default: all).")
-flags.DEFINE_list("verify", [], "Speculative verify widths T (positions per row, K + 1) to "
-                  "time like the step, e.g. 2,3,5,9: what verifying K drafts costs in decode "
-                  "steps (1.0: free; more distinct experts are read as T grows).")
-flags.DEFINE_string("dtype", None, "Parameter dtype of the demo model (default: its own).")
-flags.DEFINE_integer("layers", 0, "dsv2_lite / tiny with this many decoder layers (0: as "
-                     "published): on an H200 the 27-layer forward with the Mosaic GPU kernels "
-                     "took ~95 s to compile (BENCHMARKS.md, 'Second GPU run').")
-flags.DEFINE_string("out", "", "Write JSON here.")
+
+
+def define_flags() -> None:
+  """The command line's flags, defined when run as a script only: absl refuses a flag
+  defined twice in one process, and other command lines share these names."""
+  flags.DEFINE_enum("model", "demo", ["demo", "dsv2_lite", "tiny"], "Which model.")
+  flags.DEFINE_list("batch", ["1", "8"], "Batch sizes.")
+  flags.DEFINE_integer("context", 1024, "Cached tokens per row.")
+  flags.DEFINE_string("kernels", "reference", "Kernel choice for attention and MoE (auto: the "
+                      "Mosaic GPU kernels on Hopper where the model fits them).")
+  flags.DEFINE_integer("iters", 10, "Timed iterations per measurement.")
+  flags.DEFINE_bool("host", True, "Also measure the serving engine's per-token host overhead.")
+  flags.DEFINE_list("ablate", None, "Batch sizes to break down by ablation (default: all).")
+  flags.DEFINE_list("verify", [], "Speculative verify widths T (positions per row, K + 1) to "
+                    "time like the step, e.g. 2,3,5,9: what verifying K drafts costs in decode "
+                    "steps (1.0: free; more distinct experts are read as T grows).")
+  flags.DEFINE_string("dtype", None, "Parameter dtype of the demo model (default: its own).")
+  flags.DEFINE_integer("layers", 0, "dsv2_lite / tiny with this many decoder layers (0: as "
+                       "published): on an H200 the 27-layer forward with the Mosaic GPU kernels "
+                       "took ~95 s to compile (BENCHMARKS.md, 'Second GPU run').")
+  flags.DEFINE_string("out", "", "Write JSON here.")
+
 
 DSV2_LITE = dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048,
                  intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
@@ -313,4 +319,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU protocol: one device call that always returns numbers. From the repository root:
-#     OUT=/tmp/out bash bench/gpu_check.sh              (the device tool sets $OUT; required)
-#     DRY_RUN=1 OUT=/tmp/dry bash bench/gpu_check.sh    (CPU: every stage at toy shapes, the
+#     OUT=gpu_out bash bench/gpu_check.sh               (the device tool sets $OUT; required)
+#     DRY_RUN=1 OUT=gpu_dry bash bench/gpu_check.sh     (CPU: every stage at toy shapes, the
 #                                                        Mosaic GPU kernels interpreted, the
 #                                                        GPU programs lowered for CUDA)
 # Writes exactly four files to $OUT:
@@ -16,14 +16,16 @@
 # Stages, in priority order, each one Python process with its own time limit (a stage cut at
 # its limit keeps every row it wrote; the next starts on time):
 #   ceilings (25 s)   XLA copy, read-only reduction, bf16 matmul: the fractions' denominators
-#   int4 (95 s)       W4A16 experts at K2.5 shapes (E 384 and a shard of 48; 1/8/64 tokens),
-#                     configuration sweep, SASS opcode counts
-#   k25_slice (190 s) Kimi K2.5-shaped 4-layer slice: decode at B 1/8/64 with the kernel
+#   int4 (150 s)      the W4A16 expert kernel (protocol/int4.py): its register plan bitwise and
+#                     the MoE call against the reference, a configuration sweep at E 384 x 1
+#                     token (cut by its deadline), E 384 at 1/8/64 tokens and a shard of 48 at
+#                     1/8, each kernel timed alone; SASS opcode counts (~26 programs)
+#   k25_slice (160 s) Kimi K2.5-shaped 4-layer slice: decode at B 1/8/64 with the kernel
 #                     breakdown and bytes floor, an 8,192-token prefill chunk, verify T[B, k]
 #                     until its deadline
-#   mla (60 s)        MLA decode at K2.5 shapes, split sweep, page 16 vs 64
-#   experts (45 s)    FP8 and bf16 experts
-#   peers (35 s)      torch cuBLAS bf16 and tinygemm W4A16 on the same bytes (python3 with
+#   mla (55 s)        MLA decode at K2.5 shapes, split sweep, page 16 vs 64
+#   experts (40 s)    FP8 and bf16 experts
+#   peers (30 s)      torch cuBLAS bf16 and tinygemm W4A16 on the same bytes (python3 with
 #                     torch; a skip row without it)
 # BUDGET_S (480; dry run 300) bounds the whole script: a stage gets min(its limit, what is
 # left less 15 s for the summary); one with under 20 s left writes a skip row. STAGES=a,b
@@ -51,11 +53,11 @@ if [ "$DRY_RUN" != 0 ]; then BUDGET_S=${BUDGET_S:-300}; else BUDGET_S=${BUDGET_S
 STAGES=${STAGES:-}
 LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defaults below
 # (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
-[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:110,mla:80,experts:70}
+[ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:130,mla:100,experts:70}
 RESERVE=15
-ORDER="ceilings:25 kernel_check:120 int4:95 k25_slice:190 mla:60 experts:45 peers:35"
+ORDER="ceilings:25 kernel_check:120 int4:150 k25_slice:160 mla:55 experts:40 peers:30"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"
-SCRATCH=$(mktemp -d /tmp/moejax_gpu_check.XXXXXX)
+SCRATCH=$(mktemp -d -t moejax_gpu_check.XXXXXX)
 RAN=""
 selected() { if [ -z "$STAGES" ]; then [[ ",$DEFAULT," == *",$1,"* ]]; else [[ ",$STAGES," == *",$1,"* ]]; fi; }
 later_limits() {  # the limits of the selected stages after $1
@@ -115,19 +117,18 @@ echo "gpu_check: OUT=$OUT DRY_RUN=$DRY_RUN BUDGET_S=$BUDGET_S COMMIT=$COMMIT STA
 stage ceilings 25 $PY -m bench.protocol.ceilings "$OUT"
 stage kernel_check 120 $PY -m bench.kernel_check --results="$OUT" --out="$SCRATCH/kernel_check.json"
 if [ "$DRY_RUN" != 0 ]; then
-  stage int4 95 $PY -m bench.protocol.experts "$OUT" --formats=int4
-  stage k25_slice 190 $PY -m bench.protocol.k25_slice "$OUT" --layers=3
+  stage int4 150 $PY -m bench.protocol.int4 "$OUT"
+  stage k25_slice 160 $PY -m bench.protocol.k25_slice "$OUT" --layers=3
 else
-  STAGE_STDOUT="$SCRATCH/int4_sass.txt" stage int4 95 env MOSAIC_GPU_DUMP_SASS=1 \
-    MOSAIC_GPU_DUMP_PTXAS=1 SASS_LOG="$SCRATCH/int4_sass.txt" $PY -m bench.protocol.experts \
-    "$OUT" --formats=int4
+  STAGE_STDOUT="$SCRATCH/int4_sass.txt" stage int4 150 env MOSAIC_GPU_DUMP_SASS=1 \
+    MOSAIC_GPU_DUMP_PTXAS=1 SASS_LOG="$SCRATCH/int4_sass.txt" $PY -m bench.protocol.int4 "$OUT"
   # (XLA's GEMM autotuning off, as in the second GPU run: the slice's compiles stay short)
-  stage k25_slice 190 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  stage k25_slice 160 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     $PY -m bench.protocol.k25_slice "$OUT" --layers=4
 fi
-stage mla 60 $PY -m bench.protocol.mla "$OUT"
-stage experts 45 $PY -m bench.protocol.experts "$OUT" --formats=fp8,bf16
-stage peers 35 $TORCH_PY -m bench.protocol.peers "$OUT"
+stage mla 55 $PY -m bench.protocol.mla "$OUT"
+stage experts 40 $PY -m bench.protocol.experts "$OUT" --formats=fp8,bf16
+stage peers 30 $TORCH_PY -m bench.protocol.peers "$OUT"
 
 $PY -m bench.summarize "$OUT" > "$OUT/summary.md" 2>&1
 pack_raw

@@ -1,7 +1,7 @@
 """Grammar engines for structured outputs, llguidance vs xgrammar, on our vocabularies.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/grammar_engines.py --out /tmp/ge.json
-    PYTHONPATH=$PWD /work/venv-xgrammar/bin/python bench/grammar_engines.py --out /tmp/ge.json
+    PYTHONPATH=$PWD .venv/bin/python bench/grammar_engines.py --out ge.json
+    PYTHONPATH=$PWD .venv-xgrammar/bin/python bench/grammar_engines.py --out ge_xgrammar.json
 
 Runs whichever engines import (xgrammar needs torch: a throwaway venv, never the project's),
 on two vocabularies: the demo model's byte-level BPE `tokenizer.json` (8,192 ids, 3 specials

@@ -1,6 +1,6 @@
 """What one lockstep message costs, process 0 -> process 1, per channel (issue 56).
 
-    python -m bench.lockstep_channel --out=/tmp/lockstep_channel.json
+    python -m bench.lockstep_channel --out=lockstep_channel.json
     python -m bench.lockstep_channel --sizes=1024,65536 --iters=100
 
 Starts two `jax.distributed` processes on this machine with two CPU devices each (the layout

@@ -93,7 +93,7 @@ def _quantized(fmt: str, ws):
     e, k, n = w.shape
     key = jax.random.key(100 + i)
     if fmt == "int4":
-      packed = jax.jit(lambda kk: jax.random.randint(kk, (e, k // 2, n), 0, 256, jnp.int32)
+      packed = jax.jit(lambda kk: jax.random.randint(kk, (e, n, k // 2), 0, 256, jnp.int32)
                        .astype(jnp.uint8))(key)
       out.append(Int4Weight(packed, jnp.full((e, k // 32, n), 0.02 / 4.6, jnp.bfloat16)))
     else:

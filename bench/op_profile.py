@@ -6,7 +6,7 @@ through the compiled HLO's stack frames.
     python -m bench.op_profile --program=decode_loop    # the plain decode loop, same batch
 
 Serves a batch of the demo prompts on an `Engine` (demo model, every drafter the model
-supports), captures the arguments of one full decode call of `--program`
+supports), captures the step description of one full decode call of `--program`
 ("speculative_decode_loop" or "decode_loop"), then re-runs that call under `jax.profiler`: every
 executed op is charged to the outermost frame in `engine/` or `pallas_kernels/` (`--depth=outer`,
 e.g. `moe_experts_all`, `compute_logits`) or its innermost (`--depth=inner`). Ops without a
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import glob
-import inspect
 import json
 import os
 import re
@@ -36,12 +35,11 @@ import numpy as np
 from absl import app, flags
 
 import engine as moejax
-from engine.runtime import steps
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import runtime as spec_runtime
-from engine.runtime.speculative.loop import DRAFTER_IDS
+from engine.runtime.speculative import drafters as registry
+from engine.runtime.step_description import DECODE, SPEC_DECODE
 
 from bench.spec_workloads import FRESH
 
@@ -51,7 +49,7 @@ flags.DEFINE_enum("program", "speculative_decode_loop", ["speculative_decode_loo
                                                          "decode_loop"], "Which call.")
 flags.DEFINE_integer("force_width", 0, "Speculative loop: index into the compiled widths (0: "
                      "plain, 1: the K + 1 block; -1: the loop's plan chooses).")
-flags.DEFINE_enum("rows", "off", list(DRAFTER_IDS), "Speculative loop: every row's drafter.")
+flags.DEFINE_enum("rows", "off", list(registry.ids()), "Speculative loop: every row's drafter.")
 flags.DEFINE_integer("batch", 4, "Requests.")
 flags.DEFINE_list("drafters", ["ngram", "learned", "mtp", "draft"], "The engine's drafters "
                   "(its speculative loop carries every one, used or not).")
@@ -148,56 +146,45 @@ def main(argv):
       max_num_seqs=FLAGS.batch, max_num_batched_tokens=512, max_model_len=512,
       max_decode_steps=16, drafters=tuple(drafters),
       num_draft_tokens=FLAGS.num_draft_tokens, adaptive_k=True), draft_model=draft)
-  module = spec_runtime if FLAGS.program == "speculative_decode_loop" else steps
-  real = getattr(module, FLAGS.program)
+  kind = SPEC_DECODE if FLAGS.program == "speculative_decode_loop" else DECODE
+  real = eng.runner.execute
   captured = []
 
-  def capture(*args, **kwargs):
-    # A full call (num_steps: argument 9 in both), made from the host: an engine that keeps
-    # the learned table runs decode_loop inside its own jitted `decode_loop_learning`.
-    if (not isinstance(args[9], jax.core.Tracer) and int(args[9]) >= 16
-        and not captured):
-      captured.append(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
-                                   (list(args), kwargs)))
-    return real(*args, **kwargs)
+  def capture(desc):  # a full call (num_steps >= 16)
+    if desc.kind == kind and desc.scalars["num_steps"] >= 16 and not captured:
+      captured.append(desc)
+    return real(desc)
 
-  setattr(module, FLAGS.program, capture)
+  eng.runner.execute = capture
   drafter = "off" if FLAGS.program == "decode_loop" else (FLAGS.rows if FLAGS.rows != "off"
                                                           else "ngram")
   ids = [model.encode(p) for p in (FRESH * 4)[:FLAGS.batch]]
   eng.generate(ids, SamplingParams(drafter=drafter), StopParams(max_tokens=64, ignore_eos=True))
-  setattr(module, FLAGS.program, real)
+  eng.runner.execute = real
   if not captured:
-    raise SystemExit(f"no full call of {FLAGS.program} from the host (with the learned drafter "
-                     "enabled, plain calls run inside decode_loop_learning: pass --drafters "
-                     "without 'learned' to profile decode_loop)")
-  args, kwargs = captured[0]
-  bound = inspect.signature(real).bind(*args, **kwargs)
-  named = bound.arguments
-  b = named["tokens"].shape[0]
-  named["remaining"] = np.full((b,), 16, np.int32)  # every row runs 16 tokens
-  if FLAGS.program == "speculative_decode_loop":
-    named["time_budget"] = np.float32(np.inf)  # (the tokens alone bound the call)
-    named["row_drafter"] = np.full((b,), DRAFTER_IDS.index(FLAGS.rows), np.int32)
-    named["row_auto"] = np.zeros((b,), bool)
-    named["feed"] = np.asarray([d == FLAGS.rows for d in DRAFTER_IDS])
-    named["draft_rows"] = np.full((b,), FLAGS.rows == "draft")  # (fed by the draft model)
-    named["force_width"] = np.int32(FLAGS.force_width)
-  args, kwargs = list(bound.args), dict(bound.kwargs)
-  fresh = lambda: jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x,
-                               (args, kwargs))
+    raise SystemExit(f"no full call of {FLAGS.program}")
+  desc = captured[0]
+  a = desc.arrays
+  b = a["tokens"].shape[0]
+  a["remaining"] = np.full((b,), 16, np.int32)  # every row runs 16 tokens
+  if kind == SPEC_DECODE:
+    desc.scalars["time_budget"] = float("inf")  # (the tokens alone bound the call)
+    row = registry.drafter_id(FLAGS.rows)
+    a["row_drafter"] = np.full((b,), row, np.int32)
+    a["row_auto"] = np.zeros((b,), bool)
+    a["fed"] = np.zeros_like(a["fed"])
+    a["fed"][:, row] = row > 0  # (its model drafter fed for every row)
+    desc.scalars["force_width"] = int(FLAGS.force_width)
+  run = lambda: eng.runner.execute(desc)  # noqa: E731 (the cache comes back to the runner)
   best = float("inf")
   for _ in range(5):
-    a, k = fresh()
-    jax.block_until_ready((a, k))
     t0 = time.perf_counter()
-    jax.block_until_ready(real(*a, **k))
+    run()
     best = min(best, time.perf_counter() - t0)
-  a, k = fresh()
-  hlo = real.lower(*a, **k).compile().as_text()
-  a, k = fresh()
-  jax.block_until_ready((a, k))
-  rows = attribute(hlo, *op_times(lambda: real(*a, **k)), FLAGS.depth)
+  prog = eng.runner.program(desc)
+  with eng.runner.on_mesh():
+    hlo = prog.fn.lower(*prog.args, **prog.kwargs).compile().as_text()
+  rows = attribute(hlo, *op_times(run), FLAGS.depth)
   print(f"{FLAGS.program} (rows {FLAGS.rows}, force_width {FLAGS.force_width}): "
         f"{best * 1e3:.2f} ms per 16-step call untraced")
   print(f"{'op time us':>11} {'share':>6} {'execs':>6}  where")

@@ -1,6 +1,6 @@
 """Sampling cost: the candidate prefilter (lax.top_k) against the full-vocabulary sort.
 
-    python -m bench.sampling --out /tmp/sampling.json
+    python -m bench.sampling --out sampling.json
 
 For each vocabulary size and row count (rows = batch x (K + 1) verified positions), times one
 jitted `sample` call over model-like logits (standard normal x 4: a peaked distribution) with

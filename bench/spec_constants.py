@@ -7,7 +7,7 @@ Acceptance does not depend on the machine: the engine is built with the roofline
 function of the model, the prompts and the constant alone, the same on a CPU or a GPU. For each
 value of each constant (set on its module, with every compiled program and kept engine dropped
 first, since the constants are read when a program is traced):
-* `drafters.NGRAM_MAX` (the longest suffix prompt lookup matches): drafter "ngram", K fixed;
+* `ngram.NGRAM_MAX` (the longest suffix prompt lookup matches): drafter "ngram", K fixed;
 * `learned.ORDERS` (the learned table's context lengths): drafter "learned", K fixed, one table
   kept across two passes of each workload (the first learns as it goes; the second finds what
   the first taught it);
@@ -29,11 +29,9 @@ import jax
 from absl import app, flags
 
 import engine as moejax
-from engine.runtime import batch
-from engine.runtime.batch import SpeculativeConfig
-from engine.runtime.generate import generate_tokens
-from engine.runtime.speculative import drafters, goodput, learned
-from engine.runtime.speculative.learned import NgramMemory
+from engine import NgramMemory, SpeculativeConfig
+from engine.runtime.speculative import goodput
+from engine.runtime.speculative.drafters import learned, ngram
 
 from bench.spec_workloads import FRESH, agent_turns
 
@@ -49,7 +47,7 @@ flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
 # (module, attribute, values); the first value is the shipped one.
 SWEEPS = {
-    "ngram": (drafters, ("NGRAM_MAX",), [(8,), (3,), (5,), (12,)]),
+    "ngram": (ngram, ("NGRAM_MAX",), [(8,), (3,), (5,), (12,)]),
     "orders": (learned, ("ORDERS",), [((3, 2),), ((4, 2),), ((5, 3),), ((4,),), ((6, 3),)]),
     "row_prior": (goodput, ("ROW_PRIOR_WEIGHT",), [(2.0,), (0.5,), (1.0,), (4.0,)]),
     # (a default argument: the function's __defaults__ is the attribute set)
@@ -62,9 +60,9 @@ METHOD = {"ngram": "ngram", "orders": "learned", "row_prior": "auto", "learned_d
 def tokens_per_forward(model, ids, spec: SpeculativeConfig, plain: list[list[int]]
                        ) -> tuple[float, bool]:
   """(tokens per target forward over the decode, whether every output equals `plain`)."""
-  batch.reset_prefix_caches()
-  out = generate_tokens(model.params, model.config, ids, max_new_tokens=FLAGS.max_new_tokens,
-                        ignore_eos=True, speculative=spec)
+  model.llm.reset_prefix_caches()
+  out = moejax.generate(model, ids, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=True,
+                        speculative=spec)
   steps = sum(c.spec["steps"] for c in out)
   return (sum(len(c.token_ids) - 1 for c in out) / steps,
           [c.token_ids for c in out] == plain)
@@ -79,7 +77,7 @@ def sweep(model, name: str, workloads: dict, plain: dict) -> list[dict]:
     for value in values:
       for a, v in zip(attrs, value):
         setattr(module, a, v)
-      batch.release_engines()
+      model.llm.release()
       jax.clear_caches()  # programs traced with the previous value
       for workload, ids in workloads.items():
         memory = NgramMemory() if two_passes else None
@@ -108,8 +106,8 @@ def main(argv):
   half = FLAGS.batch // 2
   workloads = {"fresh": fresh_ids, "agent": agent_ids,
                "mixed": fresh_ids[:half] + agent_ids[half:]}
-  plain = {w: [c.token_ids for c in generate_tokens(
-      model.params, model.config, ids, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=True)]
+  plain = {w: [c.token_ids for c in moejax.generate(
+      model, ids, max_new_tokens=FLAGS.max_new_tokens, ignore_eos=True)]
       for w, ids in workloads.items()}
   rows = []
   for name in FLAGS.constants:

@@ -72,11 +72,10 @@ def agent_turns(model: Any, prompts: list[str], max_new: int, context: int = 0
                 ) -> list[list[int]]:
   """Each prompt's second turn: the first (after `context` tokens of a document, when asked)
   with its greedy answer, then the prompt again."""
-  from engine.runtime.generate import generate_tokens
+  import engine
   first = [model.encode(p) for p in prompts]
   if context:  # (the document's BOS starts the sequence: the prompt's is dropped)
     first = [document(model, i, context) + ids[1:] for i, ids in enumerate(first)]
-  answers = generate_tokens(model.params, model.config, first, max_new_tokens=max_new,
-                            ignore_eos=True)
+  answers = engine.generate(model, first, max_new_tokens=max_new, ignore_eos=True)
   return [agent_turn(model, p, ids, a.token_ids) for ids, a, p in
           zip(first, answers, prompts)]

@@ -10,17 +10,15 @@ Two workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EOS ignored
   the model's own greedy continuation of it, a blank line, and the same prompt again, so the
   answer repeats earlier context (as re-sent tool calls and code edits do).
 
-Rows, for each K of `--num_draft`:
-* path "loop" (`generate_tokens`: plain decoding is one fixed batch in one jitted while loop,
-  speculation runs the batch as requests of a kept engine): every method with a fixed draft
-  length and, with `--adaptive`, with adaptive draft length; their speedup is over plain
-  `generate_tokens` (`off`, loop), what a caller of it gains by asking for speculation;
-* path "engine" (`--auto`): method "auto" through `engine.generate` (the serving `Engine`: every
-  drafter the model supports, chosen per decode loop, adaptive k); its speedup is over plain
-  decoding through the same engine path (`off`, engine), which has its own scheduling, so the
-  two paths' speedups are each against their own baseline. `generate_on_engine` keeps its
-  engine between calls; every call here first empties its prefix cache (as the loop path, it
-  computes its prompts anew) and gets an empty learned table of its own.
+Rows, for each K of `--num_draft` (every call is `engine.generate`: the batch as requests of
+an engine the model keeps; since issue 47 there is no other generate path, and the two "paths"
+name two groups of rows measured the same way):
+* path "loop": every method with a fixed draft length and, with `--adaptive`, with adaptive
+  draft length; their speedup is over plain `engine.generate` (`off`);
+* path "engine" (`--auto`): method "auto" (every drafter the model supports, chosen per decode
+  loop, adaptive k); its speedup is over the same plain calls. Every call first empties the
+  kept engines' prefix caches (it computes its prompts anew) and gets an empty learned table
+  of its own.
 Each row: one warm-up call of it and of its path's `off` (compiles), then `--rounds` rounds
 that time a call of each in turn; speedup = the mean times' ratio, so load from elsewhere on the
 machine (which moved separately timed rows by up to 0.3x on CPU) slows both alike. Counters are
@@ -50,11 +48,7 @@ import jax
 from absl import app, flags
 
 import engine as moejax
-from engine.api import generate_on_engine
-from engine.runtime import batch
-from engine.runtime.batch import SpeculativeConfig
-from engine.runtime.generate import generate_tokens
-from engine.runtime.speculative.learned import NgramMemory
+from engine import NgramMemory, SpeculativeConfig
 
 from bench.spec_workloads import FRESH, agent_turns
 
@@ -86,21 +80,15 @@ flags.DEFINE_string("out", "", "Write the results as JSON here.")
 
 # ---- one call, timed -------------------------------------------------------------------------
 
-def loop_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple[list, dict]]:
-  """`generate_tokens`: [(token ids, spec counters or None)] per prompt (plain: the fixed-batch
-  loop; speculative: requests of a kept engine, its prefix cache emptied first)."""
-  batch.reset_prefix_caches()
-  out = generate_tokens(model.params, model.config, ids, max_new_tokens=max_new,
-                        ignore_eos=True, speculative=spec)
-  return [(c.token_ids, c.spec) for c in out]
-
-
 def engine_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tuple[list, dict]]:
-  """The serving engine path (`engine.generate`'s route for method "auto")."""
-  batch.reset_prefix_caches()
-  out = generate_on_engine(model, ids, max_new_tokens=max_new, ignore_eos=True,
-                           speculative=spec)
+  """`engine.generate`: [(token ids, spec counters or None)] per prompt, the model's kept
+  engines' prefix caches emptied first."""
+  model.llm.reset_prefix_caches()
+  out = moejax.generate(model, ids, max_new_tokens=max_new, ignore_eos=True, speculative=spec)
   return [(r.token_ids, r.spec) for r in out]
+
+
+loop_call = engine_call  # (one generate path: the rows' two groups run the same call)
 
 
 def timed(call: Callable[[], Any], repeats: int) -> tuple[Any, float]:
@@ -335,8 +323,7 @@ def main(argv):
                            FLAGS.learning_curve, FLAGS.auto)
 
   print_table(rows)
-  print("speedup: over plain decoding on the same path (loop: generate_tokens; engine: the "
-        "serving Engine, whose own plain speed is in its `off` row's speedup_vs_loop_off)")
+  print("speedup: over plain engine.generate (both groups of rows run the same path)")
   for r in rows:
     if r["path"] == "engine" and r["method"] == "off":
       print(f"engine off vs loop off ({r['workload']}): {r['speedup_vs_loop_off']:.2f}x")

@@ -1,6 +1,6 @@
 """Constrained (JSON schema) vs unconstrained decoding on the serving engine, side by side.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/structured.py --out /tmp/structured.json
+    PYTHONPATH=$PWD .venv/bin/python bench/structured.py --out structured.json
 
 One warmed engine (demo model by default; the masked step compiled at warm-up), greedy rows,
 a schema whose outputs run long (a list of records). Per batch size: tokens/s of every row

@@ -34,12 +34,13 @@ def _pct(v: Any) -> str:
 MAX_ROWS = 24  # per table
 
 
-def table(rows: list[dict], cols: list[tuple[str, Callable[[dict], Any]]]) -> str:
+def table(rows: list[dict], cols: list[tuple[str, Callable[[dict], Any]]],
+          max_rows: int = MAX_ROWS) -> str:
   lines = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
-  for r in rows[:MAX_ROWS]:
+  for r in rows[:max_rows]:
     lines.append("| " + " | ".join(str(fn(r)) for _, fn in cols) + " |")
-  if len(rows) > MAX_ROWS:
-    lines.append(f"({len(rows) - MAX_ROWS} more rows in results.jsonl)")
+  if len(rows) > max_rows:
+    lines.append(f"({len(rows) - max_rows} more rows in results.jsonl)")
   return "\n".join(lines)
 
 
@@ -47,6 +48,9 @@ def _note(r: dict) -> str:
   for key in ("error", "skipped"):
     if r.get(key):
       return f"{key}: {str(r[key])[:90]}"
+  if "mismatches" in r:  # (the W4A16 register plan's bitwise check)
+    return "bitwise" if r["mismatches"] == 0 else f"{r['mismatches']} mismatches, max diff " \
+        f"{_f(r.get('max_abs_diff'), 2)}"
   for key in ("rel_err_vs_reference", "rel_err_vs_default"):
     if key in r:
       return f"{key.replace('rel_err_vs_', 'err vs ')} {_f(r[key], 2)}"
@@ -54,7 +58,8 @@ def _note(r: dict) -> str:
 
 
 def _timed(r: dict) -> bool:
-  return r.get("impl") not in ("cuda_export", "sass", "env", "weights", "pool", "stage_end")
+  return r.get("impl") not in ("cuda_export", "sass", "env", "weights", "pool", "stage_end",
+                               "summary")
 
 
 def _by_kind(r: dict, kind: str) -> str:
@@ -97,10 +102,15 @@ def sections(rows: list[dict]) -> list[str]:
                  ("call us", lambda r: _f(r.get("call_us"))),
                  ("GB/s", lambda r: _f(r.get("gbps"))),
                  ("% ceil", lambda r: _pct(r.get("frac_ceiling"))), ("note", _note)]
+  int4_cols = expert_cols[:4] + [("gate/up us", lambda r: _f(r.get("gate_up_us"))),
+                                 ("down us", lambda r: _f(r.get("down_us")))] + expert_cols[4:]
   for stage in ("int4", "experts"):
     rs = [r for r in by_stage.get(stage, []) if _timed(r)]
     if rs:
-      out.append(f"## {stage}\n" + table(rs, expert_cols))
+      end = next((r for r in by_stage[stage] if r.get("impl") == "summary"), None)
+      out.append(f"## {stage}\n" + table(rs, int4_cols if stage == "int4" else expert_cols) +
+                 (f"\nplan bitwise {end.get('plan_bitwise')}, timed as {end.get('timed')}"
+                  if end else ""))
     sass = [r for r in by_stage.get(stage, []) if r.get("impl") == "sass"]
     if sass:
       fam = lambda r, k: _f((r.get("families") or {}).get(k))
@@ -124,12 +134,19 @@ def sections(rows: list[dict]) -> list[str]:
          r.get("kind") == "verify" and decode.get(r.get("batch")) else "-"),
         ("compile s", lambda r: _f(r.get("compile_s"))), ("note", _note)]))
   rs = [r for r in by_stage.get("mla", []) if _timed(r)]
+  checks = [r for r in rs if "ok" in r]
+  if checks:
+    bad = [r for r in checks if not r["ok"]]
+    out.append(f"mla checks: {len(checks) - len(bad)} of {len(checks)} within tolerance" +
+               "".join(f"\n- {r.get('case')}: err {_f(r.get('rel_err_vs_reference'))}"[:200]
+                       for r in bad))
   if rs:
+    # (the decode path's `us`: its two Mosaic kernels; `call us`: the standalone call)
     out.append("## mla\n" + table(rs, [
-        ("impl", lambda r: r["impl"]), ("case", lambda r: r.get("case")),
-        ("us", lambda r: _f(r.get("us"))), ("kernel us", lambda r: _f(r.get("kernel_us"))),
+        ("group", lambda r: r.get("group", "")), ("case", lambda r: r.get("case")),
+        ("us", lambda r: _f(r.get("us"))), ("call us", lambda r: _f(r.get("call_us"))),
         ("GB/s", lambda r: _f(r.get("gbps"))), ("% ceil", lambda r: _pct(r.get("frac_ceiling"))),
-        ("note", _note)]))
+        ("note", _note)], max_rows=56))
   rs = [r for r in by_stage.get("peers", [])
         if _timed(r) and r.get("impl") not in ("torch_copy", "torch_read")]
   if rs:

@@ -1,13 +1,16 @@
 """This engine against Hugging Face transformers on the same weights, side by side in one run.
 
-    python -m bench.vs_transformers --ref_python=/work/venv311ref/bin/python --out=vs.json
+    python -m bench.vs_transformers --out=vs.json
 
 The bundled demo model is exported to Hugging Face format (float32) and run by transformers'
 `generate` in the reference interpreter (Python 3.11 with torch, as a subprocess:
-`bench/hf_generate_child.py`) and by this engine (`engine.generate`, float32), on the same
-prompts (held-out standard-library modules), greedy, fixed output length (EOS ignored).
+`bench/hf_generate_child.py`; `--ref_python`, default `.venv-ref/bin/python`, which
+`bash tests/golden/make_ref_env.sh` builds) and by this engine (`engine.generate`, float32),
+on the same prompts (held-out standard-library modules), greedy, fixed output length (EOS
+ignored).
 Rounds alternate transformers / engine (`--rounds`); each side warms up first (our compile,
-their first call) and reports the median of its timed runs.
+their first call) and reports the median of its timed runs. Every call of ours computes its
+prompt (the model's engines' prefix caches are emptied before it), as transformers' does.
 
 Jobs: output tokens/s at batch 1 and 32; time to first token (generate 1 token) for 512- and
 2,048-token prompts; speculation at batch 1 (transformers' prompt lookup vs our n-gram
@@ -27,13 +30,15 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 from absl import app, flags
+
+from checkpoints import ref_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
-flags.DEFINE_string("ref_python", "/work/venv311ref/bin/python",
-                    "Python with torch + transformers (kept out of this environment).")
+flags.DEFINE_string("ref_python", ref_env.PYTHON,
+                    "Python with torch + transformers (kept out of this environment; "
+                    f"`bash {ref_env.MAKE_SCRIPT}` builds the default).")
 flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "target"), "Model.")
 flags.DEFINE_string("draft_checkpoint", os.path.join(ROOT, "checkpoints", "demo", "draft"),
                     "Draft model for the assistant / draft-model jobs.")
@@ -97,7 +102,7 @@ def _run_ours(model, draft, jobs: list[dict], warm: bool) -> list[dict]:
   for j in jobs:
     spec = None
     if j["mode"] != "plain":
-      from engine.runtime.generate import SpeculativeConfig
+      from engine import SpeculativeConfig
       spec = (SpeculativeConfig("ngram", num_draft_tokens=j["num_draft_tokens"])
               if j["mode"] == "prompt_lookup" else
               SpeculativeConfig("draft", num_draft_tokens=j["num_draft_tokens"],
@@ -107,6 +112,7 @@ def _run_ours(model, draft, jobs: list[dict], warm: bool) -> list[dict]:
       kwargs["speculative"] = spec
     times = []
     for i in range(j["repeats"] + (0 if warm else 1)):
+      model.llm.reset_prefix_caches()  # (each call computes its prompt, as transformers' do)
       t = time.perf_counter()
       res = engine.generate(model, j["prompts"], **kwargs)
       if i or warm:
@@ -117,6 +123,7 @@ def _run_ours(model, draft, jobs: list[dict], warm: bool) -> list[dict]:
 
 def main(argv):
   del argv
+  ref_env.require(FLAGS.ref_python)
   import engine
   from checkpoints.export_hf import export
   model = engine.load(FLAGS.checkpoint, dtype="float32")

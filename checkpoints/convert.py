@@ -20,12 +20,17 @@ from typing import Any
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory (config.json + safetensors).")
-flags.DEFINE_string("out", None, "Output directory for the moejax Orbax checkpoint.")
-flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
-                  "Dtype of the saved params (routing leaves stay float32).")
-flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.")
-flags.DEFINE_bool("progress", True, "Print per-shard progress for large checkpoints.")
+
+
+def define_flags() -> None:
+  """The command line's flags, defined when run as a script only: absl refuses a flag
+  defined twice in one process, and other command lines share these names."""
+  flags.DEFINE_string("hf_dir", None, "Hugging Face checkpoint directory (config.json + safetensors).")
+  flags.DEFINE_string("out", None, "Output directory for the moejax Orbax checkpoint.")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"],
+                    "Dtype of the saved params (routing leaves stay float32).")
+  flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out.")
+  flags.DEFINE_bool("progress", True, "Print per-shard progress for large checkpoints.")
 
 
 def convert(hf_dir: str, out: str, dtype: str = "bfloat16", overwrite: bool = False,
@@ -81,5 +86,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   flags.mark_flags_as_required(["hf_dir", "out"])
   app.run(main)

@@ -1,12 +1,13 @@
 """Corpus and tokenizer of the bundled demo model: the Python standard library source.
 
-    python -m checkpoints.demo_corpus --out=checkpoints/demo [--cache_dir=/tmp/moejax_corpus]
+    python -m checkpoints.demo_corpus --out=checkpoints/demo [--cache_dir=DIR]
 
 Writes `OUT/tokenizer.json` (byte-level BPE, `<|pad|>`=0, `<|bos|>`=1, `<|eos|>`=2),
 `OUT/split.json` (the modules, files, bytes and tokens of each side) and the token arrays
-(int32 .npy, one per side) under `--cache_dir`, named by a hash of the file list and the
-tokenizer. Prints a summary. Everything is deterministic for a given interpreter: the corpus
-is the source of the Python that runs the script, present on every machine.
+(int32 .npy, one per side) under `--cache_dir` (default `~/.cache/moejax/corpus`), named by a
+hash of the file list and the tokenizer. Prints a summary. Everything is deterministic for a
+given interpreter: the corpus is the source of the Python that runs the script, present on
+every machine.
 
 Documents are framed as BOS + tokens + EOS and concatenated (encoded without special tokens).
 The saved tokenizer prepends BOS when asked for special tokens (the default of
@@ -225,6 +226,12 @@ def corpus_key(tokenizer, train_files: Sequence[tuple[str, str]],
   return h.hexdigest()[:16]
 
 
+def default_cache_dir() -> str:
+  """Where the token arrays are cached unless a flag says otherwise: ~/.cache/moejax/corpus."""
+  from engine.runtime.compile_cache import user_cache_dir
+  return user_cache_dir("corpus")
+
+
 def _save_npy_atomic(path: str, array: np.ndarray) -> None:
   tmp = f"{path}.tmp{os.getpid()}.npy"
   np.save(tmp, array)
@@ -326,7 +333,7 @@ def main(argv: list[str]) -> None:
 def _define_flags() -> None:
   from absl import flags
   flags.DEFINE_string("out", None, "Directory for tokenizer.json and split.json.")
-  flags.DEFINE_string("cache_dir", "/tmp/moejax_corpus",
+  flags.DEFINE_string("cache_dir", default_cache_dir(),
                       "Directory for the token arrays (train/heldout-<key>.npy).")
   flags.DEFINE_integer("vocab_size", 8192, "BPE vocabulary size, special tokens included.")
 

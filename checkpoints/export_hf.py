@@ -1,6 +1,6 @@
 """Exports a checkpoint (Orbax or HF) as a Hugging Face safetensors checkpoint.
 
-    python -m checkpoints.export_hf --checkpoint=checkpoints/demo/target --out=/tmp/demo_hf \
+    python -m checkpoints.export_hf --checkpoint=checkpoints/demo/target --out=demo_hf \
         [--dtype=float32|bfloat16]
 
 Writes `config.json` (as stored with the checkpoint), the tokenizer files, and the weights in

@@ -1,7 +1,7 @@
 """Smoothed n-gram baseline for the demo model: interpolated modified Kneser-Ney over token ids.
 
     python -m checkpoints.ngram_baseline [--tokenizer=checkpoints/demo/tokenizer.json] \
-        [--cache_dir=/tmp/moejax_corpus] [--n=4]
+        [--cache_dir=DIR] [--n=4]
 
 Prints the held-out cross-entropy (nats/token, bits/byte) of an n-gram model trained on the
 train side of the demo corpus split, the figure the trained models must beat.
@@ -238,8 +238,10 @@ def main(argv: list[str]) -> None:
 
 def _define_flags() -> None:
   from absl import flags
+
+  from checkpoints import demo_corpus
   flags.DEFINE_string("tokenizer", "checkpoints/demo/tokenizer.json", "tokenizer.json path.")
-  flags.DEFINE_string("cache_dir", "/tmp/moejax_corpus", "Token array cache directory.")
+  flags.DEFINE_string("cache_dir", demo_corpus.default_cache_dir(), "Token array cache directory.")
   flags.DEFINE_list("orders", ["4"], "n-gram orders to evaluate, e.g. 1,2,3,4.")
 
 

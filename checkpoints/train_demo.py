@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -52,9 +51,10 @@ def _define_flags() -> None:
                       "(its vocab_size must match the tokenizer).")
   flags.DEFINE_string("out", None, "Output checkpoint dir (default checkpoints/demo/<model>).")
   flags.DEFINE_string("workdir", None, "Resumable training state (default "
-                      "/tmp/moejax_train/<model>).")
+                      "~/.cache/moejax/train/<model>).")
   flags.DEFINE_string("tokenizer", "checkpoints/demo/tokenizer.json", "tokenizer.json to use.")
-  flags.DEFINE_string("corpus_cache", "/tmp/moejax_corpus", "Token array cache directory.")
+  flags.DEFINE_string("corpus_cache", demo_corpus.default_cache_dir(),
+                      "Token array cache directory.")
   flags.DEFINE_string("init_from", None, "Start from this moejax checkpoint's weights (a new "
                       "optimizer and schedule: a second training phase) instead of random ones.")
   flags.DEFINE_integer("steps", 1500, "Optimizer steps.", lower_bound=1)
@@ -257,7 +257,7 @@ def main(argv: list[str]) -> None:
       cfg_dict = json.load(fh)
   cfg = config_from_dict(cfg_dict)
   out_dir = FLAGS.out or os.path.join("checkpoints", "demo", FLAGS.model)
-  workdir = os.path.abspath(FLAGS.workdir or os.path.join("/tmp/moejax_train", FLAGS.model))
+  workdir = os.path.abspath(FLAGS.workdir or compile_cache.user_cache_dir("train", FLAGS.model))
   tokenizer = demo_corpus.load_tokenizer(FLAGS.tokenizer)
   train_files, heldout_files = demo_corpus.split(demo_corpus.stdlib_files())
   train_ids, heldout_ids = demo_corpus.tokenized_corpus(FLAGS.corpus_cache, tokenizer,

@@ -62,7 +62,7 @@ def build(demo_dir: str, hf_parity_path: str | None) -> str:
   tok_path = os.path.join(demo_dir, "tokenizer.json")
   tokenizer = demo_corpus.load_tokenizer(tok_path)
   train_files, heldout_files = demo_corpus.split(demo_corpus.stdlib_files())
-  train_ids, heldout_ids = demo_corpus.tokenized_corpus("/tmp/moejax_corpus", tokenizer,
+  train_ids, heldout_ids = demo_corpus.tokenized_corpus(demo_corpus.default_cache_dir(), tokenizer,
                                                         train_files, heldout_files)
   ngram = ngram_baseline.evaluate(train_ids, heldout_ids, n=4, vocab_size=tokenizer.get_vocab_size())
 

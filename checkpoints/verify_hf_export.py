@@ -1,14 +1,14 @@
 """Checks that transformers runs the exported demo model exactly as this engine does.
 
-    python -m checkpoints.verify_hf_export --checkpoint=checkpoints/demo/target \
-        --ref_python=/work/venv311ref/bin/python
+    python -m checkpoints.verify_hf_export --checkpoint=checkpoints/demo/target
 
 Exports the checkpoint to Hugging Face format (float32), takes the first tokens of a few
 held-out stdlib modules as prompts, computes our logits (float32, highest matmul precision) and
 greedy tokens, runs `tests/golden/hf_logits.py` under the reference interpreter (Python 3.11 with
-torch + transformers, kept out of this project's environment), and prints a JSON summary:
-relative error max|ours - theirs| / max|theirs| per prompt, and whether the 32 greedy tokens
-agree.
+torch + transformers, kept out of this project's environment; `--ref_python`, default
+`.venv-ref/bin/python`, which `bash tests/golden/make_ref_env.sh` builds), and prints a JSON
+summary: relative error max|ours - theirs| / max|theirs| per prompt, and whether the 32 greedy
+tokens agree.
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from checkpoints import ref_env
+
 FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def verify(checkpoint: str, ref_python: str, prompt_len: int = 96, n_prompts: int = 3) -> dict:
+def verify(checkpoint: str, ref_python: str = ref_env.PYTHON, prompt_len: int = 96,
+           n_prompts: int = 3) -> dict:
+  ref_env.require(ref_python)
   jax.config.update("jax_default_matmul_precision", "highest")
   import engine
   from checkpoints import demo_corpus
@@ -77,6 +81,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   flags.DEFINE_string("checkpoint", "checkpoints/demo/target", "Checkpoint to verify.")
-  flags.DEFINE_string("ref_python", "/work/venv311ref/bin/python",
-                      "Python with torch + transformers (the reference environment).")
+  flags.DEFINE_string("ref_python", ref_env.PYTHON,
+                      "Python with torch + transformers (the reference environment; "
+                      f"`bash {ref_env.MAKE_SCRIPT}` builds the default).")
   app.run(main)

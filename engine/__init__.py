@@ -1,7 +1,8 @@
 """moejax: a JAX/XLA inference engine for mixture-of-experts models.
 
 Notebook entry points: `engine.load(path)` and `engine.generate(model, prompts, ...)`
-(see `engine.api`); for a stream of requests, `engine.Engine.from_model(model, EngineConfig())`
+(see `engine.api`: the prompts run as requests of an engine the model owns, `model.llm`); for
+a stream of requests, `engine.Engine.from_model(model, EngineConfig())`
 (continuous batching, prefix cache, see `engine.runtime.engine`). The command line is `python -m engine.generate` (`engine/generate.py`), a
 thin script that is never imported as `engine.generate`: that name is the function.
 
@@ -14,21 +15,24 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "GenerationResult": "engine.api", "LoadedModel": "engine.api", "generate": "engine.api",
-    "load": "engine.api", "Engine": "engine.runtime.engine",
-    "EngineConfig": "engine.runtime.engine", "SpeculativeConfig": "engine.runtime.batch",
+    "load": "engine.api", "Engine": "engine.runtime.engine", "LLM": "engine.runtime.llm",
+    "EngineConfig": "engine.runtime.engine", "SpeculativeConfig": "engine.runtime.llm",
+    "NgramMemory": "engine.runtime.speculative.drafters",
     "RequestOutput": "engine.runtime.request", "StopParams": "engine.runtime.request",
     "SamplingParams": "engine.runtime.sampling",
 }
 
-__all__ = ["Engine", "EngineConfig", "GenerationResult", "LoadedModel", "RequestOutput",
-           "SamplingParams", "SpeculativeConfig", "StopParams", "generate", "load"]
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "LLM", "LoadedModel", "NgramMemory",
+           "RequestOutput", "SamplingParams", "SpeculativeConfig", "StopParams", "generate",
+           "load"]
 
 if TYPE_CHECKING:
   from engine.api import GenerationResult, LoadedModel, generate, load
-  from engine.runtime.batch import SpeculativeConfig
   from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.llm import LLM, SpeculativeConfig
   from engine.runtime.request import RequestOutput, StopParams
   from engine.runtime.sampling import SamplingParams
+  from engine.runtime.speculative.drafters import NgramMemory
 
 
 def __getattr__(name: str):

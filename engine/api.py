@@ -6,20 +6,21 @@
     out = engine.generate(model, "def fib(n):", max_new_tokens=32)
     out.text, out.token_ids, out.finish_reason
 
-The jitted building blocks (`engine.model.transformer.forward_logits`,
-`engine.runtime.generate.prefill` / `decode`) take the same params pytree directly.
+`generate` adds the prompts as requests to an engine the model owns (`model.llm`, an
+`engine.runtime.llm.LLM`: nano-vllm's object over its engine), run together until done; the
+engine and its compiled programs serve later calls of the same shape. The jitted building
+blocks (`engine.model.transformer.forward_logits`, `engine.runtime.steps.model_step` /
+`decode_loop`) take the same params pytree directly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 from typing import Any, Iterator, Sequence
 
-import jax
 import jax.numpy as jnp
 
 import checkpoints
@@ -29,10 +30,8 @@ from engine.model import kernels as kernels_lib
 from engine.model.kernels import AUTO, KernelChoice
 from engine.model.params import Params, param_shapes
 from engine.runtime import compile_cache
-from engine.runtime import batch
-from engine.runtime.batch import SpeculativeConfig
-from engine.runtime.generate import generate_tokens
 from engine.runtime.grammar import StructuredOutputsParams
+from engine.runtime.llm import LLM, SpeculativeConfig
 from engine.runtime.sampling import SamplingParams
 
 # The bundled demo model (the `checkpoints` package installs beside `engine`).
@@ -55,6 +54,7 @@ class LoadedModel:
   mesh: Any = None  # the jax.sharding.Mesh the parameters live on (None: one device)
   # The checkpoint's chat template (engine.chat.template), None if it ships none.
   chat_template: ChatTemplate | None = None
+  _llm: LLM | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   def resolved_kernels(self, page_size: int = 16) -> KernelChoice:
     """`kernels` with "auto" made concrete for this model, its devices and `page_size` (the
@@ -64,6 +64,14 @@ class LoadedModel:
 
   def __iter__(self) -> Iterator[Any]:
     return iter((self.config, self.params, self.tokenizer))
+
+  @property
+  def llm(self) -> LLM:
+    """The model's generate path and the engines it keeps (`engine.generate` runs on it;
+    `model.llm.release()` frees them)."""
+    if self._llm is None:
+      self._llm = LLM(self)
+    return self._llm
 
   def encode(self, text: str) -> list[int]:
     if self.tokenizer is None:
@@ -197,76 +205,48 @@ def generate(model: LoadedModel, prompts: Any, *, max_new_tokens: int | Sequence
              ignore_eos: bool = False, min_new_tokens: int = 0,
              speculative: SpeculativeConfig | None = None,
              structured_outputs: StructuredOutputsParams | Sequence[StructuredOutputsParams
-                                                                    | None] | None = None
-             ) -> GenerationResult | list[GenerationResult]:
-  """Generates from one prompt or a batch (text or token ids, mixed lengths allowed).
+                                                                    | None] | None = None,
+             warmup: bool = False) -> GenerationResult | list[GenerationResult]:
+  """Generates from one prompt or a batch (text or token ids, mixed lengths allowed), as
+  requests added together to the model's engine for a batch of this shape (`model.llm`).
 
   `speculative` (e.g. `SpeculativeConfig("ngram", num_draft_tokens=4)`, or "auto": every
   drafter the model supports, chosen per row as it goes) drafts and verifies several tokens
-  per target forward without changing the output distribution; the batch then runs on a kept
-  serving engine (`generate_on_engine`).
+  per target forward without changing the output distribution.
 
   `structured_outputs` (`StructuredOutputsParams(json=schema_text)`, regex=, choice=,
   grammar=, json_object=True; one for every prompt or a list with one per prompt, None for
   unconstrained ones) constrains the output to it (`engine/runtime/grammar.py`: compiled once
-  per tokenizer and spec, GrammarError with the reason); the batch then runs on a kept serving
-  engine, where constrained rows take the masked step (`engine/runtime/structured.py`).
+  per tokenizer and spec, GrammarError with the reason); constrained rows take the engine's
+  masked step (`engine/runtime/structured.py`).
 
   A single prompt returns one `GenerationResult`, a list returns a list. With an int `seed`,
-  row i uses `seed + i`; pass a list to set each row's seed.
+  row i uses `seed + i`; pass a list to set each row's seed. `warmup`: a new engine compiles
+  every bucket first (`Engine.warmup`).
   """
   items, single = _as_prompt_list(prompts)
   ids = [model.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in items]
   vocab = model.config.vocab_size
   for i, row in enumerate(ids):
+    if not row:
+      raise ValueError(f"prompt {i}: must contain at least one token")
     bad = [t for t in row if not 0 <= t < vocab]
     if bad:
       raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {vocab})")
-  seeds = [seed + i for i in range(len(ids))] if isinstance(seed, int) else list(seed)
+  b = len(ids)
+  seeds = [seed + i for i in range(b)] if isinstance(seed, int) else list(seed)
   if structured_outputs is None or isinstance(structured_outputs, StructuredOutputsParams):
-    constraints = [structured_outputs] * len(ids)
+    constraints = [structured_outputs] * b
   else:
     constraints = list(structured_outputs)
-    if len(constraints) != len(ids):
-      raise ValueError(f"structured_outputs: {len(constraints)} given for {len(ids)} prompts")
+    if len(constraints) != b:
+      raise ValueError(f"structured_outputs: {len(constraints)} given for {b} prompts")
+  if len(seeds) != b:
+    raise ValueError(f"seed: {len(seeds)} given for {b} prompts")
   sampling = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              seed=s, structured_outputs=c) for s, c in zip(seeds, constraints)]
-  if speculative is not None or any(c is not None for c in constraints):
-    results = generate_on_engine(
-        model, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-        stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_new_tokens=min_new_tokens,
-        speculative=speculative)
-    return results[0] if single else results
-  on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
-  with on_mesh:
-    completions = generate_tokens(
-        model.params, model.config, ids, max_new_tokens=max_new_tokens, sampling=sampling,
-        eos_ids=model.eos_token_ids, stop_token_ids=[list(stop_token_ids)] * len(ids),
-        ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, impl=model.resolved_kernels())
-  return _results(model, completions, single)
-
-
-def _results(model: LoadedModel, completions: Sequence[Any], single: bool) -> Any:
-  results = [GenerationResult(token_ids=c.token_ids, text=model.decode(c.token_ids),
-                              finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
-                              spec=c.spec)
-             for c in completions]
-  return results[0] if single else results
-
-
-def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
-                       max_new_tokens: int | Sequence[int] = 64,
-                       sampling: Sequence[SamplingParams] | None = None,
-                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                       min_new_tokens: int = 0, speculative: SpeculativeConfig | None = None,
-                       warmup: bool = False) -> list[GenerationResult]:
-  """Token-id prompts to completion as requests of a kept serving `Engine` sized for the batch
-  (`engine.runtime.batch`: its prefix cache, learned table and estimates live on across calls;
-  `release_engines` drops them). `speculative` None: plain decoding on the same path (the
-  baseline speculation is timed against). `warmup`: `Engine.warmup` first on a new engine."""
-  b = len(ids)
-  if b == 0:
-    return []
+  for s in sampling:
+    s.validate()
   max_new = ([int(max_new_tokens)] * b if isinstance(max_new_tokens, int)
              else [int(m) for m in max_new_tokens])
   if len(max_new) != b or min(max_new) < 1:
@@ -275,17 +255,12 @@ def generate_on_engine(model: LoadedModel, ids: Sequence[Sequence[int]], *,
   if total > model.config.max_position_embeddings:
     raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's "
                      f"max_position_embeddings ({model.config.max_position_embeddings})")
-  on_mesh = jax.set_mesh(model.mesh) if model.mesh is not None else contextlib.nullcontext()
-  with on_mesh:
-    completions = batch.run_on_engine(
-        model.params, model.config, ids, max_new_tokens=max_new,
-        sampling=sampling or [SamplingParams()] * b, eos_ids=model.eos_token_ids,
-        stop_token_ids=[list(stop_token_ids)] * b, ignore_eos=ignore_eos,
-        min_new_tokens=min_new_tokens, speculative=speculative, impl=model.resolved_kernels(),
-        tokenizer=model.tokenizer, mesh=model.mesh, warmup=warmup)
-  return _results(model, completions, False)
-
-
-release_engines = batch.release_engines
-reset_prefix_caches = batch.reset_prefix_caches
-
+  completions = model.llm.generate(
+      ids, max_new_tokens=max_new, sampling=sampling, stop_token_ids=[list(stop_token_ids)] * b,
+      ignore_eos=ignore_eos, min_new_tokens=min_new_tokens, speculative=speculative,
+      warmup=warmup)
+  results = [GenerationResult(token_ids=c.token_ids, text=model.decode(c.token_ids),
+                              finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
+                              spec=c.spec)
+             for c in completions]
+  return results[0] if single else results

@@ -5,12 +5,18 @@ Two formats: `Int4Weight` (below) and `Fp8Weight` (DeepSeek-style FP8 with a flo
 
 `Int4Weight` is a stacked [E, K, N] matrix (x @ W layout: K inputs, N outputs per expert) held
 as symmetric INT4 with one scale per group of `group` consecutive inputs, the compressed-tensors
-"pack-quantized" scheme Kimi K2.5 / K2-Thinking ship their routed experts in:
+"pack-quantized" scheme Kimi K2.5 / K2-Thinking ship their routed experts in, its packed bytes
+in the checkpoint's own order (each expert's [out, in] = [N, K] rows, K contiguous):
 
-    packed  uint8 [E, K/2, N]          byte [e, j, n] = elements k = 2j (low nibble) and
+    packed  uint8 [E, N, K/2]          byte [e, n, j] = elements k = 2j (low nibble) and
                                        k = 2j + 1 (high nibble) of column n, each stored as q + 8
+                                       (compressed-tensors' int32 words [N, K/8] viewed as bytes)
     scale   bf16 (as stored) [E, K/group, N]
     W[e, k, n] = (nibble - 8).astype(scale.dtype) * scale[e, k // group, n]
+
+K-contiguous rows are what the W4A16 kernel (`moe/w4a16_mgpu.py`) loads into WGMMA's register
+operand: a weight row is the MMA's M row, its inputs the K columns, so the loader's repack is a
+byte view of the stored words with no transpose.
 
 The product is taken in the scale's dtype, as compressed-tensors' `dequantize` does (for bf16
 scales a bf16-rounded product), and only then cast to the compute dtype, so a float32 forward
@@ -37,16 +43,16 @@ INT4_OFFSET = 8  # stored nibble = q + 8, q in [-8, 7]
 @dataclasses.dataclass(frozen=True)
 class Int4Weight:
   """Symmetric group-quantized INT4 [..., K, N] (see the module docstring)."""
-  packed: Any  # uint8 [..., K/2, N]
+  packed: Any  # uint8 [..., N, K/2]
   scale: Any  # [..., K/group, N]
 
   @property
   def group(self) -> int:
-    return 2 * self.packed.shape[-2] // self.scale.shape[-2]
+    return 2 * self.packed.shape[-1] // self.scale.shape[-2]
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return tuple(self.packed.shape[:-2]) + (2 * self.packed.shape[-2], self.packed.shape[-1])
+    return tuple(self.packed.shape[:-2]) + (2 * self.packed.shape[-1], self.packed.shape[-2])
 
   @property
   def ndim(self) -> int:
@@ -115,12 +121,12 @@ def is_quantized(w: Any) -> bool:
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
-  """uint8 [..., K/2, N] -> int8 q in [-8, 7] [..., K, N] (low nibble first along K)."""
+  """uint8 [..., N, K/2] -> int8 q in [-8, 7] [..., K, N] (low nibble first along K)."""
   p = packed.astype(jnp.uint8)
   lo = (p & 0xF).astype(jnp.int8) - INT4_OFFSET
   hi = (p >> 4).astype(jnp.int8) - INT4_OFFSET
-  q = jnp.stack([lo, hi], axis=-2)  # [..., K/2, 2, N]
-  return q.reshape(*p.shape[:-2], 2 * p.shape[-2], p.shape[-1])
+  q = jnp.stack([lo, hi], axis=-1)  # [..., N, K/2, 2]
+  return jnp.swapaxes(q.reshape(*p.shape[:-1], 2 * p.shape[-1]), -1, -2)
 
 
 def dequantize(w: Any, dtype: Any) -> jax.Array:
@@ -152,7 +158,7 @@ def dequantize_np(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
   """Host twin of `dequantize` (float32 result of the scale-dtype product), for tests/tools."""
   p = np.asarray(packed, np.uint8)
   q = np.stack([(p & 0xF).astype(np.int8) - INT4_OFFSET, (p >> 4).astype(np.int8) - INT4_OFFSET],
-               axis=-2).reshape(*p.shape[:-2], 2 * p.shape[-2], p.shape[-1])
+               axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1]).swapaxes(-1, -2)
   s = np.asarray(scale)
   g = q.shape[-2] // s.shape[-2]
   grouped = q.reshape(*q.shape[:-2], q.shape[-2] // g, g, q.shape[-1]).astype(s.dtype)

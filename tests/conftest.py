@@ -41,6 +41,20 @@ def pytest_configure(config):
   os.environ.setdefault("MOEJAX_COMPILE_WORKERS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+  """The fast tier (`-m "not slow"`) runs a `sweep`'s first case: the cases after it, of a
+  parametrized test marked `sweep` (or in a module so marked), are marked `slow`."""
+  seen = set()
+  for item in items:
+    if getattr(item, "callspec", None) is None or item.get_closest_marker("sweep") is None:
+      continue
+    key = (item.path, item.originalname)
+    if key in seen:
+      item.add_marker(pytest.mark.slow)
+    seen.add(key)
+
+
 def pytest_unconfigure(config):
   path = getattr(config, "_moejax_cache_dir", None)
   if path:
@@ -57,13 +71,3 @@ def _release_compiled_programs():
   import jax
   jax.clear_caches()
   gc.collect()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_kept_engines():
-  """Each test starts without the engines `generate_tokens(speculative=...)` keeps (keyed by
-  the model's identity: another test's call on a shared fixture would hand its learned table
-  and estimates on)."""
-  from engine.runtime import batch
-  batch.release_engines()
-  yield

@@ -12,7 +12,7 @@ from engine.model.params import init_params
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative.loop import drafter_id
+from engine.runtime.speculative.drafters import drafter_id
 from model_configs import CONFIGS
 
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),

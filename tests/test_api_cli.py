@@ -84,6 +84,7 @@ def _cli(*args):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_json_matches_golden():
   g = np.load(os.path.join(FIXTURE, "golden.npz"))
   ids = ",".join(map(str, g["prompt_0"].tolist()))
@@ -97,6 +98,7 @@ def test_cli_json_matches_golden():
   assert isinstance(obj["text"], str) and obj["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_cli_text_prompt_and_errors():
   r = _cli(f"--checkpoint={FIXTURE}", "--prompt=def hello():", "--max_new_tokens=4",
            "--seed=1", "--temperature=0.7", "--json")
@@ -113,6 +115,7 @@ def test_cli_text_prompt_and_errors():
   assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_kernel_flags_select_the_implementation():
   g = np.load(os.path.join(FIXTURE, "golden.npz"))
   ids = ",".join(map(str, g["prompt_0"].tolist()))
@@ -123,6 +126,7 @@ def test_cli_kernel_flags_select_the_implementation():
   assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] == g["greedy_0"][:8].tolist()
 
 
+@pytest.mark.slow
 def test_cli_speculative_runs_on_the_engine_with_the_same_tokens():
   g = np.load(os.path.join(FIXTURE, "golden.npz"))
   ids = [",".join(map(str, g[f"prompt_{i}"].tolist())) for i in (0, 1)]

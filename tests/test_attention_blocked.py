@@ -8,6 +8,9 @@ import pytest
 
 from pallas_kernels.attention import reference
 
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
+
 
 def _inputs(seed, t, starts, n_new, page=16, max_pages=None):
   rng = np.random.default_rng(seed)

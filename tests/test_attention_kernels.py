@@ -14,10 +14,13 @@ from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import compute_logits, forward, forward_logits
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
+from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
 from pallas_kernels.attention import gqa_paged_attention_mgpu, mla_paged_attention_mgpu
 from pallas_kernels.attention import paged_flash_mgpu, reference
+
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
 
 
 
@@ -44,7 +47,7 @@ def _normal(key, shape, dtype):
   return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
 
 
-# ---- MLA kernel vs reference (interpret mode) ----
+# ---- MLA flash kernel vs reference (interpret mode; the decode kernel: test_mla_decode.py) ----
 
 MLA_CASES = {
     # name: (B, T, nH, Dc, Dr, page, max_pages, kv_lens, dtype, num_splits, detect_races)
@@ -70,8 +73,8 @@ def test_mla_kernel_matches_reference(name):
   scale = (dc + dr) ** -0.5
   with gpu_interpret(detect_races=races):
     got = mla_paged_attention_mgpu.mla_paged_attention(
-        q_latent, q_rope, pages, table, q_pos, kv_lens, softmax_scale=scale, num_splits=splits,
-        min_tokens_per_split=1)
+        q_latent, q_rope, pages, table, q_pos, kv_lens, softmax_scale=scale, kernel="flash",
+        num_splits=splits, min_tokens_per_split=1)
   want = reference.mla_paged_attention(q_latent, q_rope, pages, table, q_pos, kv_lens,
                                        softmax_scale=scale)
   assert got.shape == want.shape and got.dtype == want.dtype
@@ -112,6 +115,7 @@ def test_gqa_kernel_matches_reference(name):
   np.testing.assert_allclose(got, np.asarray(want, np.float32), **_tol(dtype))
 
 
+@pytest.mark.slow
 def test_kernel_partials_and_split_combine():
   """The raw kernel outputs: with more splits than KV blocks some splits are idle (lse -inf, their
   partial left unwritten: NaN here); active splits write every row; padded rows see nothing."""
@@ -168,7 +172,8 @@ def _export_for_cuda(fn, shapes):
 def test_mla_lowers_for_cuda(b, t, nh, max_pages):
   bf16, i32 = jnp.bfloat16, jnp.int32
   calls = _export_for_cuda(
-      lambda *a: mla_paged_attention_mgpu.mla_paged_attention(*a, softmax_scale=576 ** -0.5),
+      lambda *a: mla_paged_attention_mgpu.mla_paged_attention(*a, softmax_scale=576 ** -0.5,
+                                                             kernel="flash"),
       [((b, t, nh, 512), bf16), ((b, t, nh, 64), bf16), ((4096, 64, 576), bf16),
        ((b, max_pages), i32), ((b, t), i32), ((b,), i32)])
   assert calls.count(MOSAIC_CALL) == 1, calls
@@ -258,10 +263,15 @@ def test_kernel_switch_picks_mosaic_gpu():
   assert kernels.mla_attention(choice).__wrapped__ is mla_paged_attention_mgpu.mla_paged_attention
   assert kernels.gqa_attention(choice).__wrapped__ is gqa_paged_attention_mgpu.gqa_paged_attention
   assert kernels.mla_attention(choice) is kernels.mla_attention(choice)
+  flash = kernels.KernelChoice(attention="mosaic_gpu_flash")  # the flash kernel for every block
+  assert (kernels.mla_attention(flash).__wrapped__
+          is mla_paged_attention_mgpu.mla_paged_attention_flash)
+  assert kernels.gqa_attention(flash).__wrapped__ is gqa_paged_attention_mgpu.gqa_paged_attention
   assert kernels.write_pages(choice) is reference.write_pages
   assert kernels.mla_attention(kernels.REFERENCE) is reference.mla_paged_attention
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,overrides,page_size", [
     # The kernel needs head dims in whole swizzle tiles: latent 32 + rope 32 with 32-token pages.
     ("deepseek_v3", dict(kv_lora_rank=32, qk_rope_head_dim=32, num_hidden_layers=2), 32),

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from engine.runtime import compile_cache
 
 # A notebook's session: load the demo model (or the checkpoint given), generate, report what
@@ -40,6 +42,7 @@ def _notebook(env, *args):
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_a_new_notebook_kernel_loads_what_the_last_one_compiled(tmp_path):
   env = {"XDG_CACHE_HOME": str(tmp_path / "xdg")}  # the default: the user cache directory
   first = _notebook(env)

@@ -32,6 +32,7 @@ def hf_dir(tmp_path_factory):
   return d, cfg, params
 
 
+@pytest.mark.slow
 def test_convert_end_to_end(hf_dir, tmp_path):
   src, cfg, params = hf_dir
   out = tmp_path / "out"
@@ -53,6 +54,7 @@ def test_convert_end_to_end(hf_dir, tmp_path):
   assert f"{n_params:,} params" in summary
 
 
+@pytest.mark.slow
 def test_refuses_non_empty_out_then_overwrites(hf_dir, tmp_path):
   src, _, _ = hf_dir
   out = tmp_path / "out"

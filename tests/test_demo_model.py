@@ -2,6 +2,7 @@
 
 import json
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -14,6 +15,8 @@ from engine.model.params import check_params
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints",
                     "demo")
+# The tokenized corpus, kept between runs in the temporary folder (not the user's cache).
+CORPUS_CACHE = os.path.join(tempfile.gettempdir(), "moejax-test-corpus")
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "target", "moejax.json")),
                                 reason="demo checkpoints not trained yet")
 
@@ -49,11 +52,12 @@ def test_configs_and_shapes(target, draft):
   assert _dir_bytes(DEMO) <= 25 * 2**20
 
 
+@pytest.mark.slow
 def test_target_beats_draft_and_4gram_on_heldout(target, draft):
   """On the same held-out windows (evenly spaced over the split, no context across windows):
   cross-entropy of the shipped (bf16) target < draft, and < the smoothed 4-gram."""
   tok = demo_corpus.load_tokenizer(os.path.join(DEMO, "tokenizer.json"))
-  train_ids, heldout_ids = demo_corpus.tokenized_corpus("/tmp/moejax_corpus", tok)
+  train_ids, heldout_ids = demo_corpus.tokenized_corpus(CORPUS_CACHE, tok)
   windows = train_demo.heldout_windows(heldout_ids, 256)
   windows = windows[np.linspace(0, len(windows) - 1, 48).astype(int)]
   t = train_demo.evaluate(target.params, target.config, windows, batch=8)
@@ -67,6 +71,7 @@ def test_target_beats_draft_and_4gram_on_heldout(target, draft):
   assert t["mtp_agree"] > 0.5, t
 
 
+@pytest.mark.slow
 def test_generates_python(target):
   prompt = target.encode("def read_config(path):")  # no trailing newline (BPE merges it)
   assert prompt[0] == demo_corpus.BOS_ID  # the tokenizer frames prompts like training documents

@@ -14,9 +14,10 @@ from engine.model.transformer import forward_logits
 from engine.model.cache import init_cache
 from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.generate import generate_tokens
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.step_description import DECODE
+from generation import generate_ids, loaded
 from model_configs import CONFIGS
 from service_harness import ENGINE_CONFIG
 
@@ -68,10 +69,11 @@ def assert_pool_full(e):
 
 
 def test_engine_matches_the_batch_generator(eng, model):
-  cfg, params = model
+  """A serving engine (chunked prefill in [16 x 16] blocks, requests joining as others
+  finish) gives `engine.generate`'s tokens (a closed batch, one row per prompt)."""
   ps = prompts(4)
   got = eng.generate(ps, stop=StopParams(max_tokens=10))
-  ref = generate_tokens(params, cfg, ps, max_new_tokens=10)
+  ref = generate_ids(loaded(*model), ps, max_new_tokens=10)
   assert [r.output_ids for r in got] == [c.token_ids for c in ref]
   assert all(r.finish_reason == "length" for r in got)
   # Once the batch is stable the device loop runs several decode steps per host step.
@@ -99,19 +101,20 @@ def test_decode_loop_length_restarts_when_requests_join_not_when_they_leave(eng,
   not restart the ramp (nothing waits), so the one left runs full calls, not 1, 2, 4 again;
   a request that joins does restart it."""
   calls = []  # (token budget, rows) of every decode-loop call
-  real = eng.spec.decode
+  real = eng.runner.execute
 
-  def spy(*args, **kwargs):
-    calls.append((args[10], len(args[2])))
-    return real(*args, **kwargs)
-  eng.spec.decode = spy
+  def spy(desc):
+    if desc.kind == DECODE:
+      calls.append((desc.scalars["num_steps"], int((desc.arrays["remaining"] > 0).sum())))
+    return real(desc)
+  eng.runner.execute = spy
   try:
     ps = prompts(2, seed=71)
     got = eng.generate(ps, stop=[StopParams(max_tokens=16), StopParams(max_tokens=40)])
   finally:
-    eng.spec.decode = real
+    eng.runner.execute = real
   assert [r.output_ids for r in got] == [c.token_ids[:n] for c, n in zip(
-      generate_tokens(model[1], model[0], ps, max_new_tokens=40), (16, 40))]
+      generate_ids(loaded(*model), ps, max_new_tokens=40), (16, 40))]
   two = [n for n, rows in calls if rows == 2]
   one = [n for n, rows in calls if rows == 1]
   assert two == [1, 2, 4, 8], calls  # 15 tokens after the prefill's first
@@ -121,22 +124,22 @@ def test_decode_loop_length_restarts_when_requests_join_not_when_they_leave(eng,
   for _ in range(4):
     eng.step()
   calls.clear()
-  eng.spec.decode = spy
+  eng.runner.execute = spy
   try:
     b = eng.add_request(ps[1], stop=StopParams(max_tokens=20))
     while eng.has_unfinished():
       eng.step()
   finally:
-    eng.spec.decode = real
+    eng.runner.execute = real
   assert [n for n, rows in calls if rows == 2][:2] == [1, 2], calls
   # A closed batch (`generate(closed=True)`: nothing else joins) takes full calls at once.
   calls.clear()
-  eng.spec.decode = spy
+  eng.runner.execute = spy
   try:
     again = eng.generate(ps, stop=[StopParams(max_tokens=16), StopParams(max_tokens=40)],
                          closed=True)
   finally:
-    eng.spec.decode = real
+    eng.runner.execute = real
   assert [r.output_ids for r in again] == [r.output_ids for r in got]
   assert [n for n, rows in calls] == [8, 8, 8, 8, 7], calls  # 15 and 39 tokens to go
   for i in (a, b):
@@ -291,6 +294,7 @@ def test_chunked_prefill_equals_one_shot_logits(model):
                              atol=1e-4)
 
 
+@pytest.mark.slow
 def test_preemption_recomputes_without_changing_outputs(model, eng):
   cfg, params = model
   ps = prompts(6, seed=21, lo=20, hi=30)
@@ -308,6 +312,7 @@ def test_preemption_recomputes_without_changing_outputs(model, eng):
   assert_pool_full(tight)
 
 
+@pytest.mark.slow
 def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   import engine as moejax
   demo = moejax.load("checkpoints/demo/target")
@@ -334,6 +339,7 @@ def test_text_deltas_and_stop_strings_with_the_demo_tokenizer():
   assert counter.count == 0
 
 
+@pytest.mark.slow
 def test_persistent_compilation_cache_survives_a_restart(tmp_path):
   import json
   import os

@@ -6,7 +6,6 @@ plain decoding's output in any batch company; the rule that decides when a call 
 Most engines here have one configuration (`EVERY`), so the module compiles its programs once."""
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +18,10 @@ from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import catch_up, goodput, runtime
-from engine.runtime.speculative.loop import DRAFTER_IDS, drafter_id
+from engine.runtime.speculative import goodput
+from engine.runtime.speculative.drafters import drafter_id, ids
+from engine.runtime.speculative.drafters import draft_model as catch_up
+from engine.runtime.step_description import DECODE, SPEC_DECODE
 from engine_spec_helpers import (SMALL, assert_pool_full, every_drafter_engine, fresh_prompts,
                                  model_drafter_prices, plain, spec_model)
 from model_configs import perturbed
@@ -41,6 +42,7 @@ def close(model):
 
 # ---- output: every drafter, any company ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_every_drafter_and_auto_keep_plain_output_in_any_batch_company(model, close):
   eng = every_drafter_engine(model, draft=close)
   eng.spec.costs.drafter[:] = 0.0  # (with the roofline's T = 1: every iteration drafts)
@@ -105,6 +107,7 @@ def test_every_drafter_and_auto_keep_plain_output_in_any_batch_company(model, cl
 
 # ---- the rule, by what it does -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_fresh_text_with_dear_costs_drafts_nothing_and_keeps_its_output(model):
   # Drafting would pay at full acceptance (k + 1 > 1 + 0.6 k) but not at the prior's 0.5.
   eng = every_drafter_engine(model, step=lambda b, k: 1.0 + 0.6 * k, speculative="auto")
@@ -117,6 +120,7 @@ def test_fresh_text_with_dear_costs_drafts_nothing_and_keeps_its_output(model):
   assert_pool_full(eng)
 
 
+@pytest.mark.slow
 def test_repetitive_text_with_cheap_costs_accepts_long_blocks_and_learns(model):
   eng = every_drafter_engine(model, step=lambda b, k: 1.0 + 0.05 * k, speculative="learned")
   ps = fresh_prompts(2, seed=8)
@@ -133,6 +137,7 @@ def test_repetitive_text_with_cheap_costs_accepts_long_blocks_and_learns(model):
   assert_pool_full(eng)
 
 
+@pytest.mark.slow
 def test_at_and_above_the_break_even_batch_the_plain_program_runs(model):
   # Batch 2 (one or two rows): a block costs what a decode step does; batch 4 (three or
   # four): k + 1 tokens' worth.
@@ -151,7 +156,7 @@ def test_at_and_above_the_break_even_batch_the_plain_program_runs(model):
 
 
 def test_the_rule_for_one_call(model):
-  """`SpecRuntime.speculates` on requests of given estimates and tables (no device work)."""
+  """`SpecPolicy.speculates` on requests of given estimates and tables (no device work)."""
   eng = every_drafter_engine(model, step=lambda b, k: 1.0 + 0.2 * k, speculative="ngram")
   spec = eng.spec
   reqs = [eng.requests[eng.add_request([1, 2, 3])] for _ in range(2)]
@@ -169,6 +174,7 @@ def test_the_rule_for_one_call(model):
   assert off[0].spec is None and not spec.speculates(off, 8)
 
 
+@pytest.mark.slow
 def test_auto_drafter_picks_what_pays_per_request(model):
   # The target as its own draft model (always right) and the learned table (free; right where
   # it has seen the continuation).
@@ -192,9 +198,9 @@ def test_auto_drafter_picks_what_pays_per_request(model):
   assert sum(stats[f"spec_auto_choice_{d}"] for d in eng.spec.enabled) == sum(
       sum(x.values()) for x in steps)
   # The draft model is kept current only in calls where a row may use it.
-  before = [np.array(x) for x in jax.tree.leaves(eng.spec.draft_cache)]
+  before = [np.array(x) for x in jax.tree.leaves(eng.runner.state["draft"])]
   eng.generate([a], SamplingParams(drafter="learned"), StopParams(max_tokens=20))
-  after = jax.tree.leaves(eng.spec.draft_cache)
+  after = jax.tree.leaves(eng.runner.state["draft"])
   assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after, strict=True))
   assert_pool_full(eng)
   with pytest.raises(ValueError, match="drafters"):
@@ -226,10 +232,11 @@ def check_mtp_state(eng, req, model):
   mtp = cfg.num_layers
   np.testing.assert_allclose(np.asarray(eng.cache[mtp]["latent"])[idx],
                              np.asarray(cache[mtp]["latent"])[idx], rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(req.spec.mtp_hidden, np.asarray(out[0, n - 1]), rtol=1e-4,
+  np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(out[0, n - 1]), rtol=1e-4,
                              atol=1e-4)
 
 
+@pytest.mark.slow
 def test_model_drafters_in_a_tight_pool(model, close):
   """MTP and the draft model, fixed K, in a pool that one long request fits and a batch does
   not: MTP's cache entries and hidden state after chunked prefill and decode loops; both
@@ -286,36 +293,34 @@ def test_catch_up_plan_cuts_spans_like_the_scheduler():
 
 # ---- warm-up ----------------------------------------------------------------------------------------
 
-def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(model, monkeypatch):
+@pytest.mark.slow
+def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(model):
   """A branch's first run is slow (~40 ms on the CPU demo): warm-up runs the speculative
   loop at every batch size and block width with rows live, with and without logprobs and
   with rows drafting with each model drafter, and the plain loop with logprobs; on the null
   page (the caches keep their values), and the table, the acceptance counts and the
-  statistics stay as they were."""
+  statistics stay as they were. (What ran is read off the step descriptions warm-up hands
+  the runner.)"""
   eng = every_drafter_engine(model)
   rng = np.random.default_rng(0)  # caches full of values: a stray write would show
   eng.cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
                            eng.cache)
-  before = jax.tree.map(np.asarray, (eng.cache, eng.spec.table, eng.spec.draft_cache))
+  state = eng.runner.state
+  before = jax.tree.map(np.asarray, (eng.cache, state["learned"], state["draft"]))
   stats = eng.stats()
-  real_loop, runs, plain_runs = runtime.speculative_decode_loop, set(), set()
+  real, runs, plain_runs = eng.runner.execute, set(), set()
 
-  def plain_loop(*args, **kwargs):  # (with a learned table, plain calls also learn)
-    a = inspect.signature(real_plain).bind(*args, **kwargs).arguments
-    if (np.asarray(a["remaining"]) > 0).all():
-      plain_runs.add((len(a["remaining"]), bool(a["want_logprobs"])))
-    return real_plain(*args, **kwargs)
-
-  def loop(*args, **kwargs):
-    a = inspect.signature(real_loop).bind(*args, **kwargs).arguments
-    if (np.asarray(a["remaining"]) > 0).all():
-      drafters = {DRAFTER_IDS[int(i)] for i in np.asarray(a["row_drafter"])}
-      runs.add((len(a["remaining"]), int(a["force_width"]), bool(a["want_logprobs"]),
-                frozenset(drafters)))
-    return real_loop(*args, **kwargs)
-  real_plain = runtime.decode_loop_learning
-  monkeypatch.setattr(runtime, "decode_loop_learning", plain_loop)
-  monkeypatch.setattr(runtime, "speculative_decode_loop", loop)
+  def spy(desc):
+    a = desc.arrays
+    if desc.kind in (DECODE, SPEC_DECODE) and (a["remaining"] > 0).all():
+      b, logprobs = len(a["remaining"]), desc.scalars["want_logprobs"]
+      if desc.kind == DECODE:
+        plain_runs.add((b, logprobs))
+      else:
+        drafters = {ids()[int(i)] for i in a["row_drafter"]}
+        runs.add((b, desc.scalars["force_width"], logprobs, frozenset(drafters)))
+    return real(desc)
+  eng.runner.execute = spy
   eng.warmup(progress=False)
   for b in eng.buckets.decode:
     assert {(b, False), (b, True)} <= plain_runs
@@ -323,12 +328,14 @@ def test_warmup_runs_every_branch_of_the_decode_loops_and_learns_nothing(model, 
       assert (b, i, False, frozenset({"off"})) in runs
       for d in ("mtp", "draft"):
         assert (b, i, True, frozenset({d})) in runs
+  state = eng.runner.state
   jax.tree.map(np.testing.assert_array_equal, before,
-               jax.tree.map(np.asarray, (eng.cache, eng.spec.table, eng.spec.draft_cache)))
-  assert not eng.spec.accept_seen.any() and not np.asarray(eng.spec.accept).any()
+               jax.tree.map(np.asarray, (eng.cache, state["learned"], state["draft"])))
+  assert not eng.spec.accept_seen.any()
   assert not eng.spec.k_steps.any() and eng.stats() == stats
 
 
+@pytest.mark.slow
 def test_draft_model_is_fed_lazily_and_caught_up_over_shared_prefixes(model):
   # The target as its own draft model: a greedy draft is rejected only where the draft cache
   # is wrong, so "every draft accepted" checks that a catch-up filled every position.
@@ -336,10 +343,10 @@ def test_draft_model_is_fed_lazily_and_caught_up_over_shared_prefixes(model):
   eng.warmup(progress=False)
   a = fresh_prompts(1, seed=31, lo=26, hi=27)[0]
   b, c = a + [7, 8, 9, 10, 11, 12], a + [7, 8, 9, 10, 11, 12, 40, 41]
-  before = [np.array(x) for x in jax.tree.leaves(eng.spec.draft_cache)]
+  before = [np.array(x) for x in jax.tree.leaves(eng.runner.state["draft"])]
   eng.generate([a], SamplingParams(drafter="ngram"), StopParams(max_tokens=12))
   # Prefill and decoding of a request that does not draft with it never ran the draft model.
-  after = jax.tree.leaves(eng.spec.draft_cache)
+  after = jax.tree.leaves(eng.runner.state["draft"])
   assert all(np.array_equal(x, np.asarray(y)) for x, y in zip(before, after, strict=True))
   assert eng.stats()["spec_draft_catch_up_tokens"] == 0
   with CompileCounter() as compiles:

@@ -29,9 +29,9 @@ from engine.model.hf_loader import checkpoint_config, load_hf_params
 from engine.model.params import init_params, layer_params
 from engine.model.safetensors_io import load_file
 from engine.model.transformer import forward_logits
-from engine.runtime.generate import generate_tokens
 from pallas_kernels.quant import Fp8Weight, dequantize
 from tests import hf_fixtures as fx
+from tests.generation import generate_ids, loaded
 from tests.hf_fixtures import BF16, write_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -124,6 +124,7 @@ def test_kept_weights_equal_load_time_dequant_bitwise(ckpt):
   assert n_fp8 == 3 + 10 + 3 + 3
 
 
+@pytest.mark.slow
 def test_kept_forward_equals_dequantized_at_load(ckpt):
   cfg_kept, cfg_plain = checkpoint_config(ckpt, keep_fp8=True), checkpoint_config(ckpt)
   kept = load_hf_params(ckpt, cfg_kept, dtype=jnp.float32, progress=False)
@@ -132,8 +133,8 @@ def test_kept_forward_equals_dequantized_at_load(ckpt):
   rel = np.abs(a - b).max() / np.abs(b).max()
   assert rel <= 1e-5, rel
   prompts = [[1, 17, 42, 99, 5], [1, 3, 250]]
-  g1 = generate_tokens(kept, cfg_kept, prompts, max_new_tokens=12, ignore_eos=True)
-  g2 = generate_tokens(plain, cfg_plain, prompts, max_new_tokens=12, ignore_eos=True)
+  g1 = generate_ids(loaded(cfg_kept, kept), prompts, max_new_tokens=12, ignore_eos=True)
+  g2 = generate_ids(loaded(cfg_plain, plain), prompts, max_new_tokens=12, ignore_eos=True)
   assert [c.token_ids for c in g1] == [c.token_ids for c in g2]
 
 
@@ -199,6 +200,7 @@ def test_fp8_dense_only_when_every_linear_is_fp8(tmp_path):
   assert layer_params(m.config, m.params, 1)["attn"]["q_b"].dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_fp8_kept_sharded_on_eight_devices(ckpt):
   """Placed by the sharding rules (tensor-parallel attention values split by head, block
   scales replicated; experts split whole), the kept-FP8 forward equals one device's."""

@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 
 import engine
-from engine.runtime.generate import generate_tokens
 from tests import golden_check
+from tests.generation import generate_ids, loaded
+
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -47,11 +50,12 @@ def test_prefill_and_decode_logits(case):
   golden_check.assert_logits_match(params, cfg, g, name)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_identical(case):
   name, model, g = case
   cfg, params, _ = model
   prompts = [g["prompt_0"].tolist(), g["prompt_1"].tolist()]
   n = len(g["greedy_0"])
-  out = generate_tokens(params, cfg, prompts, max_new_tokens=n, ignore_eos=True)
+  out = generate_ids(loaded(cfg, params), prompts, max_new_tokens=n, ignore_eos=True)
   for i in range(2):
     assert out[i].token_ids == g[f"greedy_{i}"].tolist(), f"{name} prompt {i}"

@@ -19,7 +19,7 @@ import pytest
 
 from bench import summarize
 from bench.decode_profile import random_params_on_device
-from bench.expert_bytes import INT4, KIMI_K25_TEXT
+from bench.expert_bytes import INT4
 from bench.protocol import k25_slice, rows, sass
 from engine.model.config import config_from_dict
 from engine.model.params import layer_params
@@ -40,6 +40,7 @@ def _rows(out):
   return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_dry_run_subset_runs_every_stage_and_writes_the_four_files(tmp_path):
   r = _gpu_check(tmp_path, DRY_RUN="1", QUICK="1", COMMIT="abc1234")
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -53,12 +54,17 @@ def test_dry_run_subset_runs_every_stage_and_writes_the_four_files(tmp_path):
   by = {(x["stage"], x["impl"]): x for x in got}
   ceil = {k: by[("ceilings", k)] for k in ("xla_copy", "xla_read", "xla_matmul_bf16")}
   assert all(c["us"] > 0 for c in ceil.values()) and ceil["xla_matmul_bf16"]["tflops"] > 0
+  # The W4A16 register plan's bitwise check comes first in its stage.
+  int4_rows = [x for x in got if x["stage"] == "int4"]
+  assert int4_rows[0]["impl"] == "plan registers" and int4_rows[0]["mismatches"] == 0
   # The kernels ran (interpreted) and match their references; fractions of this run's ceilings.
   for stage in ("int4", "experts", "mla"):
     k = by[(stage, "mosaic_gpu")]
     assert k["rel_err_vs_reference"] < 2e-2, k
     ceiling = max(ceil["xla_copy"]["gbps"], ceil["xla_read"]["gbps"])
     assert k["frac_ceiling"] == pytest.approx(k["bytes"] / k["us"] / 1e3 / ceiling)
+  # The MLA stage starts with the split-KV decode kernel's correctness cases.
+  assert by[("mla", "mosaic_gpu")]["group"] == "check" and by[("mla", "mosaic_gpu")]["ok"]
   slice_rows = [x for x in got if x["stage"] == "k25_slice" and "kind" in x]
   assert {x["kind"] for x in slice_rows} == {"decode", "prefill"}
   assert all(x["us"] > 0 and x["compile_s"] > 0 and x["flops"] > 0 for x in slice_rows)
@@ -85,6 +91,7 @@ exec {py} "$@"
 """
 
 
+@pytest.mark.slow
 def test_a_stage_cut_at_its_limit_keeps_its_rows_and_the_next_stage_runs(tmp_path):
   fake = tmp_path / "py"
   fake.write_text(FAKE_PY.format(py=sys.executable))
@@ -128,6 +135,26 @@ def test_rows_carry_fractions_of_the_same_runs_ceilings(tmp_path):
   assert k["frac_ceiling"] == pytest.approx(0.5) and k["frac_copy"] == pytest.approx(2 / 3)
   assert k["tflops"] == pytest.approx(400.0) and k["frac_matmul"] == pytest.approx(0.5)
   assert len(rows.read_rows(str(tmp_path))) == 4
+
+
+def test_int4_stage_starts_a_sweep_variant_only_while_the_cases_after_it_fit(tmp_path):
+  from bench.protocol import int4
+  now = [0.0]
+  rec = rows.Recorder(str(tmp_path), "int4")
+  clock = int4.Deadline(100.0, now=lambda: now[0])
+
+  def program(seconds):
+    now[0] += seconds
+    return seconds
+  assert clock.run(rec, "c", {}, 4, False, program, 20.0) == 20.0  # 80 s left
+  # A 20 s program (the slowest so far) fits, but not before 4 required 20 s programs.
+  assert clock.run(rec, "c", {"splits": 1}, 4, True, program, 1.0) is None
+  assert clock.run(rec, "c", {"splits": 2}, 3, True, program, seconds=1.0) == 1.0
+  now[0] = 85.0  # 15 s left: a required program no longer starts either
+  assert clock.run(rec, "c", {}, 0, False, program, 1.0) is None
+  skipped = [r for r in rows.read_rows(str(tmp_path)) if r.get("skipped")]
+  assert [r["impl"] for r in skipped] == ["mosaic_gpu splits=1", "mosaic_gpu"]
+  assert all(r["skipped"].startswith("deadline") for r in skipped)
 
 
 def test_summary_stays_under_the_output_limit(tmp_path):
@@ -214,8 +241,8 @@ def test_protocol_imports_only_what_the_gpu_image_has():
       import sys
       for name in {blocked!r}:
         sys.modules[name] = None
-      import bench.protocol.ceilings, bench.protocol.experts, bench.protocol.k25_slice
-      import bench.protocol.mla, bench.protocol.peers, bench.summarize
+      import bench.protocol.ceilings, bench.protocol.experts, bench.protocol.int4
+      import bench.protocol.k25_slice, bench.protocol.mla, bench.protocol.peers, bench.summarize
   """)
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                      env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)

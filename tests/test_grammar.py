@@ -14,8 +14,7 @@ from engine.model.tiktoken_tokenizer import KIMI_PAT_STR, NUM_SPECIAL_IDS, Tikto
 from engine.runtime import grammar as g
 from engine.runtime.grammar import GrammarError, StructuredOutputsParams as S, compile_grammar
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative.drafters import ngram_propose
-from engine.runtime.structured import ngram_draft
+from engine.runtime.speculative.drafters.ngram import ngram_draft, ngram_propose
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "demo", "target")
 EOS = 2

@@ -15,7 +15,7 @@ from engine.model import hf_loader, vision_checkpoint
 from engine.model.config import config_from_dict
 from engine.model.hf_loader import CheckpointError, load_hf_params
 from engine.model.hf_mapping import hf_tensor_shapes
-from engine.model.params import init_params, layer_params, param_shapes, path_str
+from engine.model.params import init_params, layer_params, path_str
 from engine.model.safetensors_io import SafetensorsFile, load_file
 from tests import hf_fixtures as fx
 from tests.hf_fixtures import BF16, export_hf, hf_tensors, write_checkpoint

@@ -16,9 +16,8 @@ from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
-from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import runtime as spec_runtime
 from engine.runtime.speculative.inplace import run_if
+from engine.runtime.step_description import SPEC_DECODE
 from model_configs import CONFIGS
 
 _COPY = re.compile(r"= (\w+)\[([\d,]*)\]\{[^}]*\} copy\(")
@@ -108,7 +107,8 @@ def test_run_if_keeps_closed_over_work_inside_the_loop():
   assert homes(run_if) == ["while body"]
 
 
-def test_serving_loop_keeps_caches_and_table_in_place(monkeypatch):
+@pytest.mark.slow
+def test_serving_loop_keeps_caches_and_table_in_place():
   """The speculative serving loop with every drafter: no copy of a target cache layer (the
   MTP layer's included), of the draft model's cache, or of the learned table."""
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_nextn_predict_layers=1))
@@ -121,16 +121,17 @@ def test_serving_loop_keeps_caches_and_table_in_place(monkeypatch):
       drafters=("ngram", "learned", "mtp", "draft"), num_draft_tokens=2,
       learned_table_slots=4096), draft=(draft_cfg, init_params(draft_cfg, seed=4)))
   calls = []
-  real = spec_runtime.speculative_decode_loop
+  real = eng.runner.execute
 
-  def capture(*args, **kwargs):
-    calls.append(real.lower(*args, **kwargs).compile().as_text())
-    return real(*args, **kwargs)
+  def capture(desc):  # the speculative loop's program, as the runner runs it
+    if desc.kind == SPEC_DECODE:
+      p = eng.runner.program(desc)
+      calls.append(p.fn.lower(*p.args, **p.kwargs).compile().as_text())
+    return real(desc)
 
-  monkeypatch.setattr(spec_runtime, "speculative_decode_loop", capture)
+  eng.runner.execute = capture
   eng.generate([[1, 5, 6, 7, 5, 6]], stop=StopParams(max_tokens=6))
   assert calls
-  big = {hlo_shape(x) for x in jax.tree.leaves((eng.cache, eng.spec.draft_cache, eng.spec.table))
-         if x.size >= 1024}
+  big = {hlo_shape(x) for x in jax.tree.leaves((eng.cache, eng.runner.state)) if x.size >= 1024}
   copied = set(copied_shapes(calls[0])) & big
   assert not copied, copied

@@ -28,12 +28,12 @@ from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import ConfigError, config_from_dict, without_vision
 from engine.model.hf_loader import CheckpointError, load_hf_params
 from engine.model.params import init_params, layer_params, unstack_layers
-from engine.model.safetensors_io import SafetensorsError, load_file
+from engine.model.safetensors_io import load_file
 from engine.model.transformer import forward_logits
-from engine.runtime.generate import generate_tokens
 from pallas_kernels.moe import reference as moe_ref
 from pallas_kernels.quant import Int4Weight, dequantize, dequantize_np, unpack_int4
 from tests import golden_check
+from tests.generation import generate_ids, loaded
 from tests.hf_fixtures import write_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -58,7 +58,7 @@ def _assert_packed(params):
   for name, (k, n) in (("gate", (H, IM)), ("up", (H, IM)), ("down", (IM, H))):
     w = experts[name]
     assert isinstance(w, Int4Weight), name
-    assert w.packed.dtype == jnp.uint8 and w.packed.shape == (E, k // 2, n), name
+    assert w.packed.dtype == jnp.uint8 and w.packed.shape == (E, n, k // 2), name
     assert w.scale.dtype == jnp.bfloat16 and w.scale.shape == (E, k // 32, n), name
     assert w.shape == (E, k, n)
     # 4 bits per weight plus a bf16 scale per 32: 4.5 bits, not 16 or 32.
@@ -88,8 +88,8 @@ def test_prefill_and_decode_logits_from_packed_experts(model, golden):
 def test_greedy_tokens_identical(model, golden):
   cfg, params, _ = model
   prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()]
-  out = generate_tokens(params, cfg, prompts, max_new_tokens=len(golden["greedy_0"]),
-                        ignore_eos=True)
+  out = generate_ids(loaded(cfg, params), prompts, max_new_tokens=len(golden["greedy_0"]),
+                     ignore_eos=True)
   for i in range(2):
     assert out[i].token_ids == golden[f"greedy_{i}"].tolist(), f"prompt {i}"
 
@@ -168,11 +168,12 @@ def test_unpack_hand_built_word():
 # ---- every formulation of the MoE reference from packed weights -------------------------------
 
 def _random_int4(rng, e, k, n, group=32):
-  packed = rng.integers(0, 256, size=(e, k // 2, n), dtype=np.uint8)
+  packed = rng.integers(0, 256, size=(e, n, k // 2), dtype=np.uint8)
   scale = (0.02 + 0.02 * rng.random((e, k // group, n))).astype(ml_dtypes.bfloat16)
   return Int4Weight(jnp.asarray(packed), jnp.asarray(scale))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokens", [1, 3, 40, 300])
 def test_formulations_from_packed_equal_float_reference(tokens):
   """Each formulation `moe_experts` picks (gathered, all experts, tiled) on packed weights
@@ -395,6 +396,7 @@ def test_init_params_int4_runs():
   assert np.all(np.isfinite(np.asarray(logits)))
 
 
+@pytest.mark.slow
 def test_packed_experts_split_whole_over_eight_devices():
   """engine.load(mesh=...) places each device's whole experts, still packed; the psum and the
   token-dispatch forwards equal one device's logits."""

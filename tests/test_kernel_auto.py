@@ -43,6 +43,21 @@ def test_kimi_k25_on_hopper_gets_the_mosaic_kernels(experts):
     assert _resolve(cfg, H200, page_size=page_size).choice.attention == "mosaic_gpu"
 
 
+def test_auto_resolves_int4_experts_through_the_w4a16_kernels_own_checks():
+  # INT4 experts resolve by tracing `moe_mgpu.moe_experts`, which hands them to the W4A16 kernel
+  # (`int4_mlp_mgpu` on `w4a16_mgpu`): its limits, not another kernel's, decide. K2.5's group
+  # 32 and group 128 fit; a group of 8 (not a multiple of 16) is refused with its reason.
+  for group in (32, 128):
+    cfg = dataclasses.replace(K25, int4=dataclasses.replace(INT4, group_size=group))
+    for device in (H200, H100):
+      assert _resolve(cfg, device).choice.moe == "mosaic_gpu", (group, device)
+  cfg = dataclasses.replace(K25, int4=dataclasses.replace(INT4, group_size=8))
+  res = _resolve(cfg, H100)
+  assert res.choice == KernelChoice(attention="mosaic_gpu", moe="reference")
+  reason = dict(res.reasons)["moe"]
+  assert "W4A16" in reason and "group 8" in reason, reason
+
+
 def test_demo_model_experts_stay_on_the_reference_with_the_reason():
   demo = load_config(DEMO_CHECKPOINT)  # expert width 160: not whole 64-wide tiles
   res = _resolve(demo, H200)
@@ -110,12 +125,13 @@ def test_on_this_cpu_load_and_engine_resolve_to_the_reference_and_say_so(monkeyp
 def test_what_auto_picks_lowers_for_cuda():
   # resolve() traces the kernels' wrappers; the kernels it picks must also lower (Mosaic GPU
   # lowering runs here for an abstract H200): K2.5's MLA at 16-token pages (the serving
-  # default) and the demo model's at 16 (what auto picks for it).
+  # default: the split-KV decode kernel and its combine) and the demo model's at 16 (what auto
+  # picks for it: its 64 + 16 head dims take the flash kernel).
   s = jax.ShapeDtypeStruct
   fn = kernels.mla_attention(KernelChoice(attention="mosaic_gpu"))
-  for heads, dc, dr in [(8, 512, 64), (4, 64, 16)]:
+  for heads, dc, dr, launches in [(8, 512, 64, 2), (4, 64, 16, 1)]:
     calls = export_cuda_calls(
         lambda *a: fn(*a, softmax_scale=0.1), s((2, 1, heads, dc), jnp.bfloat16),
         s((2, 1, heads, dr), jnp.bfloat16), s((9, 16, dc + dr), jnp.bfloat16),
         s((2, 4), jnp.int32), s((2, 1), jnp.int32), s((2,), jnp.int32))
-    assert calls.count(MOSAIC_CALL) == 1, calls
+    assert calls.count(MOSAIC_CALL) == launches, calls

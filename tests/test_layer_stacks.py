@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from engine.model import transformer
-from engine.model.cache import contiguous_page_table, init_cache, layer_table
+from engine.model.cache import (clear_page, contiguous_page_table, entry_layers, init_cache,
+                                layer_pages, layer_table)
 from engine.model.config import config_from_dict
 from engine.model.kernels import REFERENCE
 from engine.model.params import abstract_params, init_params, layer_params
@@ -185,3 +186,15 @@ def test_hidden_states_entering_given_layers():
               lambda: init_cache(deep, pt.size, ps, jnp.float32)))).count("scan[")
            for at in ((), (3,))]
   assert scans == [1, 2], scans
+
+
+def test_clear_page_clears_that_page_of_every_layer_of_a_stack():
+  # A page id names one page in each of a stack's layers (the entry holds their pools end to
+  # end): clearing the null page clears it in every layer, and nothing else.
+  cfg = _config("deepseek_v3")
+  cache = [{k: jnp.ones_like(v) for k, v in e.items()} for e in init_cache(cfg, 3, 4, jnp.float32)]
+  cleared = clear_page(cache, 0, cfg)
+  for entry, layers in zip(cleared, entry_layers(cfg), strict=True):
+    for j in range(layers):
+      for pages in layer_pages(entry, layers, j).values():
+        assert not np.asarray(pages[0]).any() and np.asarray(pages[1:]).all()

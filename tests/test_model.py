@@ -14,6 +14,9 @@ from engine.model.rope import apply_rope, rope_cos_sin
 from engine.model.transformer import _Ctx, forward_logits, mla_attention, rms_norm
 from model_configs import CONFIGS
 
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
@@ -48,6 +51,7 @@ def _naive_mla(p, x, cfg):
   return jnp.einsum("btnv,nvh->bth", o, p["o"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_noq", "deepseek_v2"])
 def test_absorbed_mla_matches_naive(name):
   cfg = config_from_dict(CONFIGS[name])
@@ -119,6 +123,7 @@ def test_idle_rows_write_nothing():
   assert np.abs(lat[pt[1]]).sum() == 0
 
 
+@pytest.mark.slow
 def test_mtp_layer_cached_equals_full_and_leaves_main_cache_alone():
   from engine.model import transformer
   # Jitted (as the engine runs them): op by op, each chunk's shapes compiled ~450 small programs.

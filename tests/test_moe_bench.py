@@ -8,6 +8,7 @@ import pytest
 from bench import moe_kernels
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU path")
 def test_cpu_path_runs_references_and_says_so(tmp_path, capsys):
   out = tmp_path / "moe.json"

@@ -5,8 +5,6 @@ output memory is NaN there (`uninitialized_memory="nan"`), so a kernel that skip
 fails the comparison. Every kernel is also exported for CUDA at Kimi-K2.5 shapes.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,10 +17,13 @@ from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params, layer_params
 from engine.model.transformer import compute_logits, forward, moe as moe_layer
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
+from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
 from pallas_kernels.moe import decode_mlp_mgpu, grouped_mlp_mgpu, moe_mgpu, permute, reference
 from pallas_kernels.moe import routing
+
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -179,6 +180,7 @@ def test_kernel_random_bf16(path, t):
   _assert_close(_run_path(path, *args), reference.moe_experts_dense(*args), jnp.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,t", [("grouped", 70), ("decode", 9)])
 def test_kernel_one_huge_group_and_empty_groups(path, t):
   # Every token picks expert 4 (grouped: 70 copies span two 64-row tiles) plus expert 1;
@@ -188,6 +190,7 @@ def test_kernel_one_huge_group_and_empty_groups(path, t):
   _assert_close(_run_path(path, *args), reference.moe_experts_dense(*args), jnp.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,t", [("grouped", 20), ("decode", 3)])
 def test_kernel_expert_shards_sum_to_whole(path, t):
   x, w, ids, wg, wu, wd = _problem(t, E, 3, H, I, jnp.bfloat16, seed=11)
@@ -217,6 +220,7 @@ def test_kernel_reads_one_layer_of_stacked_experts(path, t, layer, offset):
                                       layer=jnp.int32(layer)), want, jnp.bfloat16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,t", [("grouped", 70), ("decode", 5)])
 def test_kernel_has_no_races(path, t):
   # Several work items per simulated SM: SMEM reuse across items and TMA/WGMMA ordering are
@@ -279,6 +283,7 @@ def test_moe_layer_equals_reference(t):
   _assert_close(got, want, jnp.bfloat16)
 
 
+@pytest.mark.slow
 def test_tiny_model_forward_calls_mosaic_gpu_moe_and_matches_reference_per_layer():
   """The model reaches the kernel through the switch with real shapes, and every call matches
   the reference on the same inputs. (Whole-model logits are not compared: in eager bf16, the

@@ -9,6 +9,9 @@ import pytest
 
 from pallas_kernels.moe.reference import moe_experts, route
 
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
@@ -178,6 +181,7 @@ def test_dispatch_picks_by_shape():
   assert ref._tile_rows(512 * k, e) == 128 and ref._tile_rows(4096 * k, e) == 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3, 8])
 def test_bf16_formulations_agree_to_bf16_precision(k):
   """What holds on any CPU: every formulation, and any token count, gives each token's output

@@ -19,7 +19,7 @@ from engine.model.config import config_from_dict, load_config
 from engine.model.hf_loader import CheckpointError, checkpoint_config, load_hf_params
 from engine.model.params import init_params
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.batch import SpeculativeConfig
+from engine.runtime.llm import SpeculativeConfig
 from tests import hf_fixtures as fx
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "dsv3_mtp_unsaved")

@@ -224,6 +224,7 @@ def _read_until(proc, pattern, lines, timeout=300):
   raise AssertionError(f"exited ({proc.wait()}) before {pattern!r}:\n" + "".join(lines[-30:]))
 
 
+@pytest.mark.slow
 def test_two_processes_serve_start_and_leave_together_on_sigterm():
   """Launched as LeaderWorkerSet launches them: the job from LWS_* and --coordinator_port."""
   coord, ports = _free_port(), [_free_port() for _ in range(3)]
@@ -266,6 +267,7 @@ def test_two_processes_serve_start_and_leave_together_on_sigterm():
         p.kill()
 
 
+@pytest.mark.slow
 def test_follower_without_its_leader_exits_naming_the_address():
   address = f"127.0.0.1:{_free_port()}"
   proc = subprocess.Popen(SERVE[:3] + [f"--coordinator_address={address}", "--num_processes=2",

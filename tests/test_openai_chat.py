@@ -72,6 +72,7 @@ def server_limits(eng):
                        num_eos_ids=len(eng.eos_token_ids))
 
 
+@pytest.mark.slow
 def test_chat_completions_stream_and_not(chat_server, eng):
   inputs, want = reference(eng, USER, 12)
   _, thought = reference(eng, USER, 10, thinking=True)
@@ -120,6 +121,7 @@ def test_chat_completions_stream_and_not(chat_server, eng):
   assert len({c.message.content for c in a.choices}) == 2
 
 
+@pytest.mark.slow
 def test_tool_round_trip_tool_choice_and_the_prefix_cache(chat_server, eng):
   bg = chat_server()
   client = client_for(bg)
@@ -151,6 +153,7 @@ def test_tool_round_trip_tool_choice_and_the_prefix_cache(chat_server, eng):
   assert required.usage.prompt_tokens == turn1.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_bad_chat_requests_are_400_naming_the_field(chat_server, eng, monkeypatch):
   bg = chat_server()
   client = client_for(bg)
@@ -204,6 +207,7 @@ def test_bad_chat_requests_are_400_naming_the_field(chat_server, eng, monkeypatc
   assert client.completions.create(model="demo", prompt=PROMPT, max_tokens=2).usage
 
 
+@pytest.mark.slow
 def test_cancelled_chat_stream_frees_pages(chat_server, eng, monkeypatch):
   bg = chat_server()
   step = eng.step
@@ -311,6 +315,7 @@ def grpc_tools():
   return tools
 
 
+@pytest.mark.slow
 def test_grpc_chat(chat_server, eng, monkeypatch):
   inputs, want = reference(eng, USER, 12)
   _, thought = reference(eng, USER, 6, thinking=True)
@@ -385,6 +390,7 @@ def test_grpc_chat(chat_server, eng, monkeypatch):
   assert got["usage"]["completionTokens"] == 12
 
 
+@pytest.mark.slow
 def test_grpc_chat_queue_full(chat_server, eng, monkeypatch):
   bg = chat_server(max_queue_requests=1)
   with InferenceClient(target(bg), api_key=KEY) as client, \
@@ -403,6 +409,7 @@ def test_grpc_chat_queue_full(chat_server, eng, monkeypatch):
 
 # ---- the serving benchmark over both APIs --------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_agent_dataset_and_openai_backend(chat_server, eng):
   bg = chat_server()
   base_url = f"http://127.0.0.1:{bg.server.http_port}/v1"

@@ -1,7 +1,7 @@
-"""The quantized-expert Mosaic GPU kernels, W4A16 on packed INT4 experts (`int4_mlp_mgpu`) and
-W8A16 on FP8 block-scaled experts (`fp8_mlp_mgpu`): GPU interpret mode on CPU against the
-dequantize-then-compute reference, and the CUDA lowering (an abstract H200) of each kernel at
-Kimi K2.5 shapes and of the MoE layer that uses it.
+"""The quantized-expert Mosaic GPU kernels through the engine: W8A16 on FP8 block-scaled experts
+(`fp8_mlp_mgpu`) in GPU interpret mode on CPU against the dequantize-then-compute reference, the
+MoE layer with INT4 (the W4A16 kernel itself: `tests/test_w4a16_mgpu.py`) and FP8 experts, and
+the CUDA lowering (an abstract H200) of each kernel pair at Kimi K2.5 shapes.
 
 Interpret mode poisons unwritten memory with NaN, so a kernel that skips part of a tile fails.
 The references take the same dequantized weights (INT4: compressed-tensors' bf16 product; FP8:
@@ -15,41 +15,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # races, state reset
 
 from bench.expert_bytes import INT4
-from cuda_export import H200, MOSAIC_CALL, export_cuda_calls, gpu_interpret
+from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params, layer_params
 from engine.model.transformer import forward, moe as moe_layer
 from model_configs import CONFIGS
-from pallas_kernels.moe import fp8_mlp_mgpu, int4_mlp_mgpu, moe_mgpu, reference
+from pallas_kernels.moe import dequant_mlp_mgpu, fp8_mlp_mgpu, moe_mgpu, reference
 from pallas_kernels.quant import Fp8Weight, Int4Weight, dequantize
+
+# Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
+pytestmark = pytest.mark.sweep
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-SMALL = int4_mlp_mgpu.Int4Config(block_k=128, max_concurrent_steps=2, num_sms=3)
+SMALL = dequant_mlp_mgpu.DequantConfig(block_k=128, max_concurrent_steps=2, num_sms=3)
 TOL = 2e-2  # of the reference's largest magnitude: bf16 h and output
-
-
-
-def _int4(rng, e, k, n, group=32):
-  """Random packed experts: every nibble value, scales ~1/sqrt(k) (so outputs stay O(1))."""
-  packed = jnp.asarray(rng.integers(0, 256, (e, k // 2, n)), jnp.uint8)
-  scale = (0.5 + rng.random((e, k // group, n))) / (4.6 * np.sqrt(k))
-  return Int4Weight(packed, jnp.asarray(scale, jnp.bfloat16))
-
-
-def _problem(seed, t, e, k, h, i, group=32, ids=None):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-  if ids is None:
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
-  w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-  ws = (_int4(rng, e, h, i, group), _int4(rng, e, h, i, group), _int4(rng, e, i, h, group))
-  return x, w, jnp.asarray(ids, jnp.int32), *ws
 
 
 def _fp8(rng, e, k, n):
@@ -83,114 +67,19 @@ def _assert_close(got, want):
   np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * scale)
 
 
-CASES = {
-    # name: (t, experts, top-k, hidden, expert width, group, block_k, expert ids or None)
-    # (gate/up of the first runs 3 K steps: the double-buffered tile wraps around)
-    "decode_1_token": (1, 6, 2, 384, 128, 32, 128, None),
-    "decode_5_tokens_bk256": (5, 6, 3, 256, 256, 32, 256, None),
-    # 70 tokens: 64-row slots; experts 4 and 1 take every token (two slots each, the second
-    # partial), the others none.
-    "prefill_one_huge_group_empty_experts": (70, 6, 2, 128, 256, 32, 128, "4,1"),
-}
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_int4_kernel_equals_reference(name):
-  t, e, k, h, i, group, bk, ids = CASES[name]
-  ids = None if ids is None else np.tile([int(v) for v in ids.split(",")], (t, 1))
-  args = _problem(hash(name) % 1000, t, e, k, h, i, group, ids)
-  cfg = dataclasses.replace(SMALL, block_k=bk)
-  with gpu_interpret():
-    got = int4_mlp_mgpu.moe_experts_int4(*args, cfg=cfg)
-  _assert_close(got, _reference_f32(*args))
-
-
-def test_int4_kernel_expert_shards_sum_to_whole():
-  x, w, ids, wg, wu, wd = _problem(11, 3, 6, 3, 128, 128)
-  parts = []
-  for s in (0, 3):
-    shard = [v[s:s + 3] for v in (wg, wu, wd)]
-    with gpu_interpret():
-      part = int4_mlp_mgpu.moe_experts_int4(x, w, ids, *shard, expert_offset=s, cfg=SMALL)
-    _assert_close(part, _reference_f32(x, w, ids, *shard, expert_offset=s))
-    parts.append(np.asarray(part, np.float32))
-  _assert_close(sum(parts), _reference_f32(x, w, ids, wg, wu, wd))
-
-
-def test_kernel_reads_one_layer_of_stacked_quantized_experts():
-  """A scanned stack's quantized experts, [L, E, ...] packed leaves, and a layer index: the
-  W4A16 kernels (and W8A16, on the same skeleton and `permute.expert_pool`) read that layer's
-  experts in place, as if given it alone."""
-  x, w, ids, *layer1 = _problem(19, 3, 6, 2, 128, 128)
-  _, _, _, *layer0 = _problem(20, 3, 6, 2, 128, 128)
+def test_kernel_reads_one_layer_of_stacked_fp8_experts():
+  """A scanned stack's FP8 experts, [L, E, ...] leaves, and a layer index: the W8A16 kernels
+  read that layer's experts in place (`permute.expert_pool`), as if given it alone; an expert
+  shard's offset still applies. (INT4: `test_w4a16_mgpu`.)"""
+  x, w, ids, *layer1 = _fp8_problem(19, 3, 6, 2, 128, 128)
+  _, _, _, *layer0 = _fp8_problem(20, 3, 6, 2, 128, 128)
   stacks = [jax.tree.map(lambda a, b: jnp.stack([a, b]), u, v) for u, v in zip(layer0, layer1)]
   with gpu_interpret():
     got = moe_mgpu.moe_experts(x, w, ids, *stacks, layer=jnp.int32(1))
+    shard = fp8_mlp_mgpu.moe_experts_fp8(x, w, ids, *(v[:, 2:] for v in stacks),
+                                         expert_offset=2, layer=jnp.int32(1), cfg=SMALL)
   _assert_close(got, _reference_f32(x, w, ids, *layer1))
-
-
-def test_int4_swiglu_skips_unused_slots_and_equals_its_reference():
-  # Hand-made layout: slots 0..2 used (experts 2, 0, 2), slot 3 not.
-  rng = np.random.default_rng(5)
-  nt = 16
-  xs = jnp.asarray(rng.standard_normal((4 * nt, 128)), jnp.bfloat16)
-  *_, wg, wu, wd = _problem(5, 1, 4, 1, 128, 128)
-  slot_expert = jnp.asarray([2, 0, 2, 3], jnp.int32)
-  num_slots = jnp.asarray([3], jnp.int32)
-  with gpu_interpret():
-    raw = np.asarray(int4_mlp_mgpu._int4_swapped_matmul(
-        int4_mlp_mgpu.permute_k(xs, 128), (wg, wu), slot_expert, num_slots, nt, SMALL),
-        np.float32)
-    got = int4_mlp_mgpu.int4_swiglu(xs, slot_expert, num_slots, wg, wu, wd, nt, SMALL)
-  assert np.isnan(raw[3]).all() and np.isfinite(raw[:3]).all()  # slot 3's weights never read
-  want = int4_mlp_mgpu.int4_swiglu_reference(xs, slot_expert, num_slots, wg, wu, wd, nt)
-  _assert_close(got, want)
-  assert not np.asarray(got)[3 * nt:].any()
-
-
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
-def test_dequantized_tiles_are_bitwise_the_reference_weights(fmt):
-  # One-hot activations pick single weight rows: each output is one bf16 weight times 1,
-  # accumulated alone in f32, so the kernel must return the reference's dequantized weights
-  # exactly (INT4: compressed-tensors' bf16 product; FP8: the float32 product, then bf16),
-  # every input row k of both K steps included (the tile's even/odd K order undone).
-  rng = np.random.default_rng(21)
-  k, n, nt = 256, 128, 64
-  w = _int4(rng, 3, k, n) if fmt == "int4" else _fp8(rng, 3, k, n)
-  rows = np.stack([rng.permutation(k)[:nt] for _ in range(2)])  # [slots, nt] input rows
-  xs = jnp.asarray(np.eye(k)[rows.reshape(-1)], jnp.bfloat16)  # [2 * nt, k]
-  slot_expert = jnp.asarray([2, 0], jnp.int32)
-  used = jnp.asarray([2], jnp.int32)
-  with gpu_interpret():
-    if fmt == "int4":
-      got = int4_mlp_mgpu._int4_swapped_matmul(int4_mlp_mgpu.permute_k(xs, 128), (w,),
-                                               slot_expert, used, nt, SMALL)
-    else:
-      got = fp8_mlp_mgpu._fp8_swapped_matmul(xs, (w,), slot_expert, used, nt, SMALL)
-  want = np.asarray(dequantize(w, jnp.bfloat16), np.float32)[np.asarray(slot_expert)[:, None],
-                                                             rows]  # [slots, nt, n]
-  np.testing.assert_array_equal(np.asarray(got, np.float32), want.transpose(0, 2, 1))
-
-
-def test_int4_kernel_has_no_races():
-  # Several work items per simulated SM: the double-buffered bf16 tile, SMEM reuse across
-  # items and TMA/WGMMA ordering, checked by the interpreter's race detector.
-  args = _problem(13, 3, 4, 2, 384, 128)  # 3 K steps in gate/up
-  with gpu_interpret(detect_races=True):
-    out = jax.block_until_ready(int4_mlp_mgpu.moe_experts_int4(*args, cfg=SMALL))
-  assert not interpret_pallas_call.get_races().races_found
-  _assert_close(out, _reference_f32(*args))
-
-
-def test_int4_kernel_refuses_what_it_cannot_compute():
-  x, w, ids, wg, wu, wd = _problem(1, 2, 4, 2, 128, 128)
-  with pytest.raises(NotImplementedError, match="bf16"):
-    int4_mlp_mgpu.moe_experts_int4(x.astype(jnp.float32), w, ids, wg, wu, wd)
-  with pytest.raises(ValueError, match="block_k"):
-    int4_mlp_mgpu.moe_experts_int4(x, w, ids, wg, wu, wd,
-                                   cfg=dataclasses.replace(SMALL, block_k=256))
-  x, w, ids, wg, wu, wd = _problem(1, 2, 4, 2, 64, 128)  # hidden 64: not a whole K step
-  with pytest.raises(NotImplementedError, match="multiples of 128"):
-    moe_mgpu.moe_experts(x, w, ids, wg, wu, wd)
+  _assert_close(shard, _reference_f32(x, w, ids, *(v[2:] for v in layer1), expert_offset=2))
 
 
 # ---- FP8 (W8A16) ---------------------------------------------------------------------------
@@ -209,6 +98,24 @@ def test_fp8_kernel_equals_reference(name):
   with gpu_interpret():
     got = fp8_mlp_mgpu.moe_experts_fp8(*args, cfg=dataclasses.replace(SMALL, block_k=bk))
   _assert_close(got, _reference_f32(*args))
+
+
+def test_fp8_dequantized_tiles_are_bitwise_the_reference_weights():
+  # One-hot activations pick single weight rows: each output is one bf16 weight times 1,
+  # accumulated alone in f32, so the kernel must return the reference's dequantized weights
+  # exactly (the float32 product, then bf16), every input row k of both K steps included.
+  rng = np.random.default_rng(21)
+  k, n, nt = 256, 128, 64
+  w = _fp8(rng, 3, k, n)
+  rows = np.stack([rng.permutation(k)[:nt] for _ in range(2)])  # [slots, nt] input rows
+  xs = jnp.asarray(np.eye(k)[rows.reshape(-1)], jnp.bfloat16)  # [2 * nt, k]
+  slot_expert = jnp.asarray([2, 0], jnp.int32)
+  used = jnp.asarray([2], jnp.int32)
+  with gpu_interpret():
+    got = fp8_mlp_mgpu._fp8_swapped_matmul(xs, (w,), slot_expert, used, nt, SMALL)
+  want = np.asarray(dequantize(w, jnp.bfloat16), np.float32)[np.asarray(slot_expert)[:, None],
+                                                             rows]  # [slots, nt, n]
+  np.testing.assert_array_equal(np.asarray(got, np.float32), want.transpose(0, 2, 1))
 
 
 def test_fp8_matmul_half_scale_block_and_shard():
@@ -246,6 +153,7 @@ def _quantized_moe_config(fmt):
   return dataclasses.replace(cfg, fp8_experts=(128, 128))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_moe_layer_with_quantized_experts_uses_the_kernel_and_equals_reference(fmt):
   cfg = _quantized_moe_config(fmt)
@@ -273,7 +181,7 @@ KIMI_H, KIMI_I, KIMI_K = 7168, 2048, 8
 def _spec(fmt, e, k, n):
   s = jax.ShapeDtypeStruct
   if fmt == "int4":
-    return Int4Weight(s((e, k // 2, n), jnp.uint8), s((e, k // 32, n), jnp.bfloat16))
+    return Int4Weight(s((e, n, k // 2), jnp.uint8), s((e, k // 32, n), jnp.bfloat16))
   return Fp8Weight(s((e, k, n), jnp.float8_e4m3fn), s((e, k // 128, n // 128), jnp.float32))
 
 
@@ -319,6 +227,7 @@ def test_int4_decode_forward_lowers_for_cuda():
   assert n_moe > 1 and calls.count(MOSAIC_CALL) == 2, calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,mode", [("int4", "psum"), ("int4", "dispatch"), ("bf16", "psum")])
 def test_experts_split_over_8_h200s_lower_for_cuda(fmt, mode):
   # Expert parallelism over an abstract mesh of 8 H200s (expert:8): each device's kernel pair
@@ -336,7 +245,7 @@ def test_experts_split_over_8_h200s_lower_for_cuda(fmt, mode):
   exp = NamedSharding(mesh, P(("expert", "tensor")))
   s = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
   if fmt == "int4":
-    w = lambda k, n: Int4Weight(s((e, k // 2, n), jnp.uint8, exp),
+    w = lambda k, n: Int4Weight(s((e, n, k // 2), jnp.uint8, exp),
                                 s((e, k // 32, n), jnp.bfloat16, exp))
   else:
     w = lambda k, n: s((e, k, n), jnp.bfloat16, exp)
@@ -357,4 +266,4 @@ def test_experts_split_over_8_h200s_lower_for_cuda(fmt, mode):
   assert exported.nr_devices == 8
   assert text.count(f"custom_call @{MOSAIC_CALL}") == 2
   if fmt == "int4":
-    assert "tensor<48x3584x2048xui8>" in text  # a device's packed gate / up
+    assert "tensor<48x2048x3584xui8>" in text  # a device's packed gate / up

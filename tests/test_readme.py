@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -18,6 +20,7 @@ def readme_block(after: str) -> str:
   return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
 
 
+@pytest.mark.slow
 def test_notebook_snippet_runs_as_written(tmp_path):
   code = readme_block("Notebook")
   assert "engine.load()" in code

@@ -44,9 +44,9 @@ def test_pool_refcounts_and_lru_eviction():
 
 
 def test_draft_entries_follow_pages_through_prefix_sharing_and_reallocation():
-  """Which pages hold draft-model entries (`catch_up.DraftEntries`, keyed by the pool's page
+  """Which pages hold draft-model entries (`draft_model.DraftEntries`, keyed by the pool's page
   epochs): a shared prefix keeps them, a page handed out again loses them."""
-  from engine.runtime.speculative.catch_up import DraftEntries
+  from engine.runtime.speculative.drafters.draft_model import DraftEntries
   pool = PagePool(6, page_size=4)
   entries = DraftEntries(pool.epoch, pool.page_size)
   sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32),

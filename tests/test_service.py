@@ -147,6 +147,7 @@ def test_bad_requests_get_invalid_argument_naming_the_field(serve, eng):
     assert client.generate(PROMPT, max_tokens=2, request_id="taken").finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_drafter_per_request():
   """A server whose engine enables drafters: each request picks one (or none); the output is
   the plain greedy one, with logprobs if asked; a drafter it lacks is INVALID_ARGUMENT."""
@@ -178,6 +179,7 @@ def test_drafter_per_request():
 # ---- cancellation, abort, overload -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cancelled_streams_abort_once_and_free_pages(serve, eng, monkeypatch):
   n = 200
   bg = serve()
@@ -374,6 +376,7 @@ class _CountingTokenizer:
     return attr
 
 
+@pytest.mark.slow
 def test_a_huge_prompt_is_bounded_and_tokenised_off_the_event_loop(serve, eng, monkeypatch):
   counting = _CountingTokenizer(eng.tokenizer)
   monkeypatch.setattr(eng, "tokenizer", counting)

@@ -300,6 +300,7 @@ def test_tls(serve, tmp_path):
     assert status_of(lambda: plaintext.generate(PROMPT))[0] == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.slow
 def test_serve_command_line_starts_serves_and_drains_on_sigterm():
   proc = subprocess.Popen(
       [sys.executable, "-m", "engine.serve", "--port=0", "--host=127.0.0.1",

@@ -85,6 +85,7 @@ def _run(*args, timeout=600):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_sharded_equals_single_device_on_eight_devices():
   results = _run("meshes")
   demo = results.pop("demo_load")
@@ -102,6 +103,7 @@ def test_sharded_equals_single_device_on_eight_devices():
       "deepseek_v3/data:2,expert:4", "qwen3_moe/tensor:4,expert:2"]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one():
   with socket.socket() as s:
     s.bind(("localhost", 0))
@@ -126,6 +128,7 @@ def test_two_processes_match_one():
     assert o["checksum"] == pytest.approx(ref["checksum"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_token_dispatch_equals_single_device():
   """expert_parallel="dispatch": tokens split over the EP group and exchanged with the experts'
   owners (padded all_to_all on CPU; the CUDA branch, ragged_all_to_all, run through an emulation

@@ -1,7 +1,7 @@
 """Speculative decoding: the acceptance rule is lossless (on synthetic distributions and end to
-end with model drafters), the drafters' lookups, `generate_tokens(speculative=...)`, rejected
-drafts roll back by length, and drafting pays off on the trained demo model. (Every drafter and
-"auto" in the engine: `test_engine_speculative`.)"""
+end with model drafters), the drafters' lookups, `engine.generate(speculative=...)`'s batch
+path, rejected drafts roll back by length, and drafting pays off on the trained demo model.
+(Every drafter and "auto" in the engine: `test_engine_speculative`.)"""
 
 import os
 import subprocess
@@ -15,12 +15,15 @@ import pytest
 from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
-from engine.runtime import generate as gen, steps
-from engine.runtime.batch import SpeculativeConfig
-from engine.runtime.generate import generate_tokens
+from engine.model.transformer import forward_logits
+from engine.runtime import steps
+from engine.runtime.llm import SpeculativeConfig
 from engine.runtime.sampling import SamplingArrays, SamplingParams
-from engine.runtime.speculative import acceptance, drafters
-from engine.runtime.speculative.loop import DRAFTER_IDS, drafter_id, speculative_decode_loop
+from engine.runtime.speculative import acceptance, loop
+from engine.runtime.speculative.drafters import drafter_id, ids
+from engine.runtime.speculative.drafters.draft_model import DraftModelDrafter
+from engine.runtime.speculative.drafters.ngram import ngram_propose
+from generation import generate_ids, loaded
 from model_configs import CONFIGS, perturbed
 
 # ---- the acceptance rule on synthetic distributions --------------------------------------------
@@ -123,14 +126,14 @@ def test_ngram_prefers_the_longest_then_most_recent_match():
   hist[1, :9] = [3, 4, 5, 1, 3, 4, 6, 3, 4]
   # Row 2: no repeated bigram.
   hist[2, :5] = [1, 2, 3, 4, 5]
-  draft, n = drafters.ngram_propose(jnp.asarray(hist), jnp.asarray([11, 8, 4]), 3)
+  draft, n = ngram_propose(jnp.asarray(hist), jnp.asarray([11, 8, 4]), 3)
   assert n.tolist() == [3, 3, 0]
   assert draft[0].tolist() == [10, 11, 8]
   assert draft[1].tolist() == [6, 3, 4]
 
 
 def test_learned_table_learns_decays_and_evicts():
-  from engine.runtime.speculative import learned
+  from engine.runtime.speculative.drafters import learned
   n = max(learned.ORDERS)
   ctx = list(range(5, 5 + n))  # a context of the longest order, followed by 20, 21, 21
   table = learned.NgramTable.empty(num_slots=64, num_candidates=2)
@@ -177,49 +180,49 @@ def _spec(model, method, k=3, **kw):
 PROMPTS = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 10, 11, 12, 13, 14, 15, 16], [1, 40]]
 
 
-def test_generate_tokens_keeps_plain_output_and_reproduces_samples(model):
-  """`generate_tokens(speculative=...)` (a batch on a kept engine) with a draft model that
-  agrees with the target often, not always: greedy output is plain greedy in any batch
-  composition, stop ids inside a block end a row where plain decoding does, and seeded
-  sampled rows give the same tokens whatever their batch company. (Every drafter and "auto"
-  on the engine itself: `test_engine_speculative`.)"""
-  cfg, params = model
+@pytest.mark.slow
+def test_generate_keeps_plain_output_and_reproduces_samples(model):
+  """`engine.generate(speculative=...)`'s batch path with a draft model that agrees with the
+  target often, not always: greedy output is plain greedy in any batch composition, stop ids
+  inside a block end a row where plain decoding does, and seeded sampled rows give the same
+  tokens whatever their batch company. (Every drafter and "auto" on the engine itself:
+  `test_engine_speculative`.)"""
+  lm = loaded(*model)
   spec = _spec(model, "draft_close")
-  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9])
-  got = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+  plain = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9])
+  got = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
   assert [c.token_ids for c in got] == [c.token_ids for c in plain]
   assert [c.finish_reason for c in got] == ["length"] * 3
   st = [c.spec for c in got]
   assert sum(s["steps"] for s in st) < sum(len(c.token_ids) for c in got)
   assert 0 < sum(s["accepted"] for s in st) < sum(s["drafted"] for s in st)
   # Another batch composition (other company, other places; the same kept engine).
-  mixed = generate_tokens(params, cfg, [PROMPTS[2], PROMPTS[1], [1, 77, 78]],
-                          max_new_tokens=[9, 12, 5], speculative=spec)
+  mixed = generate_ids(lm, [PROMPTS[2], PROMPTS[1], [1, 77, 78]],
+                       max_new_tokens=[9, 12, 5], speculative=spec)
   assert mixed[0].token_ids == plain[2].token_ids and mixed[1].token_ids == plain[1].token_ids
   eos = plain[1].token_ids[4]
-  plain_eos = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], eos_ids=[eos],
-                              min_new_tokens=2)
-  got_eos = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], eos_ids=[eos],
-                            min_new_tokens=2, speculative=spec)
+  plain_eos = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9], eos_ids=[eos],
+                           min_new_tokens=2)
+  got_eos = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9], eos_ids=[eos],
+                         min_new_tokens=2, speculative=spec)
   assert [(c.token_ids, c.finish_reason) for c in got_eos] == [
       (c.token_ids, c.finish_reason) for c in plain_eos]
   # Sampled rows: (seed, position) streams, so the company does not matter; top_k = 1 leaves
   # one token: sampling collapses to greedy, through the sampled path.
   s = SamplingParams(temperature=0.8, top_p=0.9, seed=1234)
   top1 = SamplingParams(temperature=1.0, top_k=1, seed=5)
-  a = generate_tokens(params, cfg, [PROMPTS[1], PROMPTS[1], PROMPTS[0]], max_new_tokens=12,
-                      sampling=[top1, s, SamplingParams(temperature=1.0, seed=9)],
-                      speculative=spec)
-  b = generate_tokens(params, cfg, [PROMPTS[1], PROMPTS[2], PROMPTS[1]], max_new_tokens=12,
-                      sampling=[SamplingParams(temperature=0.8, top_p=0.9, seed=99),
-                                SamplingParams(temperature=0.5, seed=3), s],
-                      speculative=spec)
+  a = generate_ids(lm, [PROMPTS[1], PROMPTS[1], PROMPTS[0]], max_new_tokens=12,
+                   sampling=[top1, s, SamplingParams(temperature=1.0, seed=9)], speculative=spec)
+  b = generate_ids(lm, [PROMPTS[1], PROMPTS[2], PROMPTS[1]], max_new_tokens=12,
+                   sampling=[SamplingParams(temperature=0.8, top_p=0.9, seed=99),
+                             SamplingParams(temperature=0.5, seed=3), s], speculative=spec)
   assert a[1].token_ids == b[2].token_ids
   assert b[0].token_ids != a[1].token_ids  # another seed, another sample
-  greedy = generate_tokens(params, cfg, PROMPTS, max_new_tokens=12)[1]
+  greedy = generate_ids(lm, PROMPTS, max_new_tokens=12)[1]
   assert a[0].token_ids == greedy.token_ids and a[0].spec["accepted"] > 0
 
 
+@pytest.mark.slow
 def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   """Drafters with their own q (draft model, MTP) through the whole loop: 2048 seeded samples
   of a 16-token-vocabulary target, per output position, against 2048 plain samples (one engine
@@ -231,7 +234,7 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   dcfg = config_from_dict(dict(CONFIGS["llama"], vocab_size=16))
   n = 2048
   prompts = [[1, 5, 6]] * n
-  plain = generate_tokens(params, cfg, prompts, max_new_tokens=4, sampling=[
+  plain = generate_ids(loaded(cfg, params), prompts, max_new_tokens=4, sampling=[
       SamplingParams(temperature=1.0, seed=i) for i in range(n)])
   # Every prompt prefilled in one step, then one decode call of all rows, which drafts: the
   # cost table says a block costs a plain step at any batch size (the roofline's would not
@@ -257,18 +260,20 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
         u.spec_draft_tokens for u in use) < 0.8, drafter
 
 
+@pytest.mark.slow
 def test_learned_drafter_carries_knowledge_across_calls(model, tmp_path):
   from engine.runtime.buckets import CompileCounter
-  from engine.runtime.speculative.learned import NgramMemory
+  from engine.runtime.speculative.drafters import NgramMemory
   cfg, params = model
   params = jax.device_put(params, jax.devices()[0])  # committed, as `engine.load` leaves them
-  plain = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9])
+  lm = loaded(cfg, params)
+  plain = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9])
   memory = NgramMemory(num_slots=1024)
   spec = _spec(model, "learned", memory=memory)
-  first = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+  first = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
   memory.save(str(tmp_path / "table.npz"))
   with CompileCounter() as counter:  # the returned table is placed like the first one
-    second = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
+    second = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9], speculative=spec)
   assert counter.count == 0
   for got in (first, second):
     assert [c.token_ids for c in got] == [c.token_ids for c in plain]
@@ -276,7 +281,7 @@ def test_learned_drafter_carries_knowledge_across_calls(model, tmp_path):
   assert sum(c.spec["steps"] for c in second) < sum(c.spec["steps"] for c in first)
   assert sum(c.spec["accepted"] for c in second) >= 10
   # A saved table reloads into another memory and drafts as well.
-  again = generate_tokens(params, cfg, PROMPTS, max_new_tokens=[6, 12, 9], speculative=_spec(
+  again = generate_ids(lm, PROMPTS, max_new_tokens=[6, 12, 9], speculative=_spec(
       model, "learned", memory=NgramMemory.load(str(tmp_path / "table.npz"))))
   assert [c.token_ids for c in again] == [c.token_ids for c in plain]
   assert sum(c.spec["accepted"] for c in again) >= 10
@@ -292,10 +297,10 @@ def test_bad_speculative_settings_are_named(model):
                        (cfg, SpeculativeConfig("draft"), "draft_cfg and draft_params"),
                        (cfg, SpeculativeConfig("draft", 2, llama, {}), "vocabulary")]:
     with pytest.raises(ValueError, match=msg):
-      generate_tokens(params, cfg if c is cfg else c, [[1, 2]], max_new_tokens=2,
-                      speculative=spec)
+      generate_ids(loaded(c, params), [[1, 2]], max_new_tokens=2, speculative=spec)
 
 
+@pytest.mark.slow
 def test_rejected_drafts_roll_back_by_length(model):
   """After partially accepted steps, the tokens and the cache at every valid position equal
   plain decoding's (rejected drafts' entries lie past n_cached and are overwritten later)."""
@@ -311,33 +316,42 @@ def test_rejected_drafts_roll_back_by_length(model):
 
   def prefilled(c, p):
     cache = init_cache(c, page_table.size, page_size, jnp.float32)
-    logits, cache = gen.prefill(p, cache, jnp.asarray(tokens), jnp.asarray(lengths), page_table,
-                                cfg=c)
-    return jnp.argmax(logits, -1).astype(jnp.int32), cache
+    logits, cache = forward_logits(p, cache, jnp.asarray(tokens), jnp.zeros((b,), jnp.int32),
+                                   jnp.asarray(lengths), page_table, cfg=c)
+    last = logits[jnp.arange(b), jnp.asarray(lengths) - 1]
+    return jnp.argmax(last, -1).astype(jnp.int32), cache
+
+  def batch(first):  # the engine's loops take the newest token uncached at position n_cached
+    return steps.DecodeBatch(
+        tokens=first, n_cached=jnp.asarray(lengths), page_table=page_table, sampling=sampling,
+        stop_ids=jnp.full((b, 1), -1, jnp.int32), remaining=jnp.asarray([7, 15, 11], jnp.int32),
+        min_before_stop=jnp.zeros((b,), jnp.int32), num_steps=jnp.int32(max_steps),
+        want_logprobs=jnp.bool_(False))
 
   first, cache = prefilled(cfg, params)
-  # The engine's loops take the newest token uncached at position n_cached.
-  args = (first, jnp.asarray(lengths), page_table, sampling, jnp.full((b, 1), -1, jnp.int32),
-          jnp.asarray([7, 15, 11], jnp.int32), jnp.zeros((b,), jnp.int32))
-  plain, count, _, _, plain_cache = steps.decode_loop(
-      params, cache, *args, jnp.int32(max_steps), jnp.bool_(False), max_steps=max_steps, cfg=cfg)
+  plain, count, _, _, plain_cache = steps.decode_loop(params, cache, batch(first),
+                                                      max_steps=max_steps, cfg=cfg)
   first, cache = prefilled(cfg, params)
   _, draft_cache = prefilled(cfg, spec.draft_params)
-  n_ids = len(DRAFTER_IDS)
+  n_ids, draft = len(ids()), drafter_id("draft")
   history = np.zeros((b, t_bucket + max_steps + 1), np.int32)
   history[:, :t_bucket] = tokens
   history[np.arange(b), lengths] = np.asarray(first)
-  feed = np.zeros((n_ids,), bool)
-  feed[drafter_id("draft")] = True
-  costs = np.concatenate([np.ones((1,), np.float32), np.zeros((n_ids,), np.float32)])
-  res, spec_cache = speculative_decode_loop(
-      params, cache, *args, jnp.int32(max_steps), jnp.float32(np.inf), history, lengths + 1,
-      np.full((b,), drafter_id("draft"), np.int32), np.zeros((b,), bool),
-      np.full((b,), k, np.int32), np.zeros((b, n_ids, k, 2), np.float32),
-      np.zeros((n_ids,), bool), feed, np.ones((b,), bool),
-      np.zeros((n_ids, k, 2), np.float32), costs, np.int32(0), np.bool_(False), None, None,
-      spec.draft_params, draft_cache, max_steps=max_steps * (k + 1), widths=(k,),
-      drafters=("draft",), cfg=cfg, draft_cfg=cfg)
+  fed = np.zeros((b, n_ids), bool)
+  fed[:, draft] = True
+  inputs = loop.SpecInputs(
+      history=history, history_len=lengths + 1, row_drafter=np.full((b,), draft, np.int32),
+      row_auto=np.zeros((b,), bool), row_max_draft=np.full((b,), k, np.int32),
+      row_accept=np.zeros((b, n_ids, k, 2), np.float32), accept=np.zeros((n_ids, k, 2),
+                                                                          np.float32),
+      auto_allowed=np.zeros((n_ids,), bool), fed=fed,
+      costs=np.concatenate([np.ones((1,), np.float32), np.zeros((n_ids,), np.float32)]),
+      time_budget=np.float32(np.inf), force_width=np.int32(0))
+  config = loop.LoopConfig(max_steps=max_steps * (k + 1), widths=(k,),
+                           drafters=(DraftModelDrafter(cfg=cfg, draft_cfg=cfg),), cfg=cfg)
+  res, spec_cache, _ = loop.speculative_decode_loop(
+      params, cache, batch(first), inputs, {"draft": draft_cache}, {},
+      {"draft": spec.draft_params}, config=config)
   counts = np.asarray(res.count)
   assert counts.tolist() == np.asarray(count).tolist()
   for row in range(b):
@@ -361,6 +375,7 @@ DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "demo")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(os.path.join(DEMO, "target", "moejax.json")),
                     reason="demo checkpoints not trained yet")
 def test_demo_model_accepts_several_tokens_per_step():

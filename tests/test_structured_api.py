@@ -336,6 +336,7 @@ def response_format(schema=ANSWER, strict=True):
                                                  "strict": strict}}
 
 
+@pytest.mark.slow
 def test_response_format_and_structured_outputs_over_http(server):
   client = client_for(server)
   for sampling in (dict(temperature=0), dict(temperature=1.0, seed=7)):
@@ -370,6 +371,7 @@ def test_response_format_and_structured_outputs_over_http(server):
   jsonschema.validate(json.loads(text), ANSWER)
 
 
+@pytest.mark.slow
 def test_tool_choice_required_and_named_over_http(server):
   client = client_for(server)
   for sampling in (dict(temperature=0), dict(temperature=1.0, seed=11)):

@@ -5,7 +5,6 @@ constrained rows are verified against the grammar's masks."""
 import json
 import re
 
-import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
@@ -72,6 +71,7 @@ def plain(spec=None, **kw):
   return SamplingParams(structured_outputs=spec, drafter="off", **kw)
 
 
+@pytest.mark.slow
 def test_greedy_equals_the_brute_force_argmax_over_allowed_tokens(model, eng):
   """At each step, the reference tries every vocabulary id against the matcher (llguidance's
   own check) and takes the model's argmax among those it allows."""
@@ -103,6 +103,7 @@ def test_greedy_equals_the_brute_force_argmax_over_allowed_tokens(model, eng):
     assert re.fullmatch(spec.regex, text(model, ids))
 
 
+@pytest.mark.slow
 def test_json_schemas_validate_greedy_and_sampled(model, eng):
   cases = [(name, t, seed) for name in SCHEMAS for t, seed in ((0.0, 0), (1.0, 1), (1.0, 2))]
   sampling = [plain(S(json=json.dumps(SCHEMAS[name])), temperature=t, seed=seed)
@@ -135,6 +136,7 @@ def test_regex_choice_and_lark_grammar_outputs_match(model, eng):
     assert isinstance(json.loads(out), dict)
 
 
+@pytest.mark.slow
 def test_unconstrained_rows_beside_constrained_ones_are_unchanged(model, eng):
   free = [plain(), plain(temperature=0.8, seed=3)]
   prompts = ["import os\n", "class Config:\n"]
@@ -147,6 +149,7 @@ def test_unconstrained_rows_beside_constrained_ones_are_unchanged(model, eng):
   assert all(r.grammar.is_accepting() or r.finish_reason == "length" for r in done[::2])
 
 
+@pytest.mark.slow
 def test_speculative_constrained_output_equals_plain_constrained(model, eng):
   # The prompt's "y = 2" is forbidden: drafts that copy it are cut where the grammar refuses.
   spec = S(regex=r"(x = 1\n|y = 3\n|z = [0-9]\n){1,12}")
@@ -174,9 +177,10 @@ def test_bad_schema_is_refused_at_add_request(eng):
     eng.add_request("x", plain(S(regex="(a")))
 
 
+@pytest.mark.slow
 def test_engine_generate_takes_structured_outputs(model):
   out = engine.generate(model, ["x = ", "y = "], max_new_tokens=8,
                         structured_outputs=[S(choice=("1", "2")), None])
   assert text(model, out[0].token_ids) in ("1", "2") and out[0].finish_reason == "stop"
   assert out[1].token_ids == engine.generate(model, "y = ", max_new_tokens=8).token_ids
-  engine.api.release_engines()
+  model.llm.release()

@@ -4,6 +4,7 @@ function of (seed, step), the MTP evaluation is well formed."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from checkpoints import train_demo
 from engine.model.config import config_from_dict
@@ -38,6 +39,7 @@ def test_batches_depend_only_on_seed_and_step():
   np.testing.assert_array_equal(a[:, 1:], a[:, :-1] + 1)  # contiguous windows
 
 
+@pytest.mark.slow
 def test_training_lowers_both_losses_and_balances_experts():
   cfg, params = _tiny()
   opt = train_demo.make_optimizer(params, steps=60, lr=1e-2, warmup=5, weight_decay=0.1)
@@ -65,6 +67,7 @@ def test_evaluate_reports_mtp_agreement():
   assert 0.0 <= r["mtp_agree"] <= 1.0 and r["ce"] > 0 and r["mtp_ce"] > 0
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_uninterrupted(tmp_path):
   """`python -m checkpoints.train_demo` stopped after 2 steps and rerun gives the same weights as
   one run of 4 steps (batches are a function of (seed, step); state is restored exactly)."""

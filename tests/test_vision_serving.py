@@ -164,6 +164,7 @@ def bad_openai_cases():
   ]
 
 
+@pytest.mark.slow
 def test_bad_images_over_http_are_400_naming_the_field(serve, eng):
   bg = serve(http_port=0, model_name="demo", **{**LIMITS, "max_image_bytes": 20000})
   client = openai.OpenAI(base_url=f"http://127.0.0.1:{bg.server.http_port}/v1",
@@ -181,6 +182,7 @@ def test_bad_images_over_http_are_400_naming_the_field(serve, eng):
   assert out.usage.completion_tokens == 3   # still serving
 
 
+@pytest.mark.slow
 def test_bad_images_over_grpc_are_invalid_argument_naming_the_field(serve, eng):
   bg = serve(**LIMITS)
   f = "messages[0].content_parts[1].image"
@@ -311,6 +313,7 @@ def run(eng, *rids):
   return out
 
 
+@pytest.mark.slow
 def test_engine_greedy_equals_the_golden_tokens_chunked_and_batched(k25, golden):
   """Both golden prompts at once, in 98-token steps of 16-token rows over 4-token pages: the
   first step holds all of prompt 0 (67 tokens, image 4 at 13..28) and prompt 1's first 31
@@ -342,6 +345,7 @@ def test_engine_greedy_equals_the_golden_tokens_chunked_and_batched(k25, golden)
   assert s["images_encoded"] == 3 and s["image_encode_calls"] == 1
 
 
+@pytest.mark.slow
 def test_prefix_cache_is_keyed_by_image_content(k25, golden):
   eng = Engine.from_model(k25, VISION_CONFIG)
   pad, ps = eng.images.pad_id, VISION_CONFIG.page_size
@@ -370,6 +374,7 @@ def test_prefix_cache_is_keyed_by_image_content(k25, golden):
   eng.pool.check_invariants()
 
 
+@pytest.mark.slow
 def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden, tmp_path):
   """The fixture served with a K2.5-style template: an image as a data: URL (HTTP) and as
   bytes (gRPC) renders the golden prompt; the tokens equal transformers'; the same image sent
@@ -420,6 +425,7 @@ def test_images_over_both_apis_reach_the_tower_and_the_prefix_cache(k25, golden,
   assert_idle(eng)
 
 
+@pytest.mark.slow
 def test_preempted_image_requests_recompute_the_same_tokens(k25, golden):
   """A pool too small for both golden prompts: one is preempted (pages and features released)
   and recomputed through the prefix and encoder caches; both still equal the golden tokens."""
@@ -436,6 +442,7 @@ def test_preempted_image_requests_recompute_the_same_tokens(k25, golden):
   eng.pool.check_invariants()
 
 
+@pytest.mark.slow
 def test_an_engine_with_the_mtp_drafter_refuses_images_and_keeps_nothing(k25, golden):
   """The MTP layer would see the image's placeholder ids, not the image: such an engine refuses
   an image request (naming `images`) and keeps nothing of it; text requests still queue."""

@@ -1,14 +1,15 @@
-"""Warm-up compiles its programs ahead on threads (`warmup._compile_ahead`), then runs them: the
+"""Warm-up compiles its programs ahead on threads (`warmup.compile_ahead`), then runs them: the
 run finds every program it calls compiled already, and serving compiles nothing."""
 
 import jax.numpy as jnp
+import pytest
 
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.runtime import warmup
 from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.request import MAX_STOP_IDS, StopParams
+from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from model_configs import CONFIGS
 
@@ -17,6 +18,7 @@ CONFIG = dict(page_size=8, max_num_seqs=1, max_num_batched_tokens=16, row_widths
               constrained_warmup=True)
 
 
+@pytest.mark.slow
 def test_the_programs_compiled_ahead_are_the_ones_warmup_runs():
   cfg = config_from_dict(CONFIGS["llama"])
   eng = Engine(cfg, init_params(cfg, seed=5), EngineConfig(**CONFIG))
@@ -24,8 +26,8 @@ def test_the_programs_compiled_ahead_are_the_ones_warmup_runs():
   assert {kind for kind, _, _ in shapes} == {"step", "decode", "masked"}
   seen = []
   with CompileCounter() as ahead_count, eng._lock:
-    ahead = warmup._compile_ahead(eng, shapes, MAX_STOP_IDS, 2,
-                                  lambda *a: seen.append(a), [str(s) for s in shapes])
+    ahead = warmup.compile_ahead(eng, shapes, 2, lambda *a: seen.append(a),
+                                 [str(s) for s in shapes])
   assert ahead == set(range(len(shapes)))
   assert [done for done, _, _ in seen] == list(range(1, len(shapes) + 1))
   assert sorted(what for _, _, what in seen) == sorted(str(s) for s in shapes)
@@ -45,10 +47,10 @@ def test_one_worker_compiles_nothing_ahead(monkeypatch):
   assert warmup.compile_workers() == 1
   cfg = config_from_dict(CONFIGS["llama"])
   eng = Engine(cfg, init_params(cfg, seed=5), EngineConfig(**CONFIG))
-  assert warmup._compile_ahead(eng, warmup.warmup_shapes(eng), MAX_STOP_IDS, 1, None,
-                               []) == set()
+  assert warmup.compile_ahead(eng, warmup.warmup_shapes(eng), 1, None, []) == set()
 
 
+@pytest.mark.slow
 def test_a_vision_model_compiles_its_image_steps_ahead_too():
   """A mixed shape of a model with a vision tower is two programs, the text step and the one
   whose rows take image features, each donating the cache the run made the next one's with."""
@@ -61,8 +63,8 @@ def test_a_vision_model_compiles_its_image_steps_ahead_too():
                                                           max_model_len=64))
   shapes = warmup.warmup_shapes(eng)
   with eng._lock:
-    assert len(warmup._programs(eng, *shapes[0], MAX_STOP_IDS)) == 2
-    ahead = warmup._compile_ahead(eng, shapes, MAX_STOP_IDS, 2, None, [""] * len(shapes))
+    assert sum(ahead for _, ahead in warmup.shape_steps(eng, *shapes[0])) == 2
+    ahead = warmup.compile_ahead(eng, shapes, 2, None, [""] * len(shapes))
   assert ahead == set(range(len(shapes)))
   with CompileCounter() as run_count:
     eng.warmup(progress=False)

@@ -4,8 +4,9 @@ one JSON row per measurement to `$OUT/results.jsonl` as it is measured (`rows.Re
 Stages, in priority order (`gpu_check.sh` gives each its own time limit):
   ceilings   XLA copy, read-only reduction and bf16 matmul of this run (`ceilings.py`): the
              denominators of every fraction after it
-  int4       the W4A16 expert kernel at Kimi K2.5 shapes with a configuration sweep, SASS
-             opcode counts (`experts.py --formats=int4`)
+  int4       the W4A16 expert kernel (`int4.py`): its register plan bitwise and the MoE call
+             against the reference, a configuration sweep, its time at Kimi K2.5 shapes (E 384
+             x 1/8/64 tokens, a shard of 48 x 1/8), SASS opcode counts
   k25_slice  a Kimi K2.5-shaped slice: decode step, prefill chunk, verify costs (`k25_slice.py`)
   mla        MLA decode at K2.5 shapes with a split sweep and page 16 vs 64 (`mla.py`)
   experts    FP8 and bf16 experts (`experts.py --formats=fp8,bf16`)

@@ -71,7 +71,7 @@ def run(out_dir: str) -> None:
           us=_bench(lambda: y.copy_(x), dev))
   rec.row("torch_read", f"{2 * n / 2**30:.3g} GiB", bytes=2 * n,
           us=_bench(lambda: x.sum(dtype=torch.float32), dev))
-  del x, y
+  x = y = None  # the buffers freed (`del` would leave the lambdas above a deleted name)
   h, i = (H, I) if cuda else (256, 128)
   mats = [(h, 2 * EXPERTS * i, "gate_up"), (EXPERTS * i, h, "down")]  # (K, N)
   for m in (1, 8, 64):

@@ -90,3 +90,15 @@ def contiguous_page_table(batch: int, max_len: int, page_size: int) -> np.ndarra
   """[batch, ceil(max_len / page_size)] table giving row b the pages b*n .. b*n + n - 1."""
   n = -(-max_len // page_size)
   return np.arange(batch * n, dtype=np.int32).reshape(batch, n)
+
+
+def clear_page(cache: Cache, page: int, cfg: ModelConfig) -> Cache:
+  """The cache with every layer's entries of `page` zeroed (page 0, the null page, after
+  programs that wrote junk there): in a stack's entry, `page` of each of its layers."""
+
+  def clear(v: jax.Array, layers: int) -> jax.Array:
+    n = v.shape[0] // layers
+    return v.at[page + n * np.arange(layers)].set(0)
+
+  return [{k: clear(v, n) for k, v in entry.items()}
+          for entry, n in zip(cache, entry_layers(cfg), strict=True)]

@@ -78,10 +78,10 @@ def _moe(moe: dict[str, Any], pre: str, layout: str) -> dict[str, np.ndarray]:
       w = ex[k]
       for e in range(w.packed.shape[0]):
         name = f"{pre}experts.{e}.{k}_proj."
-        # [K/2, N] bytes -> [N, K/2] -> little-endian int32 words [N, K/8]
-        out[name + "weight_packed"] = np.ascontiguousarray(w.packed[e].T).view("<i4")
+        # [N, K/2] bytes -> little-endian int32 words [N, K/8]
+        out[name + "weight_packed"] = np.ascontiguousarray(w.packed[e]).view("<i4")
         out[name + "weight_scale"] = w.scale[e].T
-        out[name + "weight_shape"] = np.array([w.packed.shape[2], 2 * w.packed.shape[1]],
+        out[name + "weight_shape"] = np.array([w.packed.shape[1], 2 * w.packed.shape[2]],
                                               np.int64)  # [out, in], as compressed-tensors
   elif isinstance(ex["gate"], Fp8Weight):  # DeepSeek FP8 blocks, per expert
     if layout != "hub":

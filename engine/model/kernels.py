@@ -54,12 +54,19 @@ class _Deferred:
 # scatter (`write_pages` falls back to the reference for this name): with the pages donated it
 # updates in place and moves only the new tokens.
 _MGPU_ATTENTION = "pallas_kernels.attention."
+# "mosaic_gpu": MLA decode / verify blocks take the split-KV decode kernel, prefill chunks the
+# flash-decoding kernel; "mosaic_gpu_flash": the flash kernel for every MLA block (A/B runs, a
+# fallback); GQA has the one kernel under both names.
 _MLA_ATTENTION: dict[str, Callable | _Deferred] = {
     "reference": attn_ref.mla_paged_attention,
-    "mosaic_gpu": _Deferred(_MGPU_ATTENTION + "mla_paged_attention_mgpu", "mla_paged_attention")}
+    "mosaic_gpu": _Deferred(_MGPU_ATTENTION + "mla_paged_attention_mgpu", "mla_paged_attention"),
+    "mosaic_gpu_flash": _Deferred(_MGPU_ATTENTION + "mla_paged_attention_mgpu",
+                                  "mla_paged_attention_flash")}
 _GQA_ATTENTION: dict[str, Callable | _Deferred] = {
     "reference": attn_ref.gqa_paged_attention,
-    "mosaic_gpu": _Deferred(_MGPU_ATTENTION + "gqa_paged_attention_mgpu", "gqa_paged_attention")}
+    "mosaic_gpu": _Deferred(_MGPU_ATTENTION + "gqa_paged_attention_mgpu", "gqa_paged_attention"),
+    "mosaic_gpu_flash": _Deferred(_MGPU_ATTENTION + "gqa_paged_attention_mgpu",
+                                  "gqa_paged_attention")}
 _WRITE_PAGES: dict[str, Callable | _Deferred] = {"reference": attn_ref.write_pages}
 _ROUTE: dict[str, Callable | _Deferred] = {
     "reference": moe_ref.route, "mosaic_gpu": _Deferred("pallas_kernels.moe.moe_mgpu", "route")}

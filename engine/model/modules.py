@@ -56,7 +56,7 @@ class ParamInit:
     dtype = self.dtype if dtype is None else dtype
     lead = self.lead
     if isinstance(spec, Int4Weight):
-      fan_in = 2 * spec.packed[-2]
+      fan_in = 2 * spec.packed[-1]  # packed [..., N, K/2]
       packed = jax.random.randint(self.rngs.params(), lead + spec.packed, 0, 256, jnp.int32)
       scale = jnp.full(lead + spec.scale, (fan_in ** -0.5) / 4.6, jnp.bfloat16)
       return nnx.Param(Int4Weight(packed.astype(jnp.uint8), scale))

@@ -37,7 +37,7 @@ what the loaders fill and `export_hf` writes; `stack_layers` / `unstack_layers` 
         experts:     gate [E, H, Im]   up [E, H, Im]   down [E, Im, H]
                      or, for compressed-tensors INT4 checkpoints (`cfg.experts_int4(i)`), each
                      an `Int4Weight` (pallas_kernels/quant.py) of the same logical shape:
-                     packed uint8 [E, K/2, N] and scale bf16 [E, K/group, N]; for FP8
+                     packed uint8 [E, N, K/2] and scale bf16 [E, K/group, N]; for FP8
                      experts kept quantized (`cfg.experts_fp8(i)`) an `Fp8Weight`: w
                      float8_e4m3fn [E, K, N] and scale_inv float32 [E, K/bk, N/bn]
         shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
@@ -136,7 +136,7 @@ def _fp8_dense(shapes: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _int4_shape(e: int, k: int, n: int, group: int) -> Int4Weight:
-  return Int4Weight(packed=(e, k // 2, n), scale=(e, k // group, n))
+  return Int4Weight(packed=(e, n, k // 2), scale=(e, k // group, n))
 
 
 def _moe_shapes(cfg: ModelConfig, i: int) -> dict[str, Any]:

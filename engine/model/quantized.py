@@ -14,7 +14,7 @@ in bf16). Per quantized [out, in] Linear the checkpoint stores
 and W[o, i] = q[o, i] * scale[o, i // group] (no zero point, no g_idx). The engine keeps them
 packed (`pallas_kernels.quant.Int4Weight`): little-endian int32 words viewed as bytes hold
 elements 2j (low nibble) and 2j + 1 (high nibble) in byte j, so the load-time repack is a byte
-view and a transpose to the [in/2, out] layout of `x @ W`.
+view, [out, in/2], with no transpose (the W4A16 kernel reads K-contiguous weight rows).
 
 FP8 block quantization (DeepSeek-V3 / Kimi-K2-Instruct: F8_E4M3 `X.weight` with a float32
 `X.weight_scale_inv` per 128 x 128 block) is dequantized at load (`fp8_block`, `dequant_fp8`).
@@ -228,9 +228,10 @@ def check_layer_dims(module: str, out: int, inp: int, group: int) -> None:
 
 
 def repack(packed: np.ndarray) -> np.ndarray:
-  """Stored int32 [out, in/8] -> uint8 [in/2, out] (byte j of a row: elements 2j, 2j + 1)."""
+  """Stored int32 [out, in/8] -> uint8 [out, in/2] (byte j of a row: elements 2j, 2j + 1): the
+  same bytes, little-endian words viewed as bytes."""
   words = np.ascontiguousarray(packed, dtype="<i4")
-  return words.view(np.uint8).reshape(packed.shape[0], -1).T
+  return words.view(np.uint8).reshape(packed.shape[0], -1)
 
 
 def scale_t(scale: np.ndarray) -> np.ndarray:

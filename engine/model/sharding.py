@@ -106,7 +106,7 @@ def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P
     # scales (1/16384 of the bytes) replicated, so no split needs to fall on a block boundary.
     return _spec_for(".".join(parts[:-1]), shape, cfg, tp) if name == "w" else P()
   if parent == "experts" or (len(parts) > 2 and parts[-3] == "experts"):
-    # [E, H, I] / [E, I, H], or an INT4 weight's packed [E, K/2, N] and scale [E, K/g, N]:
+    # [E, H, I] / [E, I, H], or an INT4 weight's packed [E, N, K/2] and scale [E, K/g, N]:
     # whole experts per device of the EP group (a packed byte is never split).
     return P(EP_AXES, None, None)
   if parent in ("shared", "mlp"):

@@ -19,12 +19,18 @@ from jax.experimental.compilation_cache import compilation_cache as jax_compilat
 ENV = "MOEJAX_COMPILATION_CACHE_DIR"
 
 
+def user_cache_dir(*parts: str) -> str:
+  """`$XDG_CACHE_HOME/moejax/<parts>` (default `~/.cache/moejax/<parts>`): where this project's
+  caches and scratch folders go when no flag says otherwise."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "moejax", *parts)
+
+
 def default_dir() -> str:
   """The cache directory to use when nothing else is said ("" when turned off)."""
   if ENV in os.environ:
     return os.environ[ENV]
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "moejax", "jax_cache")
+  return user_cache_dir("jax_cache")
 
 
 def enable(path: str | None) -> None:

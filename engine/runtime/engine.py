@@ -8,17 +8,19 @@
         ...
     eng.abort(rid)                                 # any time; its pages return at once
 
-Each `step` asks the scheduler for work, runs one jitted program on the device (`model_step`
-for prefill chunks mixed with decodes, or `decode_loop` for several decode iterations when the
-batch is stable), then does the host-side part: append tokens, check stops (token ids on the
-device, stop strings here after detokenisation), publish full pages to the prefix cache, and
-emit deltas. `add_request`, `abort`, `release`, `stats` and `queue_load` may be called from other
-threads and never wait for a device step (adds and aborts go through an inbox).
+The engine is the core: requests, the scheduler, the page pool, the speculative policy and the
+outputs. Each `step` asks the scheduler for work, lays it out as step descriptions
+(`batching.py`: host arrays only) and hands them to its model runner (`runner.py`: compiled
+programs and the device cache), which runs one program (`model_step` for prefill chunks mixed
+with decodes, or a decode loop for several decode iterations when the batch is stable); then
+the host-side part: append tokens, check stops (token ids on the device, stop strings here
+after detokenisation), publish full pages to the prefix cache, and emit deltas. `add_request`,
+`abort`, `release`, `stats` and `queue_load` may be called from other threads and never wait
+for a device step (adds and aborts go through an inbox).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import threading
@@ -26,28 +28,28 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
-from engine.model.cache import cache_bytes_per_token, init_cache
+from engine.model.cache import cache_bytes_per_token
 from engine.model.config import ModelConfig
 from engine.model.kernels import AUTO
 from engine.model.params import Params
-from engine.model.sharding import cache_sharding
-from engine.runtime import compile_cache, kv_sizing, steps, structured, warmup
+from engine.runtime import batching, compile_cache, kv_sizing, structured, warmup
 from engine.runtime.buckets import TrafficStats, default_row_widths, derive_buckets
 from engine.runtime.engine_config import EngineConfig, with_kernels_resolved
 from engine.runtime.multimodal import ImageInput, check_spans
 from engine.runtime.multimodal_step import ImageEncoder
 from engine.runtime.grammar import compile_grammar
 from engine.runtime.outputs import append_tokens, logprob_entry, request_output
-from engine.runtime.page_pool import NULL_PAGE, PagePool
+from engine.runtime.page_pool import PagePool
 from engine.runtime.request import (FINISH_ABORT, FINISH_STOP, Request, RequestOutput,
                                     MAX_STOP_IDS, StopParams, TokenLogprob,
                                     check_stop_and_room, wants_logprobs)
-from engine.runtime.sampling import SamplingArrays, SamplingParams
+from engine.runtime.runner import ModelRunner
+from engine.runtime.sampling import SamplingParams
 from engine.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.runtime.speculative.runtime import SpecRuntime, spec_model_step
-from engine.runtime.warmup import compile_buckets
+from engine.runtime.speculative import drafters as drafter_registry
+from engine.runtime.speculative.policy import SpecPolicy
+from engine.runtime.step_description import MASKED, StepDescription
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,27 +89,23 @@ class Engine:
         config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
     self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
     self.scheduler = Scheduler(self.sched_config, self.pool)
-    self.cache = init_cache(cfg, num_pages, config.page_size, dtype)
-
-    def place(cache, c=cfg):
-      if mesh is not None:
-        return jax.device_put(cache, [cache_sharding(c, mesh)] * len(cache))
-      if len(devices) == 1:
-        # Commit the cache where the weights are: jit outputs are committed when an input is,
-        # and a cache whose commitment changes after the first step would compile twice.
-        return jax.device_put(cache, next(iter(devices)))
-      return cache
-
-    self.cache = place(self.cache)
+    draft_cfg = draft[0] if draft is not None else None
+    wanted = ({config.speculative} if config.speculative not in (None, drafter_registry.AUTO)
+              else set()) | set(config.drafters)
+    if config.speculative == drafter_registry.AUTO and not wanted:
+      raise ValueError("EngineConfig.speculative='auto' chooses among EngineConfig.drafters, "
+                       "which is empty")
+    drafters = drafter_registry.build(wanted, cfg, config, draft_cfg)
+    own = {d.name: draft[1] for d in drafters if d.uses_draft_model}
+    self.runner = ModelRunner(cfg, params, config, num_pages=num_pages, cache_dtype=dtype,
+                              mesh=mesh, drafters=drafters, own_params=own)
     self.traffic = TrafficStats()
+    platform = next(iter(self.runner.devices)).platform
     self.buckets = derive_buckets(
-        self.sched_config, config.row_widths or default_row_widths(next(iter(devices)).platform),
+        self.sched_config, config.row_widths or default_row_widths(platform),
         TrafficStats.load(config.traffic_stats_path), config.decode_batch_sizes)
-    self.spec = SpecRuntime(cfg, config, num_pages, dtype, draft,
-                            place=lambda c: place(c, draft[0]),
-                            place_state=lambda x: jax.device_put(x, next(iter(devices)))
-                            if mesh is None and len(devices) == 1 else x,
-                            pool=self.pool, buckets=self.buckets)
+    # The speculative policy (None: no drafters; decode calls run the plain loop).
+    self.spec = SpecPolicy(cfg, config, drafters, self.pool, self.buckets) if drafters else None
     # Threads: one thread steps; any thread may add, abort, release and read stats. `_lock`
     # (held for a whole step) guards the scheduler, pool and cache; `_inbox_lock` (held for
     # microseconds) guards what other threads touch: the request table, the inbox of adds and
@@ -127,11 +125,12 @@ class Engine:
     self._closed_batch = False  # `generate` runs a batch no request joins: no ramp
     self.counters = dict(prompt_tokens=0, generation_tokens=0, steps=0, decode_loops=0,
                          finished_stop=0, finished_length=0, finished_abort=0)
-    self.images = ImageEncoder(cfg, params, config.encoder_cache_bytes, self.counters)
-    if self.spec.enabled:
+    self.images = ImageEncoder(cfg, params, config.encoder_cache_bytes, self.counters,
+                               self.runner.execute)
+    if self.spec is not None:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
     self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window,
-                                                  self.spec.k)
+                                                  config.num_draft_tokens)
     self._take_snapshot()
 
   @staticmethod
@@ -151,8 +150,24 @@ class Engine:
         eng.image_processor = ImageProcessorConfig.from_dir(model.path)
     return eng
 
-  def _on_mesh(self):
-    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+  @property
+  def cache(self) -> Any:
+    """The device KV cache (the runner's)."""
+    return self.runner.cache
+
+  @cache.setter
+  def cache(self, value: Any) -> None:
+    self.runner.cache = value
+
+  @property
+  def drafters(self) -> tuple[str, ...]:
+    """The drafters this engine enables (their names)."""
+    return self.spec.enabled if self.spec is not None else ()
+
+  @property
+  def k(self) -> int:
+    """Drafts per speculative iteration (0: no drafters)."""
+    return self.spec.k if self.spec is not None else 0
 
   def _default_num_pages(self, dtype: Any, devices: Any) -> int:
     """From the free memory of this process's devices (`kv_sizing`); without memory
@@ -174,11 +189,11 @@ class Engine:
     ids = self._encode(prompt)
     images = tuple(images)
     check_spans(ids, images, self.images.pad_id)
-    if images and self.spec.observes:
-      raise ValueError("images: not served by an engine with the mtp drafter (its layer "
-                       "would see placeholder ids, not the image)")
+    refusal = self.spec.refuses_images() if self.spec is not None else None
+    if images and refusal:
+      raise ValueError(refusal)
     sampling.validate()
-    spec = self.spec.request_state(self.spec.resolve(sampling.drafter))
+    spec = self._request_spec(sampling.drafter)
     matcher = None
     if sampling.structured_outputs is not None:  # GrammarError (a ValueError) with the reason
       matcher = self.compile_grammar(sampling.structured_outputs).matcher()
@@ -197,6 +212,15 @@ class Engine:
       self._inbox.append(req)
     self._apply_inbox_if_idle()
     return rid
+
+  def _request_spec(self, drafter: str | None) -> Any:
+    """The request's speculative state (None: it drafts nothing); ValueError naming `drafter`
+    for one this engine lacks."""
+    if self.spec is not None:
+      return self.spec.request_state(self.spec.resolve(drafter))
+    if drafter not in (None, drafter_registry.OFF):
+      raise ValueError(f"drafter: {drafter!r} is not enabled on this engine (enabled: none)")
+    return None
 
   def compile_grammar(self, spec: Any) -> Any:
     """`grammar.compile_grammar` for this engine's tokenizer, vocabulary and EOS ids (cached;
@@ -297,7 +321,7 @@ class Engine:
       # their masked step follows it.
       masks = None
       if plan.constrained:
-        limits = structured.draft_limits(plan.constrained, self.scheduler, self.spec.k)
+        limits = structured.draft_limits(plan.constrained, self.scheduler, self.k)
         masks = (self.constrained.start(plan.constrained, limits) if plan.segments
                  else self.constrained.now(plan.constrained, limits))
       if plan.decode_only:
@@ -332,98 +356,54 @@ class Engine:
     if len(loop_rows) < len(self.scheduler.running):  # constrained rows: 1 token per call
       self._decode_steps = min(self._decode_steps, self.config.constrained_decode_steps)
     self._last_batch = batch
-    self._speculates = self.spec.speculates(loop_rows, self._decode_steps)
-    return self._decode_steps * ((self.spec.k + 1) if self._speculates else 1)
-
-  def _page_table_row(self, req: Request) -> np.ndarray:
-    row = np.full((self.max_pages_per_seq,), NULL_PAGE, np.int32)
-    row[:len(req.pages)] = req.pages
-    return row
-
-  @staticmethod
-  def _sampling_arrays(reqs: Sequence[Request | None]) -> SamplingArrays:
-    """Per-row sampling parameters; padding rows (None) sample greedily."""
-    default = SamplingParams()
-    return SamplingArrays.from_params([r.sampling if r is not None else default for r in reqs])
+    self._speculates = (self.spec is not None
+                        and self.spec.speculates(loop_rows, self._decode_steps))
+    return self._decode_steps * ((self.k + 1) if self._speculates else 1)
 
   def _run_model_step(self, plan: SchedulerOutput) -> None:
     b, w = self.buckets.pack([s.num_tokens for s in plan.segments])
     self.traffic.record_mixed([s.num_tokens for s in plan.segments])
-    tokens = np.zeros((b, w), np.int32)
-    start = np.zeros((b,), np.int32)
-    n_new = np.zeros((b,), np.int32)
-    table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
-    row_req: list[Request | None] = [None] * b
-    next_tokens = np.zeros((b, w), np.int32)  # token after each position (-1: sampled here)
-    sampling_rows = []
-    r = 0
-    for seg in plan.segments:
-      ids = seg.request.all_ids[seg.start:seg.start + seg.num_tokens + 1]
-      table_row = self._page_table_row(seg.request)
-      for off in range(0, seg.num_tokens, w):
-        chunk = ids[off:min(off + w, seg.num_tokens)]
-        tokens[r, :len(chunk)] = chunk
-        nxt = ids[off + 1:off + 1 + len(chunk)]
-        next_tokens[r, :len(chunk)] = nxt + [-1] * (len(chunk) - len(nxt))
-        start[r], n_new[r], table[r] = seg.start + off, len(chunk), table_row
-        row_req[r] = seg.request
-        r += 1
-      sampling_rows.append(r - 1 if seg.samples else None)
-    mtp_hidden = None
-    image_rows = self.images.block_features(plan.segments, w, b)  # encodes what is missing
-    with self._on_mesh():
-      if image_rows is not None:
-        sampled, lps, self.cache = steps.model_step_embeds(
-            self.params, self.cache, tokens, start, n_new, table,
-            self._sampling_arrays(row_req), *image_rows, cfg=self.cfg,
-            impl=self.config.kernels)
-      elif self.spec.observes:
-        sampled, lps, mtp_hidden, self.cache = spec_model_step(
-            self.params, self.cache, tokens, start, n_new, table,
-            self._sampling_arrays(row_req), next_tokens, cfg=self.cfg, impl=self.config.kernels)
-      else:
-        sampled, lps, self.cache = steps.model_step(
-            self.params, self.cache, tokens, start, n_new, table,
-            self._sampling_arrays(row_req), cfg=self.cfg, impl=self.config.kernels)
-    sampled, lps, mtp_hidden = jax.device_get((sampled, lps, mtp_hidden))
+    features = self.images.block_features(plan.segments, w, b)  # encodes what is missing
+    observers = self.spec.observers if self.spec is not None else ()
+    desc, sampling_rows = batching.mixed(plan.segments, b, w, self.max_pages_per_seq,
+                                         observe=bool(observers), features=features)
+    out = self.runner.execute(desc)
+    sampled, lps = out["sampled"], out["lps"]
     for seg, row in zip(plan.segments, sampling_rows):
-      if mtp_hidden is not None and row is not None and seg.request.spec is not None:
-        seg.request.spec.mtp_hidden = mtp_hidden[row]
       if row is None:
         self._advance(seg.request, seg.start + seg.num_tokens, [])
-      else:
-        self._advance(seg.request, seg.start + seg.num_tokens, [int(sampled[row])],
-                      [logprob_entry(seg.request, lps, (row,))])
+        continue
+      if seg.request.spec is not None:
+        for d in observers:
+          seg.request.spec.rows[d.name] = out[f"rows.{d.name}"][row]
+      self._advance(seg.request, seg.start + seg.num_tokens, [int(sampled[row])],
+                    [logprob_entry(seg.request, lps, (row,))])
 
   def _run_decode_loop(self, plan: SchedulerOutput) -> None:
     reqs = [s.request for s in plan.segments]
     b = self.buckets.decode_rows(len(reqs))
     self.traffic.record_decode(len(reqs))
     self.counters["decode_loops"] += 1
-    tokens = np.zeros((b,), np.int32)
-    n_cached = np.zeros((b,), np.int32)
-    table = np.full((b, self.max_pages_per_seq), NULL_PAGE, np.int32)
-    stop_ids = np.full((b, MAX_STOP_IDS), -1, np.int32)
-    left = np.zeros((b,), np.int32)  # tokens each request may still emit
-    left[:len(reqs)] = [self.scheduler.remaining_tokens(r) for r in reqs]
-    min_before = np.zeros((b,), np.int32)
-    num_steps = plan.num_steps
-    remaining = np.minimum(left, num_steps)
-    for i, req in enumerate(reqs):
-      tokens[i], n_cached[i], table[i] = req.output_ids[-1], req.num_computed, \
-          self._page_table_row(req)
-      stop_ids[i, :len(req.stop_ids)] = req.stop_ids
-      min_before[i] = max(0, req.stop.min_tokens - len(req.output_ids))
-    sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    with self._on_mesh():  # (speculating: logprobs come from the verify logits)
-      out, counts, lps, self.cache = self.spec.decode(
-          self.params, self.cache, reqs, tokens, n_cached, table, sampling, stop_ids,
-          remaining, min_before, num_steps, self.counters, speculate=self._speculates,
-          time_budget=self._decode_steps, impl=self.config.kernels)
+    plain = batching.decode(reqs, b, self.max_pages_per_seq, MAX_STOP_IDS,
+                            remaining=[self.scheduler.remaining_tokens(r) for r in reqs],
+                            num_steps=plan.num_steps)
+    if self._speculates:  # (logprobs come from the verify logits)
+      pre, desc, fed = self.spec.describe(reqs, plain, self._decode_steps,
+                                          shape=self.buckets.pack)
+      for p in pre:
+        self.runner.execute(p)
+      out = self.runner.execute(desc)
+      self.spec.apply(reqs, out, fed, self.counters)
+    else:
+      out = self.runner.execute(batching.with_learner_inputs(plain, self.runner.learners, reqs))
+      if self.spec is not None:
+        self.spec.count_plain(reqs)
+    tokens, counts, lps = out["out"], out["count"], out["lps"]
     for i, req in enumerate(reqs):
       n = int(counts[i])
-      self._advance(req, req.num_computed + n, [int(t) for t in out[i, :n]],
-                    None if lps is None else [logprob_entry(req, lps, (i, j)) for j in range(n)])
+      self._advance(req, req.num_computed + n, [int(t) for t in tokens[i, :n]],
+                    None if req.sampling.logprobs is None
+                    else [logprob_entry(req, lps, (i, j)) for j in range(n)])
 
   def _run_masked_step(self, prep: structured.Prepared) -> None:
     """The masked step of constrained rows (`steps.masked_step`), then their matchers and
@@ -431,22 +411,22 @@ class Engine:
     reqs = prep.reqs
     b = self.buckets.decode_rows(len(reqs))
     tokens, start, n_draft, table, bits = self.constrained.arrays(
-        prep, b, self.max_pages_per_seq, self.config.page_size, self._page_table_row)
-    sampling = self._sampling_arrays(reqs + [None] * (b - len(reqs)))
-    with self._on_mesh():
-      out, counts, lps, self.cache = steps.masked_step(
-          self.params, self.cache, tokens, start, n_draft, table, sampling, bits,
-          wants_logprobs(reqs), cfg=self.cfg, impl=self.config.kernels)
-    out, counts, lps = jax.device_get((out, counts, lps))
+        prep, b, self.max_pages_per_seq, self.config.page_size,
+        lambda r: batching.page_table_row(r, self.max_pages_per_seq))
+    out = self.runner.execute(StepDescription(
+        MASKED, dict(tokens=tokens, start=start, n_draft=n_draft, page_table=table,
+                     bitmask=bits, **batching.sampling(reqs + [None] * (b - len(reqs)))),
+        dict(want_logprobs=bool(wants_logprobs(reqs)))))
+    emitted_all, counts, lps = out["out"], out["count"], out["lps"]
     c = self.constrained.counters
     c["structured_steps"] += 1
     for i, req in enumerate(reqs):
       n, drafted = int(counts[i]), int(n_draft[i])
-      emitted = [int(t) for t in out[i, :n]]
+      emitted = [int(t) for t in emitted_all[i, :n]]
       c["structured_tokens"] += n
       if drafted:
         self.constrained.count_drafts(req, drafted, n - 1,
-                                      self.counters if self.spec.enabled else None)
+                                      self.counters if self.spec is not None else None)
       for tok in emitted:
         if not req.grammar.accept(tok):  # cannot happen: every emitted token was allowed
           raise RuntimeError(f"{req.request_id}: token {tok} outside the grammar's mask "
@@ -494,7 +474,7 @@ class Engine:
                closed: bool = False) -> list[Request]:
     """Runs a batch of prompts to completion through the scheduler; returns the finished
     requests (and forgets them: `Engine.requests` keeps only what streaming callers release).
-    `closed`: no other request joins while these run (`batch.py`), so decode calls take
+    `closed`: no other request joins while these run (`llm.py`), so decode calls take
     `max_decode_steps` from the first (the ramp exists to let arrivals in)."""
     n = len(prompts)
     samp = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
@@ -518,8 +498,8 @@ class Engine:
     (True: a line per program on stderr; False: quiet)."""
     if progress is True:
       progress = warmup.printer()
-    with self._lock, self._on_mesh():
-      n = compile_buckets(self, progress or None, stop_width=MAX_STOP_IDS)
+    with self._lock:
+      n = warmup.compile_buckets(self, progress or None)
     self._take_snapshot()
     return n
 
@@ -538,7 +518,7 @@ class Engine:
                 num_preemptions=self.scheduler.num_preemptions,
                 waiting_tokens=sum(r.num_uncomputed for r in waiting),
                 **self.images.stats())
-    if self.spec.enabled:
+    if self.spec is not None:
       snap.update(self.spec.stats())
     with self._inbox_lock:
       self._snapshot = snap

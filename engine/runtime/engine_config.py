@@ -27,8 +27,9 @@ class EngineConfig:
   # Most plain decode iterations per device loop (1 disables the loop); a speculative loop gets
   # as much time by the cost model, up to num_draft_tokens + 1 tokens per iteration of it.
   max_decode_steps: int = 16
-  # Speculative decoding (`speculative/runtime.py`): the drafter of requests that choose none
-  # (None: off, "ngram", "learned", "mtp", "draft" (`Engine(draft=...)`), "auto"), `drafters`
+  # Speculative decoding (`speculative/policy.py`): the drafter of requests that choose none
+  # (None: off, a registered drafter's name (`speculative.drafters`): "ngram", "learned",
+  # "mtp", "draft" (`Engine(draft=...)`); or "auto"), `drafters`
   # more that they may choose; up to `num_draft_tokens` per iteration, or with `adaptive_k`
   # that or none, every iteration, by the goodput model (costs measured at warmup). A loop gets
   # a budget of at least num_draft_tokens + 1 tokens (max_decode_steps must allow it).
@@ -36,7 +37,7 @@ class EngineConfig:
   drafters: tuple[str, ...] = ()
   num_draft_tokens: int = 4
   adaptive_k: bool = False
-  # Time the speculative cost table at warm-up (`SpecRuntime.measure_costs`); False keeps
+  # Time the speculative cost table at warm-up (`SpecPolicy.measure_costs`); False keeps
   # the roofline: a policy that must not depend on this machine's timings (tests).
   measure_spec_costs: bool = True
   ngram_window: int = 512

@@ -14,21 +14,24 @@ None when no segment touches an image (the step runs the text-only program).
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-import jax
 import numpy as np
 
 from engine.runtime.multimodal import EncoderCache, ImageInput, overlapping
+from engine.runtime.step_description import ENCODE, StepDescription
 
 
 class ImageEncoder:
-  """The vision tower as the engine uses it (no tower: `pad_id` None, every image refused)."""
+  """The vision tower as the engine core uses it (no tower: `pad_id` None, every image
+  refused): which images a step needs, the encoder-output cache; `run` executes the tower's
+  step description (the model runner's `execute`)."""
 
-  def __init__(self, cfg: Any, params: Any, cache_bytes: int, counters: dict[str, Any]):
-    self.cfg = cfg
-    self.vision_params = params.get("vision") if isinstance(params, dict) else None
-    has_tower = self.vision_params is not None and getattr(cfg, "vision", None) is not None
+  def __init__(self, cfg: Any, params: Any, cache_bytes: int, counters: dict[str, Any],
+               run: Callable[[StepDescription], dict[str, Any]]):
+    self.cfg, self.run = cfg, run
+    has_tower = (isinstance(params, dict) and params.get("vision") is not None
+                 and getattr(cfg, "vision", None) is not None)
     self.pad_id = getattr(cfg, "media_pad_token_id", None) if has_tower else None
     self.cache = EncoderCache(cache_bytes)
     self.counters = counters
@@ -42,14 +45,12 @@ class ImageEncoder:
 
   def encode(self, images: Sequence[ImageInput]) -> list[np.ndarray]:
     """Features [num_tokens, H] of each image, in one tower call."""
-    from engine.model import vision
-    pixels = np.concatenate([im.pixel_values for im in images], axis=0)
+    pixels = np.concatenate([im.pixel_values for im in images], axis=0).astype(np.float32)
     grids = np.asarray([im.grid_thw for im in images], np.int32)
     # Patches padded to a power of two: one compiled tower program per bucket, not per mix.
     bucket = max(64, 1 << (pixels.shape[0] - 1).bit_length())
-    out = vision.encode_images(self.vision_params, pixels, grids, cfg=self.cfg.vision,
-                               num_patches=bucket)
-    out = np.asarray(jax.device_get(out))
+    out = self.run(StepDescription(ENCODE, dict(pixels=pixels, grids=grids),
+                                   dict(num_patches=bucket)))["features"]
     want = sum(im.num_tokens for im in images)
     if out.shape[0] != want:
       raise RuntimeError(f"the vision tower returned {out.shape[0]} rows for {want} "

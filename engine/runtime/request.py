@@ -108,8 +108,8 @@ class Request:
   num_cached_pages: int = 0  # leading pages already registered in the prefix cache
   cached_tokens: int | None = None
   num_preemptions: int = 0
-  # Speculative decoding: its drafter, estimates and counters (`speculative.runtime.
-  # RequestSpec`, set at admission; None: the request drafts nothing).
+  # Speculative decoding: its drafter, estimates, counters and drafters' row state
+  # (`speculative.policy.RequestSpec`, set at admission; None: the request drafts nothing).
   spec: Any = None
   # Images (`multimodal.ImageInput`, in prompt order): their placeholder spans, pixels and
   # content hashes; `image_features` holds encoder outputs by image index while it prefills.

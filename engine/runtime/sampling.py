@@ -40,7 +40,7 @@ class SamplingParams:
   # (log_softmax of the logits), before temperature/top-k/top-p/min-p, as in vLLM.
   logprobs: int | None = None
   # Serving only: the speculative drafter for this request (None: the engine's default;
-  # "off", or one the engine enables: "ngram", "learned", "mtp", "draft").
+  # "off", "auto", or the name of one the engine enables: `speculative.drafters.names()`).
   drafter: str | None = None
   max_draft_tokens: int | None = None  # per-request cap on drafts per step (None: the engine's)
   # Serving and engine.generate: constrain the output to a JSON schema / regex / choice /
@@ -65,9 +65,8 @@ class SamplingParams:
       raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-    if self.drafter not in (None, "off", "auto", "ngram", "learned", "mtp", "draft"):
-      raise ValueError(f"drafter must be one of off, auto, ngram, learned, mtp, draft, got "
-                       f"{self.drafter!r}")
+    if self.drafter is not None and not isinstance(self.drafter, str):
+      raise ValueError(f"drafter must be a drafter's name, got {self.drafter!r}")
     if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
       raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
     if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

@@ -4,10 +4,12 @@
   row. A row is a run of up to W consecutive tokens of one request, so a long prefill chunk
   spans several rows and decode tokens sit one per row. Rows of the same request in one step
   are consistent because every layer writes the whole block's cache entries before any row
-  attends (a later row sees the earlier rows' tokens).
-* `decode_loop`: up to `num_steps` decode iterations in one `lax.while_loop` for rows that only
-  decode, with EOS/stop ids and length limits checked on the device; finished and padding rows
-  write nothing. `num_steps` is a traced scalar, so changing it never recompiles.
+  attends (a later row sees the earlier rows' tokens). Image placeholders take their encoder
+  features; drafters that observe prefill (MTP) run over the chunk too.
+* `decode_loop`: up to `num_steps` decode iterations in one `lax.while_loop` for the rows of a
+  `DecodeBatch` that only decode, with EOS/stop ids and length limits checked on the device;
+  finished and padding rows write nothing. `num_steps` is a traced scalar, so changing it
+  never recompiles.
 * `masked_step`: constrained rows (structured outputs) `[B, T]`: each row's newest token and
   up to T - 1 drafted ones, one forward, the grammar's allowed-token bitmask per position
   applied to the logits (-inf elsewhere) before sampling and verification.
@@ -18,6 +20,7 @@ what makes a request's output independent of its batch, its chunking and preempt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,11 +34,14 @@ from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, to
 from engine.runtime.speculative.acceptance import verify
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "observers"),
+                   donate_argnames=("cache",))
 def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
-               n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays, *,
-               cfg: ModelConfig, impl: KernelChoice = REFERENCE
-               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], Cache]:
+               n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
+               features: jax.Array | None = None, feature_mask: jax.Array | None = None,
+               next_tokens: jax.Array | None = None, *, cfg: ModelConfig,
+               impl: KernelChoice = REFERENCE, observers: tuple = ()
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], dict, Cache]:
   """Forward over packed rows and sample after each row's last real token.
 
   Args:
@@ -43,30 +49,30 @@ def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array
     start, n_new: [B] int32 (n_new 0 for a padding row).
     page_table: [B, max_pages] int32, the owning request's pages.
     sampling: [B] per-row sampling parameters.
+    features, feature_mask: rows holding image placeholders: positions with the mask [B, W]
+      take `features` [B, W, H] (the image's encoder output rows, `multimodal_step`) as their
+      input embedding instead of the token's.
+    next_tokens: [B, W] the token after each position (-1 where it is the one sampled here),
+      for the drafters that observe prefill (`observers`, `Drafter.observe_prefill`).
   Returns:
     ([B] int32 token sampled at position start + n_new (meaningful where the row ends its
-    request's known tokens), its logprobs (`sampling.token_logprobs`), cache).
+    request's known tokens), its logprobs (`sampling.token_logprobs`), each observer's rows'
+    state at the rows' last positions {name: [B, width]}, cache).
   """
-  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl)
-  tokens, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
-  return tokens, lps, cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
-def model_step_embeds(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
-                      n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
-                      features: jax.Array, mask: jax.Array, *, cfg: ModelConfig,
-                      impl: KernelChoice = REFERENCE
-                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], Cache]:
-  """`model_step` whose rows hold image placeholders: positions with `mask` [B, W] take
-  `features` [B, W, H] (the image's encoder output rows, `multimodal_step`) as their input
-  embedding instead of the token's."""
-  embeds = embed_tokens(params, tokens, cfg)
-  embeds = jnp.where(mask[..., None], features.astype(embeds.dtype), embeds)
+  embeds = None
+  if features is not None:
+    embeds = embed_tokens(params, tokens, cfg)
+    embeds = jnp.where(feature_mask[..., None], features.astype(embeds.dtype), embeds)
   hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
                           input_embeds=embeds)
-  tokens, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
-  return tokens, lps, cache
+  sampled, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
+  rows = {}
+  if observers:
+    nxt = jnp.where(next_tokens < 0, sampled[:, None], next_tokens)
+    for d in observers:
+      rows[d.name], cache = d.observe_prefill(params, cache, hidden, nxt, start, n_new,
+                                              page_table, impl=impl)
+  return sampled, lps, rows, cache
 
 
 def sample_rows(params: Params, hidden: jax.Array, start: jax.Array, n_new: jax.Array,
@@ -79,33 +85,40 @@ def sample_rows(params: Params, hidden: jax.Array, start: jax.Array, n_new: jax.
   return tokens, token_logprobs(logits, tokens)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeBatch:
+  """The rows of a decode-only call (the plain and the speculative loops' common inputs), B rows
+  of which the padding ones have remaining 0. Per-row state a loop must carry (a thinking
+  budget, say) is a field here."""
+  tokens: jax.Array  # [B] each row's newest token, not yet in the cache (at position n_cached)
+  n_cached: jax.Array  # [B] tokens in the cache per row
+  page_table: jax.Array  # [B, P]
+  sampling: SamplingArrays  # [B]
+  stop_ids: jax.Array  # [B, S] ids that end a row (padded with -1)
+  remaining: jax.Array  # [B] tokens the row may still generate (0 for padding rows)
+  min_before_stop: jax.Array  # [B] stop ids are ignored until the row emitted this many more
+  num_steps: jax.Array  # int32 scalar: the call's limit (iterations, or tokens speculating)
+  want_logprobs: jax.Array  # bool scalar: compute logprobs (a log-softmax and top-k per token)
+
+
 @functools.partial(jax.jit, static_argnames=("max_steps", "cfg", "impl"),
                    donate_argnames=("cache",))
-def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.Array,
-                page_table: jax.Array, sampling: SamplingArrays, stop_ids: jax.Array,
-                remaining: jax.Array, min_before_stop: jax.Array, num_steps: jax.Array,
-                want_logprobs: jax.Array | bool = True, *, max_steps: int, cfg: ModelConfig,
-                impl: KernelChoice = REFERENCE
+def decode_loop(params: Params, cache: Cache, batch: DecodeBatch, *, max_steps: int,
+                cfg: ModelConfig, impl: KernelChoice = REFERENCE
                 ) -> tuple[jax.Array, jax.Array, jax.Array, tuple[jax.Array, ...], Cache]:
-  """Runs up to `num_steps` (<= max_steps) decode iterations on the device.
+  """Runs up to `batch.num_steps` (<= max_steps) decode iterations on the device: each feeds
+  every live row's newest token, samples the next, checks stop ids and limits.
 
-  Args:
-    tokens: [B] each row's newest token, not yet in the cache (at position n_cached).
-    n_cached: [B] tokens in the cache per row.
-    stop_ids: [B, S] ids that end a row (padded with -1).
-    remaining: [B] tokens the row may still generate (0 for padding rows).
-    min_before_stop: [B] stop ids are ignored until the row has generated this many more tokens.
-    num_steps: int32 scalar.
-    want_logprobs: bool scalar: compute the logprobs (a log-softmax and a top-k over the
-      vocabulary per row and step; zeros otherwise).
   Returns:
     (out [B, max_steps] new tokens (-1 past each row's count), counts [B],
      stopped [B] bool (the last token is a stop id), logprobs (chosen [B, max_steps], top ids
-     [B, max_steps, K], top logprobs [B, max_steps, K]), cache).
+     [B, max_steps, K], top logprobs [B, max_steps, K]; zeros without want_logprobs), cache).
   """
-  b = tokens.shape[0]
+  b = batch.tokens.shape[0]
   cols = jnp.arange(max_steps, dtype=jnp.int32)[None, :]
-  limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
+  limit = jnp.minimum(batch.remaining, jnp.minimum(batch.num_steps, max_steps))
+  page_table, sampling, stop_ids = batch.page_table, batch.sampling, batch.stop_ids
 
   def step(state):
     cache, tok, n_cached, done, count, out, stopped, lps = state
@@ -124,9 +137,10 @@ def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.A
               jnp.where(here[..., None], top_ids[:, None], lps[1]),
               jnp.where(here[..., None], top_lp[:, None], lps[2]))
 
-    lps = jax.lax.cond(want_logprobs, record, lambda lps: lps, lps)
+    lps = jax.lax.cond(batch.want_logprobs, record, lambda lps: lps, lps)
     count = count + live
-    hit = (jnp.any(new[:, None] == stop_ids, axis=-1) & (count >= min_before_stop) & ~done)
+    hit = (jnp.any(new[:, None] == stop_ids, axis=-1) & (count >= batch.min_before_stop)
+           & ~done)
     stopped = stopped | hit
     done = done | hit | (count >= limit)
     return cache, jnp.where(live > 0, new, tok), n_cached, done, count, out, stopped, lps
@@ -135,8 +149,8 @@ def decode_loop(params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.A
   k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
   lps = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, k), jnp.int32),
          jnp.zeros((b, max_steps, k), jnp.float32))
-  state = (cache, tokens, n_cached, limit <= 0, zeros, jnp.full((b, max_steps), -1, jnp.int32),
-           jnp.zeros((b,), bool), lps)
+  state = (cache, batch.tokens, batch.n_cached.astype(jnp.int32), limit <= 0, zeros,
+           jnp.full((b, max_steps), -1, jnp.int32), jnp.zeros((b,), bool), lps)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), step, state)
   cache, _, _, _, count, out, stopped, lps = state
   return out, count, stopped, lps, cache

@@ -8,10 +8,10 @@ then, for those rows:
 
 1. `prepare` (on a worker thread, started before the step's main program is dispatched, so the
    llguidance mask computation overlaps the unconstrained rows' device loop; llguidance drops
-   the GIL while it computes): per row, drafts (n-gram prompt lookup on the host, for rows
-   whose drafter is "ngram" or "auto", when the engine speculates) cut at the first one the
-   grammar forbids, and the allowed-token bitmask at every position of [newest, d_1 .. d_k]
-   (the matcher advanced along the drafts, then rolled back).
+   the GIL while it computes): per row, drafts (its drafter's host form, `host_drafter`: n-gram
+   prompt lookup, for rows drafting with "ngram" or "auto", when the engine speculates) cut at
+   the first one the grammar forbids, and the allowed-token bitmask at every position of
+   [newest, d_1 .. d_k] (the matcher advanced along the drafts, then rolled back).
 2. `steps.masked_step` after the main program: one forward over `[B, 1]` (no drafts) or
    `[B, k + 1]`, masked logits, the speculative rule (greedy: argmax over allowed tokens;
    sampled: the (seed, position) sample of the masked distribution), so drafting changes
@@ -25,47 +25,34 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from engine.runtime.grammar import bitmask_words
 from engine.runtime.page_pool import NULL_PAGE
-from engine.runtime.speculative.drafters import NGRAM_MAX
-
-DRAFTERS_ON_HOST = ("ngram", "auto")  # constrained rows draft by host prompt lookup only
+from engine.runtime.speculative.drafters import AUTO, registry
 
 
-def ngram_draft(ids: Sequence[int], k: int, window: int, max_n: int = NGRAM_MAX) -> list[int]:
-  """`drafters.ngram_propose` on the host: the longest suffix (max_n tokens down to one) of
-  the last `window` tokens that occurred before; up to k tokens that followed its most recent
-  occurrence."""
-  hist = list(ids[-window:])
-  n = len(hist)
-  if k <= 0 or n < 2:
-    return []
-  best_end, best_run = -1, 0
-  for end in range(n - 2, -1, -1):  # most recent first; a continuation must exist
-    run = 0
-    while run < max_n and end - run >= 0 and hist[end - run] == hist[n - 1 - run]:
-      run += 1
-    if run > best_run:
-      best_end, best_run = end, run
-      if run == max_n:
-        break
-  if best_end < 0:
-    return []
-  return hist[best_end + 1:best_end + 1 + min(k, n - 1 - best_end)]
+def host_drafter(name: str | None) -> Callable[[Sequence[int], int, int], list[int]] | None:
+  """How a constrained row drafting with `name` drafts on the host: its drafter's host form
+  (`Drafter.host_propose`); "auto" rows the first registered drafter that has one."""
+  if name is None:
+    return None
+  for d in registry():
+    if d.drafts_on_host and name in (d.name, AUTO):
+      return d.host_propose
+  return None
 
 
 def draft_limits(reqs: Sequence[Any], scheduler: Any, k: int) -> list[int]:
-  """Drafts each constrained row may take this step: rows drafting with "ngram" or "auto",
-  within max_draft_tokens, the tokens the row may still emit and the pages free for them
-  (taken here, `Scheduler.grow`; nothing is preempted for drafts)."""
+  """Drafts each constrained row may take this step: rows whose drafter has a host form
+  (`host_drafter`), within max_draft_tokens, the tokens the row may still emit and the pages
+  free for them (taken here, `Scheduler.grow`; nothing is preempted for drafts)."""
   out = []
   for req in reqs:
     n = 0
-    if req.spec is not None and req.spec.drafter in DRAFTERS_ON_HOST:
+    if req.spec is not None and host_drafter(req.spec.drafter) is not None:
       n = min(k, req.sampling.max_draft_tokens or k, scheduler.remaining_tokens(req) - 1)
       while n > 0 and not scheduler.grow(req, req.num_computed + 1 + n):
         n //= 2
@@ -90,7 +77,9 @@ def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size
   t0 = time.perf_counter()
   drafts = []
   for req, k in zip(reqs, draft_k):
-    drafts.append(ngram_draft(req.all_ids, k, window) if k > 0 else [])
+    spec = getattr(req, "spec", None)  # (rows asked to draft without one: "auto"'s form)
+    propose = host_drafter(spec.drafter if spec is not None else AUTO)
+    drafts.append(propose(req.all_ids, k, window) if k > 0 else [])
   t = 1 + max_drafts if any(drafts) else 1
   # Slots past a row's drafts are never read; all-allowed keeps their logits finite.
   bits = np.full((len(reqs), t, bitmask_words(vocab_size)), -1, np.int32)

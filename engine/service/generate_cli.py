@@ -35,6 +35,7 @@ from absl import logging
 import engine
 from engine.api import DEMO_CHECKPOINT
 from engine.runtime import compile_cache
+from engine.runtime.speculative import drafters
 from engine.service import mesh_flags
 
 # The bundled demo model (checkpoints/demo, trained by checkpoints.train_demo).
@@ -57,7 +58,7 @@ flags.DEFINE_bool("ignore_eos", False, "Do not stop at EOS.")
 flags.DEFINE_enum("dtype", None, ["bfloat16", "float32"], "Parameter dtype (default: the "
                   "checkpoint's for Orbax, bfloat16 for Hugging Face).")
 flags.DEFINE_bool("json", False, "Print JSON lines instead of text.")
-flags.DEFINE_enum("speculative", "off", ["off", "ngram", "mtp", "draft", "learned", "auto"],
+flags.DEFINE_enum("speculative", drafters.OFF, [drafters.OFF, *drafters.names(), drafters.AUTO],
                   "Speculative decoding drafter: n-gram prompt lookup, the checkpoint's MTP "
                   "layer, a draft model (--draft_checkpoint), an n-gram table learned "
                   "across requests (--learned_table), or auto: all of those the model has, "
@@ -81,37 +82,26 @@ def _parse_ids(s: str) -> list[int]:
     raise SystemExit(f"--prompt_ids must be comma-separated integers, got {s!r}")
 
 
-def _learned_memory():
-  from engine.runtime.speculative.learned import NgramMemory
-  path = FLAGS.learned_table
-  return NgramMemory.load(path) if path and os.path.exists(path) else NgramMemory()
-
-
 def _speculative_config(model: "engine.LoadedModel") -> "engine.SpeculativeConfig | None":
-  if FLAGS.speculative == "off":
+  method = FLAGS.speculative
+  if method == drafters.OFF:
     return None
-  if FLAGS.speculative == "learned":
-    return engine.SpeculativeConfig("learned", FLAGS.num_draft_tokens, memory=_learned_memory(),
-                                    adaptive=FLAGS.adaptive_k)
-  if FLAGS.speculative not in ("draft", "auto"):
-    return engine.SpeculativeConfig(FLAGS.speculative, FLAGS.num_draft_tokens,
-                                    adaptive=FLAGS.adaptive_k)
-  path = FLAGS.draft_checkpoint
-  if path is None and os.path.abspath(FLAGS.checkpoint) == os.path.abspath(DEMO_CHECKPOINT):
-    path = DEMO_DRAFT
-  if FLAGS.speculative == "auto":  # the draft model is one drafter among others, if there is one
+  auto = method == drafters.AUTO
+  draft = None
+  if auto or drafters.drafter_class(method).uses_draft_model:
+    path = FLAGS.draft_checkpoint
+    if path is None and os.path.abspath(FLAGS.checkpoint) == os.path.abspath(DEMO_CHECKPOINT):
+      path = DEMO_DRAFT
+    if path is None and not auto:  # ("auto": the draft model is one drafter among others)
+      raise ValueError(f"--speculative={method} needs --draft_checkpoint")
     draft = engine.load(path, dtype=model.params["embed"].dtype) if path else None
-    # Always adaptive (the engine's goodput model); --learned_table is only read and written
-    # when given (without it the learned table starts empty and is dropped).
-    return engine.SpeculativeConfig(
-        "auto", FLAGS.num_draft_tokens, draft.config if draft else None,
-        draft.params if draft else None,
-        memory=_learned_memory() if FLAGS.learned_table else None, adaptive=True)
-  if path is None:
-    raise ValueError("--speculative=draft needs --draft_checkpoint")
-  draft = engine.load(path, dtype=model.params["embed"].dtype)
-  return engine.SpeculativeConfig("draft", FLAGS.num_draft_tokens, draft.config, draft.params,
-                                  adaptive=FLAGS.adaptive_k)
+  # The learned table's memory: always for its own drafter, for "auto" when --learned_table
+  # names a file (without it the table starts empty and is dropped).
+  memory = (engine.NgramMemory.load_or_new(FLAGS.learned_table)
+            if method == engine.NgramMemory.drafter or (auto and FLAGS.learned_table) else None)
+  return engine.SpeculativeConfig(
+      method, FLAGS.num_draft_tokens, draft.config if draft else None,
+      draft.params if draft else None, memory=memory, adaptive=FLAGS.adaptive_k or auto)
 
 
 def main(argv: list[str]) -> int:
@@ -159,7 +149,7 @@ def main(argv: list[str]) -> int:
     per_step = sum(len(r.token_ids) - 1 for r in results) / max(steps, 1)  # prefill gave 1
     k = speculative.num_draft_tokens
     what = f"speculative={speculative.method} k={k}"
-    if speculative.method == "auto":  # every request's choices, summed
+    if speculative.method == drafters.AUTO:  # every request's choices, summed
       totals: dict[str, int] = {}
       for r in results:
         for d, n_it in r.spec["auto_choices"].items():

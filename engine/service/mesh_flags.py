@@ -44,8 +44,9 @@ flags.DEFINE_integer("heartbeat_timeout_s", 20, "A process silent this long is d
                      "and the job's other processes exit non-zero; also how long a leaving "
                      "process waits for the others at the shutdown barrier.", lower_bound=1)
 
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "mosaic_gpu"],
-                  "Attention implementation (auto: Mosaic GPU on Hopper where the model fits).")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "mosaic_gpu", "mosaic_gpu_flash"],
+                  "Attention implementation (auto: Mosaic GPU on Hopper where the model fits; "
+                  "mosaic_gpu_flash: the flash-decoding kernel for every MLA block).")
 flags.DEFINE_enum("moe", "auto", ["auto", "reference", "mosaic_gpu"],
                   "Routed-expert implementation (auto: Mosaic GPU on Hopper where it fits).")
 flags.DEFINE_enum("expert_parallel", "psum", ["psum", "dispatch", "auto"],

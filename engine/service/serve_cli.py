@@ -32,6 +32,7 @@ import engine
 from engine.api import DEMO_CHECKPOINT
 from engine.runtime import compile_cache
 from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.speculative import drafters
 from engine.service import lockstep, mesh_flags, multihost
 from engine.chat.parsers import PARSER_FAMILIES
 from engine.chat.reasoning import ReasoningConfig
@@ -66,7 +67,7 @@ flags.register_validator("decode_batch_sizes", lambda v: all(x.isdigit() for x i
 flags.DEFINE_string("compilation_cache_dir", compile_cache.default_dir(),
                     "JAX persistent compilation cache: a restart loads, not recompiles ('' off; "
                     f"default ${compile_cache.ENV} or ~/.cache/moejax/jax_cache).")
-flags.DEFINE_enum("speculative", "off", ["off", "auto", "ngram", "learned", "mtp", "draft"],
+flags.DEFINE_enum("speculative", drafters.OFF, [drafters.OFF, drafters.AUTO, *drafters.names()],
                   "Default speculative drafter of decode-only steps (requests may choose "
                   "another, see --drafters): n-gram prompt lookup, a table learned across "
                   "requests, the checkpoint's MTP layer, or --draft_checkpoint (lossless); "
@@ -233,7 +234,7 @@ def main(argv: list[str]) -> int:
         decode_batch_sizes=tuple(int(b) for b in FLAGS.decode_batch_sizes) or None,
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         traffic_stats_path=FLAGS.traffic_stats_path,
-        speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
+        speculative=None if FLAGS.speculative == drafters.OFF else FLAGS.speculative,
         drafters=tuple(FLAGS.drafters), num_draft_tokens=FLAGS.num_draft_tokens,
         adaptive_k=FLAGS.adaptive_k, measure_spec_costs=FLAGS.measure_spec_costs,
         encoder_cache_bytes=FLAGS.encoder_cache_mb << 20,

@@ -125,7 +125,7 @@ class InferenceServer:
     self.limits = validation.RequestLimits(
         vocab_size=engine.cfg.vocab_size, max_model_len=engine.sched_config.max_model_len,
         num_eos_ids=len(engine.eos_token_ids), max_stop_strings=config.max_stop_strings,
-        max_prompt_chars=config.max_prompt_chars, drafters=engine.spec.enabled,
+        max_prompt_chars=config.max_prompt_chars, drafters=engine.drafters,
         max_images_per_request=config.max_images_per_request,
         max_image_bytes=config.max_image_bytes, max_image_pixels=config.max_image_pixels,
         allow_image_urls=config.allow_image_urls,

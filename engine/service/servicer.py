@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 from absl import logging
@@ -21,6 +21,9 @@ from engine.service import chat, structured, validation, wire
 from engine.service.proto import inference_pb2 as pb
 from engine.service.proto import inference_pb2_grpc as pb_grpc
 from engine.service.streams import Rejected, RequestGroup
+
+if TYPE_CHECKING:  # server.py imports this module
+  from engine.service.server import InferenceServer
 
 FINISH_REASONS = {FINISH_STOP: pb.FINISH_REASON_STOP, FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
                   FINISH_ABORT: pb.FINISH_REASON_ABORT}

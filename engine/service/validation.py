@@ -14,12 +14,14 @@ from typing import Any, Sequence
 from engine.runtime.engine import MAX_STOP_IDS
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from engine.runtime.speculative import drafters
 from engine.service.proto import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 64
 # Proto drafter names -> engine names ("" : the server's default drafter).
-DRAFTERS = {"": None, "none": "off", "off": "off", "ngram": "ngram", "learned": "learned",
-            "mtp": "mtp", "draft": "draft", "draft_model": "draft", "auto": "auto"}
+DRAFTERS = {"": None, "none": drafters.OFF, drafters.OFF: drafters.OFF,
+            drafters.AUTO: drafters.AUTO,
+            **{alias: d.name for d in drafters.registry() for alias in (d.name, *d.aliases)}}
 MAX_DRAFT_TOKENS = 16
 
 
@@ -219,10 +221,10 @@ def check_speculative(spec: Any, limits: RequestLimits) -> dict[str, Any]:
     raise FieldError("speculative.drafter", f"unknown drafter {spec.drafter!r}; one of "
                      f"{[d for d in DRAFTERS if d]}")
   drafter = DRAFTERS[spec.drafter]
-  if drafter == "auto" and not limits.drafters:
+  if drafter == drafters.AUTO and not limits.drafters:
     raise FieldError("speculative.drafter", "'auto' chooses among the server's drafters and "
                      "it enables none (serve --speculative, --drafters)")
-  if drafter not in (None, "off", "auto") and drafter not in limits.drafters:
+  if drafter not in (None, drafters.OFF, drafters.AUTO) and drafter not in limits.drafters:
     raise FieldError("speculative.drafter", f"{spec.drafter!r} is not enabled on this server "
                      f"(enabled: {', '.join(limits.drafters) or 'none'}; serve --speculative, "
                      f"--drafters)")

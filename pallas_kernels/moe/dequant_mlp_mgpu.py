@@ -1,6 +1,6 @@
-"""The Mosaic GPU matmul skeleton of the quantized-expert kernels (`int4_mlp_mgpu` W4A16,
-`fp8_mlp_mgpu` W8A16): tokens on WGMMA's N axis, each K step's weight tile dequantized by the
-format's own code from SMEM (TMA-loaded, still quantized) into a bf16 SMEM tile for the MMA.
+"""The Mosaic GPU matmul skeleton of the W8A16 kernel (`fp8_mlp_mgpu`; W4A16 has its own,
+`w4a16_mgpu`): tokens on WGMMA's N axis, each K step's weight tile dequantized by the format's
+own code from SMEM (TMA-loaded, still quantized) into a bf16 SMEM tile for the MMA.
 
   outT[s, N, nt] = W[e]^T @ act[s]^T            (one weight), or
                    silu(Wg[e]^T @ act[s]^T) * (Wu[e]^T @ act[s]^T)   (two: gate, up)

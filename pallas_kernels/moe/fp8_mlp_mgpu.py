@@ -23,8 +23,8 @@ Shapes: xs [S * Nt, K], w [E, K, N] float8_e4m3fn, scale_inv [E, K/128, ceil(N/1
 slot_expert [S] int32, num_slots [1] int32.
 
 Limits: bf16 activations; 128 x 128 blocks (the expert axis leading, one input and one output
-axis); K a multiple of block_k, N of 64; block_tokens a multiple of 8, at most 128 (SMEM, as
-`int4_mlp_mgpu`).
+axis); K a multiple of block_k, N of 64; block_tokens a multiple of 8, at most 128 (SMEM: the
+fused gate/up pipeline at block_tokens 64, block_k 128, 4 stages takes 164 KiB of the 227).
 """
 
 from __future__ import annotations

@@ -1,149 +1,144 @@
-"""W4A16 expert SwiGLU MLP on INT4 experts: Pallas Mosaic GPU (Hopper WGMMA), from packed weights.
+"""W4A16 expert SwiGLU MLP on INT4 experts (Kimi K2.5's routed experts): the MoE layer around
+the `w4a16_mgpu` kernel.
 
-The kernels read `Int4Weight` experts as stored (`pallas_kernels/quant.py`): packed uint8
-[E, K/2, N] (byte j of column n = elements 2j (low nibble) and 2j + 1 (high), each q + 8) and
-bf16 scales [E, K/group, N]. Each K step dequantizes its weight tile in registers and writes it
-to SMEM as bf16 for the tensor cores; nothing else ever holds a float copy of a weight.
+  gate_up:  hT[s, I, nt] = silu(Wg[e]^T @ xs[s]^T) * (Wu[e]^T @ xs[s]^T)
+  down:     yT[s, H, nt] = Wd[e]^T @ h[s]^T
 
-Layout (the matmul skeleton in `dequant_mlp_mgpu`; tokens on WGMMA's N axis, weights on M, as
-`decode_mlp_mgpu`): every active local expert owns slots of `block_tokens` rows in the permuted
-layout of `permute.py`; a work item is (slot, 64 output columns), unused slots are skipped
-without reading their weights.
+Every active local expert owns slots of `block_tokens` rows in `permute.py`'s layout: 8 rows up
+to 64 tokens (a decode or verify step: an expert gets ~T k / E copies, so 8-row slots, with an
+overflow slot for a busier expert, keep the MMA and the activation traffic at the tokens that
+exist), 64 rows above. Unused slots are skipped without reading their weights.
 
-  gate_up:  hT[s, I, Nt] = silu(Wg[e]^T @ xs[s]^T) * (Wu[e]^T @ xs[s]^T)
-  down:     yT[s, H, Nt] = Wd[e]^T @ h[s]^T
+Per kernel call the K split is chosen on device from the used slot count (`choose_splits`: the
+fewest rounds of work units over the SMs, each unit paying `split_overhead` steps), up to a
+static `max_splits` (f32 partials of at most `partial_budget` bytes). With one split at most
+the kernel writes its result itself (gate/up: the bf16 SwiGLU h); otherwise XLA sums the
+partials (reading only the splits used) and applies the SwiGLU, and the down partials go
+straight into the weighted combine. The activations enter each kernel in the K order of
+`w4a16_layout.permute_k` (a transpose XLA fuses into the permutation's gather).
 
-One K step of `block_k` (bk, a multiple of 128) inputs and 64 output columns:
-  TMA     packed [bk/2, 64] uint8, scale [bk/group, 64] bf16, activations [Nt, bk] bf16 -> SMEM
-  dequant for each 64-row chunk of packed bytes (4 scale groups of 16 byte rows at group 32),
-          in the WGMMA register layout, all in 16-bit pairs: bytes widened to uint16, each
-          nibble n OR 0x4300 is the bf16 128 + n (no int -> float conversion), minus 136 is
-          q = n - 8 (exact), times the chunk's bf16 scales in bf16 (each group's 64-column
-          scale row broadcast over its rows, selected by row // (group / 2)): bitwise the
-          bf16 product compressed-tensors defines; stored to a bf16 SMEM tile [bk, 64] with
-          all low nibbles first (rows 0..bk/2) and all high nibbles after
-  WGMMA   acc[64, Nt] += tile^T @ act^T   (f32 accumulator; the tile is double-buffered so the
-          next step's dequant overlaps this step's MMA)
-The tile's rows are a fixed permutation of the step's K: row r < bk/2 is input 2r, row bk/2 + r
-is input 2r + 1. The activations are permuted the same way outside the kernel (`permute_k`, an
-XLA transpose of the [rows, K] activations), so the sum over K is unchanged. Every K step
-starts on a group boundary (bk is a multiple of the group), so a step's scales are its own
-bk/group scale rows and no scale straddles two steps.
-
-Shapes: xs [S * Nt, K] (K-permuted), packed [E, K/2, N] uint8, scale [E, K/group, N],
-slot_expert [S] int32, num_slots [1] int32 -> [S, N, Nt] (unused slots unwritten).
-
-Limits: bf16 activations; group 32 (K2.5's, tested) or 64, 128 (same code, untested); K a
-multiple of block_k; N a multiple of 64; block_tokens a multiple of 8, at most 128 (SMEM: the fused gate/up
-pipeline at block_tokens 64, block_k 128, 4 stages takes 164 KiB of the 227; Mosaic refuses
-at lowering a configuration that does not fit).
+Shapes: x [T, H] bf16, weights [T, k] f32, expert_ids [T, k] int32 (global ids, distinct per
+token), w_gate / w_up `Int4Weight` [E_local, H, I], w_down [E_local, I, H] -> [T, H]; with
+`layer` (int32), stacks [L, E_local, ...] of which layer `layer`'s experts run.
+Limits (`problem`): bf16 activations; H and I multiples of 128; group a multiple of 16 that
+divides the K step (Kimi's 32; 128 too).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from pallas_kernels.moe import dequant_mlp_mgpu as dequant_lib
 from pallas_kernels.moe import permute as permute_lib
-from pallas_kernels.quant import INT4_OFFSET, Int4Weight, dequantize, is_int4
+from pallas_kernels.moe import w4a16_mgpu
+from pallas_kernels.moe.w4a16_layout import permute_k
+from pallas_kernels.quant import Int4Weight, dequantize, is_int4
 
-_WEIGHT_TILE = dequant_lib.WEIGHT_TILE
-_CHUNK = 64  # packed byte rows dequantized at once (one WGMMA-layout register tile)
-
-
-# block_k: inputs per K step (a multiple of 128, hence of the group); max_concurrent_steps,
-# num_sms as in `dequant_mlp_mgpu`.
-Int4Config = dequant_lib.DequantConfig
+Int4Config = w4a16_mgpu.W4A16Config
+DECODE_TOKENS = 64  # up to here 8-row slots
+PREFILL_BLOCK_TOKENS = 64
 
 
-def permute_k(x: jax.Array, block_k: int) -> jax.Array:
-  """Columns of x [R, K] in the kernel's K order: within each block_k block, the even inputs
-  first, then the odd ones (the dequantized tile's rows: low nibbles, then high)."""
-  r, k = x.shape
-  return x.reshape(r, k // block_k, block_k // 2, 2).swapaxes(-1, -2).reshape(r, k)
+def block_tokens(num_tokens: int) -> int:
+  """Slot height for a call with `num_tokens` tokens."""
+  return 8 if num_tokens <= DECODE_TOKENS else PREFILL_BLOCK_TOKENS
 
 
-def _check(dtype, w: Int4Weight, nt: int, cfg: Int4Config) -> None:
-  if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
-    raise NotImplementedError(f"Mosaic GPU W4A16 MLP takes bf16 activations, got {dtype}")
-  _, k, n = w.shape
-  bk, g = cfg.block_k, w.group
-  if 128 % g or g % 2:
-    raise NotImplementedError(f"INT4 group {g}: the kernel takes groups dividing 128")
-  if bk % 128 or k % bk:
-    raise ValueError(f"K={k} must be a multiple of block_k={bk}, itself a multiple of 128")
-  if n % _WEIGHT_TILE:
-    raise ValueError(f"N={n} must be a multiple of {_WEIGHT_TILE}")
-  if nt % 8 or nt > 128:
-    raise ValueError(f"block_tokens={nt} must be a multiple of 8, at most 128")
+def fit_config(k: int, nt: int, nw: int, group: int, final: bool, cfg: Int4Config) -> Int4Config:
+  """cfg with a K step that divides k (cfg's, else 128) and whose SMEM ring takes 2 stages at
+  least (at 64-row slots the SMEM-operand variant needs 128)."""
+  a_smem = w4a16_mgpu.uses_smem_operand(cfg)
+  for bk in dict.fromkeys((cfg.block_k, 128)):
+    c = dataclasses.replace(cfg, block_k=bk)
+    if k % bk == 0 and w4a16_mgpu.num_stages(nt, nw, group, final, a_smem, c):
+      return c
+  return cfg  # (the kernel's own check names the problem)
 
 
-# bf16 with exponent field 2^7: bits 0x4300 | n (n < 128) are the value 128 + n exactly.
-_BF16_128 = 0x4300
+def max_splits(slots: int, nw: int, n: int, nt: int, k: int, cfg: Int4Config) -> int:
+  """Static bound on a call's K splits: cfg.max_splits, one K step per split, and the f32
+  partial buffer [splits, slots, nw, n, nt] within cfg.partial_budget."""
+  per_split = slots * nw * n * nt * 4
+  return max(1, min(cfg.max_splits, k // cfg.block_k, cfg.partial_budget // per_split))
 
 
-def _dequantize_tile(p_smem, s_smem, dst, group: int, bk: int) -> None:
-  """bf16 tile [bk, 64] in `dst` (rows: low nibbles, then high) of the packed [bk/2, 64] bytes
-  and [bk/group, 64] scales in SMEM."""
-  rows_per_group = group // 2  # packed byte rows per scale row
-  groups_per_chunk = _CHUNK // rows_per_group
-  row_group = jax.lax.broadcasted_iota(jnp.int32, (_CHUNK, _WEIGHT_TILE), 0) // rows_per_group
-  for c in range(bk // 2 // _CHUNK):
-    # Mosaic GPU does only bitwise ops on 8-bit values: widen to 16 bits, then each nibble n
-    # becomes the bf16 128 + n by its bit pattern (no int -> float conversion), minus 136
-    # (exact) is q = n - 8; q times the bf16 scale in bf16 is compressed-tensors' product.
-    b = p_smem[pl.ds(c * _CHUNK, _CHUNK), :].astype(jnp.uint16)  # [64, 64]
-    lo = jax.lax.bitcast_convert_type((b & 0xF) | _BF16_128, jnp.bfloat16)
-    hi = jax.lax.bitcast_convert_type((b >> 4) | _BF16_128, jnp.bfloat16)
-    offset = jnp.asarray(128 + INT4_OFFSET, jnp.bfloat16)
-    scale = None
-    for g in range(groups_per_chunk):
-      row = s_smem[c * groups_per_chunk + g, :]
-      s_g = jax.lax.broadcast_in_dim(row, (_CHUNK, _WEIGHT_TILE), (1,))
-      scale = s_g if scale is None else jnp.where(row_group == g, s_g, scale)
-    dst[pl.ds(c * _CHUNK, _CHUNK), :] = ((lo - offset) * scale).astype(dst.dtype)
-    dst[pl.ds(bk // 2 + c * _CHUNK, _CHUNK), :] = ((hi - offset) * scale).astype(dst.dtype)
+def split_candidates(k_steps: int, bound: int) -> list[int]:
+  """Split counts up to `bound`, one K step per split at least."""
+  return list(range(1, min(bound, k_steps) + 1))
 
 
-def _int4_tiles(w: Int4Weight, bk: int) -> dequant_lib.WeightTiles:
-  group = w.group
+def choose_splits(used, n_tiles: int, k_steps: int, bound: int, cfg: Int4Config, xp=jnp):
+  """The split count with the least modelled time: rounds of units over the SMs times (steps
+  per unit + cfg.split_overhead); the smallest among equals. `used` may be traced (xp=jnp)
+  or an int (xp=np)."""
+  cands = split_candidates(k_steps, bound)
+  s = xp.asarray(cands, xp.int32)
+  rounds = (used * n_tiles * s + cfg.num_sms - 1) // cfg.num_sms
+  cost = rounds * (xp.asarray([-(-k_steps // c) for c in cands], xp.float32)
+                   + cfg.split_overhead)
+  return s[xp.argmin(cost)]
 
-  def deq(kk, ni, expert, tiles, side, dst, fetched):
-    del kk, ni, expert, side, fetched
-    _dequantize_tile(tiles[0], tiles[1], dst, group, bk)
 
-  return dequant_lib.WeightTiles(tiled=(w.packed, w.scale), block_rows=(bk // 2, bk // group),
-                                 side=(), dequantize=deq)
+def _matmul(act, ws, slot_expert, used, nt, cfg):
+  """[S, nw, n, nt] f32 (or, with one split at most, the kernel's final [S, n, nt]) and
+  whether it is final."""
+  slots, k = act.shape[0] // nt, act.shape[1]
+  n, nw, group = ws[0].shape[2], len(ws), ws[0].group
+  bound = max_splits(slots, nw, n, nt, k, _k_step(k, cfg))
+  final = bound == 1
+  cfg = fit_config(k, nt, nw, group, final, cfg)  # (may shorten the K step: SMEM)
+  for w in ws:
+    w4a16_mgpu.check(act.dtype, w, nt, cfg)
+  bound = 1 if final else min(bound, max_splits(slots, nw, n, nt, k, cfg))
+  if final:
+    sched = jnp.stack([used, jnp.int32(1)]).astype(jnp.int32)
+    return w4a16_mgpu.expert_matmul(act, ws, slot_expert, sched, nt, cfg, final=True), True
+  if cfg.splits:
+    splits = jnp.int32(max(s for s in split_candidates(k // cfg.block_k, bound)
+                           if s <= cfg.splits))
+  else:
+    splits = choose_splits(used, n // w4a16_mgpu.CTA_ROWS, k // cfg.block_k, bound, cfg)
+  sched = jnp.stack([used, splits]).astype(jnp.int32)
+  part = w4a16_mgpu.expert_matmul(act, ws, slot_expert, sched, nt, cfg, final=False,
+                                  max_splits=bound)
+  # Splits >= `splits` were never written: read split min(j, splits - 1) instead (the same
+  # bytes again, from L2) and drop it.
+  j = jnp.arange(bound)
+  taken = part[jnp.minimum(j, splits - 1)]
+  return jnp.sum(jnp.where((j < splits)[:, None, None, None, None], taken, 0.0), axis=0), False
 
 
-def _int4_swapped_matmul(act: jax.Array, weights: tuple[Int4Weight, ...], slot_expert: jax.Array,
-                         num_slots: jax.Array, nt: int, cfg: Int4Config) -> jax.Array:
-  """outT[s, N, nt] = W[e]^T @ act[s]^T (one weight) or the SwiGLU of two, per active slot;
-  act [S * nt, K] already in `permute_k` order."""
-  for w in weights:
-    _check(act.dtype, w, nt, cfg)
-  return dequant_lib.swapped_matmul(act, [_int4_tiles(w, cfg.block_k) for w in weights],
-                                    weights[0].shape[2], slot_expert, num_slots, nt, cfg)
+def _k_step(k: int, cfg: Int4Config) -> Int4Config:
+  return cfg if k % cfg.block_k == 0 else dataclasses.replace(cfg, block_k=128)
+
+
+def swiglu_f32(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
+               w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, nt: int,
+               cfg: Int4Config = Int4Config()) -> jax.Array:
+  """ys [S * nt, H] float32 = down(silu(xs @ gate) * (xs @ up)) per used slot's expert; rows of
+  unused slots are zero. xs [S * nt, H] bf16 in natural K order."""
+  slots = xs.shape[0] // nt
+  used = num_slots[0].astype(jnp.int32)
+  live = (jnp.arange(slots) < used)[:, None, None]
+  gu, final = _matmul(permute_k(xs), (w_gate, w_up), slot_expert, used, nt, cfg)
+  if not final:
+    g, u = gu[:, 0], gu[:, 1]
+    gu = (g / (1.0 + jnp.exp(-g)) * u).astype(xs.dtype)
+  h = jnp.where(live, gu, 0).transpose(0, 2, 1).reshape(slots * nt, -1)  # [S * nt, I]
+  y, final = _matmul(permute_k(h), (w_down,), slot_expert, used, nt, cfg)
+  if not final:
+    y = y[:, 0]
+  return jnp.where(live, y, 0.0).transpose(0, 2, 1).reshape(slots * nt, -1)
 
 
 def int4_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
                 w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, block_tokens: int,
                 cfg: Int4Config = Int4Config()) -> jax.Array:
-  """ys [S * Nt, H] = down(silu(xs @ gate) * (xs @ up)) per slot's expert, the weights INT4;
-  xs [S * Nt, H] in natural K order; rows of unused slots are zero."""
-  nt, bk = block_tokens, cfg.block_k
-  for w in (w_gate, w_up, w_down):  # before the K permutation, which needs whole K steps
-    _check(xs.dtype, w, nt, cfg)
-  mm = functools.partial(_int4_swapped_matmul, slot_expert=slot_expert, num_slots=num_slots,
-                         nt=nt, cfg=cfg)
-  return dequant_lib.swiglu_two_kernels(
-      xs, num_slots, nt,
-      gate_up=lambda a: mm(permute_k(a, bk), (w_gate, w_up)),  # [S, I, nt]
-      down=lambda h: mm(permute_k(h, bk), (w_down,)))  # [S, H, nt]
+  """`swiglu_f32` in xs's dtype (the tiled kernels' contract)."""
+  return swiglu_f32(xs, slot_expert, num_slots, w_gate, w_up, w_down, block_tokens,
+                    cfg).astype(xs.dtype)
 
 
 def int4_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,
@@ -156,17 +151,42 @@ def int4_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.
   return permute_lib.tiled_swiglu_reference(xs, slot_expert, num_slots, *w, block_tokens)
 
 
+def problem(x_dtype, w_gate, w_up, w_down, cfg: Int4Config = Int4Config()) -> str | None:
+  """Why the W4A16 kernels cannot take these experts (the first reason), or None: the fit
+  predicate `moe="auto"` resolves with (through `moe_mgpu.moe_experts`' own checks)."""
+  if not all(is_int4(w) for w in (w_gate, w_up, w_down)):
+    return "W4A16 takes Int4Weight experts"
+  _, h, i = w_gate.shape
+  if h % 128 or i % 128:
+    return (f"mosaic_gpu INT4 MoE needs hidden ({h}) and expert width ({i}) to be multiples "
+            f"of 128 (its K step and row tile)")
+  try:
+    for w, k in ((w_gate, h), (w_up, h), (w_down, i)):
+      w4a16_mgpu.check(x_dtype, w, 8, _k_step(k, cfg))
+  except (ValueError, NotImplementedError) as e:
+    return str(e)
+  return None
+
+
 def moe_experts_int4(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                      w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, *,
                      expert_offset: int = 0,
                      layer: jax.Array | int | None = None,
                      cfg: Int4Config = Int4Config()) -> jax.Array:
-  """`reference.moe_experts` contract through the W4A16 kernels, any token count (slots:
-  `dequant_mlp_mgpu.block_tokens`); with `layer`, the weights are stacks and the kernels read
-  layer `layer`'s experts in place."""
+  """`reference.moe_experts` contract through the W4A16 kernels, any token count; with
+  `layer`, the weights are stacks [L, E_local, ...] and the kernels read layer `layer`'s
+  experts in place (`permute.expert_pool`)."""
   if not all(is_int4(w) for w in (w_gate, w_up, w_down)):
     raise TypeError("moe_experts_int4 takes Int4Weight experts")
   (w_gate, w_up, w_down), e_local, base = permute_lib.expert_pool((w_gate, w_up, w_down), layer)
-  return dequant_lib.moe_experts_slots(
-      x, weights, expert_ids, e_local, expert_offset,
-      lambda xs, se, ns, nt: int4_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg), base)
+  why = problem(x.dtype, w_gate, w_up, w_down, cfg)
+  if why:
+    raise NotImplementedError(why)
+  t, k = expert_ids.shape
+  nt = block_tokens(t)
+  rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
+  perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
+                                  expert_offset=expert_offset, block_rows=nt, num_rows=rows)
+  xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
+  ys = swiglu_f32(xs, perm.tile_expert + base, perm.num_tiles, w_gate, w_up, w_down, nt, cfg)
+  return permute_lib.combine(ys, perm, weights, x.dtype)

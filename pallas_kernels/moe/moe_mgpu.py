@@ -6,9 +6,10 @@
 * T <= DECODE_MAX_TOKENS: `decode_mlp_mgpu` (tokens on WGMMA's N axis, one slot per active
   expert, reads only active experts' weights);
 * otherwise `grouped_mlp_mgpu` (64-row tiles of sorted token copies, fused gate/up + SiLU);
-* INT4 experts (`Int4Weight`), any T: `int4_mlp_mgpu` (W4A16: the packed tiles dequantized in
-  registers into bf16 SMEM tiles per K step, tokens on WGMMA's N axis, one slot per active
-  expert up to 64 tokens, 64-row slots above);
+* INT4 experts (`Int4Weight`), any T: `int4_mlp_mgpu` (W4A16, `w4a16_mgpu`: the packed bytes
+  dequantized in registers straight into WGMMA's A operand, a producer warpgroup and two
+  consumers, K split over the SMs when few experts are hit; 8-row slots up to 64 tokens, 64-row
+  slots above);
 * FP8 experts (`Fp8Weight`, 128 x 128 blocks), any T: `fp8_mlp_mgpu` (W8A16, the same
   skeleton: e4m3 tiles times their block's scale into bf16 SMEM tiles).
 
@@ -52,14 +53,17 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   they lie (`permute.expert_pool`: no layer's experts are sliced out and copied)."""
   t, h = x.shape
   inter = w_gate.shape[-1]
-  if is_int4(w_gate) or is_fp8(w_gate):
-    kind = "INT4" if is_int4(w_gate) else "FP8"
+  if is_int4(w_gate):
+    return int4_mlp_mgpu.moe_experts_int4(x, weights, expert_ids, w_gate, w_up, w_down,
+                                          expert_offset=expert_offset, layer=layer,
+                                          cfg=int4_mlp_mgpu.Int4Config(num_sms=num_sms))
+  if is_fp8(w_gate):
     if h % 128 or inter % 128:
-      raise NotImplementedError(f"mosaic_gpu {kind} MoE needs hidden ({h}) and expert width "
+      raise NotImplementedError(f"mosaic_gpu FP8 MoE needs hidden ({h}) and expert width "
                                 f"({inter}) to be multiples of 128 (its K step)")
-    fn = int4_mlp_mgpu.moe_experts_int4 if kind == "INT4" else fp8_mlp_mgpu.moe_experts_fp8
-    return fn(x, weights, expert_ids, w_gate, w_up, w_down, expert_offset=expert_offset,
-              layer=layer, cfg=dequant_mlp_mgpu.DequantConfig(num_sms=num_sms))
+    return fp8_mlp_mgpu.moe_experts_fp8(x, weights, expert_ids, w_gate, w_up, w_down,
+                                        expert_offset=expert_offset, layer=layer,
+                                        cfg=dequant_mlp_mgpu.DequantConfig(num_sms=num_sms))
   if h % 64 or inter % 64:
     raise NotImplementedError(f"mosaic_gpu MoE needs hidden ({h}) and expert width ({inter}) "
                               "to be multiples of 64")

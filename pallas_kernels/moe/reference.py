@@ -282,7 +282,7 @@ GATHER_MAX_BYTES = 1 << 30
 def _gather_pays(copies: int, w_gate: jax.Array) -> bool:
   """Gather per-copy weights when there are at most a quarter as many copies as local experts
   and the gathered weights stay under GATHER_MAX_BYTES. Measured on CPU (demo model, 8 experts,
-  verify probes of `SpecRuntime.measure_costs`): 8 copies gathered took 3.3 ms per forward
+  verify probes of `SpecPolicy.measure_costs`): 8 copies gathered took 3.3 ms per forward
   against 1.6 ms for every expert on every token, 4 copies 2.2 ms against 1.5 ms; 2 copies
   gathered were the fastest."""
   return 4 * copies <= w_gate.shape[0] and copies * _expert_bytes(w_gate) <= GATHER_MAX_BYTES

@@ -1,9 +1,9 @@
 """Runs a Hugging Face checkpoint with transformers and saves its logits (reference side).
 
-Runs in the separate Python 3.11 reference environment (torch + transformers; see
-make_golden.py's docstring), never in the project's test environment:
+Runs in the separate Python 3.11 reference environment (torch + transformers; built by
+`bash tests/golden/make_ref_env.sh`), never in the project's test environment:
 
-    /work/venv311ref/bin/python tests/golden/hf_logits.py --model_dir=DIR --prompts=IN.npz \
+    .venv-ref/bin/python tests/golden/hf_logits.py --model_dir=DIR --prompts=IN.npz \
         --out=OUT.npz
 
 IN.npz holds int32 arrays `prompt_0`, `prompt_1`, ...; OUT.npz gets `logits_i` [L_i, V]

@@ -7,9 +7,10 @@ same template, conversation, tools and keyword arguments, and what the Kimi K2.5
 ``tool_declaration_ts.py`` writes for a set of tool schemas. ``tests/test_chat_template.py``
 compares our output with them byte for byte.
 
-Run in the reference environment (see make_golden.py; transformers 5.24.0 + jinja2)::
+Run in the reference environment (``bash tests/golden/make_ref_env.sh``; transformers 5.24.0 +
+jinja2)::
 
-    /work/venv311ref/bin/python tests/golden/make_chat_golden.py \\
+    .venv-ref/bin/python tests/golden/make_chat_golden.py \\
         --kimi-ts-script /path/to/tool_declaration_ts.py
 
 ``--kimi-ts-script`` is the Kimi K2.5 checkpoint's ``tool_declaration_ts.py`` (public copies:

@@ -11,10 +11,10 @@ in ``golden.npz``, which this script computes with Hugging Face transformers
 
 Reference environment (this is what the committed fixtures were made with)
 ---------------------------------------------------------------------------
-    python3.11 -m venv /work/venv311ref
-    /work/venv311ref/bin/pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-    /work/venv311ref/bin/pip install transformers==5.24.0 safetensors numpy tokenizers
-    # i.e. ``pip install torch==2.13.0 transformers==5.24.0 safetensors numpy tokenizers``
+    bash tests/golden/make_ref_env.sh      # -> .venv-ref/ at the repository root
+    # python3.11 -m venv .venv-ref, then ``pip install torch==2.13.0`` (the CPU build:
+    # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu where pip would take CUDA's) and
+    # ``transformers==5.24.0 compressed-tensors==0.20.1 safetensors numpy tokenizers tiktoken``
     # (used: torch 2.13.0+cpu, transformers 5.24.0, tokenizers 0.23.3, numpy 2.4.6)
 
 The script refuses to run with a different transformers major/minor version
@@ -25,8 +25,8 @@ How to run
 ----------
 From the repository root::
 
-    /work/venv311ref/bin/python tests/golden/make_golden.py            # all cases
-    /work/venv311ref/bin/python tests/golden/make_golden.py --cases llama qwen3
+    .venv-ref/bin/python tests/golden/make_golden.py            # all cases
+    .venv-ref/bin/python tests/golden/make_golden.py --cases llama qwen3
 
 It needs no network and no GPU (about 10 seconds on CPU).  Each case
 directory is deleted and rewritten; MANIFEST.json is rewritten from the cases

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Generate `tests/golden/fixtures/kimi_k25_int4/`: a miniature Kimi K2.5 as it ships.
 
-    /work/venv311ref/bin/python tests/golden/make_golden_k25.py
+    .venv-ref/bin/python tests/golden/make_golden_k25.py
 
 Reference environment as for `make_golden.py` (python 3.11, torch 2.13.0+cpu, transformers
-5.24.0) plus `compressed-tensors==0.20.1`. Deterministic (fixed seeds), CPU, a few seconds.
+5.24.0) plus `compressed-tensors==0.20.1`; `bash tests/golden/make_ref_env.sh` builds it.
+Deterministic (fixed seeds), CPU, a few seconds.
 
 What it makes, step by step:
 1. transformers' own `Kimi_K25ForConditionalGeneration` (tiny random dims, a vision tower and
@@ -63,7 +64,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration  # noqa: E402
 
 from golden_cases import EXPECTED_TRANSFORMERS, MIN_GREEDY_MARGIN, MIN_ROUTER_GAP, N_GREEDY  # noqa: E402
-from golden_quality import RouterMonitor, top2_margin  # noqa: E402
+from golden_quality import RouterMonitor  # noqa: E402
 from make_golden import case_seed, make_prompts, reinit_, run_prompt  # noqa: E402
 
 NAME = "kimi_k25_int4"

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Generate `tests/golden/fixtures/kimi_k25_vision/`: a miniature Kimi K2.5 that sees.
 
-    PYTHONPATH=/tmp/tv /work/venv311ref/bin/python tests/golden/make_golden_k25_vision.py
+    PYTHONPATH=.venv-ref/torchvision .venv-ref/bin/python tests/golden/make_golden_k25_vision.py
 
 Reference environment as for `make_golden_k25.py` (python 3.11, torch 2.13.0+cpu, transformers
 5.24.0), plus torchvision for transformers' `Kimi_K25ImageProcessor` (its only backend).
 PyPI's torchvision 0.28.0 wheel is a CUDA build whose C extension does not load beside the
 CPU torch; the processor needs none of it (resize, pad and normalize are torch ops), so it is
-installed outside the venv and imported without its operator registrations:
+installed outside the venv and imported without its operator registrations
+(`bash tests/golden/make_ref_env.sh --vision` does this):
 
-    pip install --no-deps --target /tmp/tv torchvision-0.28.0-cp311-cp311-manylinux_2_28_x86_64.whl
+    .venv-ref/bin/pip install --no-deps --target .venv-ref/torchvision torchvision==0.28.0
 
 Deterministic (fixed seeds, integer-made images), CPU, a few seconds. What it makes:
 1. transformers' own `Kimi_K25ForConditionalGeneration`: the text model of `kimi_k25_int4`

@@ -12,8 +12,8 @@ For every case it runs ONE causal full-sequence forward over
   * rows [L_i, L_i + 31) match ``decode_logits_i``  (i.e. cached decode == full recompute)
   * argmaxes reproduce ``greedy_i``.
 
-Run (needs numpy + safetensors only, e.g. the same venv):
-    /work/venv311ref/bin/python tests/golden/numpy_reference.py [case ...]
+Run (needs numpy + safetensors only, e.g. the reference environment):
+    .venv-ref/bin/python tests/golden/numpy_reference.py [case ...]
 """
 
 from __future__ import annotations

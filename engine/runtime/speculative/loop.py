@@ -1,18 +1,22 @@
-"""`speculative_decode_loop`: the decode-only device loop with drafting (the engine's, which
-`generate_tokens` and `engine.generate` run through too).
+"""`speculative_decode_loop`: the decode-only device loop with drafting.
 
-`steps.decode_loop`'s contract, but an iteration may draft up to K tokens per row and verify
-them with ONE target forward over K + 1 positions (`verify_block`), each row masked to its own
-drafts. Every enabled drafter proposes for the whole batch and each row takes its own (or, for
-"auto" rows, the best by its estimates); the model drafters' forwards run only when a live row
-uses them (`inplace.run_if`). Every proposal is then checked against what the row emitted
-(`matched`), which updates the acceptance estimates (`goodput`).
+`steps.decode_loop`'s contract (a `DecodeBatch`), but an iteration may draft up to K tokens per
+row and verify them with ONE target forward over K + 1 positions (`verify_block`), each row
+masked to its own drafts. Every enabled drafter (`drafters.Drafter`) proposes for the whole
+batch and each row takes its own (or, for "auto" rows, the best by its estimates); model
+drafters run their forwards only when a live row uses them. Every proposal is then checked
+against what the row emitted (`matched`), which updates the acceptance estimates (`goodput`).
+The policy's inputs (estimates, costs, each row's drafter and limit) are a `SpecInputs`.
+
+`decode_loop_learning` is the plain loop of an engine whose drafters learn from every token
+(the learned table).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +26,11 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
-from engine.runtime.speculative import drafters as dr, goodput, learned
-from engine.runtime.speculative.acceptance import draft_sample, prefix_length, verify
-from engine.runtime.speculative.inplace import run_if
-
-DRAFTER_IDS = ("off", "ngram", "learned", "mtp", "draft")
-DETERMINISTIC = ("ngram", "learned")
-AUTO = "auto"  # a request's drafter chosen by the loop from measured acceptance and costs
-
-
-def drafter_id(name: str | None) -> int:
-  return DRAFTER_IDS.index(name or "off")
+from engine.runtime.speculative import goodput
+from engine.runtime.speculative.acceptance import prefix_length, verify
+from engine.runtime.speculative import drafters as registry
+from engine.runtime.speculative.drafters import Drafter, LoopContext, drafter_id
+from engine.runtime.steps import DecodeBatch, decode_loop
 
 
 def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
@@ -43,6 +41,35 @@ def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Ar
   cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, buffer.shape[1])
   rows = jnp.arange(buffer.shape[0])[:, None]
   return buffer.at[rows, cols].set(values, mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecInputs:
+  """The speculative policy's inputs of one call (B rows, D drafter ids (`drafters.ids()`),
+  J = K)."""
+  history: jax.Array  # [B, W] each row's last history_len [B] tokens, oldest first, ending
+  history_len: jax.Array  # with `tokens`; W >= history_len + max_steps (emitted ones appended)
+  row_drafter: jax.Array  # [B] int32 drafter id (0: off)
+  row_auto: jax.Array  # [B] bool: rows whose drafter the loop chooses among auto_allowed
+  row_max_draft: jax.Array  # [B] int32: their limit of drafts per iteration
+  row_accept: jax.Array  # [B, D, J, 2] each row's decayed (accepted, ended) counts (`goodput`)
+  accept: jax.Array  # [D, J, 2] the same over drafting rows, engine-wide
+  auto_allowed: jax.Array  # [D] bool: what "auto" rows may take
+  fed: jax.Array  # [B, D] bool: rows each model drafter is kept current for in this call
+  costs: jax.Array  # [len(widths) + D]: T(B, k) per compiled width, each drafter's column cost
+  time_budget: jax.Array  # float32: the call's time in plain iterations (inf: no bound)
+  force_width: jax.Array  # int32 index into widths forcing one (warm-up, timing), or -1
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+  """The loop's static configuration (one compiled program per value)."""
+  max_steps: int  # tokens per row per call, at most
+  widths: tuple[int, ...]  # (0, K): `goodput.plan` takes plain or the block; (K,): the block
+  drafters: tuple[Drafter, ...]
+  cfg: ModelConfig
+  impl: KernelChoice = REFERENCE
 
 
 @jax.tree_util.register_dataclass
@@ -106,7 +133,7 @@ def matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_em
 @dataclasses.dataclass
 class LoopState:
   """What one iteration hands the next, and the loop returns (B rows, J = K draft positions,
-  D drafters)."""
+  D drafter ids)."""
   cache: Cache
   tok: jax.Array  # [B] newest token (position n_cached)
   n_cached: jax.Array  # [B]
@@ -114,7 +141,7 @@ class LoopState:
   count: jax.Array  # [B] tokens emitted in this call
   out: jax.Array  # [B, max_steps] new tokens, -1 past each row's count
   stopped: jax.Array  # [B] bool: a stop id ended the row
-  history: jax.Array  # [B, W] recent tokens (ngram), history_len [B] of them
+  history: jax.Array  # [B, W] recent tokens, history_len [B] of them
   history_len: jax.Array
   accept: jax.Array  # [D, J, 2]
   row_accept: jax.Array  # [B, D, J, 2]
@@ -125,142 +152,91 @@ class LoopState:
   k_steps: jax.Array  # [len(widths)] iterations run with each block width
   calibration: jax.Array  # [3] tokens expected, emitted (when drafting); time (cost table)
   lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (if want_logprobs)
-  table: learned.NgramTable | None = None  # "learned", and its proposal for this iteration
-  learned_proposal: tuple[jax.Array, jax.Array] | None = None
-  mtp_hidden: jax.Array | None = None  # [B, H] "mtp"
-  draft_cache: Cache | None = None  # "draft", and the tokens its fed rows still lack
-  pending: jax.Array | None = None  # [B, J]
-  n_pending: jax.Array | None = None  # [B]
+  drafters: dict[str, Any]  # each drafter's own loop state
 
 
-def _draft_feed(draft_params, dcache, pending, n_pending, tok, n_cached, live, page_table, *,
-                draft_cfg, impl):
-  """Feeds the draft model each row's pending tokens [B, P] (positions n_cached - n_pending ..
-  n_cached - 1) and its newest token. Returns (its hidden state at the newest token [B, H],
-  the draft cache holding positions <= n_cached)."""
-  live_i = live.astype(jnp.int32)
-  block = jnp.concatenate([pending, jnp.zeros_like(pending[:, :1])], axis=1)
-  block = _place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
-  hidden, dcache = forward(draft_params, dcache, block, n_cached - n_pending,
-                           (n_pending + 1) * live_i, page_table, cfg=draft_cfg, impl=impl)
-  return jnp.take_along_axis(hidden, n_pending[:, None, None], axis=1)[:, 0], dcache
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopResult:
+  """The loop's outputs (the cache and the drafters' persistent state come back apart)."""
+  out: jax.Array
+  count: jax.Array
+  stopped: jax.Array
+  lps: tuple[jax.Array, jax.Array, jax.Array]
+  slots: jax.Array
+  k_steps: jax.Array
+  row_accept: jax.Array
+  by_drafter: jax.Array
+  accept: jax.Array
+  calibration: jax.Array
+  rows: dict[str, jax.Array]  # drafters' row state {name: [B, width]}
 
 
-def _draft_chain(draft_params, dcache, h, n_cached, live, page_table, sampling, *, k, draft_cfg,
-                 impl):
-  """k >= 1 drafts from the draft model's state h [B, H] at the newest token. Returns (draft
-  [B, k], q [B, k, V], draft cache holding positions < n_cached + k)."""
-  drafts, qs = [], []
-  for j in range(1, k + 1):
-    if j > 1:
-      hidden, dcache = forward(draft_params, dcache, drafts[-1][:, None], n_cached + j - 1,
-                               live.astype(jnp.int32), page_table, cfg=draft_cfg, impl=impl)
-      h = hidden[:, 0]
-    t, q = draft_sample(compute_logits(draft_params, h, draft_cfg), sampling, n_cached + j)
-    drafts.append(t)
-    qs.append(q)
-  return jnp.stack(drafts, axis=1), jnp.stack(qs, axis=1), dcache
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache", "state"))
+def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, spec: SpecInputs,
+                            state: dict[str, Any], rows: dict[str, jax.Array],
+                            own_params: dict[str, Params], *, config: LoopConfig
+                            ) -> tuple[LoopResult, Cache, dict[str, Any]]:
+  """Up to `batch.num_steps` (<= max_steps; here tokens, not iterations) new tokens per row, in
+  about `spec.time_budget`: no iteration starts once the iterations run (by the cost table,
+  `spec.costs`) reach it.
 
-
-@functools.partial(jax.jit,
-                   static_argnames=("max_steps", "widths", "drafters", "cfg", "draft_cfg",
-                                    "impl"),
-                   donate_argnames=("cache", "table", "draft_cache"))
-def speculative_decode_loop(
-    params: Params, cache: Cache, tokens: jax.Array, n_cached: jax.Array, page_table: jax.Array,
-    sampling: SamplingArrays, stop_ids: jax.Array, remaining: jax.Array,
-    min_before_stop: jax.Array, num_steps: jax.Array, time_budget: jax.Array,
-    history: jax.Array, history_len: jax.Array, row_drafter: jax.Array, row_auto: jax.Array,
-    row_max_draft: jax.Array, row_accept: jax.Array, auto_allowed: jax.Array, feed: jax.Array,
-    draft_rows: jax.Array, accept: jax.Array, costs: jax.Array, force_width: jax.Array,
-    want_logprobs: jax.Array, table: learned.NgramTable | None = None,
-    mtp_hidden: jax.Array | None = None, draft_params: Params | None = None,
-    draft_cache: Cache | None = None, *, max_steps: int, widths: tuple[int, ...],
-    drafters: tuple[str, ...], cfg: ModelConfig, draft_cfg: ModelConfig | None = None,
-    impl: KernelChoice = REFERENCE) -> tuple[LoopState, Cache]:
-  """Up to `num_steps` (<= max_steps) new tokens per row, in about `time_budget`.
-
-  Args beyond `steps.decode_loop`'s (whose num_steps here counts tokens, not iterations):
-    time_budget: float32, the call's time in plain-loop iterations by the cost table (`costs`,
-      its row for B): no iteration starts once those run reach it (inf: no bound).
-    history: [B, W] int32 each row's last history_len [B] tokens, oldest first, ending with
-      `tokens`; W >= history_len + max_steps (the loop appends what it emits).
-    row_drafter: [B] int32 index into DRAFTER_IDS (0: off); row_auto [B] bool: rows whose
-      drafter the loop chooses among auto_allowed [D]; row_max_draft [B] int32: their limit.
-    row_accept: [B, D, J = K, 2] each row's decayed (accepted, ended) counts per drafter and
-      draft position (`goodput`); accept [D, J, 2]: the same over drafting rows.
-    feed: [D] bool model drafters kept current (those a row uses or may take); draft_rows [B]
-      bool: the rows the draft model is fed (their draft cache holds positions < n_cached).
-    widths: (0, K): `goodput.plan` takes plain or the block each iteration; (K,): the block.
-      force_width: int32 index into `widths` forcing one (warm-up, timing), or -1.
-    table ("learned"), mtp_hidden [B, H] ("mtp"), draft_params and draft_cache ("draft"): the
-      drafters' state (table and draft cache donated). "mtp" observes every verified block;
-      "draft" lacks the tokens in `pending` until its next forward (flushed at the end).
+  state: each drafter's persistent device state (donated: the learned table, the draft cache);
+  rows: each drafter's row state [B, width] (the MTP hidden state); own_params: drafters' own
+  weights (the draft model's). Returns (result, cache, state).
   """
-  b = tokens.shape[0]
-  n_ids = len(DRAFTER_IDS)
+  cfg, widths, drafters, impl = config.cfg, config.widths, config.drafters, config.impl
+  if any(d.aux_layers for d in drafters):
+    raise NotImplementedError("drafters reading layers' hidden states (aux_layers) need the "
+                              "forward to return them (the scanned layer stack)")
+  b = batch.tokens.shape[0]
+  all_ids = registry.ids()
+  n_ids = len(all_ids)
   k_max = widths[-1]
-  limit = jnp.minimum(remaining, jnp.minimum(num_steps, max_steps))
-  enabled = jnp.asarray([d in drafters for d in DRAFTER_IDS])
-  step_cost, drafter_cost = costs[:len(widths)], costs[len(widths):]
+  limit = jnp.minimum(batch.remaining, jnp.minimum(batch.num_steps, config.max_steps))
+  present = {d.name for d in drafters}
+  enabled = jnp.asarray([name in present for name in all_ids])
+  model_ids = jnp.asarray([any(d.name == name and not d.deterministic for d in drafters)
+                           for name in all_ids])
+  fed_only = jnp.asarray([any(d.name == name and d.fed_per_row for d in drafters)
+                          for name in all_ids])
+  step_cost, drafter_cost = spec.costs[:len(widths)], spec.costs[len(widths):]
+  page_table, sampling = batch.page_table, batch.sampling
+
+  def context(d: Drafter, s: LoopState, live: jax.Array) -> LoopContext:
+    i = drafter_id(d.name)
+    return LoopContext(params=params, own_params=own_params.get(d.name), cfg=cfg, impl=impl,
+                       page_table=page_table, sampling=sampling, tok=s.tok,
+                       n_cached=s.n_cached, live=live, history=s.history,
+                       history_len=s.history_len, uses=s.ids == i, fed=spec.fed[:, i],
+                       k_max=k_max)
 
   def step(k: int, s: LoopState) -> LoopState:
     live = ~s.done
-    cache, tok, n_cached, ids = s.cache, s.tok, s.n_cached, s.ids
-    use = {d: ids == drafter_id(d) for d in drafters}
-    model_rows = jnp.asarray([i > 0 and d not in DETERMINISTIC
-                              for i, d in enumerate(DRAFTER_IDS)])[ids]
     # Every drafter's proposal of kk = max(k, 1) tokens (with k = 0 they are only compared
-    # with the emitted token afterwards: evidence at no verify cost). Model drafters draft
-    # only when a live row uses them, and are fed (`feed`) whenever a row may switch to them.
+    # with the emitted token afterwards: evidence at no verify cost).
     kk = max(k, 1)
-    props = {}  # drafter -> (tokens [B, kk], proposed [B], computed: bool scalar)
-    q, draft_cache = None, s.draft_cache
-    full = jnp.full((b,), kk, jnp.int32)
-    nothing = (jnp.zeros((b, kk), jnp.int32), jnp.zeros((b, kk, cfg.vocab_size), jnp.float32))
-    if "ngram" in drafters:
-      props["ngram"] = (*dr.ngram_propose(s.history, s.history_len - 1, kk), True)
-    if "learned" in drafters:  # looked up before the conditional (`body`): the first kk
-      d, n = s.learned_proposal
-      props["learned"] = (d[:, :kk], jnp.minimum(n, kk), True)
-    if "mtp" in drafters:
-      wanted = jnp.any(use["mtp"] & live)
-      dm, q, cache = run_if(
-          wanted, lambda st: dr.mtp_propose(params, st[2], s.mtp_hidden, n_cached, live,
-                                            page_table, sampling, k=kk, cfg=cfg, impl=impl),
-          (*nothing, cache))
-      props["mtp"] = (dm, full, wanted)
-    if "draft" in drafters:  # its rows fed every iteration (k = 0 too)
-      fed_rows = live & draft_rows
-
-      def fed(st):
-        return _draft_feed(draft_params, st[1], s.pending, s.n_pending, tok, n_cached,
-                           fed_rows, page_table, draft_cfg=draft_cfg, impl=impl)
-
-      wanted = jnp.any(use["draft"] & live)
-      h0 = jax.eval_shape(fed, (None, s.draft_cache))[0]
-      h, dcache = run_if(jnp.any(fed_rows), fed,
-                         (jnp.zeros(h0.shape, h0.dtype), s.draft_cache))
-      dd, qd, draft_cache = run_if(
-          wanted, lambda st: _draft_chain(draft_params, st[2], h, n_cached, fed_rows,
-                                          page_table, sampling, k=kk, draft_cfg=draft_cfg,
-                                          impl=impl),
-          (*nothing, dcache))
-      props["draft"] = (dd, full, wanted & draft_rows)  # (other rows' drafts: stale context)
-      q = qd if q is None else jnp.where(use["draft"][:, None, None], qd, q)
+    cache, props, states, q = s.cache, {}, dict(s.drafters), None
+    for d in drafters:
+      ctx = context(d, s, live)
+      props[d.name], states[d.name], cache = d.propose(ctx, states[d.name], cache, kk)
+      p = props[d.name]
+      if p.q is not None:
+        q = p.q if q is None else jnp.where(ctx.uses[:, None, None], p.q, q)
     draft = jnp.zeros((b, kk), jnp.int32)
     n_draft = jnp.zeros((b,), jnp.int32)
-    for d, (t, n, _) in props.items():
-      draft = jnp.where(use[d][:, None], t, draft)
-      n_draft = jnp.where(use[d], n, n_draft)
+    for name, p in props.items():
+      use = s.ids == drafter_id(name)
+      draft = jnp.where(use[:, None], p.tokens, draft)
+      n_draft = jnp.where(use, p.count, n_draft)
     if k == 0:
       draft, n_draft, q = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), None
     n_draft = jnp.where(live, jnp.minimum(n_draft, s.k_rows), 0)
     # Rows of model drafters use their q; the others (deterministic drafters, off) match
     # the target's own samples, so their sampled output is that of plain decoding.
-    v = verify_block(params, cache, tok, draft, q, n_draft, n_cached, live, s.count,
-                     stop_ids, min_before_stop, sampling, page_table, cfg=cfg, impl=impl,
-                     q_rows=model_rows)
+    v = verify_block(params, cache, s.tok, draft, q, n_draft, s.n_cached, live, s.count,
+                     batch.stop_ids, batch.min_before_stop, sampling, page_table, cfg=cfg,
+                     impl=impl, q_rows=model_ids[s.ids])
     n_acc, n_emit = v.n_accepted, v.n_emit
 
     def logprobs(_):
@@ -268,45 +244,28 @@ def speculative_decode_loop(
       lp = token_logprobs(v.logits.reshape(b * t, vocab), v.emitted.reshape(-1))
       return tuple(x.reshape((b, t) + x.shape[1:]) for x in lp)
 
-    lp = jax.lax.cond(want_logprobs, logprobs, lambda _: jax.tree.map(
+    lp = jax.lax.cond(batch.want_logprobs, logprobs, lambda _: jax.tree.map(
         lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(logprobs, None)), None)
-    mtp_hidden, cache = s.mtp_hidden, v.cache
-    if "mtp" in drafters:  # the MTP layer sees every verified block (its cache covers them)
-      def observe(st):
-        h, c = dr.mtp_observe(params, st[1], v.hidden, v.emitted, n_cached,
-                              (n_acc + 1) * live.astype(jnp.int32), page_table, cfg=cfg,
-                              impl=impl)
-        return jnp.where(live[:, None], h.astype(st[0].dtype), st[0]), c
-
-      mtp_hidden, cache = run_if(feed[drafter_id("mtp")], observe, (mtp_hidden, cache))
-    pending, n_pending = s.pending, s.n_pending
-    if "draft" in drafters:
-      # It was fed tok and, in rows drafting with it, its drafts d_1 .. d_{k-1}: so those rows
-      # lack the emitted tokens past their accepted drafts, the others every emitted token.
-      seen = jnp.where(use["draft"], jnp.minimum(n_acc, max(k, 1) - 1), 0)
-      n_pend = jnp.maximum(n_emit - 1 - seen, 0)
-      pend = jnp.take_along_axis(
-          v.emitted, jnp.minimum(seen[:, None] + jnp.arange(k_max)[None, :], k), axis=1)
-      pending = jnp.where(live[:, None], pend, pending)
-      n_pending = jnp.where(live, n_pend, n_pending)
-    onehot = jax.nn.one_hot(ids, n_ids, dtype=jnp.int32) * live.astype(jnp.int32)[:, None]
+    cache = v.cache
+    for d in drafters:
+      states[d.name], cache = d.observe(context(d, s, live), states[d.name], cache, v, k)
+    onehot = jax.nn.one_hot(s.ids, n_ids, dtype=jnp.int32) * live.astype(jnp.int32)[:, None]
     # Evidence for every drafter that proposed, not only the row's own: "auto" rows compare
     # drafters at no cost.
     evidence = jnp.zeros((b, n_ids, k_max, 2), jnp.float32)
-    for d, (t, n, computed) in props.items():
-      m, ended = matched(t, n, v.emitted, n_emit)
-      evidence = evidence.at[:, drafter_id(d)].set(
-          goodput.position_evidence(m, ended, k_max, live & computed))
-    drafting = (live & (ids > 0)).astype(jnp.float32)
+    for name, p in props.items():
+      m, ended = matched(p.tokens, p.count, v.emitted, n_emit)
+      evidence = evidence.at[:, drafter_id(name)].set(
+          goodput.position_evidence(m, ended, k_max, live & p.computed))
+    drafting = (live & (s.ids > 0)).astype(jnp.float32)
     count = s.count + n_emit
     return dataclasses.replace(
-        s, cache=cache, mtp_hidden=mtp_hidden, pending=pending, n_pending=n_pending,
-        draft_cache=draft_cache,
+        s, cache=cache, drafters=states,
         out=_place(s.out, s.count, v.emitted, n_emit),
         lps=tuple(_place(buf, s.count, x, n_emit) for buf, x in zip(s.lps, lp)),
         history=_place(s.history, s.history_len, v.emitted, n_emit),
-        count=count, history_len=s.history_len + n_emit, n_cached=n_cached + n_emit,
-        tok=jnp.where(live, v.extra, tok), stopped=s.stopped | v.stopped,
+        count=count, history_len=s.history_len + n_emit, n_cached=s.n_cached + n_emit,
+        tok=jnp.where(live, v.extra, s.tok), stopped=s.stopped | v.stopped,
         done=s.done | v.stopped | (count >= limit),
         slots=s.slots + (jnp.arange(k_max)[None, None, :] < jnp.stack(
             [n_draft, n_acc], axis=1)[:, :, None]).astype(jnp.int32),
@@ -318,73 +277,88 @@ def speculative_decode_loop(
   def body(s: LoopState) -> LoopState:
     live = ~s.done
     gain_rows = goodput.row_gains(s.row_accept, s.accept)  # [B, D, J]
-    allowed = (enabled & auto_allowed)[None, :] & (
-        (jnp.arange(n_ids) != drafter_id("draft"))[None, :] | draft_rows[:, None])
+    allowed = (enabled & spec.auto_allowed)[None, :] & (~fed_only[None, :] | spec.fed)
     ids, gain, column_cost = goodput.row_drafters(gain_rows, step_cost[-1], drafter_cost,
-                                                  allowed, row_auto, row_drafter, live, k_max)
-    room = jnp.maximum(jnp.minimum(limit - s.count - 1, row_max_draft), 0)
+                                                  allowed, spec.row_auto, spec.row_drafter,
+                                                  live, k_max)
+    room = jnp.maximum(jnp.minimum(limit - s.count - 1, spec.row_max_draft), 0)
     drafting = live & (ids > 0)
     k_rows = jnp.where(drafting, jnp.minimum(room, k_max), 0)
     index = jnp.int32(len(widths) - 1)
     if len(widths) > 1:  # plain or the block, unless forced (warm-up, timing)
-      block, planned = goodput.plan(gain, drafting, live, room, k_max, step_cost,
-                                       column_cost)
-      index = jnp.where(force_width >= 0, force_width, block.astype(jnp.int32))
-      k_rows = jnp.where(force_width >= 0, k_rows, planned)
+      block, planned = goodput.plan(gain, drafting, live, room, k_max, step_cost, column_cost)
+      index = jnp.where(spec.force_width >= 0, spec.force_width, block.astype(jnp.int32))
+      k_rows = jnp.where(spec.force_width >= 0, k_rows, planned)
     drafts = index == len(widths) - 1
     taken = jnp.arange(1, k_max + 1)[None, :] <= k_rows[:, None]
     expected = jnp.sum(jnp.where(live, 1.0 + jnp.sum(jnp.where(taken, gain, 0.0), 1), 0.0))
     # (in plain iterations: what `time_budget` counts)
     seconds = step_cost[index] + jnp.where(drafts, k_max * column_cost, 0.0)
-    before_count = jnp.sum(s.count)
-    # The learned table stays out of the conditional, whose branches would copy it (`inplace`):
-    # drafts are looked up before (k_max, or one for plain) and emitted tokens learned after.
-    table, before = s.table, s.history_len
-    s = dataclasses.replace(s, ids=ids, k_rows=k_rows, table=None)
-    if table is not None:  # (the barrier keeps XLA from sinking the reads into the branches)
-      proposal = learned.propose_or_one(table, s.history, before - 1, k_max, drafts)
-      proposal, table = jax.lax.optimization_barrier((proposal, table))
-      s = dataclasses.replace(s, learned_proposal=proposal)
+    before_count, before = jnp.sum(s.count), s.history_len
+    s = dataclasses.replace(s, ids=ids, k_rows=k_rows)
+    # What a drafter keeps out of the conditional (`Drafter.prepare`; the learned table),
+    # whose branches would copy it (`inplace`).
+    held, states = {}, dict(s.drafters)
+    for d in drafters:
+      held[d.name], states[d.name] = d.prepare(context(d, s, live), states[d.name], drafts)
+    s = dataclasses.replace(s, drafters=states)
     if len(widths) == 1:
       s = step(k_max, s)
     else:
       s = jax.lax.cond(drafts, functools.partial(step, k_max), functools.partial(step, 0), s)
-    if table is not None:
-      slots = jnp.arange(k_max + 1, dtype=jnp.int32)[None, :]
-      table = learned.update(table, s.history, before[:, None] + slots,
-                             slots < (s.history_len - before)[:, None])
+    states = dict(s.drafters)
+    for d in drafters:
+      states[d.name] = d.learn(context(d, s, ~s.done), states[d.name], held[d.name], before)
     drafted = drafts.astype(jnp.float32)  # the estimates' calibration (`LoopState`)
     emitted = (jnp.sum(s.count) - before_count).astype(jnp.float32)
     return dataclasses.replace(
-        s, table=table, learned_proposal=None, k_steps=s.k_steps.at[index].add(1),
+        s, drafters=states, k_steps=s.k_steps.at[index].add(1),
         calibration=s.calibration + jnp.stack([drafted * expected, drafted * emitted,
                                                seconds]))
 
   zeros = jnp.zeros((b,), jnp.int32)
   kt = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
   s = LoopState(
-      cache=cache, tok=tokens, n_cached=n_cached.astype(jnp.int32), done=limit <= 0,
-      count=zeros, out=jnp.full((b, max_steps), -1, jnp.int32), stopped=jnp.zeros((b,), bool),
-      history=history, history_len=history_len.astype(jnp.int32),
-      accept=accept.astype(jnp.float32),
-      row_accept=row_accept.astype(jnp.float32), ids=row_drafter.astype(jnp.int32),
+      cache=cache, tok=batch.tokens, n_cached=batch.n_cached.astype(jnp.int32),
+      done=limit <= 0, count=zeros, out=jnp.full((b, config.max_steps), -1, jnp.int32),
+      stopped=jnp.zeros((b,), bool), history=spec.history,
+      history_len=spec.history_len.astype(jnp.int32), accept=spec.accept.astype(jnp.float32),
+      row_accept=spec.row_accept.astype(jnp.float32), ids=spec.row_drafter.astype(jnp.int32),
       k_rows=zeros, by_drafter=jnp.zeros((b, n_ids, 3), jnp.int32),
       slots=jnp.zeros((b, 2, k_max), jnp.int32), k_steps=jnp.zeros((len(widths),), jnp.int32),
       calibration=jnp.zeros((3,), jnp.float32),
-      lps=(jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, kt), jnp.int32),
-           jnp.zeros((b, max_steps, kt), jnp.float32)),
-      table=table if "learned" in drafters else None,
-      mtp_hidden=mtp_hidden if "mtp" in drafters else None)
-  if "draft" in drafters:
-    s = dataclasses.replace(s, draft_cache=draft_cache,
-                            pending=jnp.zeros((b, k_max), jnp.int32), n_pending=zeros)
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.calibration[2] < time_budget),
+      lps=(jnp.zeros((b, config.max_steps), jnp.float32),
+           jnp.zeros((b, config.max_steps, kt), jnp.int32),
+           jnp.zeros((b, config.max_steps, kt), jnp.float32)),
+      drafters={d.name: d.start(state.get(d.name), rows.get(d.name), b, k_max)
+                for d in drafters})
+  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.calibration[2] < spec.time_budget),
                          body, s)
-  if "draft" in drafters:  # flush: fed rows' draft cache holds every position < n_cached
-    s = dataclasses.replace(s, draft_cache=run_if(
-        jnp.any(draft_rows),
-        lambda c: forward(draft_params, c, s.pending, s.n_cached - s.n_pending,
-                          s.n_pending * draft_rows.astype(jnp.int32), page_table,
-                          cfg=draft_cfg, impl=impl)[1],
-        s.draft_cache))
-  return dataclasses.replace(s, cache=None), s.cache
+  new_state, new_rows = {}, {}
+  for d in drafters:
+    st, r = d.finish(context(d, s, ~s.done), s.drafters[d.name])
+    if st is not None:
+      new_state[d.name] = st
+    if r is not None:
+      new_rows[d.name] = r
+  result = LoopResult(out=s.out, count=s.count, stopped=s.stopped, lps=s.lps, slots=s.slots,
+                      k_steps=s.k_steps, row_accept=s.row_accept, by_drafter=s.by_drafter,
+                      accept=s.accept, calibration=s.calibration, rows=new_rows)
+  return result, s.cache, new_state
+
+
+@functools.partial(jax.jit, static_argnames=("max_steps", "cfg", "impl", "learners"),
+                   donate_argnames=("cache", "state"))
+def decode_loop_learning(params: Params, cache: Cache, batch: DecodeBatch,
+                         state: dict[str, Any], inputs: dict[str, dict[str, jax.Array]], *,
+                         max_steps: int, cfg: ModelConfig, impl: KernelChoice = REFERENCE,
+                         learners: tuple[Drafter, ...] = ()):
+  """`steps.decode_loop`, then every learner (`Drafter.learns_from_plain`) taught the call's
+  new tokens (`inputs[name]`: its `plain_inputs`), in one program (as a program of its own
+  the update costs a dispatch per call). Returns (out, count, stopped, lps, cache, state)."""
+  out, count, stopped, lps, cache = decode_loop(params, cache, batch, max_steps=max_steps,
+                                                cfg=cfg, impl=impl)
+  state = dict(state)
+  for d in learners:
+    state[d.name] = d.learn_plain(state[d.name], inputs[d.name], out, count)
+  return out, count, stopped, lps, cache, state

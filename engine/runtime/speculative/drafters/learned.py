@@ -10,12 +10,15 @@ context (ORDERS) and chains on its own drafts. Deterministic: verified with one-
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.model.config import ModelConfig
 from engine.runtime.engine_config import EngineConfig
+from engine.runtime.speculative.drafters.base import Drafter, LoopContext, Proposal
 
 # Context lengths, longest first; two keep a lookup at two gathers per draft. (4, 2) drafts
 # 12-19% more tokens per forward than (3, 2) on a second pass over what the table learned, but
@@ -146,13 +149,95 @@ def propose_or_one(table: NgramTable, history: jax.Array, newest: jax.Array, k: 
   return jax.lax.cond(drafting, lambda _: propose(table, history, newest, k), one, None)
 
 
+def last_tokens(reqs: Sequence[Any], b: int, width: int, columns: int | None = None, *,
+                right_align: bool = False) -> np.ndarray:
+  """[b, columns or width] each request's last `width` tokens, oldest first (from column 0,
+  or ending at column width - 1 with `right_align`), zeros elsewhere."""
+  out = np.zeros((b, columns or width), np.int32)
+  for i, req in enumerate(reqs):
+    last = req.all_ids[-width:]
+    start = width - len(last) if right_align else 0
+    out[i, start:start + len(last)] = last
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnedDrafter(Drafter):
+  """The table as a drafter: looked up before the loop's plain / block conditional and taught
+  after it (a table updated inside a branch would be copied every iteration, `inplace`), and
+  taught by plain calls too."""
+  name = "learned"
+  deterministic = True
+  learns_from_plain = True
+  junk_changes_state = True
+  cfg: ModelConfig
+  slots: int = EngineConfig.learned_table_slots
+
+  @classmethod
+  def create(cls, cfg, config, draft_cfg) -> "LearnedDrafter":
+    return cls(cfg=cfg, slots=config.learned_table_slots)
+
+  def init_state(self, num_pages, page_size, dtype, place_cache, place_state) -> NgramTable:
+    return place_state(NgramTable.empty(self.slots))
+
+  def start(self, state: NgramTable, rows: Any, b: int, k_max: int) -> dict:
+    return {"table": state}
+
+  def prepare(self, ctx: LoopContext, st: dict, drafting: jax.Array) -> tuple[Any, dict]:
+    # Drafts are looked up before the conditional: k_max, or one for a plain iteration (the
+    # barrier keeps XLA from sinking the reads into the branches).
+    proposal = propose_or_one(st["table"], ctx.history, ctx.history_len - 1, ctx.k_max,
+                              drafting)
+    proposal, table = jax.lax.optimization_barrier((proposal, st["table"]))
+    return table, {"proposal": proposal}
+
+  def propose(self, ctx: LoopContext, st: dict, cache: Any, k: int
+              ) -> tuple[Proposal, dict, Any]:
+    d, n = st["proposal"]
+    return Proposal(d[:, :k], jnp.minimum(n, k), None, jnp.bool_(True)), st, cache
+
+  def learn(self, ctx: LoopContext, st: dict, held: NgramTable, before: jax.Array) -> dict:
+    slots = jnp.arange(ctx.k_max + 1, dtype=jnp.int32)[None, :]
+    return {"table": update(held, ctx.history, before[:, None] + slots,
+                            slots < (ctx.history_len - before)[:, None])}
+
+  def finish(self, ctx: LoopContext, st: dict) -> tuple[NgramTable, None]:
+    return st["table"], None
+
+  def learn_plain(self, state: NgramTable, inputs: dict[str, jax.Array], out: jax.Array,
+                  count: jax.Array) -> NgramTable:
+    """Every new token of the rows `learn_rows` [B] after their `context` [B, C] (each row's
+    last tokens before the call)."""
+    context, learn_rows = inputs["context"], inputs["learn_rows"]
+    cols = jnp.arange(out.shape[1], dtype=jnp.int32)
+    positions = jnp.broadcast_to(context.shape[1] + cols, out.shape)
+    valid = (cols[None, :] < count[:, None]) & learn_rows[:, None]
+    return update(state, jnp.concatenate([context, out], axis=1), positions, valid)
+
+  def plain_inputs(self, reqs: Sequence[Any], b: int) -> dict[str, np.ndarray]:
+    """Each row's last tokens before the call, and which rows teach (not padding)."""
+    return {"context": last_tokens(reqs, b, max(ORDERS), right_align=True),
+            "learn_rows": np.arange(b) < len(reqs)}
+
+
 class NgramMemory:
-  """Host handle on a table that persists across `generate_tokens` calls (it is replaced by
-  the updated table after each call; the old device buffers are donated)."""
+  """Host handle on a learned table that persists across `engine.generate` calls and processes
+  (it is replaced by the updated table after each call; the old device buffers are donated)."""
+  drafter = LearnedDrafter.name
 
   def __init__(self, table: NgramTable | None = None,
                num_slots: int = EngineConfig.learned_table_slots):
     self.table = table if table is not None else NgramTable.empty(num_slots)
+
+  @property
+  def num_slots(self) -> int:
+    return int(self.table.tags.shape[0])
+
+  @staticmethod
+  def load_or_new(path: str | None) -> "NgramMemory":
+    """The table saved at `path` if it exists, else an empty one."""
+    import os
+    return NgramMemory.load(path) if path and os.path.exists(path) else NgramMemory()
 
   def save(self, path: str) -> None:
     """Writes the table as a .npz file."""
