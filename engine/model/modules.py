@@ -45,16 +45,33 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 class ParamInit:
   """Makes `nnx.Param`s from the layout's shape specs (`engine.model.params`): a tuple, or an
   `Int4Weight` / `Fp8Weight` of tuples. `lead`: leading axes (a stack's layer axis). Values:
-  norms 1, biases 0, matrices N(0, 1/fan_in), quantized leaves random codes with matching
-  scales: a runnable model (tests, a demo), though checkpoints fill the real ones."""
+  norms 1, biases 0, the token table N(0, 1), matrices N(0, 1/fan_in), quantized leaves random
+  codes with matching scales: a runnable model (tests, a demo), though checkpoints fill the
+  real ones. Without `rngs`, abstract: every value a `jax.ShapeDtypeStruct` (a module's
+  structure for its graphdef, nothing drawn or traced)."""
 
-  def __init__(self, rngs: nnx.Rngs, dtype: Any = jnp.float32, lead: tuple[int, ...] = ()):
+  def __init__(self, rngs: nnx.Rngs | None, dtype: Any = jnp.float32,
+               lead: tuple[int, ...] = ()):
     self.rngs, self.dtype, self.lead = rngs, dtype, tuple(lead)
+
+  def stacked(self, n: int) -> "ParamInit":
+    """The same initialiser with a leading layer axis of n (a stack of n layers)."""
+    return ParamInit(self.rngs, self.dtype, (n,) + self.lead)
 
   def __call__(self, name: str, spec: Any, *, dtype: Any = None, fan_in_axis: int = 0
                ) -> nnx.Param:
     dtype = self.dtype if dtype is None else dtype
     lead = self.lead
+    if self.rngs is None:
+      def abstract(shape, dt):
+        return jax.ShapeDtypeStruct(lead + tuple(shape), dt)
+      if isinstance(spec, Int4Weight):
+        return nnx.Param(Int4Weight(abstract(spec.packed, jnp.uint8),
+                                    abstract(spec.scale, jnp.bfloat16)))
+      if isinstance(spec, Fp8Weight):
+        return nnx.Param(Fp8Weight(abstract(spec.w, jnp.float8_e4m3fn),
+                                   abstract(spec.scale_inv, jnp.float32), spec.block, spec.n_in))
+      return nnx.Param(abstract(spec, dtype))
     if isinstance(spec, Int4Weight):
       fan_in = 2 * spec.packed[-1]  # packed [..., N, K/2]
       packed = jax.random.randint(self.rngs.params(), lead + spec.packed, 0, 256, jnp.int32)
@@ -71,7 +88,7 @@ class ParamInit:
       return nnx.Param(jnp.ones(shape, dtype))
     if name.endswith("bias"):
       return nnx.Param(jnp.zeros(shape, dtype))
-    fan_in = spec[fan_in_axis] * (spec[1] if name == "o" else 1)
+    fan_in = 1 if name == "embed" else spec[fan_in_axis] * (spec[1] if name == "o" else 1)
     return nnx.Param((jax.random.normal(self.rngs.params(), shape) * fan_in ** -0.5
                       ).astype(dtype))
 
@@ -300,15 +317,15 @@ class MTPLayer(DecoderLayer):
 
 # ---- module trees from the parameter pytree ---------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graphdef(make: Any, *key: Any) -> Any:
-  """The graphdef of `make(*key, ParamInit)`, built abstractly (nothing allocated)."""
-  return nnx.graphdef(nnx.eval_shape(lambda: make(*key, ParamInit(nnx.Rngs(0)))))
+  """The graphdef of `make(*key, init)`, built abstractly (nothing allocated or traced)."""
+  return nnx.graphdef(make(*key, ParamInit(None)))
 
 
 def _stack_init(cfg: ModelConfig, r: int, init: ParamInit) -> DecoderLayer:
   first, last = cfg.layer_stacks[r]
-  return DecoderLayer(cfg, first, ParamInit(init.rngs, init.dtype, (last - first,)))
+  return DecoderLayer(cfg, first, init.stacked(last - first))
 
 
 def stack_module(cfg: ModelConfig, r: int, stack: dict[str, Any]) -> DecoderLayer:

@@ -172,9 +172,8 @@ class Transformer(nnx.Module):
                vision: bool = True):
     self.cfg = cfg
     H, V = cfg.hidden_size, cfg.vocab_size
-    self.embed = nnx.Param(jax.random.normal(init.rngs.params(), (V, H)).astype(init.dtype))
-    self.stacks = nnx.List([DecoderLayer(cfg, start, ParamInit(init.rngs, init.dtype,
-                                                               (stop - start,)))
+    self.embed = init("embed", (V, H))
+    self.stacks = nnx.List([DecoderLayer(cfg, start, init.stacked(stop - start))
                             for start, stop in cfg.layer_stacks])
     self.final_norm = init("final_norm", (H,))
     if not cfg.tie_word_embeddings:
@@ -239,10 +238,9 @@ class Transformer(nnx.Module):
 _PARTS = ("embed", "stacks", "final_norm", "lm_head", "mtp", "vision")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model_graphdef(cfg: ModelConfig, mtp: bool, vision: bool) -> Any:
-  return nnx.graphdef(nnx.eval_shape(
-      lambda: Transformer(cfg, ParamInit(nnx.Rngs(0)), mtp=mtp, vision=vision)))
+  return nnx.graphdef(Transformer(cfg, ParamInit(None), mtp=mtp, vision=vision))
 
 
 def _as_state(tree: Any) -> Any:

@@ -230,9 +230,9 @@ class VisionTower(nnx.Module):
     return h @ p["proj_out"] + p["proj_out_bias"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tower_graphdef(cfg: VisionConfig) -> Any:
-  return nnx.graphdef(nnx.eval_shape(lambda: VisionTower(cfg, ParamInit(nnx.Rngs(0)))))
+  return nnx.graphdef(VisionTower(cfg, ParamInit(None)))
 
 
 def tower(params: Params, cfg: VisionConfig) -> VisionTower:
