@@ -96,7 +96,7 @@ class ParamInit:
 def _weights(module: nnx.Module, names: tuple[str, ...], dtype: Any) -> dict[str, Any]:
   """The module's parameters `names` present, FP8 linears kept quantized dequantized to dtype."""
   out = {}
-  for n in names:
+  for n in sorted(names):  # (a fixed order: the program does not depend on the caller's dict)
     if hasattr(module, n):
       w = getattr(module, n).get_value()
       out[n] = dequantize(w, dtype) if is_quantized(w) else w
