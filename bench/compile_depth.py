@@ -1,7 +1,7 @@
 """Compile time against depth: tiny DeepSeek-V3 checkpoints of 4 and 61 layers.
 
     python -m bench.compile_depth                              # this tree only
-    python -m bench.compile_depth --base=/tmp/moejax-base      # this tree vs another, A/B
+    python -m bench.compile_depth --base=BASE_TREE            # this tree vs another, A/B
 
 Writes one checkpoint per depth in transformers' layout (`engine.model.hf_export`, experts as
 transformers 5 saves them; tiny widths, bf16, a dense first layer then MoE layers), then, in a
@@ -30,13 +30,23 @@ import time
 from absl import app, flags
 
 FLAGS = flags.FLAGS
+
+
+def user_cache_dir(*parts: str) -> str:
+  """`engine.runtime.compile_cache.user_cache_dir`, restated: the `--measure` process imports
+  the other tree's `engine`, which may predate it."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "moejax", *parts)
+
+
 flags.DEFINE_list("layers", ["4", "61"], "Depths to measure.")
-flags.DEFINE_string("workdir", "/tmp/moejax_compile_depth", "Where the checkpoints are written.")
+flags.DEFINE_string("workdir", user_cache_dir("compile_depth"),
+                    "Where the checkpoints are written.")
 flags.DEFINE_string("base", None, "Another source tree (e.g. a worktree of the commit before) "
                     "measured beside this one.")
 flags.DEFINE_integer("rounds", 3, "Measurements per (tree, depth); medians are reported.")
 flags.DEFINE_bool("generate", True, "Also time the cold `python -m engine.generate` command.")
-flags.DEFINE_string("json", "/tmp/moejax_compile_depth.json", "Where to write the results.")
+flags.DEFINE_string("json", user_cache_dir("compile_depth.json"), "Where to write the results.")
 flags.DEFINE_string("measure", None, "(internal) time the programs of this checkpoint, print "
                     "one JSON line.")
 

@@ -89,9 +89,10 @@ class Drafter:
   junk_changes_state: ClassVar[bool] = False
 
   # The target layers whose input residual stream its `observe` / `observe_prefill` need for
-  # every verified position (EAGLE-3's three aux layers); () : the final hidden state. A
-  # forward that returns them splits the scanned layer stack there (issue 49); until then no
-  # drafter may ask (`loop.speculative_decode_loop` refuses it).
+  # every verified position (EAGLE-3's three aux layers); () : the final hidden state. The
+  # forward returns them (`transformer.forward_hidden_states` splits the scanned stacks there);
+  # until the loop and the prefill steps hand them on, no drafter may ask
+  # (`loop.speculative_decode_loop` refuses it).
   aux_layers: ClassVar[tuple[int, ...]] = ()
 
   cfg: ModelConfig  # the target's
