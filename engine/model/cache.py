@@ -31,9 +31,20 @@ def page_shapes(cfg: ModelConfig, num_pages: int, page_size: int) -> dict[str, t
   return {"k": kv, "v": kv}
 
 
+# A drafter's own entries after the model's (an EAGLE-3 head's KV): per entry, each page
+# array's shape per token, e.g. ({"latent": (576,)},) or ({"k": (nKV, hd), "v": (nKV, hd)},).
+Extra = tuple[dict[str, tuple[int, ...]], ...]
+
+
+def first_extra_entry(cfg: ModelConfig) -> int:
+  """The index of the first cache entry after the model's own (decoder and MTP layers)."""
+  return cfg.num_layers + cfg.num_nextn_predict_layers
+
+
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jnp.bfloat16,
-               sharding: Any = None) -> Cache:
-  """Allocates a zeroed page pool for every layer, MTP layers included (they come last)."""
+               sharding: Any = None, extra: Extra = ()) -> Cache:
+  """Allocates a zeroed page pool for every layer, MTP layers included (they come last), then
+  the `extra` entries (drafters' own, `first_extra_entry` on) with the same pages."""
   shapes = page_shapes(cfg, num_pages, page_size)
 
   def zeros(shape):
@@ -42,14 +53,17 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jn
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
   n = cfg.num_layers + cfg.num_nextn_predict_layers
-  return [{k: zeros(s) for k, s in shapes.items()} for _ in range(n)]
+  own = [{k: zeros(s) for k, s in shapes.items()} for _ in range(n)]
+  return own + [{k: zeros((num_pages, page_size) + s) for k, s in e.items()} for e in extra]
 
 
-def cache_bytes_per_token(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
-  """Bytes of cache one token occupies across all layers."""
+def cache_bytes_per_token(cfg: ModelConfig, dtype: Any = jnp.bfloat16, extra: Extra = ()
+                          ) -> int:
+  """Bytes of cache one token occupies across all layers (and the `extra` entries)."""
   per_layer = sum(math.prod(s[2:]) for s in page_shapes(cfg, 1, 1).values())
   n = cfg.num_layers + cfg.num_nextn_predict_layers
-  return per_layer * n * jnp.dtype(dtype).itemsize
+  own = sum(math.prod(s) for e in extra for s in e.values())
+  return (per_layer * n + own) * jnp.dtype(dtype).itemsize
 
 
 def contiguous_page_table(batch: int, max_len: int, page_size: int) -> np.ndarray:

@@ -203,9 +203,23 @@ def forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
             ) -> tuple[jax.Array, Cache]:
   """Runs the decoder over a block of new tokens: `forward_counting_experts` without the counts.
   Returns (hidden [B, T, H] after the final norm, updated cache)."""
-  hidden, cache, _ = _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg,
-                              impl=impl, router_counts=False, input_embeds=input_embeds)
+  hidden, cache, _, _ = _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg,
+                                 impl=impl, router_counts=False, input_embeds=input_embeds)
   return hidden, cache
+
+
+def forward_hidden_states(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
+                          n_new: jax.Array, page_table: jax.Array, *, layers: tuple[int, ...],
+                          cfg: ModelConfig, impl: KernelChoice = REFERENCE,
+                          input_embeds: jax.Array | None = None
+                          ) -> tuple[jax.Array, Cache, jax.Array]:
+  """`forward`, also returning the residual stream entering each of `layers` (static ints in
+  [0, num_layers]; num_layers: the last layer's output before the final norm), in that order:
+  [len(layers), B, T, H] (EAGLE-3's aux states; only these are kept)."""
+  hidden, cache, _, states = _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg,
+                                      impl=impl, router_counts=False, input_embeds=input_embeds,
+                                      hidden_at=tuple(layers))
+  return hidden, cache, states
 
 
 def forward_counting_experts(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
@@ -215,14 +229,16 @@ def forward_counting_experts(params: Params, cache: Cache, tokens: jax.Array, st
                              ) -> tuple[jax.Array, Cache, jax.Array]:
   """`forward`, also returning [n_moe_layers, E] int32 tokens routed to each expert (load
   statistics, DeepSeek's auxiliary-loss-free balancing in training)."""
-  return _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
-                  router_counts=True, input_embeds=input_embeds)
+  hidden, cache, counts, _ = _forward(params, cache, tokens, start, n_new, page_table, cfg=cfg,
+                                      impl=impl, router_counts=True, input_embeds=input_embeds)
+  return hidden, cache, counts
 
 
 def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
              n_new: jax.Array, page_table: jax.Array, *, cfg: ModelConfig,
              impl: KernelChoice, router_counts: bool,
-             input_embeds: jax.Array | None = None) -> tuple[jax.Array, Cache, Any]:
+             input_embeds: jax.Array | None = None, hidden_at: tuple[int, ...] = ()
+             ) -> tuple[jax.Array, Cache, Any, Any]:
   """Runs the decoder over a block of new tokens.
 
   Args:
@@ -236,9 +252,14 @@ def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
     input_embeds: [B, T, H] used instead of the token table's rows (multimodal prefill:
       `embed_tokens` with image features scattered into the <|media_pad|> slots); `tokens`
       still gives the block's shape.
+    hidden_at: layers whose entering residual stream to return (`forward_hidden_states`).
   Returns:
-    (hidden [B, T, H] after the final norm, updated cache, router counts or None).
+    (hidden [B, T, H] after the final norm, updated cache, router counts or None, the hidden
+    states at `hidden_at` [len, B, T, H] or None).
   """
+  bad = [l for l in hidden_at if not 0 <= l <= cfg.num_layers]
+  if bad:
+    raise ValueError(f"hidden states asked for layers {bad}, outside [0, {cfg.num_layers}]")
   ctx = _Ctx(start, n_new, tokens.shape[1], page_table, router_counts)
   if input_embeds is None:
     x = embed_tokens(params, tokens, cfg)
@@ -248,14 +269,17 @@ def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
                        f"{tokens.shape + (cfg.hidden_size,)}")
     x = input_embeds.astype(params["embed"].dtype)
   x = split_batch_over_data(x)
-  new_cache = []
+  new_cache, states = [], {}
   for i, layer in enumerate(params["layers"]):
+    states[i] = x
     x, layer_cache = decoder_layer(layer, x, cache[i], ctx, cfg, impl)
     new_cache.append(layer_cache)
-  # MTP layers' cache entries (after the decoder layers) pass through untouched.
+  states[cfg.num_layers] = x
+  # MTP layers' (and drafters') cache entries (after the decoder layers) pass through untouched.
   new_cache += list(cache[len(new_cache):])
   hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-  return hidden, new_cache, ctx.stacked_counts(cfg) if router_counts else None
+  captured = jnp.stack([states[l] for l in hidden_at]) if hidden_at else None
+  return hidden, new_cache, ctx.stacked_counts(cfg) if router_counts else None, captured
 
 
 def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
