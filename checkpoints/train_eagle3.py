@@ -65,7 +65,12 @@ def head_config(target_dir: str, intermediate: int) -> dict[str, Any]:
   """config.json of an MLA head (lightseekorg/kimi-k2.5-eagle3-mla's layout) for the target in
   `target_dir` (a DeepSeek-V3 config)."""
   with open(os.path.join(target_dir, "config.json")) as fh:
-    raw = json.load(fh)
+    return head_config_dict(json.load(fh), intermediate)
+
+
+def head_config_dict(raw: dict[str, Any], intermediate: int,
+                     aux_ids: list[int] | None = None) -> dict[str, Any]:
+  """`head_config` from the target's config.json as a dict."""
   keep = ("num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
           "qk_rope_head_dim", "v_head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
           "rope_interleave", "max_position_embeddings", "hidden_size", "vocab_size",
@@ -75,7 +80,7 @@ def head_config(target_dir: str, intermediate: int) -> dict[str, Any]:
   out.update(num_key_value_heads=raw["num_attention_heads"], intermediate_size=intermediate,
              num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False,
              draft_vocab_size=raw["vocab_size"], torch_dtype="bfloat16",
-             eagle_config={"eagle_aux_hidden_state_layer_ids": AUX_IDS,
+             eagle_config={"eagle_aux_hidden_state_layer_ids": aux_ids or AUX_IDS,
                            "use_aux_hidden_state": True})
   return out
 

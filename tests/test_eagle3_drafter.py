@@ -280,3 +280,29 @@ def test_structured_outputs_beside_eagle3_rows(demo_with_head):
   assert model.tokenizer.decode(got[0].output_ids, skip_special_tokens=True) in (
       "yes", "no", "maybe")
   assert sum(r.usage().spec_draft_tokens for r in got[1:]) > 0
+
+
+@pytest.mark.slow
+def test_command_line_eagle3_prints_the_spec_keys(target):
+  """`python -m engine.generate --speculative=eagle3 --eagle3_checkpoint=DIR --json`: plain
+  decoding's tokens, and the `spec` keys every drafter prints."""
+  import subprocess
+  import sys
+  states = np.load(os.path.join(FIXTURES, "target_states.npz"))
+  ids = ",".join(map(str, states["prompt_0"].tolist()))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-m", "engine.generate",
+                      f"--checkpoint={os.path.join(FIXTURES, 'target')}", f"--prompt_ids={ids}",
+                      "--max_new_tokens=12", "--ignore_eos", "--dtype=float32", "--json",
+                      "--speculative=eagle3", "--num_draft_tokens=3",
+                      f"--eagle3_checkpoint={os.path.join(FIXTURES, 'mha_reduced')}"],
+                     cwd=root, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr
+  obj = json.loads(r.stdout.strip().splitlines()[-1])
+  assert obj["token_ids"] == plain(target, [states["prompt_0"].tolist()], 12)[0]
+  spec = obj["spec"]
+  assert spec["method"] == "eagle3" and spec["drafters"] == ["eagle3"]
+  assert {"drafted", "accepted", "accepted_at", "mean_accepted_length"} <= set(spec)
+  assert len(spec["accepted_at"]) == 3 and spec["accepted"] <= spec["drafted"]
+  # (whether it drafted is the measured cost table's call on this machine)
+  assert spec["steps"] + spec["accepted"] == 11  # every forward: 1 + its accepted drafts
