@@ -100,43 +100,49 @@ def _random_leaf(key, shape, dtype, scale):
                             scale * 3 ** 0.5).astype(dtype)
 
 
-def _layer_free_name(path) -> str:
-  """`layers.3.moe.experts.gate.packed` -> `layers.*.moe.experts.gate.packed`."""
+def _layer_free(path, shape: tuple[int, ...]) -> tuple[str, tuple[int, ...], int]:
+  """(name without its layer, one layer's shape, layers): `stacks.1.moe.experts.gate.packed`
+  [3, E, K/2, N] -> (`layer.moe.experts.gate.packed`, [E, K/2, N], 3); `mtp.0.attn.q_a` ->
+  (`layer.attn.q_a`, its shape, 0: not stacked); other leaves as they are."""
   parts = path_str(path).split(".")
-  if len(parts) > 1 and parts[0] in ("layers", "mtp") and parts[1].isdigit():
-    parts[1] = "*"
-  return ".".join(parts)
+  if len(parts) > 1 and parts[0] in ("stacks", "mtp") and parts[1].isdigit():
+    stacked = parts[0] == "stacks"
+    return ".".join(["layer"] + parts[2:]), shape[1:] if stacked else shape, (
+        shape[0] if stacked else 0)
+  return ".".join(parts), shape, 0
 
 
 def random_params_on_device(cfg: ModelConfig, dtype, seed: int = 0,
                             share_layers: bool = False):
   """Random weights generated on the device (never on the host) by one compiled program. With
-  `share_layers`, every layer
-  holds the same arrays as the first layer of its kind (one buffer per leaf name and shape):
-  a slice of a big model in a fraction of its memory, each layer still reading its weights
-  (a layer's weights are far larger than the L2 cache, so no layer reads its neighbour's
-  from it)."""
+  `share_layers`, every layer holds the values of the first layer of its kind (one draw per
+  leaf name and shape, repeated over a stack's layers: each layer still reads its own copy,
+  far larger than the L2 cache); the memory is the model's (the layers of a stack are one
+  array each, so a slice of a big model cannot share buffers between them)."""
   abstract = abstract_params(cfg, dtype)
   flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
   keys = jax.random.split(jax.random.key(seed), len(flat))
-  index, specs = [], {}  # leaf i -> the made leaf it is; made leaf -> (key, how)
+  index, specs = [], {}  # leaf i -> (the made leaf it is, layers to repeat it over)
   for i, (path, a) in enumerate(flat):
     name = path_str(path)
-    shared = (_layer_free_name(path), tuple(a.shape), str(a.dtype)) if share_layers else i
+    free, shape, layers = _layer_free(path, tuple(a.shape))
+    if not share_layers:
+      shape, layers = tuple(a.shape), 0
+    shared = (free, shape, str(a.dtype)) if share_layers else i
     if shared not in specs:
       scale = 1.0 if name == "embed" else 0.02 / 4.6 if name.endswith(".scale") else 0.02
-      specs[shared] = (len(specs), tuple(a.shape), jnp.dtype(a.dtype), scale,
-                       name.endswith("norm"))
-    index.append(specs[shared][0])
+      specs[shared] = (len(specs), shape, jnp.dtype(a.dtype), scale, name.endswith("norm"))
+    index.append((specs[shared][0], layers))
   how = [s[1:] for s in specs.values()]
 
   @jax.jit
   def make(keys):
-    return [jnp.ones(shape, dtype) if norm else _random_leaf(k, shape, dtype, scale)
+    made = [jnp.ones(shape, dtype) if norm else _random_leaf(k, shape, dtype, scale)
             for k, (shape, dtype, scale, norm) in zip(keys, how)]
+    return [jnp.broadcast_to(made[j], (n,) + made[j].shape) if n else made[j]
+            for j, n in index]
 
-  made = make(keys[:len(how)])
-  return jax.tree_util.tree_unflatten(tree, [made[j] for j in index])
+  return jax.tree_util.tree_unflatten(tree, make(keys[:len(how)]))
 
 
 def load_model(name: str):

@@ -8,7 +8,7 @@ import math
 
 import jax
 
-from engine.model.params import param_shapes
+from engine.model.params import per_layer_shapes
 from engine.model.quantized import Int4Scheme
 
 HUB_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
@@ -40,7 +40,7 @@ def expert_bytes_per_weight(fmt: str, k: int, n: int) -> float:
 def step_weight_bytes(cfg, fmt: str, batch: int) -> dict[str, float]:
   """Weight bytes one decode step of `batch` tokens reads (uniform routing), by part: the
   logical (float) layout of `cfg`, its routed experts priced in `fmt`."""
-  shapes = param_shapes(dataclasses.replace(cfg, int4=None, fp8_experts=None))
+  shapes = per_layer_shapes(dataclasses.replace(cfg, int4=None, fp8_experts=None))
   other = expert = 0.0
   for path, s in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(
       x, tuple) and all(isinstance(d, int) for d in x))[0]:

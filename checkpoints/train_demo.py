@@ -107,8 +107,9 @@ def model_losses(params: Any, windows: jax.Array, cfg: ModelConfig) -> dict[str,
 
 
 def _router_bias_paths(params: Any) -> list[tuple[str, int]]:
-  """(group, index) of every MoE layer with a correction bias, in router-count order."""
-  found = [("layers", i) for i, l in enumerate(params["layers"]) if "router_bias" in l.get(
+  """(group, index) of every stack of MoE layers / MTP layer with a correction bias, in
+  router-count order (a stack's bias [n, E] covers n rows of the counts, in layer order)."""
+  found = [("stacks", i) for i, l in enumerate(params["stacks"]) if "router_bias" in l.get(
       "moe", {})]
   found += [("mtp", i) for i, l in enumerate(params.get("mtp", [])) if "router_bias" in l.get(
       "moe", {})]
@@ -146,10 +147,15 @@ def make_train_step(cfg: ModelConfig, opt: optax.GradientTransformation, mtp_wei
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # Auxiliary-loss-free balancing: overloaded experts' bias goes down, idle ones' up.
-    for row, (group, i) in enumerate(_router_bias_paths(params)):
-      load = aux["counts"][row].astype(jnp.float32)
+    row = 0
+    for group, i in _router_bias_paths(params):
       moe = params[group][i]["moe"]
-      moe["router_bias"] = moe["router_bias"] - bias_rate * jnp.sign(load - jnp.mean(load))
+      bias = moe["router_bias"]
+      n = bias.shape[0] if bias.ndim == 2 else 1
+      load = aux["counts"][row:row + n].astype(jnp.float32).reshape(bias.shape)
+      moe["router_bias"] = bias - bias_rate * jnp.sign(
+          load - jnp.mean(load, axis=-1, keepdims=True))
+      row += n
     metrics = {"loss": loss, "ce": aux["ce"], "mtp_ce": aux.get("mtp_ce", jnp.float32(0)),
                "max_load": jnp.max(aux["counts"]) / jnp.maximum(jnp.mean(
                    aux["counts"].astype(jnp.float32)), 1) if aux["counts"].size else 0.0}

@@ -71,14 +71,18 @@ class Int4Weight:
 class Fp8Weight:
   """FP8 block-quantized weight (DeepSeek-V3 / Kimi-K2-Instruct): float8_e4m3fn values in the
   parameter's own layout and a float32 scale per (bk x bn) block of the [K, N] matrix it
-  flattens to: `lead` leading axes (1: the expert axis of stacked experts, 0 otherwise), then
-  `n_in` input axes (K is their product), then the output axes (N). W = w * scale_inv[k // bk,
-  n // bn]."""
+  flattens to: `lead` leading axes (those scale_inv shares with w: the expert axis of stacked
+  experts, a stack's layer axis), then `n_in` input axes (K is their product), then the output
+  axes (N). W = w * scale_inv[..., k // bk, n // bn]. Indexing or stacking the children
+  (`jax.tree.map`) keeps it valid: `lead` follows scale_inv's rank."""
   w: Any  # float8_e4m3fn, e.g. [E, K, N] experts, [q_lora, nH, d] q_b, [nH, dv, H] o
   scale_inv: Any  # float32 [*lead, ceil(K/bk), ceil(N/bn)]
   block: tuple[int, int] = (128, 128)  # (bk, bn), static
-  lead: int = 1  # static
   n_in: int = 1  # static
+
+  @property
+  def lead(self) -> int:
+    return len(self.scale_inv.shape) - 2
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -96,13 +100,11 @@ class Fp8Weight:
     """Indexes the leading (expert) axes only."""
     if not self.lead:
       raise TypeError("an Fp8Weight without leading axes is not indexable")
-    w = self.w[idx]
-    return Fp8Weight(w, self.scale_inv[idx], self.block, self.lead + w.ndim - self.w.ndim,
-                     self.n_in)
+    return Fp8Weight(self.w[idx], self.scale_inv[idx], self.block, self.n_in)
 
 
 jax.tree_util.register_dataclass(Fp8Weight, data_fields=["w", "scale_inv"],
-                                 meta_fields=["block", "lead", "n_in"])
+                                 meta_fields=["block", "n_in"])
 
 
 def is_int4(w: Any) -> bool:

@@ -158,9 +158,9 @@ def low_rank_split(model, ref, batch):
   cfg, params = model("deepseek_v3")
   mesh = sharding.make_mesh("tensor:4,expert:2")
   placed = sharding.shard_params(cfg, params, mesh)
-  attn = placed["layers"][0]["attn"]
-  fraction = {n: sorted({b / attn[n].nbytes for b in
-                         sharding.bytes_per_device(attn[n]).values()}) for n in ("q_a", "kv_a")}
+  stacks = [stack["attn"] for stack in placed["stacks"]]  # the dense layer, the MoE layers
+  fraction = {n: sorted({b / a[n].nbytes for a in stacks for b in
+                         sharding.bytes_per_device(a[n]).values()}) for n in ("q_a", "kv_a")}
   cache = init_cache(cfg, 5, 8, jnp.float32)
   cache = jax.device_put(cache, [sharding.cache_sharding(cfg, mesh)] * len(cache))
   tokens, n_new, table = batch
@@ -172,7 +172,9 @@ def low_rank_split(model, ref, batch):
   r["fraction"] = fraction
   hlo = compiled.as_text()
   gathered = re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)
-  weights = {",".join(map(str, attn[n].shape)) for n in ("q_a", "kv_a")}
+  # Neither a stack nor one layer of it, [layers, H, rank] or [H, rank], is ever gathered.
+  weights = {",".join(map(str, shape)) for a in stacks for n in ("q_a", "kv_a")
+             for shape in (a[n].shape, a[n].shape[1:])}
   r["gathered_shapes"] = sorted(set(gathered))
   r["weights_gathered"] = bool(weights & set(gathered))
   return r

@@ -51,10 +51,10 @@ def fp8(ckpt):
     shardings = sharding.param_shardings(cfg, param_shapes(cfg), mesh)
     params = load_hf_params(ckpt, cfg, dtype=jnp.float32, shardings=shardings, progress=False)
     got = logits(cfg, params, mesh)
-    q_b = params["layers"][1]["attn"]["q_b"]
+    q_b = params["stacks"][1]["attn"]["q_b"]
     out[spec] = dict(rel_err=float(np.abs(got - ref).max() / np.abs(ref).max()),
                      q_b_dtype=str(q_b.w.dtype), q_b_spec=str(q_b.w.sharding.spec),
-                     expert_spec=str(params["layers"][1]["moe"]["experts"]["gate"].w.sharding.spec))
+                     expert_spec=str(params["stacks"][1]["moe"]["experts"]["gate"].w.sharding.spec))
   print(json.dumps(out))
 
 
@@ -66,7 +66,7 @@ def main():
   out = {}
   for spec, ep in (("expert:8", "psum"), ("tensor:2,expert:4", "dispatch")):
     m = engine.load(FIXTURE, dtype="float32", progress=False, mesh=spec)
-    gate = m.params["layers"][1]["moe"]["experts"]["gate"]
+    gate = m.params["stacks"][1]["moe"]["experts"]["gate"]
     got = logits(m.config, m.params, m.mesh, KernelChoice(expert_parallel=ep))
     out[spec] = dict(
         rel_err=float(np.abs(got - ref).max() / np.abs(ref).max()),

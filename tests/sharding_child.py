@@ -66,7 +66,7 @@ def run_meshes():
       mesh = sharding.make_mesh(spec)
       placed = sharding.shard_params(cfg, params, mesh)
       got = logits(cfg, placed, mesh)
-      moe = next(l["moe"] for l in placed["layers"] if "moe" in l)
+      moe = next(l["moe"] for l in placed["stacks"] if "moe" in l)
       experts = moe["experts"]["gate"]
       per_device = sharding.bytes_per_device(moe["experts"])
       if spec == engine_mesh:
@@ -75,7 +75,7 @@ def run_meshes():
                                                max_model_len=64, cache_dtype=jnp.float32),
                      mesh=mesh)
         greedy = [r.output_ids for r in eng.generate(prompts, stop=StopParams(max_tokens=8))]
-      attn_q = placed["layers"][0]["attn"]["q" if "q" in placed["layers"][0]["attn"] else "q_b"]
+      attn_q = placed["stacks"][0]["attn"]["q" if "q" in placed["stacks"][0]["attn"] else "q_b"]
       with jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(lambda p, c: forward_logits(
             p, c, TOKENS, np.zeros(2, np.int32), N_NEW, TABLE, cfg=cfg))(
@@ -103,7 +103,7 @@ def load_demo_sharded():
   leaves = jax.tree.leaves(placed.params)
   named = all(isinstance(x.sharding, jax.sharding.NamedSharding)
               and x.sharding.mesh.shape == placed.mesh.shape for x in leaves)
-  gate = placed.params["layers"][-1]["moe"]["experts"]["gate"]
+  gate = placed.params["stacks"][-1]["moe"]["experts"]["gate"]
   frac = gate.addressable_shards[0].data.nbytes / gate.nbytes
   a = moejax.generate(one, "def read_config(path):", max_new_tokens=12)
   b = moejax.generate(placed, "def read_config(path):", max_new_tokens=12)

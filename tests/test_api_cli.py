@@ -12,6 +12,7 @@ import pytest
 
 import engine
 from engine.model.orbax_io import save_orbax
+from engine.model.params import layer_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "golden", "fixtures", "dsv3_qlora_yarn")
@@ -49,8 +50,8 @@ def test_generate_rejects_out_of_vocab_ids(model):
 
 def test_bfloat16_load_stays_close_to_float32(model):
   bf = engine.load(FIXTURE, progress=False)  # HF checkpoints default to bfloat16
-  assert bf.params["layers"][1]["attn"]["kv_b"].dtype == jnp.bfloat16
-  assert bf.params["layers"][1]["moe"]["router"].dtype == jnp.float32
+  assert layer_params(bf.config, bf.params, 1)["attn"]["kv_b"].dtype == jnp.bfloat16
+  assert layer_params(bf.config, bf.params, 1)["moe"]["router"].dtype == jnp.float32
   g = np.load(os.path.join(FIXTURE, "golden.npz"))
   out = engine.generate(bf, g["prompt_1"].tolist(), max_new_tokens=8, ignore_eos=True)
   # bf16 rounding may flip a late near-tie, but the first tokens agree with transformers.

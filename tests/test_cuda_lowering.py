@@ -14,12 +14,13 @@ rope 32) is lowered per layer below.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from cuda_export import MOSAIC_CALL, export_cuda_calls
+from cuda_export import H200, MOSAIC_CALL, export_cuda_calls
 from engine.model.config import config_from_dict
 from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.kernels import REFERENCE, KernelChoice
@@ -123,7 +124,10 @@ def test_engine_program_lowers_for_cuda(captured, name, kernels):
   assert not {t for t in targets if "callback" in t or t.startswith("lapack")}, targets
 
 
-def _mosaic_calls_in_forward(layers: int, latent: int = 32, rope: int = 32) -> int:
+def _forward_for_cuda(layers: int, latent: int = 32, rope: int = 32,
+                      scan_layers: bool = True) -> tuple[str, int]:
+  """(the exported module's text, its Mosaic GPU calls) of a decode forward with the Mosaic
+  kernels: a dense layer, then MoE layers of 8 experts [8, 64, 64]; 2 x 2 pages of 32 tokens."""
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], moe_intermediate_size=64,
                               kv_lora_rank=latent, qk_rope_head_dim=rope,
                               num_hidden_layers=layers))
@@ -132,19 +136,31 @@ def _mosaic_calls_in_forward(layers: int, latent: int = 32, rope: int = 32) -> i
   cache = jax.eval_shape(lambda: init_cache(cfg, table.size, page, jnp.bfloat16))
 
   def step(params, cache, tokens, start, n_new, table):
-    return forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=MOSAIC)
+    return forward(params, cache, tokens, start, n_new, table, cfg=cfg, impl=MOSAIC,
+                   scan_layers=scan_layers)
 
   row = jax.ShapeDtypeStruct((b,), jnp.int32)
-  calls = export_cuda_calls(step, abstract_params(cfg, jnp.bfloat16), cache,
-                            jax.ShapeDtypeStruct((b, 1), jnp.int32), row, row,
-                            jax.ShapeDtypeStruct(table.shape, jnp.int32))
-  return calls.count(MOSAIC_CALL)
+  with jax.sharding.use_abstract_mesh(H200):
+    exported = jax.export.export(
+        jax.jit(step), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(MOSAIC_CALL)])(
+            abstract_params(cfg, jnp.bfloat16), cache, jax.ShapeDtypeStruct((b, 1), jnp.int32),
+            row, row, jax.ShapeDtypeStruct(table.shape, jnp.int32))
+  text = exported.mlir_module()
+  return text, len(re.findall(rf"stablehlo.custom_call @{MOSAIC_CALL}\b", text))
 
 
 @pytest.mark.parametrize("latent,rope", [(32, 32), (128, 64)])  # flash; decode + combine
 def test_mosaic_kernels_lower_once_per_shape_not_per_layer(latent, rope):
   """Layers whose kernel calls are identical share one lowered kernel (`kernels.py`): each
   layer lowering (and compiling) its own took a 27-layer decode step ~95 s to compile on an
-  H200. Dense layer then MoE layers: the MLA kernel(s), and the MoE experts' kernels."""
-  two = _mosaic_calls_in_forward(2, latent, rope)
-  assert two >= 2 and _mosaic_calls_in_forward(4, latent, rope) == two, two
+  H200. Dense layer then MoE layers: the MLA kernel(s) over each stack's pool (the dense
+  layer's, the MoE layers'), and the MoE experts' kernels; unrolled or scanned, however many
+  layers. Scanned, the kernels read the stacked experts and pages in place: no layer's experts
+  or pages are sliced out of a stack for them ([8, 64, 64] / [1, 8, 64, 64], [4, 32, D])."""
+  text, three = _forward_for_cuda(3, latent, rope)
+  assert three >= 3 and _forward_for_cuda(5, latent, rope)[1] == three, three
+  assert _forward_for_cuda(5, latent, rope, False)[1] == three
+  d = latent + rope
+  sliced = re.findall(r"stablehlo.dynamic_slice .*-> tensor<([\dx]+)xbf16>", text)
+  assert not {"8x64x64", "1x8x64x64", f"4x32x{d}", f"1x4x32x{d}"} & set(sliced), sliced

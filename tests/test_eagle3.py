@@ -26,7 +26,7 @@ from engine.model.eagle3_config import (Eagle3Error, default_aux_layer_ids,
                                         eagle3_config_from_dict, resolve_aux_layer_ids)
 from engine.model.eagle3_loader import abstract_head_params, load_eagle3
 from engine.model.hf_loader import load_hf_params
-from engine.model.transformer import forward, rms_norm
+from engine.model.transformer import forward, forward_hidden_states, rms_norm
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "eagle3")
 VARIANTS = ("mla", "mla_reduced", "mla_eagle31", "mha_reduced", "mha_full")
@@ -295,6 +295,21 @@ def test_target_fixture_gives_the_captured_residual_streams(target):
   want = rms_norm(jnp.asarray(states["residual_1"][-1]), tparams["final_norm"], tcfg.rms_norm_eps)
   assert rel_err(hidden[0], np.asarray(want)) <= REL_TOL
   assert int(jnp.argmax(hidden[0, -1] @ tparams["lm_head"])) == int(states["next_token_1"])
+
+
+def test_target_forward_returns_the_residual_streams_entering_given_layers(target):
+  """`forward_hidden_states`, as the EAGLE-3 loop asks it (the scanned stacks split at the aux
+  layers): the residual stream entering every layer and after the last, against the states
+  transformers' forward recorded (the aux layers' convention: "input to layer")."""
+  tcfg, tparams, states = target
+  p = states["prompt_1"]
+  layers = tuple(range(tcfg.num_layers + 1))
+  _, _, got = jax.jit(forward_hidden_states, static_argnames=("cfg", "layers"))(
+      tparams, init_cache(tcfg, 5, 4, jnp.float32), jnp.asarray(p[None]),
+      jnp.zeros(1, jnp.int32), jnp.full(1, len(p), jnp.int32),
+      jnp.arange(1, 5, dtype=jnp.int32)[None], layers=layers, cfg=tcfg)
+  for l in layers:
+    assert rel_err(got[l, 0], states["residual_1"][l]) <= REL_TOL, l
 
 
 K25_MLA_HEAD = dict(  # lightseekorg/kimi-k2.5-eagle3-mla's shape (TorchSpec's training config)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.model.cache import init_cache
+from engine.model.cache import init_cache, mtp_entry
 from engine.model.transformer import forward, forward_mtp
 from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
@@ -229,7 +229,7 @@ def check_mtp_state(eng, req, model):
                                jnp.asarray([n]), pt, cfg=cfg)
   pos = np.arange(n)
   idx = (np.asarray(pt)[0, pos // 8], pos % 8)
-  mtp = cfg.num_layers
+  mtp = mtp_entry(cfg, 0)  # (after the decoder stacks)
   np.testing.assert_allclose(np.asarray(eng.cache[mtp]["latent"])[idx],
                              np.asarray(cache[mtp]["latent"])[idx], rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(out[0, n - 1]), rtol=1e-4,

@@ -11,6 +11,7 @@ accumulation order (kept experts run one expert / tile at a time): logits must a
 1e-5 relative in float32 (measured: bitwise equal, float32 and bf16), greedy tokens identical.
 """
 
+import functools
 import logging
 import os
 
@@ -25,7 +26,7 @@ from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import config_from_dict
 from engine.model.hf_export import hf_tensors
 from engine.model.hf_loader import checkpoint_config, load_hf_params
-from engine.model.params import init_params
+from engine.model.params import init_params, layer_params
 from engine.model.safetensors_io import load_file
 from engine.model.transformer import forward_logits
 from pallas_kernels.quant import Fp8Weight, dequantize
@@ -83,17 +84,17 @@ def test_engine_load_keeps_fp8_experts(ckpt, caplog):
   assert kept.config.fp8_experts == BLOCK
   for i in (1, 2):
     for name, (k, n) in (("gate", (H, IM)), ("up", (H, IM)), ("down", (IM, H))):
-      w = kept.params["layers"][i]["moe"]["experts"][name]
+      w = layer_params(kept.config, kept.params, i)["moe"]["experts"][name]
       assert isinstance(w, Fp8Weight) and w.block == (32, 32)
       assert w.w.dtype == jnp.float8_e4m3fn and w.w.shape == (E, k, n)
       assert w.scale_inv.dtype == jnp.float32 and w.scale_inv.shape == (E, k // 32, n // 32)
       assert w.nbytes == E * k * n + 4 * E * (k // 32) * (n // 32)
   assert kept.config.fp8_dense
-  o = kept.params["layers"][1]["attn"]["o"]  # [nH, dv, H]: two input axes flattened in HF
+  layer = functools.partial(layer_params, kept.config, kept.params)
+  o = layer(1)["attn"]["o"]  # [nH, dv, H]: two input axes flattened in HF
   assert isinstance(o, Fp8Weight) and o.w.dtype == jnp.float8_e4m3fn and o.w.shape == (4, 12, 64)
   assert o.scale_inv.shape == (2, 2) and (o.lead, o.n_in) == (0, 2)
-  for leaf in (kept.params["layers"][0]["mlp"]["gate"], kept.params["layers"][2]["moe"]["shared"]
-               ["down"], kept.params["layers"][0]["attn"]["q_b"]):
+  for leaf in (layer(0)["mlp"]["gate"], layer(2)["moe"]["shared"]["down"], layer(0)["attn"]["q_b"]):
     assert isinstance(leaf, Fp8Weight) and leaf.w.dtype == jnp.float8_e4m3fn
   assert kept.params["embed"].dtype == jnp.bfloat16  # not a linear: never FP8 in checkpoints
   mem = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine.load")]
@@ -101,7 +102,7 @@ def test_engine_load_keeps_fp8_experts(ckpt, caplog):
   assert "bfloat16" in mem[0], mem
   plain = engine.load(ckpt, dtype="bfloat16", progress=False)  # explicit: dequantized at load
   assert plain.config.fp8_experts is None
-  assert plain.params["layers"][1]["moe"]["experts"]["gate"].dtype == jnp.bfloat16
+  assert layer_params(plain.config, plain.params, 1)["moe"]["experts"]["gate"].dtype == jnp.bfloat16
 
 
 def test_kept_weights_equal_load_time_dequant_bitwise(ckpt):
@@ -118,8 +119,9 @@ def test_kept_weights_equal_load_time_dequant_bitwise(ckpt):
       n_fp8 += 1
       leaf = jax.jit(lambda w: dequantize(w, jnp.float32))(leaf)
     np.testing.assert_array_equal(np.asarray(leaf), want, err_msg=jax.tree_util.keystr(path))
-  # 2 MoE layers x 3 experts leaves + 3 layers x 5 attention linears + 3 dense + 2 x 3 shared
-  assert n_fp8 == 6 + 15 + 3 + 6
+  # Stacked (the dense layer; the 2 MoE layers): 3 experts leaves + 2 stacks x 5 attention
+  # linears + 3 dense + 3 shared
+  assert n_fp8 == 3 + 10 + 3 + 3
 
 
 @pytest.mark.slow
@@ -165,7 +167,7 @@ def test_partly_fp8_experts_are_dequantized_at_load(tmp_path):
   write_checkpoint(cfg_dict, tensors, out)
   assert checkpoint_config(out, keep_fp8=True).fp8_experts is None
   m = engine.load(out, progress=False)
-  assert m.params["layers"][1]["moe"]["experts"]["down"].dtype == jnp.bfloat16
+  assert layer_params(m.config, m.params, 1)["moe"]["experts"]["down"].dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("k, n", [(64, 96), (48, 40)])  # whole blocks; partial edge blocks
@@ -194,8 +196,8 @@ def test_fp8_dense_only_when_every_linear_is_fp8(tmp_path):
   c = checkpoint_config(out, keep_fp8=True)
   assert c.fp8_experts == BLOCK and not c.fp8_dense
   m = engine.load(out, progress=False)
-  assert isinstance(m.params["layers"][1]["moe"]["experts"]["up"], Fp8Weight)
-  assert m.params["layers"][1]["attn"]["q_b"].dtype == jnp.bfloat16
+  assert isinstance(layer_params(m.config, m.params, 1)["moe"]["experts"]["up"], Fp8Weight)
+  assert layer_params(m.config, m.params, 1)["attn"]["q_b"].dtype == jnp.bfloat16
 
 
 @pytest.mark.slow
@@ -210,7 +212,8 @@ def test_fp8_kept_sharded_on_eight_devices(ckpt):
                        timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   res = json.loads(run.stdout.strip().splitlines()[-1])
-  assert res["tensor:4,expert:2"]["q_b_spec"] == "P(None, 'tensor', None)", res
+  # (stacked layers: a leading layer axis, never split)
+  assert res["tensor:4,expert:2"]["q_b_spec"] == "P(None, None, 'tensor', None)", res
   for spec, r in res.items():
     assert r["rel_err"] <= 1e-5 and r["q_b_dtype"] == "float8_e4m3fn", (spec, r)
-    assert r["expert_spec"] == "P(('expert', 'tensor'), None, None)", (spec, r)
+    assert r["expert_spec"] == "P(None, ('expert', 'tensor'), None, None)", (spec, r)

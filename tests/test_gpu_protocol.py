@@ -5,6 +5,7 @@ its rows and the next one runs; a spent budget writes skip rows), the rows' frac
 summary's size, the SASS counts, and the benches' random weights."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from bench.decode_profile import random_params_on_device
 from bench.expert_bytes import INT4
 from bench.protocol import k25_slice, rows, sass
 from engine.model.config import config_from_dict
+from engine.model.params import layer_params
 from model_configs import CONFIGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,20 +198,23 @@ def test_random_weights_integer_leaves_are_random_bits_not_zeros():
       CONFIGS["deepseek_v3"], hidden_size=128, moe_intermediate_size=128, num_hidden_layers=3)),
       int4=INT4)
   params = random_params_on_device(cfg, jnp.bfloat16, share_layers=True)
-  packed = np.asarray(params["layers"][1]["moe"]["experts"]["gate"].packed)
+  layer = functools.partial(layer_params, cfg, params)
+  packed = np.asarray(layer(1)["moe"]["experts"]["gate"].packed)
   assert packed.dtype == np.uint8 and packed.size > 10_000
   assert np.mean(packed == 0) < 0.02  # a float cast to uint8 made ~all of them 0
   nibbles = np.concatenate([packed & 0xF, packed >> 4]).ravel()
   counts = np.bincount(nibbles, minlength=16)
   assert counts.min() > 0.8 * nibbles.size / 16  # every value about equally likely
-  # Shared across layers of a kind, never across kinds.
-  layers = params["layers"]
-  assert layers[2]["moe"]["experts"]["gate"].packed is layers[1]["moe"]["experts"]["gate"].packed
-  assert layers[2]["attn"]["kv_a"] is layers[0]["attn"]["kv_a"]
-  fp8 = random_params_on_device(dataclasses.replace(cfg, int4=None, fp8_experts=(128, 128)),
-                                jnp.bfloat16)  # (not shared: each layer its own)
-  assert fp8["layers"][2]["attn"]["kv_a"] is not fp8["layers"][0]["attn"]["kv_a"]
-  w = np.asarray(fp8["layers"][1]["moe"]["experts"]["up"].w.astype(jnp.float32))
+  # The same values in every layer of a kind (a stack repeats them), never across kinds.
+  same = lambda a, b: np.array_equal(np.asarray(a), np.asarray(b))  # noqa: E731
+  gate = lambda i: layer(i)["moe"]["experts"]["gate"].packed  # noqa: E731
+  assert same(gate(2), gate(1))
+  assert same(layer(2)["attn"]["kv_a"], layer(0)["attn"]["kv_a"])
+  fp8_cfg = dataclasses.replace(cfg, int4=None, fp8_experts=(128, 128))
+  fp8 = random_params_on_device(fp8_cfg, jnp.bfloat16)  # (not shared: each layer its own)
+  fp8_layer = functools.partial(layer_params, fp8_cfg, fp8)
+  assert not same(fp8_layer(2)["attn"]["kv_a"], fp8_layer(1)["attn"]["kv_a"])
+  w = np.asarray(fp8_layer(1)["moe"]["experts"]["up"].w.astype(jnp.float32))
   assert np.isfinite(w).all() and np.mean(w == 0) < 0.05
 
 

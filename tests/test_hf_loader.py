@@ -15,7 +15,7 @@ from engine.model import hf_loader, vision_checkpoint
 from engine.model.config import config_from_dict
 from engine.model.hf_loader import CheckpointError, load_hf_params
 from engine.model.hf_mapping import hf_tensor_shapes
-from engine.model.params import init_params, path_str
+from engine.model.params import init_params, layer_params, path_str
 from engine.model.safetensors_io import SafetensorsFile, load_file
 from tests import hf_fixtures as fx
 from tests.hf_fixtures import BF16, export_hf, hf_tensors, write_checkpoint
@@ -48,8 +48,21 @@ def test_round_trip_float32_exact(tmp_path, name):
   cfg, params, ckpt, _ = _setup(tmp_path, name)
   got = load_hf_params(ckpt, cfg, dtype=jnp.float32, progress=False)
   _assert_same(got, params)
-  assert isinstance(got["layers"], list)
+  # The layers come stacked, one stack per run of identical layers.
+  assert len(got["stacks"]) == len(cfg.layer_stacks) and "layers" not in got
   assert ("lm_head" in got) == (not cfg.tie_word_embeddings)
+
+
+def test_large_stacks_are_filled_in_place_on_device(tmp_path, monkeypatch):
+  """Stacked leaves above HOST_STACK_MAX_BYTES are allocated on the device and written layer
+  by layer (the small ones go through the host): the same values, placed as asked."""
+  cfg, params, ckpt, _ = _setup(tmp_path, "deepseek_v3")
+  monkeypatch.setattr(hf_loader, "HOST_STACK_MAX_BYTES", 0)
+  dev = jax.devices()[0]
+  shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(dev), params)
+  got = load_hf_params(ckpt, cfg, dtype=jnp.float32, shardings=shardings, progress=False)
+  _assert_same(got, params)
+  assert all(x.sharding == jax.sharding.SingleDeviceSharding(dev) for x in jax.tree.leaves(got))
 
 
 @pytest.mark.parametrize("layout", ["stacked", "stacked_split"])
@@ -75,7 +88,7 @@ def test_bf16_checkpoint_and_cast(tmp_path):
       lambda p, x: x if path_str(p).endswith(("router", "router_bias")) else x.astype(
           jnp.bfloat16), params)
   _assert_same(got, want)
-  assert got["layers"][1]["moe"]["router"].dtype == jnp.float32
+  assert layer_params(cfg, got, 1)["moe"]["router"].dtype == jnp.float32
 
 
 def test_float32_checkpoint_cast_to_bf16(tmp_path):
@@ -205,17 +218,17 @@ def test_fp8_block_dequant(tmp_path, block):
   write_checkpoint(cfg_dict, tensors, ckpt, shards=3)
   got = load_hf_params(ckpt, cfg, dtype=jnp.float32, progress=False)
   nH, dn, dv = 4, 16, 12
-  kv_b = np.asarray(got["layers"][0]["attn"]["kv_b"])
+  kv_b = np.asarray(layer_params(cfg, got, 0)["attn"]["kv_b"])
   np.testing.assert_array_equal(kv_b, refs[quantized[0]].reshape(nH, dn + dv, 32).transpose(2, 0, 1))
-  o = np.asarray(got["layers"][1]["attn"]["o"])
+  o = np.asarray(layer_params(cfg, got, 1)["attn"]["o"])
   np.testing.assert_array_equal(o, refs[quantized[1]].T.reshape(nH, dv, 64))
-  down5 = np.asarray(got["layers"][1]["moe"]["experts"]["down"][5])
+  down5 = np.asarray(layer_params(cfg, got, 1)["moe"]["experts"]["down"][5])
   np.testing.assert_array_equal(down5, refs[quantized[2]].T)
-  up = np.asarray(got["layers"][2]["moe"]["shared"]["up"])
+  up = np.asarray(layer_params(cfg, got, 2)["moe"]["shared"]["up"])
   np.testing.assert_array_equal(up, refs[quantized[3]].T)
   # bf16 target: the float32 dequantized values rounded once.
   got16 = load_hf_params(ckpt, cfg, dtype=jnp.bfloat16, progress=False)
-  np.testing.assert_array_equal(np.asarray(got16["layers"][0]["attn"]["kv_b"]),
+  np.testing.assert_array_equal(np.asarray(layer_params(cfg, got16, 0)["attn"]["kv_b"]),
                                 kv_b.astype(ml_dtypes.bfloat16))
 
 

@@ -27,7 +27,7 @@ from engine.model import quantized
 from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import ConfigError, config_from_dict, without_vision
 from engine.model.hf_loader import CheckpointError, load_hf_params
-from engine.model.params import init_params
+from engine.model.params import init_params, layer_params, unstack_layers
 from engine.model.safetensors_io import load_file
 from engine.model.transformer import forward_logits
 from pallas_kernels.moe import reference as moe_ref
@@ -53,7 +53,8 @@ def golden():
 
 
 def _assert_packed(params):
-  experts = params["layers"][1]["moe"]["experts"]
+  layers = unstack_layers(params)["layers"]
+  experts = layers[1]["moe"]["experts"]
   for name, (k, n) in (("gate", (H, IM)), ("up", (H, IM)), ("down", (IM, H))):
     w = experts[name]
     assert isinstance(w, Int4Weight), name
@@ -62,7 +63,7 @@ def _assert_packed(params):
     assert w.shape == (E, k, n)
     # 4 bits per weight plus a bf16 scale per 32: 4.5 bits, not 16 or 32.
     assert w.nbytes == E * k * n // 2 + E * (k // 32) * n * 2, name
-  assert "experts" not in params["layers"][0].get("mlp", {})  # layer 0 is the dense MLP
+  assert "experts" not in layers[0].get("mlp", {})  # layer 0 is the dense MLP
 
 
 # ---- the golden: transformers' logits and greedy tokens ---------------------------------------
@@ -103,7 +104,7 @@ def test_dequant_matches_compressed_tensors_rule(model):
   nib = np.stack([q & 0xF, q >> 4], axis=-1).reshape(IM, H).astype(np.int8) - 8
   scale = np.asarray(stored[h + "weight_scale"])
   want = (nib.astype(ml_dtypes.bfloat16) * np.repeat(scale, 32, axis=1)).astype(np.float32)
-  w = model.params["layers"][1]["moe"]["experts"]["gate"]
+  w = layer_params(model.config, model.params, 1)["moe"]["experts"]["gate"]
   got = np.asarray(jax.jit(lambda w: dequantize(w[0], jnp.float32))(w))  # [H, IM]
   np.testing.assert_array_equal(got, want.T)
   exact = nib.astype(np.float32) * np.repeat(scale.astype(np.float32), 32, axis=1)
@@ -138,7 +139,8 @@ def test_load_logs_bytes_by_kind_and_vision_skip_when_text_only(caplog):
     m = engine.load(FIXTURE, dtype="bfloat16", progress=False)
   mem = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine.load")]
   assert len(mem) == 1, mem
-  int4 = sum(x.nbytes for x in jax.tree.leaves(m.params["layers"][1]["moe"]["experts"]))
+  experts = layer_params(m.config, m.params, 1)["moe"]["experts"]
+  int4 = sum(x.nbytes for x in jax.tree.leaves(experts))
   assert int4 == 3 * (E * H * IM // 2 + E * (H // 32) * IM * 2)
   assert f"int4 experts {int4 / 1e3:.2f} KB" in mem[0] and "bfloat16" in mem[0], mem[0]
 
@@ -378,9 +380,9 @@ def test_int4_sharded_over_expert_axis():
   mesh = AbstractMesh((1, 4, 2), ("data", "expert", "tensor"))
   specs = sharding.param_specs(cfg, param_shapes(cfg), mesh)
   for name in ("gate", "up", "down"):
-    w = specs["layers"][1]["moe"]["experts"][name]
+    w = specs["stacks"][1]["moe"]["experts"][name]  # the MoE layers' stack: [L, E, ...]
     assert isinstance(w, Int4Weight)
-    assert w.packed == P(("expert", "tensor"), None, None) == w.scale, name
+    assert w.packed == P(None, ("expert", "tensor"), None, None) == w.scale, name
 
 
 def test_init_params_int4_runs():
@@ -407,8 +409,10 @@ def test_packed_experts_split_whole_over_eight_devices():
   for spec, r in res.items():
     assert r["rel_err"] <= 1e-5, (spec, r)
     assert r["packed_dtype"] == "uint8" and r["devices"] == 8, (spec, r)
-    assert r["packed_shards"] == [[1, 32, 32]] and r["scale_shards"] == [[1, 2, 32]], (spec, r)
-    assert r["spec"] == "P(('expert', 'tensor'), None, None)", (spec, r)
+    # The MoE layer's stack of one: [1, E, ...], whole experts per device.
+    assert r["packed_shards"] == [[1, 1, 32, 32]], (spec, r)
+    assert r["scale_shards"] == [[1, 1, 2, 32]], (spec, r)
+    assert r["spec"] == "P(None, ('expert', 'tensor'), None, None)", (spec, r)
     # The memory log's per-device INT4 bytes: one expert's 3 packed matrices and scales each.
     assert r["int4_bytes_per_device"] == [3 * (H * IM // 2 + (H // 32) * IM * 2)], (spec, r)
     assert r["log_lines"] == 8, (spec, r)
@@ -467,7 +471,7 @@ def test_forward_with_packed_experts_lowers_for_cuda(t):
   from engine.model.params import abstract_params
   cfg = config_from_dict(_fixture_config())
   params = abstract_params(cfg, jnp.bfloat16)
-  assert params["layers"][1]["moe"]["experts"]["gate"].packed.dtype == jnp.uint8
+  assert params["stacks"][1]["moe"]["experts"]["gate"].packed.dtype == jnp.uint8
   cache = jax.eval_shape(lambda: init_cache(cfg, 9, 8, jnp.bfloat16))
   i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
   export_cuda_calls(forward_logits, params, cache, i32(2, t), i32(2), i32(2), i32(2, 4), cfg=cfg)

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.model.cache import contiguous_page_table, init_cache
+from engine.model.cache import contiguous_page_table, init_cache, layer_pages
 from engine.model.config import config_from_dict
 from engine.model.kernels import REFERENCE
-from engine.model.params import init_params
+from engine.model.params import init_params, layer_params
 from engine.model.rope import apply_rope, rope_cos_sin
 from engine.model.transformer import _Ctx, forward_logits, mla_attention, rms_norm
 from model_configs import CONFIGS
@@ -56,11 +56,11 @@ def _naive_mla(p, x, cfg):
 def test_absorbed_mla_matches_naive(name):
   cfg = config_from_dict(CONFIGS[name])
   params = init_params(cfg, seed=1)
-  p = params["layers"][0]["attn"]
+  p = layer_params(cfg, params, 0)["attn"]
   b, t, ps = 2, 11, 4
   x = jnp.asarray(np.random.default_rng(0).standard_normal((b, t, cfg.hidden_size)), jnp.float32)
   pt = jnp.asarray(contiguous_page_table(b, 16, ps))
-  cache = init_cache(cfg, pt.size, ps, jnp.float32)[0]
+  cache = layer_pages(init_cache(cfg, pt.size, ps, jnp.float32)[0], 1, 0)  # stack 0: layer 0
   ctx = _Ctx(jnp.zeros(b, jnp.int32), jnp.full(b, t, jnp.int32), t, pt)
   got, _ = mla_attention(p, x, cache, ctx, cfg, REFERENCE)
   want = _naive_mla(p, x, cfg)
@@ -118,7 +118,7 @@ def test_idle_rows_write_nothing():
   pt = contiguous_page_table(2, 8, 4)
   cache = init_cache(cfg, pt.size, 4, jnp.float32)
   _, cache = _run(cfg, params, [[7, 8, 9], [7, 8, 9]], [0, 0], [3, 0], pt, cache)
-  lat = np.asarray(cache[0]["latent"])
+  lat = np.asarray(layer_pages(cache[0], 1, 0)["latent"])  # stack 0: layer 0
   assert np.abs(lat[pt[0]]).sum() > 0
   assert np.abs(lat[pt[1]]).sum() == 0
 
@@ -139,15 +139,18 @@ def test_mtp_layer_cached_equals_full_and_leaves_main_cache_alone():
   def run(cache, lo, hi):
     start, n = jnp.asarray([lo]), jnp.asarray([hi - lo])
     h, cache = forward(params, cache, jnp.asarray(toks[:, lo:hi]), start, n, pt, cfg=cfg)
-    before = [np.asarray(c["latent"]) for c in cache[:cfg.num_layers]]
+    stacks = len(cfg.layer_stacks)
+    before = [np.asarray(c["latent"]) for c in cache[:stacks]]
     m, cache = forward_mtp(params, cache, h, jnp.asarray(toks[:, lo + 1:hi + 1]), start, n, pt,
                            cfg=cfg)
-    for b, c in zip(before, cache[:cfg.num_layers]):
+    for b, c in zip(before, cache[:stacks]):
       np.testing.assert_array_equal(b, np.asarray(c["latent"]))
     return compute_logits(params, m, cfg), cache
 
   cache = init_cache(cfg, pt.size, ps, jnp.float32)
-  assert len(cache) == cfg.num_layers + 1
+  # One entry per stack of layers (dense, then MoE; its layers' pools end to end), then the
+  # MTP layer's.
+  assert [c["latent"].shape[0] for c in cache] == [n * pt.size for n in (1, cfg.num_layers - 1, 1)]
   full, _ = run(cache, 0, L)
   cache = init_cache(cfg, pt.size, ps, jnp.float32)
   a, cache = run(cache, 0, 6)

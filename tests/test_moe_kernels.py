@@ -15,7 +15,7 @@ from engine.model import kernels
 from engine.model.cache import contiguous_page_table, init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
-from engine.model.params import init_params
+from engine.model.params import init_params, layer_params
 from engine.model.transformer import compute_logits, forward, moe as moe_layer
 from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from model_configs import CONFIGS
@@ -163,13 +163,14 @@ def _assert_close(got, want, dtype):
   np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
 
 
-def _run_path(path, x, w, ids, wg, wu, wd, offset=0, detect_races=False):
+def _run_path(path, x, w, ids, wg, wu, wd, offset=0, detect_races=False, layer=None):
   with gpu_interpret(detect_races):
     if path == "grouped":
       return grouped_mlp_mgpu.moe_experts_grouped(x, w, ids, wg, wu, wd,
-                                                  expert_offset=offset, cfg=GROUPED)
+                                                  expert_offset=offset, layer=layer,
+                                                  cfg=GROUPED)
     return decode_mlp_mgpu.moe_experts_decode(x, w, ids, wg, wu, wd, expert_offset=offset,
-                                              cfg=DECODE)
+                                              layer=layer, cfg=DECODE)
 
 
 @pytest.mark.parametrize("path,t", [("grouped", 40), ("grouped", 1), ("decode", 1),
@@ -202,6 +203,21 @@ def test_kernel_expert_shards_sum_to_whole(path, t):
                   jnp.bfloat16)
   summed = sum(np.asarray(p, np.float32) for p in parts)
   _assert_close(summed, whole, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("path,t,layer,offset", [("decode", 3, 2, 3)])
+def test_kernel_reads_one_layer_of_stacked_experts(path, t, layer, offset):
+  """A scanned layer stack hands the kernels its layers' experts stacked, [L, E, ...], and the
+  layer's index: they read that layer's experts where they lie (as one pool of L * E experts),
+  with that layer's result; an expert shard's offset still applies."""
+  x, w, ids, wg, wu, wd = _problem(t, E, 3, H, I, jnp.bfloat16, seed=17)
+  stacks = [jnp.stack([a[::-1], a, a * -1.5])[:, offset:] for a in (wg, wu, wd)]
+  got = _run_path(path, x, w, ids, *stacks, offset=offset, layer=jnp.int32(layer))
+  want = reference.moe_experts_dense(x, w, ids, *(a[layer] for a in stacks),
+                                     expert_offset=offset)
+  _assert_close(got, want, jnp.bfloat16)
+  _assert_close(reference.moe_experts(x, w, ids, *stacks, expert_offset=offset,
+                                      layer=jnp.int32(layer)), want, jnp.bfloat16)
 
 
 @pytest.mark.slow
@@ -258,7 +274,7 @@ def _tiny_moe_config(**overrides):
 def test_moe_layer_equals_reference(t):
   cfg = _tiny_moe_config()
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
-  p = params["layers"][1]["moe"]
+  p = layer_params(cfg, params, 1)["moe"]
   x = jnp.asarray(np.random.default_rng(t).standard_normal((1, t, cfg.hidden_size)),
                   jnp.bfloat16)
   want = moe_layer(p, x, cfg, REFERENCE)
@@ -288,10 +304,11 @@ def test_tiny_model_forward_calls_mosaic_gpu_moe_and_matches_reference_per_layer
   kernels.register("moe_experts", "checked_mosaic_gpu", checked)
   with gpu_interpret():
     cache = init_cache(cfg, page_table.size, ps, jnp.bfloat16)
+    # Layer by layer (the unrolled path): the checker compares each call's values.
     hidden, _ = forward(params, cache, tokens, jnp.zeros((b,), jnp.int32),
                         jnp.full((b,), t, jnp.int32), page_table, cfg=cfg,
-                        impl=KernelChoice(moe="checked_mosaic_gpu"))
-  n_moe = sum("moe" in layer for layer in params["layers"])
+                        impl=KernelChoice(moe="checked_mosaic_gpu"), scan_layers=False)
+  n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
   assert len(calls) == n_moe > 0
   for got, want in calls:
     _assert_close(got, want, jnp.bfloat16)

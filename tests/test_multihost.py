@@ -1,8 +1,9 @@
-"""One replica over several processes (issue 56, phase 1): the launcher's environment parsed
-into the job, the lockstep channel, the leader's reaction to a lost follower, and two
-`engine.serve` processes with two CPU devices each (mesh expert:4): they start, warm up, report
-ready and, on the leader's SIGTERM, both exit 0; a follower without a leader exits non-zero
-naming the coordinator's address."""
+"""One replica over several processes (issue 56): the launcher's environment parsed into the
+job, the lockstep channel and its step watchdog, the leader's reaction to a lost follower, and
+`engine.serve` processes with two CPU devices each (mesh expert:4): a 2-process replica serves
+concurrent greedy requests (gRPC, HTTP, speculative, structured) with one process's tokens and,
+on the leader's SIGTERM, both exit 0; a killed follower fails the leader's requests and exits
+it non-zero; a follower without a leader exits non-zero naming the coordinator's address."""
 
 import asyncio
 import json
@@ -176,12 +177,44 @@ def test_channel_notices_a_lost_peer():
   leader.close()
 
 
+def test_step_watchdog_loses_a_follower_that_does_not_finish_a_step():
+  """A follower whose reader still answers heartbeats but whose step hangs is lost after the
+  step timeout; steps it finished (DONE) are forgotten and never time out."""
+  lost = []
+  leader, box, t = _pair(on_lost=lambda pid, why: lost.append((pid, why)))
+  leader.accept(10)
+  t.join()
+  f = box["f"]
+  leader.step_timeout_s = 0.6
+  for _ in range(3):  # steps answered DONE in time
+    seq = leader.send(lockstep.Kind.STEP, b"step")
+    f.done(f.recv(5).seq)
+    time.sleep(0.3)
+  assert leader.late_step(time.monotonic() + 0.1) is None and not lost
+  leader.send(lockstep.Kind.HEARTBEAT)  # not a step: nothing to finish
+  hung = leader.send(lockstep.Kind.STEP, b"hangs")
+  assert f.recv(5).seq == hung  # received, never DONE; heartbeats still answered meanwhile
+  deadline = time.monotonic() + 10
+  while not lost and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert lost and lost[0][0] == 1 and f"step {hung} not done" in lost[0][1], lost
+  assert seq < hung
+  leader.close()
+
+
 def test_leader_stops_serving_and_exits_when_a_follower_is_lost(monkeypatch):
   exits = []
   monkeypatch.setattr(os, "_exit", exits.append)
 
+  class Loop:
+    failed = []
+
+    def fail_all(self, message, retryable=False):
+      self.failed.append((message, retryable))
+
   class Server:
     refused = False
+    engine_loop = Loop()
 
     async def refuse_new(self):
       self.refused = True
@@ -199,6 +232,9 @@ def test_leader_stops_serving_and_exits_when_a_follower_is_lost(monkeypatch):
     time.sleep(0.01)
   loop.call_soon_threadsafe(loop.stop)
   assert exits == [1] and server.refused
+  # The in-flight requests end with the reason rather than waiting on a step that cannot end.
+  # (UNAVAILABLE / 503: a gateway may retry them on another replica.)
+  assert len(Loop.failed) == 1 and "lost process 1" in Loop.failed[0][0] and Loop.failed[0][1]
 
 
 # ---- two engine.serve processes -------------------------------------------------------------
@@ -207,10 +243,17 @@ SERVE = [sys.executable, "-m", "engine.serve", "--host=127.0.0.1", "--mesh=exper
          "--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=64",
          "--max_decode_steps=2", "--decode_batch_sizes=1", "--nostructured_warmup",
          "--drain_timeout_s=5", "--coordinator_timeout_s=240"]
+# Serving: several rows, speculative decoding, float32 (in bf16 a (k+1)-token verify may round
+# a near-tie apart from 1-token decoding, and the batches' composition follows arrival times).
+SERVE_SPEC = SERVE[:5] + ["--max_num_seqs=4", "--max_num_batched_tokens=32",
+                          "--max_model_len=128", "--max_decode_steps=4",
+                          "--decode_batch_sizes=4", "--nostructured_warmup",
+                          "--speculative=ngram", "--num_draft_tokens=2", "--dtype=float32",
+                          "--drain_timeout_s=5", "--coordinator_timeout_s=240", "--port=0"]
 
 
-def _env(**extra):
-  xla = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+def _env(devices=2, **extra):
+  xla = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
   return dict(os.environ, XLA_FLAGS=xla.strip(), PYTHONPATH=REPO, **extra)
 
 
@@ -224,43 +267,166 @@ def _read_until(proc, pattern, lines, timeout=300):
   raise AssertionError(f"exited ({proc.wait()}) before {pattern!r}:\n" + "".join(lines[-30:]))
 
 
-@pytest.mark.slow
-def test_two_processes_serve_start_and_leave_together_on_sigterm():
-  """Launched as LeaderWorkerSet launches them: the job from LWS_* and --coordinator_port."""
-  coord, ports = _free_port(), [_free_port() for _ in range(3)]
-  procs, logs = [], [[], []]
+class _Log:
+  """A process's stderr, read on a thread (a full pipe would block the process)."""
+
+  def __init__(self, proc):
+    self.proc, self.lines = proc, []
+    self.thread = threading.Thread(target=lambda: self.lines.extend(proc.stderr), daemon=True)
+    self.thread.start()
+
+  def wait_for(self, pattern, timeout=600):
+    deadline, seen = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+      lines = list(self.lines)
+      for line in lines[seen:]:
+        if re.search(pattern, line):
+          return line
+      seen = len(lines)
+      if self.proc.poll() is not None and not self.thread.is_alive():
+        break
+      time.sleep(0.1)
+    raise AssertionError(f"no {pattern!r} (exit {self.proc.poll()}):\n"
+                         + "".join(self.lines[-30:]))
+
+  def text(self):
+    self.thread.join(10)
+    return "".join(self.lines)
+
+
+def _job(args, lws=True, **env):
+  """Two processes of one job (mesh expert:4 over 2 x 2 CPU devices), launched as
+  LeaderWorkerSet launches them (LWS_* and --coordinator_port) or with the flags."""
+  coord, procs = _free_port(), []
   for i in range(2):
-    lws = dict(LWS_LEADER_ADDRESS="127.0.0.1", LWS_GROUP_SIZE="2", LWS_WORKER_INDEX=str(i))
-    args = [f"--coordinator_port={coord}", "--port=0",
-            f"--http_port={ports[0] if i == 0 else ports[1]}"]
-    procs.append(subprocess.Popen(SERVE + args, cwd=REPO, env=_env(**lws),
+    if lws:
+      job_env = dict(LWS_LEADER_ADDRESS="127.0.0.1", LWS_GROUP_SIZE="2", LWS_WORKER_INDEX=str(i))
+      job = [f"--coordinator_port={coord}"]
+    else:
+      job_env, job = {}, [f"--coordinator_address=127.0.0.1:{coord}", "--num_processes=2",
+                          f"--process_id={i}"]
+    procs.append(subprocess.Popen(args[i] + job, cwd=REPO, env=_env(**job_env, **env),
                                   stderr=subprocess.PIPE, text=True))
+  return procs
+
+
+def _grpc_port(ready_line):
+  return int(ready_line.split("127.0.0.1:")[1].split()[0])
+
+
+def _completion(http_port, body, timeout=120):
+  req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions",
+                               json.dumps(dict(model="target", **body)).encode(),
+                               {"content-type": "application/json"})
+  with urllib.request.urlopen(req, timeout=timeout) as r:
+    return json.loads(r.read())["choices"][0]["text"]
+
+
+PROMPT = "import os\nimport sys\nimport re\nimport json\nimport time\nimport"
+
+
+def _concurrent_requests(grpc_port, http_port):
+  """Greedy requests at once: over gRPC (speculative), over HTTP, and a structured one."""
+  from engine.service.client import InferenceClient
+  out = {}
+
+  def grpc_greedy():
+    with InferenceClient(f"127.0.0.1:{grpc_port}") as client:
+      got = client.generate(PROMPT, max_tokens=32, temperature=0, ignore_eos=True)
+      out["grpc"], out["grpc_accepted"] = list(got.token_ids), got.spec_accepted_tokens
+
+  def http_greedy():
+    out["http"] = _completion(http_port, dict(prompt="def fib(n):", max_tokens=32,
+                                              temperature=0, ignore_eos=True))
+
+  def http_structured():
+    out["regex"] = _completion(http_port, dict(
+        prompt="x = ", max_tokens=12, temperature=0,
+        structured_outputs={"regex": "[0-9]{1,3}\\.5"}))
+  threads = [threading.Thread(target=f) for f in (grpc_greedy, http_greedy, http_structured)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(300)
+  return out
+
+
+@pytest.mark.slow
+def test_two_processes_serve_as_one_and_leave_together_on_sigterm():
+  """A 2-process replica (LeaderWorkerSet's environment) answers concurrent greedy requests
+  over gRPC and HTTP, speculative and structured, with one process's tokens (same mesh, run
+  beside it); the follower serves only liveness; the leader's SIGTERM drains and both exit 0."""
+  http, live = _free_port(), _free_port()
+  procs = _job([SERVE_SPEC + [f"--http_port={http}"], SERVE_SPEC + [f"--http_port={live}"]])
+  ref_http = _free_port()
+  ref = subprocess.Popen(SERVE_SPEC + [f"--http_port={ref_http}"], cwd=REPO, env=_env(4),
+                         stderr=subprocess.PIPE, text=True)
+  logs, ref_log = [_Log(p) for p in procs], _Log(ref)
   try:
-    ready = _read_until(procs[0], r"\[moejax\] ready:", logs[0])
-    _read_until(procs[1], r"follower 1 ready", logs[1])
-    assert any("from LeaderWorkerSet" in l for l in logs[0])
-    assert not any("MemoryStats" in l for log in logs for l in log)
-    grpc_port = int(ready.split("127.0.0.1:")[1].split()[0])
-    # The leader's readiness and the follower's liveness.
-    for port in ports[:2]:
+    ready = logs[0].wait_for(r"\[moejax\] ready:")
+    logs[1].wait_for(r"follower 1 ready")
+    ref_ready = ref_log.wait_for(r"\[moejax\] ready:")
+    assert "from LeaderWorkerSet" in "".join(logs[0].lines)
+    assert not any("MemoryStats" in "".join(log.lines) for log in logs)
+    # The leader's readiness and the follower's liveness (it serves nothing else).
+    for port in (http, live):
       with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
         assert r.status == 200
-    # A request fails at once with the reason (a step needs the followers: phase 2), no hang.
-    req = urllib.request.Request(f"http://127.0.0.1:{ports[0]}/v1/completions", json.dumps(
-        {"model": "target", "prompt": "def f(", "max_tokens": 2}).encode(),
-        {"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
-      urllib.request.urlopen(req, timeout=60)
-    assert "lockstep" in e.value.read().decode()
+      _completion(live, dict(prompt="x", max_tokens=1))
+    assert e.value.code >= 400  # (no API on a follower)
     from engine.service.client import InferenceClient
-    with InferenceClient(f"127.0.0.1:{grpc_port}") as client:
+    with InferenceClient(f"127.0.0.1:{_grpc_port(ready)}") as client:
       assert client.health() == "SERVING"
+    got = _concurrent_requests(_grpc_port(ready), http)
+    want = _concurrent_requests(_grpc_port(ref_ready), ref_http)
+    assert got["grpc"] == want["grpc"] and len(got["grpc"]) == 32, (got, want)
+    assert got["http"] == want["http"] and got["regex"] == want["regex"], (got, want)
+    assert re.fullmatch(r"[0-9]{1,3}\.5", got["regex"]), got
+    assert got["grpc_accepted"] > 0  # the replica speculated (drafts accepted)
     t0 = time.monotonic()
     procs[0].send_signal(signal.SIGTERM)
-    rest = [p.stderr.read() for p in procs]
-    assert [p.wait(timeout=60) for p in procs] == [0, 0], rest
-    assert "stopped" in rest[0] and "follower 1 stopped" in rest[1]
+    ref.send_signal(signal.SIGTERM)
+    assert [p.wait(timeout=60) for p in procs] == [0, 0], logs[0].text() + logs[1].text()
+    assert ref.wait(timeout=60) == 0
+    assert "stopped" in logs[0].text()
+    stopped = re.search(r"follower 1 stopped after (\d+) steps", logs[1].text())
+    assert stopped and int(stopped.group(1)) > 0, logs[1].text()[-2000:]
     assert time.monotonic() - t0 < 60
+  finally:
+    for p in procs + [ref]:
+      if p.poll() is None:
+        p.kill()
+
+
+@pytest.mark.slow
+def test_a_killed_follower_fails_requests_and_the_leader_exits():
+  """kill -9 on the follower mid-request: the request ends with an error, not a hang; the
+  leader says why and exits non-zero within the bound (LeaderWorkerSet restarts the group)."""
+  import grpc
+  from engine.service.client import InferenceClient
+  args = SERVE[:5] + ["--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=512",
+                      "--max_decode_steps=2", "--decode_batch_sizes=1", "--nostructured_warmup",
+                      "--coordinator_timeout_s=240", "--port=0"]
+  procs = _job([args, args + ["--http_port=0"]], lws=False)
+  logs = [_Log(p) for p in procs]
+  try:
+    ready = logs[0].wait_for(r"\[moejax\] ready:")
+    logs[1].wait_for(r"follower 1 ready")
+    with InferenceClient(f"127.0.0.1:{_grpc_port(ready)}", timeout=120) as client:
+      stream = client.stream("def f(", max_tokens=480, ignore_eos=True, temperature=0)
+      next(stream)  # generating in lockstep
+      procs[1].kill()
+      t0 = time.monotonic()
+      with pytest.raises(grpc.RpcError) as e:
+        for _ in stream:
+          pass
+      # UNAVAILABLE naming the lost process (`multihost.watch`), or INTERNAL when the leader's
+      # own program fails first on the broken collective: never the client's deadline.
+      assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+      code = procs[0].wait(timeout=60)
+      assert code != 0 and time.monotonic() - t0 < 60
+    assert "lost process 1" in logs[0].text(), logs[0].text()[-3000:]
   finally:
     for p in procs:
       if p.poll() is None:

@@ -21,7 +21,7 @@ from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from engine.model.cache import init_cache
 from engine.model.config import config_from_dict
 from engine.model.kernels import KernelChoice, REFERENCE
-from engine.model.params import init_params
+from engine.model.params import init_params, layer_params
 from engine.model.transformer import forward, moe as moe_layer
 from model_configs import CONFIGS
 from pallas_kernels.moe import dequant_mlp_mgpu, fp8_mlp_mgpu, moe_mgpu, reference
@@ -65,6 +65,21 @@ def _assert_close(got, want):
   scale = np.abs(want).max()
   assert scale > 0
   np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * scale)
+
+
+def test_kernel_reads_one_layer_of_stacked_fp8_experts():
+  """A scanned stack's FP8 experts, [L, E, ...] leaves, and a layer index: the W8A16 kernels
+  read that layer's experts in place (`permute.expert_pool`), as if given it alone; an expert
+  shard's offset still applies. (INT4: `test_w4a16_mgpu`.)"""
+  x, w, ids, *layer1 = _fp8_problem(19, 3, 6, 2, 128, 128)
+  _, _, _, *layer0 = _fp8_problem(20, 3, 6, 2, 128, 128)
+  stacks = [jax.tree.map(lambda a, b: jnp.stack([a, b]), u, v) for u, v in zip(layer0, layer1)]
+  with gpu_interpret():
+    got = moe_mgpu.moe_experts(x, w, ids, *stacks, layer=jnp.int32(1))
+    shard = fp8_mlp_mgpu.moe_experts_fp8(x, w, ids, *(v[:, 2:] for v in stacks),
+                                         expert_offset=2, layer=jnp.int32(1), cfg=SMALL)
+  _assert_close(got, _reference_f32(x, w, ids, *layer1))
+  _assert_close(shard, _reference_f32(x, w, ids, *(v[2:] for v in layer1), expert_offset=2))
 
 
 # ---- FP8 (W8A16) ---------------------------------------------------------------------------
@@ -143,7 +158,7 @@ def _quantized_moe_config(fmt):
 def test_moe_layer_with_quantized_experts_uses_the_kernel_and_equals_reference(fmt):
   cfg = _quantized_moe_config(fmt)
   params = init_params(cfg, seed=3, dtype=jnp.bfloat16)
-  p = params["layers"][1]["moe"]
+  p = layer_params(cfg, params, 1)["moe"]
   assert isinstance(p["experts"]["gate"], Int4Weight if fmt == "int4" else Fp8Weight)
   x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, cfg.hidden_size)),
                   jnp.bfloat16)
@@ -185,7 +200,7 @@ def test_quantized_moe_experts_lower_for_cuda_at_kimi_shapes(fmt, t, e, offset):
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_quantized_moe_layer_lowers_for_cuda(fmt):
   cfg = _quantized_moe_config(fmt)
-  p = init_params(cfg, seed=3, dtype=jnp.bfloat16)["layers"][1]["moe"]
+  p = layer_params(cfg, init_params(cfg, seed=3, dtype=jnp.bfloat16), 1)["moe"]
   specs = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), p)
   x = jax.ShapeDtypeStruct((2, 4, cfg.hidden_size), jnp.bfloat16)
   calls = export_cuda_calls(lambda p, x: moe_layer(p, x, cfg, KernelChoice(moe="mosaic_gpu")),
@@ -208,7 +223,7 @@ def test_int4_decode_forward_lowers_for_cuda():
   fwd = jax.jit(lambda *a: forward(*a, cfg=cfg, impl=KernelChoice(moe="mosaic_gpu")))
   calls = export_cuda_calls(fwd, spec(params), spec(cache), i32(b, 1), i32(b), i32(b),
                             i32(b, pages // b))
-  n_moe = sum("moe" in layer for layer in params["layers"])
+  n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
   assert n_moe > 1 and calls.count(MOSAIC_CALL) == 2, calls
 
 

@@ -129,6 +129,13 @@ def test_internal_errors_fail_only_their_request(serve, eng, monkeypatch):
     assert code == grpc.StatusCode.INTERNAL and "device lost" in details
     assert client.generate(PROMPT, max_tokens=4).completion_tokens == 4
     assert client.health() == "SERVING"
+    # A replica that stops serving (a lost host of a multi-host replica) fails its streams
+    # retryable: UNAVAILABLE, which a gateway may retry elsewhere.
+    stream = client.stream(PROMPT, max_tokens=100, ignore_eos=True)
+    next(stream)
+    bg.server.engine_loop.fail_all("the replica stopped serving", retryable=True)
+    code, details = status_of(lambda: list(stream))
+    assert code == grpc.StatusCode.UNAVAILABLE and "stopped serving" in details
 
 
 # ---- metrics and reasoning ---------------------------------------------------------------------

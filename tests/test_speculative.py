@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.model.cache import contiguous_page_table, init_cache
+from engine.model.cache import contiguous_page_table, init_cache, layer_pages
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
 from engine.model.transformer import forward_logits
@@ -370,12 +370,14 @@ def test_rejected_drafts_roll_back_by_length(model):
   assert 0 < accepted < drafted
   n_valid = lengths + counts  # first token fed, then every emitted one but the newest
   pt = np.asarray(page_table)
-  for layer in range(cfg.num_layers):
-    a, c = np.asarray(plain_cache[layer]["latent"]), np.asarray(spec_cache[layer]["latent"])
-    for row in range(b):
-      pos = np.arange(n_valid[row])
-      idx = (pt[row, pos // page_size], pos % page_size)
-      np.testing.assert_allclose(c[idx], a[idx], rtol=1e-4, atol=1e-5)
+  for e, (start, stop) in enumerate(cfg.layer_stacks):  # every decoder layer of every stack
+    for j in range(stop - start):
+      a, c = (np.asarray(layer_pages(x[e], stop - start, j)["latent"])
+              for x in (plain_cache, spec_cache))
+      for row in range(b):
+        pos = np.arange(n_valid[row])
+        idx = (pt[row, pos // page_size], pos % page_size)
+        np.testing.assert_allclose(c[idx], a[idx], rtol=1e-4, atol=1e-5)
 
 
 # ---- the demo model: drafting pays off -------------------------------------------------------

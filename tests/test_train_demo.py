@@ -46,7 +46,7 @@ def test_training_lowers_both_losses_and_balances_experts():
   step = train_demo.make_train_step(cfg, opt, mtp_weight=0.3, bias_rate=1e-3)
   opt_state = opt.init(params)
   ids = _markov_ids(5000)
-  bias0 = np.asarray(params["layers"][1]["moe"]["router_bias"])
+  bias0 = np.asarray(params["stacks"][1]["moe"]["router_bias"])  # the MoE layers' [L, E]
   first = None
   for k in range(60):
     params, opt_state, m = step(params, opt_state,
@@ -54,7 +54,7 @@ def test_training_lowers_both_losses_and_balances_experts():
     first = first or {key: float(v) for key, v in m.items()}
   assert float(m["ce"]) < first["ce"] - 1.0
   assert float(m["mtp_ce"]) < first["mtp_ce"] - 0.5
-  bias = np.asarray(params["layers"][1]["moe"]["router_bias"])
+  bias = np.asarray(params["stacks"][1]["moe"]["router_bias"])
   assert 0 < np.max(np.abs(bias - bias0)) <= 60 * 1e-3 + 1e-6  # moved only by the balancing rule
   assert "router_bias" in params["mtp"][0]["moe"]
 

@@ -190,6 +190,21 @@ def test_expert_shard_and_unused_slots():
   _assert_close(got, _reference_f32(x, w, ids, *shard, expert_offset=3))
 
 
+def test_reads_one_layer_of_stacked_experts():
+  # A scanned stack hands the kernel its layers' experts, [L, E, ...] packed leaves, and the
+  # layer's index: it reads that layer's experts in place (`permute.expert_pool`), as if given
+  # that layer alone, an expert shard's offset applied; `moe_mgpu` passes the index through.
+  x, w, ids, *layer1 = _problem(19, 3, 6, 2, 256, 128)
+  _, _, _, *layer0 = _problem(20, 3, 6, 2, 256, 128)
+  stacks = [jax.tree.map(lambda a, b: jnp.stack([a, b, a]), u, v) for u, v in zip(layer0, layer1)]
+  with gpu_interpret():
+    got = int4_mlp_mgpu.moe_experts_int4(x, w, ids, *(v[:, 2:] for v in stacks),
+                                         expert_offset=2, layer=jnp.int32(1), cfg=SMALL)
+    routed = moe_mgpu.moe_experts(x, w, ids, *stacks, layer=jnp.int32(1), num_sms=2)
+  _assert_close(got, _reference_f32(x, w, ids, *(v[2:] for v in layer1), expert_offset=2))
+  _assert_close(routed, _reference_f32(x, w, ids, *layer1))
+
+
 def test_compressed_tensors_nibble_order_through_the_kernel():
   # Words packed by compressed-tensors' own `pack_to_int32` (the fixture's cases), loaded as the
   # engine loads them (`quantized.repack`), through the kernel with one-hot activations and unit

@@ -4,9 +4,10 @@
 
 The slice: Kimi K2.5's real widths (hidden 7168, MLA 64 heads with latent 512 + rope 64,
 384 INT4 experts top-8 of width 2048, one shared expert, vocabulary 163,840) and `--layers`
-layers (the first dense, the rest MoE), its weights random (INT4 nibbles as random bits) and
-shared across layers of a kind (each layer's weights are far larger than L2, so sharing saves
-memory without letting a layer read its neighbour's from cache). Kernels: `--kernels`
+layers (the first dense, the rest MoE), its weights random (INT4 nibbles as random bits),
+one draw per leaf repeated over the layers of a kind (each layer reads its own copy, far larger
+than L2; the layers of a stack are one array, so the slice takes its full memory: ~9.5 GB per
+MoE layer). Kernels: `--kernels`
 ("auto": resolved for this device and model, the `kernels:` line printed).
 
 Programs, in priority order, each compiled (time recorded) and run with the cache donated:

@@ -202,6 +202,30 @@ class ModelConfig:
     """Whether MoE layer i's routed experts are stored (and kept) as packed INT4."""
     return self.is_moe_layer(i) and layer_experts_int4(self.int4, i, self.num_experts)
 
+  def layer_kind(self, i: int) -> tuple[bool, bool, bool]:
+    """What decides decoder layer i's parameter structure: (MoE, INT4 experts, FP8 experts)."""
+    return self.is_moe_layer(i), self.experts_int4(i), self.experts_fp8(i)
+
+  @property
+  def layer_stacks(self) -> tuple[tuple[int, int], ...]:
+    """The decoder layers as maximal runs [start, stop) of layers with one structure
+    (DeepSeek-V3 / Kimi: the dense prefix, then the MoE body; one run for the other families).
+    Each run's parameters and cache pages are stacked on a leading layer axis and run as one
+    scanned body (`engine.model.params`, `engine.model.transformer`)."""
+    stacks, start = [], 0
+    for i in range(1, self.num_layers + 1):
+      if i == self.num_layers or self.layer_kind(i) != self.layer_kind(start):
+        stacks.append((start, i))
+        start = i
+    return tuple(stacks)
+
+  def layer_stack_of(self, i: int) -> tuple[int, int]:
+    """(stack r, position j within it) of decoder layer i."""
+    for r, (start, stop) in enumerate(self.layer_stacks):
+      if start <= i < stop:
+        return r, i - start
+    raise IndexError(f"layer {i} outside the {self.num_layers} decoder layers")
+
   @property
   def display_name(self) -> str:
     return f"{self.model_type}(L={self.num_layers}, H={self.hidden_size}, E={self.num_experts})"

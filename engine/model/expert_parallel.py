@@ -90,31 +90,50 @@ def replicated_features(y: jax.Array) -> jax.Array:
 
 
 def routed_experts(impl: KernelChoice, x: jax.Array, weights: jax.Array, ids: jax.Array,
-                   experts: Params) -> jax.Array:
-  """x [T, H], weights/ids [T, k], experts {gate, up: [E, H, I], down: [E, I, H]} -> [T, H].
+                   experts: Params, layer: Any = None) -> jax.Array:
+  """x [T, H], weights/ids [T, k], experts {gate, up: [E, H, I], down: [E, I, H]} -> [T, H];
+  with `layer` (an int32 scalar) the experts are a stack [L, E, ...] of which layer `layer`
+  runs, read in place by the kernels.
 
   One entry point for every layout: one device, the psum formulation, token dispatch
   (`impl.expert_parallel`, see the module docstring)."""
   fn = kernels.moe_experts(impl)
   mesh = _mesh()
   n = ep_size(mesh)
+  stacked = layer is not None
   if n == 1:
-    return fn(x, weights, ids, experts["gate"], experts["up"], experts["down"])
+    extra = {"layer": layer} if stacked else {}
+    return fn(x, weights, ids, experts["gate"], experts["up"], experts["down"], **extra)
   if _dispatch_pays(impl.expert_parallel, x.shape[0], mesh):
-    return dispatch_experts(fn, x, weights, ids, experts)
-  e_local = experts["gate"].shape[0] // n
+    return dispatch_experts(fn, x, weights, ids, experts, layer)
+  e_local = _num_experts(experts, stacked) // n
 
-  def local(x, weights, ids, gate, up, down):
+  def local(x, weights, ids, layer, gate, up, down):
     offset = jax.lax.axis_index(EP_AXES) * e_local
-    y = fn(x, weights, ids, gate, up, down, expert_offset=offset)
+    y = fn(x, weights, ids, gate, up, down, expert_offset=offset,
+           **({"layer": layer} if stacked else {}))
     # Partial sums are combined in float32: one rounding at the end, as on one device (and
     # XLA:CPU cannot all-reduce bf16). Costs twice the bytes of a bf16 all-reduce.
     return jax.lax.psum(y.astype(jnp.float32), EP_AXES).astype(x.dtype)
 
-  shard = P(EP_AXES)
-  return jax.shard_map(local, in_specs=(P(), P(), P(), shard, shard, shard), out_specs=P(),
+  shard = _expert_spec(stacked)
+  return jax.shard_map(local, in_specs=(P(), P(), P(), P(), shard, shard, shard), out_specs=P(),
                        axis_names=set(EP_AXES))(
-                           x, weights, ids, experts["gate"], experts["up"], experts["down"])
+                           x, weights, ids, _layer_arg(layer),
+                           experts["gate"], experts["up"], experts["down"])
+
+
+def _num_experts(experts: Params, stacked: bool) -> int:
+  return experts["gate"].shape[1 if stacked else 0]
+
+
+def _layer_arg(layer: Any) -> jax.Array:
+  return jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+
+def _expert_spec(stacked: bool) -> P:
+  """Experts split whole over the EP group (after the layer axis of a stack)."""
+  return P(None, EP_AXES) if stacked else P(EP_AXES)
 
 
 def _dispatch_pays(mode: str, tokens: int, mesh) -> bool:
@@ -126,7 +145,7 @@ def _dispatch_pays(mode: str, tokens: int, mesh) -> bool:
 
 
 def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
-                     experts: Params) -> jax.Array:
+                     experts: Params, layer: Any = None) -> jax.Array:
   """Token-dispatch expert parallelism under the current mesh (see the module docstring).
 
   The token axis is split over `data x expert x tensor` (padded to a multiple of it); each
@@ -137,7 +156,8 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
   """
   mesh = _mesh()
   n = ep_size(mesh)
-  e_local = experts["gate"].shape[0] // n
+  stacked = layer is not None
+  e_local = _num_experts(experts, stacked) // n
   token_axes = tuple(a for a in ("data",) + EP_AXES if a in mesh.axis_names)
   split = axis_size(mesh, "data") * n
   t = x.shape[0]
@@ -147,7 +167,7 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
     weights = jnp.pad(weights, ((0, pad), (0, 0)))
     ids = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=-1)
 
-  def local(x, weights, ids, gate, up, down):
+  def local(x, weights, ids, layer, gate, up, down):
     c = x.shape[0]  # this device's tokens
     me = jax.lax.axis_index(EP_AXES)
     dest = jnp.where(ids >= 0, ids // e_local, -1)  # [C, k] EP device owning each choice
@@ -162,7 +182,7 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
     received = jnp.arange(c)[None, :] < recv_sizes[:, None]  # [n, C] real rows
     rids = jnp.where(received[..., None], rids, -1)  # padding rows go to no expert
     y = fn(rx.reshape(n * c, -1), rw.reshape(n * c, -1), rids.reshape(n * c, -1), gate, up,
-           down, expert_offset=me * e_local)
+           down, expert_offset=me * e_local, **({"layer": layer} if stacked else {}))
     # The reverse exchange: block s of y goes back to device s, into block `me`. y is already
     # rounded to x's dtype by the kernel, so it travels in that dtype; the sum is float32.
     back = exchange(y.reshape(n, c, -1), recv_sizes, sizes).astype(jnp.float32)
@@ -171,10 +191,11 @@ def dispatch_experts(fn, x: jax.Array, weights: jax.Array, ids: jax.Array,
         back.reshape(n * c, -1))
     return out.astype(x.dtype)
 
-  tokens, shard = P(token_axes), P(EP_AXES)
-  y = jax.shard_map(local, in_specs=(tokens, tokens, tokens, shard, shard, shard),
+  tokens, shard = P(token_axes), _expert_spec(stacked)
+  y = jax.shard_map(local, in_specs=(tokens, tokens, tokens, P(), shard, shard, shard),
                     out_specs=tokens, axis_names=set(token_axes))(
-                        x, weights, ids, experts["gate"], experts["up"], experts["down"])
+                        x, weights, ids, _layer_arg(layer),
+                        experts["gate"], experts["up"], experts["down"])
   return y[:t] if pad else y
 
 

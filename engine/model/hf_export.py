@@ -6,8 +6,9 @@ HF Linear weights are [out, in]; ours are [in, out] with explicit head axes. The
 written out here independently of `hf_loader`'s plan, so a round trip through both checks it.
 Experts are written in the Hub layout by default (one tensor per expert, what
 `save_pretrained` writes), DeepSeek MTP layers after the decoder layers with copies of the
-shared embedding and head (what vLLM and SGLang expect). Used by tests and by the demo model's
-exporter, so that transformers and other engines run exactly our weights.
+shared embedding and head (what vLLM and SGLang expect). The model's stacked layers are written
+one by one, under each layer's own name (`params.unstack_layers`). Used by tests and by the demo
+model's exporter, so that transformers and other engines run exactly our weights.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from engine.model import vision_checkpoint
+from engine.model.params import unstack_layers
 from pallas_kernels.quant import Fp8Weight, Int4Weight
 
 # Our attention leaf -> HF module under self_attn.
@@ -126,6 +128,8 @@ def hf_tensors(cfg_dict: dict[str, Any], params: dict[str, Any], layout: str = "
                dtype: Any = None) -> dict[str, np.ndarray]:
   """{HF tensor name: numpy array} for `params` (cast to `dtype` if given)."""
   p = _to_numpy(params)
+  if "stacks" in p:  # the model's layout: its layers stacked per run (`params.py`)
+    p = unstack_layers(p)
   t = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
   if "lm_head" in p:
     t["lm_head.weight"] = p["lm_head"].T
@@ -163,7 +167,7 @@ def _to_numpy(tree: Any) -> Any:
   if isinstance(tree, Int4Weight):
     return Int4Weight(np.asarray(tree.packed), np.asarray(tree.scale))
   if isinstance(tree, Fp8Weight):
-    return Fp8Weight(np.asarray(tree.w), np.asarray(tree.scale_inv), tree.block, tree.lead,
+    return Fp8Weight(np.asarray(tree.w), np.asarray(tree.scale_inv), tree.block,
                      tree.n_in)
   if isinstance(tree, dict):
     return {k: _to_numpy(v) for k, v in tree.items()}

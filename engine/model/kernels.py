@@ -210,24 +210,30 @@ def _attention_problem(cfg, cache_dtype, page_size: int) -> str | None:
 
 def _moe_problem(cfg, dtype) -> str | None:
   """Why the Mosaic GPU expert kernels cannot take some MoE layer's routed experts (bf16, INT4
-  or FP8 as stored), or None: `moe_experts` traced at the layer's shapes for a decode (1
-  token) and a prefill (256 tokens) batch, which take different kernels."""
+  or FP8 as stored), or None: `moe_experts` traced as the model calls it (a stack's experts
+  with a layer index, an MTP layer's alone) for a decode (1 token) and a prefill (256 tokens)
+  batch, which take different kernels."""
   if not cfg.num_experts:
     return "the model has no routed experts"
   tree = abstract_params(cfg, dtype)
-  layers = [*tree["layers"], *tree.get("mtp", [])]
-  formats = {}  # one check per distinct expert layout
-  for layer in layers:
-    if "moe" in layer:
-      experts = layer["moe"]["experts"]
-      formats.setdefault(str(jax.tree.map(lambda a: (a.shape, a.dtype), experts)), experts)
   s = jax.ShapeDtypeStruct
+  formats = {}  # one check per distinct expert layout: (experts, layer index or None)
+  for layers, layer in [(tree["stacks"], s((), np.int32)), (tree.get("mtp", []), None)]:
+    for p in layers:
+      if "moe" in p:
+        experts = p["moe"]["experts"]
+        key = str(jax.tree.map(lambda a: (a.shape[layer is not None:], a.dtype), experts))
+        formats.setdefault(key, (experts, layer))
   fn = moe_experts(KernelChoice(moe=MOSAIC_GPU))
   k = cfg.num_experts_per_tok
+  def call(x, weights, ids, gate, up, down, layer=None):
+    return fn(x, weights, ids, gate, up, down, **({} if layer is None else {"layer": layer}))
+
   return _first_problem(
-      lambda ex=ex, t=t: jax.eval_shape(fn, s((t, cfg.hidden_size), dtype), s((t, k), np.float32),
-                                        s((t, k), np.int32), ex["gate"], ex["up"], ex["down"])
-      for ex in formats.values() for t in (1, 256))
+      lambda ex=ex, i=i, t=t: jax.eval_shape(
+          call, s((t, cfg.hidden_size), dtype), s((t, k), np.float32), s((t, k), np.int32),
+          ex["gate"], ex["up"], ex["down"], *(() if i is None else (i,)))
+      for ex, i in formats.values() for t in (1, 256))
 
 
 def resolve(choice: KernelChoice, cfg, *, device_kind: str, platform: str, dtype,

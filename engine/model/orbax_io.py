@@ -4,11 +4,17 @@
       config.json          the Hugging Face config, as is (the model is described by it)
       tokenizer.json ...   tokenizer files copied from the source checkpoint, when present
       params/              the `params.py` pytree, orbax StandardCheckpointer (OCDBT)
-      moejax.json          {"format": "moejax-orbax", "version": 1, "dtype": "bfloat16"}
+      moejax.json          {"format": "moejax-orbax", "version": 2, "dtype": "bfloat16"}
 
 `moejax.json` is written last, so a directory without it is an interrupted save and is not
 recognised by `is_orbax_checkpoint`. Restoring checks every leaf name and shape against
-`param_shapes(cfg)` from the Orbax metadata before reading any array.
+the layout from the Orbax metadata before reading any array.
+
+Version 2 stores the stacked layout the model runs (`param_shapes`: layers stacked per run), so
+a restore places each leaf where it belongs with no further work. Version 1 (the committed demo
+models, checkpoints converted before the layers were stacked) stores the per-layer layout
+(`per_layer_shapes`); it is restored layer by layer and stacked leaf by leaf
+(`hf_loader.LayerStacker`; peak: the model plus one stacked leaf).
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ import orbax.checkpoint as ocp
 
 from engine.model.config import ModelConfig, config_from_dict, load_config
 from engine.model.hf_loader import (INDEX_FILE, PICKLE_SUFFIXES, SINGLE_FILE, CheckpointError,
-                                    shardings_by_leaf)
-from engine.model.params import (Params, check_params, is_shape, leaf_dtype,
-                                 param_shapes, path_str, shape_leaves)
+                                    LayerStacker, layer_sharding, shardings_by_leaf)
+from engine.model.params import (Params, check_params, is_shape, leaf_dtype, param_shapes,
+                                 path_str, per_layer_shapes, shape_leaves, stacked_leaf)
 
 FORMAT = "moejax-orbax"
-VERSION = 1
+VERSION = 2  # written; READ_VERSIONS are read
+READ_VERSIONS = (1, 2)
 MANIFEST = "moejax.json"
 PARAMS_DIR = "params"
 # Tokenizer, generation and image-preprocessing files copied verbatim (Kimi ships
@@ -118,16 +125,16 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
     raise CheckpointError(f"{ckpt_dir}: not a moejax checkpoint (no {MANIFEST})") from e
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-  if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+  if manifest.get("format") != FORMAT or manifest.get("version") not in READ_VERSIONS:
     raise CheckpointError(f"{path}: format {manifest.get('format')!r} version "
                           f"{manifest.get('version')!r}; this build reads {FORMAT!r} "
-                          f"version {VERSION}")
+                          f"versions {', '.join(map(str, READ_VERSIONS))}")
   return manifest
 
 
-def _check_stored(ckpt_dir: str, cfg: ModelConfig, stored: Any) -> None:
+def _check_stored(ckpt_dir: str, cfg: ModelConfig, stored: Any, per_layer: bool) -> None:
   """CheckpointError naming the first leaf whose presence or shape differs from the layout."""
-  want = {name: shape for name, (_, shape) in shape_leaves(cfg).items()}
+  want = {name: shape for name, (_, shape) in shape_leaves(cfg, per_layer).items()}
   have = {path_str(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
   problems = [f"missing parameter {k!r} (expected shape {s})" for k, s in want.items()
               if k not in have]
@@ -157,13 +164,41 @@ def restore_orbax(ckpt_dir: str, cfg: ModelConfig | None = None, shardings: Any 
     raise CheckpointError(f"{ckpt_dir}: no {PARAMS_DIR}/ directory")
   default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   by_leaf = shardings_by_leaf(shardings, cfg) if shardings is not None else {}
+  per_layer = manifest["version"] == 1
+
+  def where(path: str) -> jax.sharding.Sharding:
+    stacked, j = stacked_leaf(cfg, path) if per_layer else (path, None)
+    s = by_leaf.get(stacked, default)
+    return s if j is None else layer_sharding(s)
+
   with ocp.StandardCheckpointer() as ckptr:
-    _check_stored(ckpt_dir, cfg, ckptr.metadata(params_dir).item_metadata.tree)
+    _check_stored(ckpt_dir, cfg, ckptr.metadata(params_dir).item_metadata.tree, per_layer)
     target = jax.tree_util.tree_map_with_path(
-        lambda p, s: jax.ShapeDtypeStruct(s, leaf_dtype(p, dtype),
-                                          sharding=by_leaf.get(path_str(p), default)),
-        param_shapes(cfg), is_leaf=is_shape)
-    return ckptr.restore(params_dir, target)
+        lambda p, s: jax.ShapeDtypeStruct(s, leaf_dtype(p, dtype), sharding=where(path_str(p))),
+        per_layer_shapes(cfg) if per_layer else param_shapes(cfg), is_leaf=is_shape)
+    params = ckptr.restore(params_dir, target)
+  if not per_layer:
+    return params
+  return _stack_on_devices(cfg, params, {name: by_leaf.get(name, default)
+                                         for name in shape_leaves(cfg)}, dtype)
+
+
+def _stack_on_devices(cfg: ModelConfig, params: Params, by_leaf: dict[str, Any],
+                      dtype: Any) -> Params:
+  """A restored per-layer tree stacked (`stack_layers`), leaf by leaf (`LayerStacker`: small
+  stacks through the host, large ones in place on their devices), each layer's arrays freed
+  as they are used."""
+  stacker = LayerStacker(cfg, dtype, by_leaf)
+  placed = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    done = stacker.add(path_str(path), leaf)
+    if done is None:
+      leaf.delete()
+    else:
+      placed[done[0]] = done[1]
+  placed.update(stacker.stacks)
+  return jax.tree_util.tree_map_with_path(lambda p, _: placed[path_str(p)], param_shapes(cfg),
+                                          is_leaf=is_shape)
 
 
 def is_orbax_checkpoint(path: str) -> bool:

@@ -2,12 +2,22 @@
 
 Parameters are plain nested dicts of arrays (a pytree any JAX transform accepts). Matrices are
 stored as `x @ W`, i.e. [in, out], with the head axis explicit where there is one, so sharding
-rules can name it. Layer `i` lives at `params["layers"][i]`.
+rules can name it.
+
+The decoder layers are stacked: `params["stacks"][r]` holds the run of identical layers
+`cfg.layer_stacks[r] = (start, stop)` (DeepSeek-V3 / Kimi: the dense prefix, then the MoE
+body; one run for the other families) as one layer dict whose every leaf has a leading layer
+axis of stop - start (INT4 / FP8 weights: their children do), so the forward scans it
+(`transformer.py`). Checkpoints name layers one by one: the per-layer layout
+(`per_layer_shapes`, `params["layers"][i]` below, layer i's shapes without the layer axis) is
+what the loaders fill and `export_hf` writes; `stack_layers` / `unstack_layers` convert, and
+`stacked_leaf` maps a per-layer leaf to its stack and position.
 
     embed            [V, H]
     final_norm       [H]
     lm_head          [H, V]             (absent when tie_word_embeddings: embed.T is used)
-    layers[i]:
+    stacks[r]        layers[start:stop] of the per-layer layout, stacked: [stop - start, ...]
+    layers[i]:       (per-layer layout only)
       input_norm     [H]
       post_attn_norm [H]
       attn (MLA):
@@ -31,8 +41,8 @@ rules can name it. Layer `i` lives at `params["layers"][i]`.
                      experts kept quantized (`cfg.experts_fp8(i)`) an `Fp8Weight`: w
                      float8_e4m3fn [E, K, N] and scale_inv float32 [E, K/bk, N/bn]
         shared:      gate [H, Is]   up [H, Is]   down [Is, H]  with Is = Im * n_shared (if any)
-    mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer
-                 (the keys above, MoE or dense as layer num_layers + k) plus
+    mtp[k]       DeepSeek multi-token prediction (num_nextn_predict_layers > 0): a decoder layer,
+                 not stacked (the keys above, MoE or dense as layer num_layers + k) plus
       enorm [H]  hnorm [H]  eh_proj [2H, H] (input: [enorm(embed(next)), hnorm(hidden)])
       final_norm [H]      (its output head reuses `embed`/`lm_head` of the main model)
 
@@ -121,7 +131,7 @@ def _fp8_dense(shapes: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
       s = shapes[name]
       k, n = math.prod(s[:n_in]), math.prod(s[n_in:])
       out[name] = Fp8Weight(w=s, scale_inv=(-(-k // b_in), -(-n // b_out)), block=(b_in, b_out),
-                            lead=0, n_in=n_in)
+                            n_in=n_in)
   return out
 
 
@@ -167,29 +177,78 @@ def vision_param_shapes(v: VisionConfig) -> Params:
           "proj_out_bias": (v.text_hidden_size,)}
 
 
-def param_shapes(cfg: ModelConfig) -> Params:
-  """The pytree of parameter shapes (tuples) for `cfg`."""
+def layer_shapes(cfg: ModelConfig, i: int) -> dict[str, Any]:
+  """Decoder layer i's shapes (i >= num_layers: MTP layer i - num_layers, without its extras)."""
+  H = cfg.hidden_size
+  shapes: dict[str, Any] = {"input_norm": (H,), "post_attn_norm": (H,),
+                            "attn": _fp8_dense(_attn_shapes(cfg), cfg)}
+  if cfg.is_moe_layer(i):
+    shapes["moe"] = _moe_shapes(cfg, i)
+  else:
+    shapes["mlp"] = _fp8_dense(_mlp_shapes(H, cfg.intermediate_size), cfg)
+  return shapes
+
+
+def per_layer_shapes(cfg: ModelConfig) -> Params:
+  """The per-layer layout's shapes (`params["layers"][i]`): what checkpoints name."""
   H, V = cfg.hidden_size, cfg.vocab_size
-
-  def layer(i: int) -> dict[str, Any]:
-    shapes: dict[str, Any] = {"input_norm": (H,), "post_attn_norm": (H,),
-                              "attn": _fp8_dense(_attn_shapes(cfg), cfg)}
-    if cfg.is_moe_layer(i):
-      shapes["moe"] = _moe_shapes(cfg, i)
-    else:
-      shapes["mlp"] = _fp8_dense(_mlp_shapes(H, cfg.intermediate_size), cfg)
-    return shapes
-
   tree: Params = {"embed": (V, H), "final_norm": (H,),
-                  "layers": [layer(i) for i in range(cfg.num_layers)]}
+                  "layers": [layer_shapes(cfg, i) for i in range(cfg.num_layers)]}
   if not cfg.tie_word_embeddings:
     tree["lm_head"] = (H, V)
   if cfg.num_nextn_predict_layers:
-    tree["mtp"] = [dict(layer(cfg.num_layers + k), enorm=(H,), hnorm=(H,), eh_proj=(2 * H, H),
-                        final_norm=(H,)) for k in range(cfg.num_nextn_predict_layers)]
+    tree["mtp"] = [dict(layer_shapes(cfg, cfg.num_layers + k), enorm=(H,), hnorm=(H,),
+                        eh_proj=(2 * H, H), final_norm=(H,))
+                   for k in range(cfg.num_nextn_predict_layers)]
   if cfg.vision is not None:
     tree["vision"] = vision_param_shapes(cfg.vision)
   return tree
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+  """The pytree of parameter shapes (tuples) for `cfg`: the stacked layout the model runs."""
+  tree = per_layer_shapes(cfg)
+  layers = tree.pop("layers")
+  tree["stacks"] = [jax.tree.map(lambda s, n=stop - start: (n,) + s, layers[start],
+                                 is_leaf=is_shape) for start, stop in cfg.layer_stacks]
+  return tree
+
+
+def stack_layers(cfg: ModelConfig, tree: Params, stack: Any = None) -> Params:
+  """The per-layer layout -> the stacked one (`stack`: jnp.stack by default, np.stack for host
+  arrays). Other entries are kept as they are."""
+  stack = jnp.stack if stack is None else stack
+  out = {k: v for k, v in tree.items() if k != "layers"}
+  out["stacks"] = [jax.tree.map(lambda *xs: stack(xs), *tree["layers"][start:stop])
+                   for start, stop in cfg.layer_stacks]
+  return out
+
+
+def unstack_layers(params: Params) -> Params:
+  """The stacked layout -> the per-layer one (each layer's leaves indexed out of its stack, in
+  order: views of numpy arrays)."""
+  out = {k: v for k, v in params.items() if k != "stacks"}
+  out["layers"] = [jax.tree.map(lambda x, j=j: x[j], stack) for stack in params["stacks"]
+                   for j in range(jax.tree.leaves(stack)[0].shape[0])]
+  return out
+
+
+def layer_params(cfg: ModelConfig, params: Params, i: int) -> Params:
+  """Decoder layer i's parameters (its stack's leaves at its position)."""
+  r, j = cfg.layer_stack_of(i)
+  return jax.tree.map(lambda x: x[j], params["stacks"][r])
+
+
+def stacked_leaf(cfg: ModelConfig, name: str) -> tuple[str, int | None]:
+  """A per-layer leaf name -> (the stacked layout's leaf, position on its layer axis):
+  `layers.5.attn.q` -> (`stacks.1.attn.q`, 4) when stack 1 starts at layer 1; other names are
+  the same in both layouts (position None)."""
+  head, _, rest = name.partition(".")
+  if head != "layers":
+    return name, None
+  index, _, rest = rest.partition(".")
+  r, j = cfg.layer_stack_of(int(index))
+  return f"stacks.{r}.{rest}", j
 
 
 def is_shape(x: Any) -> bool:
@@ -197,9 +256,12 @@ def is_shape(x: Any) -> bool:
   return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
-def shape_leaves(cfg: ModelConfig) -> dict[str, tuple[tuple[Any, ...], tuple[int, ...]]]:
-  """{path_str: (key path, shape)} of every leaf of the layout, in pytree order."""
-  flat = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)[0]
+def shape_leaves(cfg: ModelConfig, per_layer: bool = False
+                 ) -> dict[str, tuple[tuple[Any, ...], tuple[int, ...]]]:
+  """{path_str: (key path, shape)} of every leaf of the layout (stacked, or `per_layer`), in
+  pytree order."""
+  shapes = per_layer_shapes(cfg) if per_layer else param_shapes(cfg)
+  flat = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)[0]
   return {path_str(p): (p, s) for p, s in flat}
 
 
@@ -239,7 +301,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
   """Random parameters (numpy RNG, so independent of the JAX backend).
 
   Norm weights are 1 + 0.1 N(0,1); matrices N(0, scale / fan_in); the embedding N(0, 1);
-  the correction bias small and nonzero. Meant for tests and benchmarks, not training.
+  the correction bias small and nonzero. Meant for tests and benchmarks, not training. Drawn
+  layer by layer (the per-layer layout), then stacked.
   """
   rng = np.random.default_rng(seed)
 
@@ -273,7 +336,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32,
       x = rng.standard_normal(shape) * np.sqrt(scale / fan_in)
     return jnp.asarray(x, dtype=leaf_dtype(path, dtype))
 
-  return jax.tree_util.tree_map_with_path(make, param_shapes(cfg), is_leaf=is_shape)
+  layers = jax.tree_util.tree_map_with_path(make, per_layer_shapes(cfg), is_leaf=is_shape)
+  return stack_layers(cfg, layers)
 
 
 def check_params(cfg: ModelConfig, params: Params) -> None:

@@ -95,6 +95,8 @@ def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P
 
   if parts[0] == "vision":  # the vision tower (~0.4 B parameters in K2.5): on every device
     return P()
+  if parts[0] == "stacks":  # a stack of layers: a leading layer axis (never split), then a layer
+    return P(None, *_spec_for(".".join(["layers"] + parts[1:]), shape[1:], cfg, tp))
   if path == "embed":
     return P(t_if(0), None)
   if path == "lm_head":

@@ -9,8 +9,8 @@ draft model's cache) and their own weights. It knows the engine's static configu
 kernels, drafters, loop sizes) and nothing about requests: each `StepDescription` (host arrays
 and scalars, `step_description.py`) carries a program's every input, and `program` turns it
 into the jitted function and its arguments (also what warm-up compiles ahead, `warmup.py`).
-The engine core (`engine.py`) decides the steps; a follower host of a multi-host replica would
-run a runner alone, fed the leader's descriptions.
+The engine core (`engine.py`) decides the steps; a follower host of a multi-host replica runs
+its runner alone, fed the leader's descriptions (`on_step`, `engine.service.multihost`).
 """
 
 from __future__ import annotations
@@ -96,6 +96,10 @@ class ModelRunner:
         widths=(0, k) if config.adaptive_k else (k,), drafters=tuple(drafters), cfg=cfg,
         impl=self.impl) if drafters else None
     self.vision_params = params.get("vision") if isinstance(params, dict) else None
+    # A multi-host leader's hooks (`engine.service.multihost.lead`): each description goes to
+    # the followers before its program runs here, and warm-up tells them to compile ahead.
+    self.on_step: Callable[[StepDescription], None] | None = None
+    self.on_warmup: Callable[[], None] | None = None
 
   # ---- placement -------------------------------------------------------------------------------
 
@@ -124,6 +128,8 @@ class ModelRunner:
 
   def execute(self, desc: StepDescription) -> dict[str, Any]:
     """Runs the description's program; returns its host outputs."""
+    if self.on_step is not None:
+      self.on_step(desc)
     with self.on_mesh():
       prog = self.program(desc)
       return prog.keep(prog.fn(*prog.args, **prog.kwargs))
@@ -231,7 +237,7 @@ class ModelRunner:
     return {"out": np.asarray(emitted), "count": np.asarray(counts), "lps": _lps(lps)}
 
   def _clear_null_page(self) -> None:
-    self.cache = clear_page(self.cache, NULL_PAGE)
+    self.cache = clear_page(self.cache, NULL_PAGE, self.cfg)
     for name, d in self.drafters.items():
       if name in self.state:
         self.state[name] = d.clear_null_page(self.state[name])

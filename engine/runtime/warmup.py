@@ -104,6 +104,8 @@ def compile_buckets(eng: Any, progress: Callable[[int, int, str], None] | None, 
   """Runs every bucket's programs once on `eng` (an `Engine`; its step lock held). Returns the
   number of shapes; `progress(done, total, what)` (on this thread) as each is compiled ahead
   (`workers` threads, default `compile_workers()`), else after its run."""
+  if eng.runner.on_warmup is not None:  # a multi-host leader: the followers compile ahead too
+    eng.runner.on_warmup()
   shapes = warmup_shapes(eng)
   names = [f"{kind} [{b}x{w}]" for kind, b, w in shapes]
   ahead = compile_ahead(eng, shapes, workers or compile_workers(), progress, names)

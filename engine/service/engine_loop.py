@@ -17,8 +17,10 @@ from engine.runtime.engine import Engine
 
 @dataclasses.dataclass(frozen=True)
 class EngineFailure:
-  """Delivered to every in-flight stream when a step raises."""
+  """Delivered to every in-flight stream when a step raises (or the replica stops serving:
+  `retryable`, UNAVAILABLE / 503, another replica may answer it)."""
   message: str
+  retryable: bool = False
 
 
 class EngineLoop:
@@ -73,7 +75,7 @@ class EngineLoop:
         outputs = self.engine.step()
       except Exception as e:  # keep serving: fail what was in flight, free its pages
         logging.exception("engine step failed; failing the in-flight requests")
-        self._fail_all(f"{type(e).__name__}: {e}")
+        self.fail_all(f"{type(e).__name__}: {e}")
         continue
       for out in outputs:
         if out.finished:  # before delivery: the client may reuse the id as soon as it reads
@@ -83,11 +85,12 @@ class EngineLoop:
         if deliver is not None:
           deliver(out)
 
-  def _fail_all(self, message: str) -> None:
+  def fail_all(self, message: str, retryable: bool = False) -> None:
+    """Every subscribed request ends with `message` (an EngineFailure) and is aborted."""
     with self._lock:
       subscribers = list(self._subscribers.items())
     for rid, deliver in subscribers:
-      deliver(EngineFailure(message))
+      deliver(EngineFailure(message, retryable))
       try:
         self.engine.abort(rid)
       except Exception:

@@ -12,9 +12,13 @@ Messages (`Kind`):
   programs it compiles (`fingerprint`); the leader answers WELCOME, or REJECT naming every
   setting that differs from its own (a job whose processes would compile different programs
   would hang in their collectives).
-* STEP (leader -> followers): one serialised step description, sent before the leader runs the
-  step's device work; a follower runs the same program on the same inputs. WARMUP: the same
-  for a warm-up program.
+* STEP (leader -> followers): one serialised step description (`StepDescription.to_bytes`),
+  sent before the leader runs the step's program; a follower runs the same program on the same
+  inputs, then answers DONE with the step's number. WARMUP (leader -> followers): warm-up
+  begins; a follower compiles the same programs ahead (warm-up's own steps follow as STEPs).
+* DONE (follower -> leader): step number n ran. The step watchdog: a STEP not DONE by every
+  follower within `step_timeout_s` of its sending declares that follower lost (a hung
+  program, a wedged device), also while its reader thread still answers heartbeats.
 * HEARTBEAT (both ways): the leader sends one every `heartbeat_s`; each follower's reader thread
   answers at once, also while its main thread runs a long program. Either side that hears
   nothing for `timeout_s` declares the other lost.
@@ -28,6 +32,7 @@ keeps anything else that can reach the port from reading the job's step descript
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import hmac
@@ -52,6 +57,7 @@ class Kind(enum.IntEnum):
   WARMUP = 5
   HEARTBEAT = 6
   SHUTDOWN = 7
+  DONE = 8
 
 
 class LockstepError(RuntimeError):
@@ -97,13 +103,19 @@ class Leader:
   """Process 0's side: accepts the followers, sends to all of them in order, watches them.
 
   `on_lost(process_index, reason)` is called once, from a channel thread, when a follower's
-  connection closes or it misses heartbeats for `timeout_s`."""
+  connection closes, it misses heartbeats for `timeout_s`, or it has not finished a STEP
+  `step_timeout_s` after its sending (None: no step watchdog; the attribute may be changed)."""
 
   def __init__(self, num_followers: int, fingerprint: dict[str, Any], token: str,
                port: int = 0, heartbeat_s: float = 5.0, timeout_s: float = 20.0,
-               on_lost: Callable[[int, str], None] | None = None):
+               on_lost: Callable[[int, str], None] | None = None,
+               step_timeout_s: float | None = None):
     self.num_followers, self.fingerprint, self.token = num_followers, fingerprint, token
     self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
+    self.step_timeout_s = step_timeout_s
+    self._steps: collections.deque[tuple[int, float]] = collections.deque()  # not all DONE
+    self._done: dict[int, int] = {}  # each follower's last DONE step number
+    self.sent = dict(steps=0, bytes=0, seconds=0.0)  # STEPs: how many, their bytes, send time
     self.on_lost = on_lost
     if socket.has_dualstack_ipv6():
       self._server = socket.create_server(("", port), family=socket.AF_INET6,
@@ -151,6 +163,7 @@ class Leader:
       conn.sendall(frame(Kind.WELCOME, 0))
       self._conns[pid] = conn
       self._last_seen[pid] = time.monotonic()
+      self._done[pid] = 0
     self._server.close()
     for pid, conn in self._conns.items():
       threading.Thread(target=self._read, args=(pid, conn), name=f"lockstep-read-{pid}",
@@ -162,14 +175,21 @@ class Leader:
     with self._send_lock:
       if self._lost:
         raise LockstepError("a follower is lost")
+      t0 = time.perf_counter()
       self._seq += 1
       data = frame(kind, self._seq, payload)
+      if kind == Kind.STEP:
+        self._steps.append((self._seq, time.monotonic()))
       for pid, conn in self._conns.items():
         try:
           conn.sendall(data)
         except OSError as e:
           self._lose(pid, f"send failed: {e}")
           raise LockstepError(f"process {pid}: {e}") from None
+      if kind == Kind.STEP:
+        self.sent["steps"] += 1
+        self.sent["bytes"] += len(payload)
+        self.sent["seconds"] += time.perf_counter() - t0
       return self._seq
 
   def shutdown(self) -> None:
@@ -199,8 +219,10 @@ class Leader:
     try:
       while True:
         msg = read_message(conn)
-        if msg.kind == Kind.HEARTBEAT:
+        if msg.kind in (Kind.HEARTBEAT, Kind.DONE):
           self._last_seen[pid] = time.monotonic()
+        if msg.kind == Kind.DONE:
+          self._done[pid] = msg.seq
     except (LockstepError, OSError, ValueError) as e:
       self._lose(pid, f"connection lost ({e})")
 
@@ -215,6 +237,28 @@ class Leader:
         if now - seen > self.timeout_s:
           self._lose(pid, f"no heartbeat for {now - seen:.0f}s")
           return
+      late = self.late_step(now)
+      if late is not None:
+        self._lose(*late)
+        return
+
+  def late_step(self, now: float) -> tuple[int, str] | None:
+    """(follower, reason) for the first follower whose oldest unfinished STEP is older than
+    `step_timeout_s`; forgets the steps every follower finished."""
+    with self._send_lock:
+      all_done = min(self._done.values(), default=0)
+      while self._steps and self._steps[0][0] <= all_done:
+        self._steps.popleft()
+      if self.step_timeout_s is None:
+        return None
+      for pid, done in self._done.items():
+        for seq, sent in self._steps:
+          if seq > done:
+            if now - sent > self.step_timeout_s:
+              return pid, (f"step {seq} not done {now - sent:.0f}s after it was sent (step "
+                           f"timeout {self.step_timeout_s:.0f}s)")
+            break
+    return None
 
 
 class Follower:
@@ -259,6 +303,14 @@ class Follower:
       self._inbox.put(item)  # every later call fails too
       raise item
     return item
+
+  def done(self, seq: int) -> None:
+    """Tells the leader that its message `seq` (a STEP) ran here."""
+    try:
+      with self._send_lock:
+        self.conn.sendall(frame(Kind.DONE, seq))
+    except OSError as e:
+      raise LockstepError(f"lost the leader at {self.address} ({e})") from None
 
   def close(self) -> None:
     try:

@@ -43,6 +43,11 @@ flags.DEFINE_integer("coordinator_timeout_s", 120, "How long a process waits for
 flags.DEFINE_integer("heartbeat_timeout_s", 20, "A process silent this long is declared dead "
                      "and the job's other processes exit non-zero; also how long a leaving "
                      "process waits for the others at the shutdown barrier.", lower_bound=1)
+flags.DEFINE_integer("step_timeout_s", 120, "Step watchdog of a multi-process job: a step a "
+                     "follower has not finished this long after the leader sent it (a hung "
+                     "program or device) stops the job as a lost process would. Warm-up steps, "
+                     "which compile at their first run, get at least --coordinator_timeout_s.",
+                     lower_bound=1)
 
 flags.DEFINE_enum("attention", "auto", ["auto", "reference", "mosaic_gpu", "mosaic_gpu_flash"],
                   "Attention implementation (auto: Mosaic GPU on Hopper where the model fits; "

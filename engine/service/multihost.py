@@ -6,16 +6,24 @@ leader sends over the lockstep channel (`lockstep.py`, WORKSPACE "More than one 
 
     group = multihost.connect(eng, settings, fingerprint)   # every process, after the Engine
     if group.follower:  exit(multihost.follow(eng, group, ...))
-    ... the leader serves; multihost.watch(group, server, loop); ... multihost.leave(group)
+    multihost.lead(eng, group)                  # the leader: its steps go to the followers
+    ... multihost.watch(group, server, loop); server.start(); multihost.serving(group) ...
+    multihost.leave(group)
 
-What runs today (issue 56, phase 1): the processes size the KV cache alike, check that they were
-started with the same settings, connect, warm up (each process its own warm-up, which runs the
-same programs in the same order), and leave together: SIGTERM on the leader drains, then
-SHUTDOWN takes every process out of `jax.distributed` with exit status 0. A lost follower
-(closed connection, missed heartbeats) turns the leader NOT_SERVING and exits it non-zero; a
-lost leader exits the followers non-zero. Requests on the leader fail with a clear error:
-running a step needs the followers to run it too, which comes with the step description of
-issue 47 (the STEP message; `follow` refuses STEP and WARMUP until then).
+The processes size the KV cache alike, check that they were started with the same settings and
+connect. Then the leader's model runner sends every step description it is about to run
+(`ModelRunner.on_step`: warm-up programs, the cost table's timing calls, prefill and decode
+calls, speculative calls, constrained steps with their masks, the vision tower) as a STEP, and
+WARMUP when warm-up begins (`on_warmup`); a follower compiles the warm-up programs ahead on
+WARMUP and runs each STEP through its own runner on its own shards, then answers DONE. Every
+input of a program is in its description, so followers never time or decide anything, and the
+JAX programs of all processes run in the same order on the same inputs. The sends happen on
+the host between programs, never inside the on-device decode loop.
+
+Leaving: SIGTERM on the leader drains, then SHUTDOWN takes every process out of
+`jax.distributed` with exit status 0. Failing: a lost follower (closed connection, missed
+heartbeats, or a STEP not DONE within the step timeout) turns the leader NOT_SERVING, fails its
+in-flight requests and exits it non-zero; a lost leader exits the followers non-zero.
 """
 
 from __future__ import annotations
@@ -36,12 +44,12 @@ from typing import Any
 import jax
 
 from engine.model import sharding
+from engine.runtime import warmup
+from engine.runtime.step_description import StepDescription
 from engine.service import lockstep
 
 RENDEZVOUS_BYTES = 1024
-NOT_YET = ("serving across processes runs each step on every process in lockstep; the step "
-           "description that carries a step to the followers lands with issue 47 (issue 56, "
-           "phase 2). This job starts, warms up and shuts down, but does not generate yet.")
+FAIL_GRACE_S = 1.0  # a lost follower: the in-flight requests' errors reach clients, then exit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +59,7 @@ class Settings:
   connect_timeout_s: float = 120.0
   heartbeat_timeout_s: float = 20.0
   drain_timeout_s: float = 30.0  # a follower told SIGTERM waits this (+ margin) for SHUTDOWN
+  step_timeout_s: float = 120.0  # the step watchdog once serving (warm-up: >= connect timeout)
 
 
 @dataclasses.dataclass
@@ -84,7 +93,8 @@ def connect(eng: Any, settings: Settings, extra: dict[str, Any] | None = None) -
     group.leader = lockstep.Leader(
         jax.process_count() - 1, fp, token, port=settings.lockstep_port,
         heartbeat_s=max(0.5, settings.heartbeat_timeout_s / 4),
-        timeout_s=settings.heartbeat_timeout_s)
+        timeout_s=settings.heartbeat_timeout_s,
+        step_timeout_s=max(settings.step_timeout_s, settings.connect_timeout_s))
     host = settings.coordinator_host or socket.getfqdn()
     sharding.broadcast_from_leader(json.dumps(
         dict(host=host, port=group.leader.port, token=token)).encode(), RENDEZVOUS_BYTES)
@@ -100,23 +110,33 @@ def connect(eng: Any, settings: Settings, extra: dict[str, Any] | None = None) -
   return group
 
 
-def refuse_steps(eng: Any) -> None:
-  """Until the STEP message exists, the leader's engine fails each step's requests with
-  NOT_YET rather than running a program the followers never join (which would hang)."""
-  def step() -> list:
-    raise NotImplementedError(NOT_YET)
-  eng.step = step
+def lead(eng: Any, group: Group) -> None:
+  """The leader's model runner sends each step description to the followers before running
+  it, and WARMUP as warm-up begins (both from the engine's thread, in program order)."""
+  chan = group.leader
+  eng.runner.on_step = lambda desc: chan.send(lockstep.Kind.STEP, desc.to_bytes())
+  eng.runner.on_warmup = lambda: chan.send(lockstep.Kind.WARMUP)
+
+
+def serving(group: Group) -> None:
+  """Warm-up is over (its first runs compiled): the step watchdog's own timeout from now."""
+  if group.leader is not None:
+    group.leader.step_timeout_s = group.settings.step_timeout_s
 
 
 def watch(group: Group, server: Any, loop: asyncio.AbstractEventLoop) -> None:
-  """A lost follower: the leader's health turns NOT_SERVING, new requests are refused, and the
-  process exits with status 1 (not through jax's shutdown barrier, which would wait for the
-  lost process), so LeaderWorkerSet or SLURM restarts the group."""
+  """A lost follower: the leader's health turns NOT_SERVING, new requests are refused, the
+  in-flight ones end with an error naming the lost process, and the process exits with status
+  1 (not through jax's shutdown barrier, which would wait for the lost process), so
+  LeaderWorkerSet or SLURM restarts the group. The engine's thread may be stuck in a program
+  the lost process never joins: nothing here waits for it."""
   def lost(pid: int, reason: str) -> None:
-    print(f"[moejax] error: lost process {pid} of the job: {reason}; not serving, exiting",
-          file=sys.stderr, flush=True)
+    message = f"lost process {pid} of the job: {reason}"
+    print(f"[moejax] error: {message}; not serving, exiting", file=sys.stderr, flush=True)
     try:
       asyncio.run_coroutine_threadsafe(server.refuse_new(), loop).result(5)
+      server.engine_loop.fail_all(f"the replica stopped serving: {message}", retryable=True)
+      time.sleep(FAIL_GRACE_S)
     except Exception:  # the loop may be gone; exiting matters more
       pass
     os._exit(1)
@@ -128,6 +148,9 @@ def leave(group: Group) -> None:
   together (its barrier waits up to the heartbeat timeout for each process)."""
   if group.leader is not None:
     group.leader.on_lost = None  # the followers now close their connections on purpose
+    sent = group.leader.sent
+    print(f"[moejax] lockstep: sent {sent['steps']} steps, {sent['bytes']} bytes, "
+          f"{sent['seconds'] * 1e3:.1f} ms in send", file=sys.stderr, flush=True)
     try:
       group.leader.shutdown()
     except lockstep.LockstepError as e:
@@ -159,8 +182,9 @@ class _Liveness(http.server.BaseHTTPRequestHandler):
 
 def follow(eng: Any, group: Group, http_host: str | None = None,
            http_port: int | None = None) -> int:
-  """A follower's life: warm up, then run the leader's messages until SHUTDOWN (exit status 0)
-  or until the leader is lost (1). SIGTERM: leave if SHUTDOWN has not come within the drain
+  """A follower's life: run the leader's messages (WARMUP: compile warm-up's programs ahead;
+  STEP: run the description, answer DONE) until SHUTDOWN (exit status 0) or until the leader
+  is lost or a step fails here (1). SIGTERM: leave if SHUTDOWN has not come within the drain
   timeout plus a margin (the leader, told the same, drains first)."""
   chan = group.follower
   state = {"healthy": True, "deadline": None}
@@ -179,9 +203,9 @@ def follow(eng: Any, group: Group, http_host: str | None = None,
   signal.signal(signal.SIGTERM, on_term)
   signal.signal(signal.SIGINT, on_term)
 
-  eng.warmup(progress=False)
   print(f"[moejax] follower {jax.process_index()} ready: in lockstep with the leader at "
         f"{chan.address}", file=sys.stderr, flush=True)
+  steps = 0
   try:
     while True:
       if state["deadline"] is not None and time.monotonic() > state["deadline"]:
@@ -193,8 +217,20 @@ def follow(eng: Any, group: Group, http_host: str | None = None,
         continue
       if msg.kind == lockstep.Kind.SHUTDOWN:
         break
-      raise lockstep.LockstepError(f"{msg.kind.name}: {NOT_YET}")
-  except lockstep.LockstepError as e:
+      if msg.kind == lockstep.Kind.STEP:
+        eng.runner.execute(StepDescription.from_bytes(msg.payload))
+        chan.done(msg.seq)
+        steps += 1
+      elif msg.kind == lockstep.Kind.WARMUP:
+        t0 = time.perf_counter()
+        shapes = warmup.warmup_shapes(eng)
+        n = len(warmup.compile_ahead(eng, shapes, warmup.compile_workers(), None,
+                                     [f"{k} [{b}x{w}]" for k, b, w in shapes]))
+        print(f"[moejax] follower {jax.process_index()}: compiled {n} warm-up shapes ahead in "
+              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+      else:
+        raise lockstep.LockstepError(f"unexpected {msg.kind.name} from the leader")
+  except Exception as e:  # the leader lost, or a step failed here: the job cannot go on
     state["healthy"] = False
     print(f"[moejax] error: follower {jax.process_index()}: {e}; exiting", file=sys.stderr,
           flush=True)
@@ -203,5 +239,6 @@ def follow(eng: Any, group: Group, http_host: str | None = None,
   if liveness is not None:
     liveness.shutdown()
   jax.distributed.shutdown()
-  print(f"[moejax] follower {jax.process_index()} stopped", file=sys.stderr, flush=True)
+  print(f"[moejax] follower {jax.process_index()} stopped after {steps} steps", file=sys.stderr,
+        flush=True)
   return 0

@@ -184,6 +184,8 @@ async def serve(eng: Engine, config: ServerConfig, metrics_port: int | None,
   print(f"[moejax] binding {config.host}:{config.port}; compiling (health NOT_SERVING until "
         "ready) ...", file=sys.stderr, flush=True)
   port = await server.start(metrics_port)
+  if group is not None:
+    multihost.serving(group)
   metrics = (f", metrics on {server.metrics_address}:{server.metrics_port}/metrics"
              if server.metrics_port else "")
   if server.http_port is not None:
@@ -257,7 +259,7 @@ def main(argv: list[str]) -> int:
                             if job is not None and job.coordinator_address else None),
           lockstep_port=FLAGS.lockstep_port, connect_timeout_s=FLAGS.coordinator_timeout_s,
           heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
-          drain_timeout_s=FLAGS.drain_timeout_s),
+          drain_timeout_s=FLAGS.drain_timeout_s, step_timeout_s=FLAGS.step_timeout_s),
           extra=dict(checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
                      eagle3_checkpoint=head_dir))
   except (ValueError, FileNotFoundError, OSError, NotImplementedError,
@@ -269,7 +271,7 @@ def main(argv: list[str]) -> int:
   if group is not None and group.follower is not None:
     return multihost.follow(eng, group, FLAGS.host, FLAGS.http_port)
   if group is not None:
-    multihost.refuse_steps(eng)
+    multihost.lead(eng, group)
   asyncio.run(serve(eng, config, FLAGS.metrics_port, group))
   if group is not None:
     multihost.leave(group)

@@ -118,7 +118,8 @@ class RequestGroup:
     rid = self.requests[index][1]
     if isinstance(item, EngineFailure):
       self.failed = True
-      raise Rejected(grpc.StatusCode.INTERNAL, f"request {rid}: {item.message}")
+      raise Rejected(grpc.StatusCode.UNAVAILABLE if item.retryable else grpc.StatusCode.INTERNAL,
+                     f"request {rid}: {item.message}")
     if item.finish_reason == FINISH_ABORT and rid in self.srv.drain_aborted:
       self.failed = True
       raise Rejected(grpc.StatusCode.UNAVAILABLE,

@@ -148,16 +148,18 @@ decode_swiglu_reference = permute_lib.tiled_swiglu_reference
 
 def moe_experts_decode(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                        w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-                       expert_offset: int = 0,
+                       expert_offset: int = 0, layer: jax.Array | int | None = None,
                        cfg: DecodeConfig = DecodeConfig()) -> jax.Array:
   """`reference.moe_experts` contract through the decode kernels (T <= 256 tokens; each token's
-  k expert ids distinct, as routing produces, so no expert gets more than T copies)."""
+  k expert ids distinct, as routing produces, so no expert gets more than T copies); with
+  `layer`, the weights are stacks and the kernels read layer `layer`'s experts in place."""
   t, k = expert_ids.shape
-  e_local = w_gate.shape[0]
+  (w_gate, w_up, w_down), e_local, base = permute_lib.expert_pool((w_gate, w_up, w_down), layer)
   nt = block_tokens_for(t)
   rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
   perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
                                   expert_offset=expert_offset, block_rows=nt, num_rows=rows)
   xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
-  ys = decode_swiglu(xs, perm.tile_expert, perm.num_tiles, w_gate, w_up, w_down, nt, cfg)
+  ys = decode_swiglu(xs, perm.tile_expert + base, perm.num_tiles, w_gate, w_up, w_down, nt,
+                     cfg)
   return permute_lib.combine(ys, perm, weights, x.dtype)

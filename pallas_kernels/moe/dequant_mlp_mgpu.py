@@ -170,16 +170,17 @@ def block_tokens(num_tokens: int) -> int:
 
 def moe_experts_slots(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, e_local: int,
                       expert_offset: int,
-                      swiglu: Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array]
-                      ) -> jax.Array:
+                      swiglu: Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array],
+                      base: jax.Array | int = 0) -> jax.Array:
   """`reference.moe_experts` contract around a slot kernel pair: swiglu(xs, slot_expert,
   num_slots, block_tokens) -> ys, with the permutation of `permute.py` before and the
-  weighted combine after."""
+  weighted combine after. `base`: the pool index of the layer's first expert (weights viewed
+  as a pool of stacked layers' experts: `permute.expert_pool`)."""
   t, k = expert_ids.shape
   nt = block_tokens(t)
   rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
   perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
                                   expert_offset=expert_offset, block_rows=nt, num_rows=rows)
   xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
-  ys = swiglu(xs, perm.tile_expert, perm.num_tiles, nt)
+  ys = swiglu(xs, perm.tile_expert + base, perm.num_tiles, nt)
   return permute_lib.combine(ys, perm, weights, x.dtype)

@@ -114,11 +114,15 @@ def fp8_swiglu_reference(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.A
 
 def moe_experts_fp8(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                     w_gate: Fp8Weight, w_up: Fp8Weight, w_down: Fp8Weight, *,
-                    expert_offset: int = 0, cfg: Fp8Config = Fp8Config()) -> jax.Array:
+                    expert_offset: int = 0,
+                    layer: jax.Array | int | None = None,
+                    cfg: Fp8Config = Fp8Config()) -> jax.Array:
   """`reference.moe_experts` contract through the W8A16 kernels, any token count (slots:
-  `dequant_mlp_mgpu.block_tokens`)."""
+  `dequant_mlp_mgpu.block_tokens`); with `layer`, the weights are stacks and the kernels read
+  layer `layer`'s experts in place."""
   if not all(is_fp8(w) for w in (w_gate, w_up, w_down)):
     raise TypeError("moe_experts_fp8 takes Fp8Weight experts")
+  (w_gate, w_up, w_down), e_local, base = permute_lib.expert_pool((w_gate, w_up, w_down), layer)
   return dequant_lib.moe_experts_slots(
-      x, weights, expert_ids, w_gate.shape[0], expert_offset,
-      lambda xs, se, ns, nt: fp8_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg))
+      x, weights, expert_ids, e_local, expert_offset,
+      lambda xs, se, ns, nt: fp8_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg), base)

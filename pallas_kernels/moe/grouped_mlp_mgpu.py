@@ -150,15 +150,16 @@ grouped_swiglu_reference = permute_lib.tiled_swiglu_reference
 
 def moe_experts_grouped(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                         w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-                        expert_offset: int = 0,
+                        expert_offset: int = 0, layer: jax.Array | int | None = None,
                         cfg: GroupedConfig = GroupedConfig()) -> jax.Array:
-  """`reference.moe_experts` contract through the grouped kernels (prefill path)."""
+  """`reference.moe_experts` contract through the grouped kernels (prefill path); with `layer`,
+  the weights are stacks and the kernels read layer `layer`'s experts in place."""
   t, k = expert_ids.shape
-  e_local = w_gate.shape[0]
+  (w_gate, w_up, w_down), e_local, base = permute_lib.expert_pool((w_gate, w_up, w_down), layer)
   rows = permute_lib.padded_rows(t * k, e_local, cfg.block_m, max_group_size=t)
   perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
                                   expert_offset=expert_offset, block_rows=cfg.block_m,
                                   num_rows=rows)
   xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
-  ys = grouped_swiglu(xs, perm.tile_expert, perm.num_tiles, w_gate, w_up, w_down, cfg)
+  ys = grouped_swiglu(xs, perm.tile_expert + base, perm.num_tiles, w_gate, w_up, w_down, cfg)
   return permute_lib.combine(ys, perm, weights, x.dtype)

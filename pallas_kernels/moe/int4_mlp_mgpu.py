@@ -18,7 +18,8 @@ straight into the weighted combine. The activations enter each kernel in the K o
 `w4a16_layout.permute_k` (a transpose XLA fuses into the permutation's gather).
 
 Shapes: x [T, H] bf16, weights [T, k] f32, expert_ids [T, k] int32 (global ids, distinct per
-token), w_gate / w_up `Int4Weight` [E_local, H, I], w_down [E_local, I, H] -> [T, H].
+token), w_gate / w_up `Int4Weight` [E_local, H, I], w_down [E_local, I, H] -> [T, H]; with
+`layer` (int32), stacks [L, E_local, ...] of which layer `layer`'s experts run.
 Limits (`problem`): bf16 activations; H and I multiples of 128; group a multiple of 16 that
 divides the K step (Kimi's 32; 128 too).
 """
@@ -169,20 +170,23 @@ def problem(x_dtype, w_gate, w_up, w_down, cfg: Int4Config = Int4Config()) -> st
 
 def moe_experts_int4(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
                      w_gate: Int4Weight, w_up: Int4Weight, w_down: Int4Weight, *,
-                     expert_offset: int = 0, cfg: Int4Config = Int4Config()) -> jax.Array:
-  """`reference.moe_experts` contract through the W4A16 kernels, any token count."""
+                     expert_offset: int = 0,
+                     layer: jax.Array | int | None = None,
+                     cfg: Int4Config = Int4Config()) -> jax.Array:
+  """`reference.moe_experts` contract through the W4A16 kernels, any token count; with
+  `layer`, the weights are stacks [L, E_local, ...] and the kernels read layer `layer`'s
+  experts in place (`permute.expert_pool`)."""
   if not all(is_int4(w) for w in (w_gate, w_up, w_down)):
     raise TypeError("moe_experts_int4 takes Int4Weight experts")
+  (w_gate, w_up, w_down), e_local, base = permute_lib.expert_pool((w_gate, w_up, w_down), layer)
   why = problem(x.dtype, w_gate, w_up, w_down, cfg)
   if why:
     raise NotImplementedError(why)
   t, k = expert_ids.shape
-  e_local = w_gate.shape[0]
   nt = block_tokens(t)
   rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
   perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
                                   expert_offset=expert_offset, block_rows=nt, num_rows=rows)
   xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
-  ys = swiglu_f32(xs, perm.tile_expert, perm.num_tiles, w_gate, w_up, w_down, nt, cfg)
+  ys = swiglu_f32(xs, perm.tile_expert + base, perm.num_tiles, w_gate, w_up, w_down, nt, cfg)
   return permute_lib.combine(ys, perm, weights, x.dtype)
-

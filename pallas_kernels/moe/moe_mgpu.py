@@ -22,7 +22,10 @@ and expert width multiples of 64 (of 128 for INT4 / FP8: their K step). Tile
 choices assume an H100/H200 (132 SMs, 227 KiB SMEM).
 
 Shapes: x [T, H], weights [T, k] float32, expert_ids [T, k] int32 (global ids, distinct per
-token), w_gate/w_up [E_local, H, I], w_down [E_local, I, H] -> [T, H] in x's dtype.
+token), w_gate/w_up [E_local, H, I], w_down [E_local, I, H] -> [T, H] in x's dtype. With
+`layer` (a scanned stack's position, int32), w_* are the stack's [L, E_local, ...]: the kernels
+see them as one pool of L * E_local experts and address layer `layer`'s through their tile /
+slot expert indices, so the stack is read in place.
 """
 
 from __future__ import annotations
@@ -44,20 +47,22 @@ def _block_k(k: int) -> int:
 
 def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate: jax.Array,
                 w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0,
-                num_sms: int = 132) -> jax.Array:
-  """Weighted sum of the chosen experts' SwiGLU MLPs over a local shard (see module doc)."""
+                layer: jax.Array | int | None = None, num_sms: int = 132) -> jax.Array:
+  """Weighted sum of the chosen experts' SwiGLU MLPs over a local shard (see module doc); with
+  `layer`, w_* are stacks [L, E_local, ...] and the kernels read layer `layer`'s experts where
+  they lie (`permute.expert_pool`: no layer's experts are sliced out and copied)."""
   t, h = x.shape
-  inter = w_gate.shape[2]
+  inter = w_gate.shape[-1]
   if is_int4(w_gate):
     return int4_mlp_mgpu.moe_experts_int4(x, weights, expert_ids, w_gate, w_up, w_down,
-                                          expert_offset=expert_offset,
+                                          expert_offset=expert_offset, layer=layer,
                                           cfg=int4_mlp_mgpu.Int4Config(num_sms=num_sms))
   if is_fp8(w_gate):
     if h % 128 or inter % 128:
       raise NotImplementedError(f"mosaic_gpu FP8 MoE needs hidden ({h}) and expert width "
                                 f"({inter}) to be multiples of 128 (its K step)")
     return fp8_mlp_mgpu.moe_experts_fp8(x, weights, expert_ids, w_gate, w_up, w_down,
-                                        expert_offset=expert_offset,
+                                        expert_offset=expert_offset, layer=layer,
                                         cfg=dequant_mlp_mgpu.DequantConfig(num_sms=num_sms))
   if h % 64 or inter % 64:
     raise NotImplementedError(f"mosaic_gpu MoE needs hidden ({h}) and expert width ({inter}) "
@@ -66,8 +71,8 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
     cfg = decode_mlp_mgpu.DecodeConfig(block_k=min(_block_k(h), _block_k(inter)),
                                        num_sms=num_sms)
     return decode_mlp_mgpu.moe_experts_decode(x, weights, expert_ids, w_gate, w_up, w_down,
-                                              expert_offset=expert_offset, cfg=cfg)
+                                              expert_offset=expert_offset, layer=layer, cfg=cfg)
   cfg = grouped_mlp_mgpu.GroupedConfig(
       block_n=128 if min(h, inter) % 128 == 0 else 64, num_sms=num_sms)
   return grouped_mlp_mgpu.moe_experts_grouped(x, weights, expert_ids, w_gate, w_up, w_down,
-                                              expert_offset=expert_offset, cfg=cfg)
+                                              expert_offset=expert_offset, layer=layer, cfg=cfg)

@@ -45,6 +45,19 @@ class Permutation:
   num_tiles: jax.Array
 
 
+def expert_pool(weights: tuple, layer) -> tuple[tuple, int, jax.Array | int]:
+  """The kernels' view of expert weights: (weights as one pool of experts, E_local, the pool
+  index of the layer's first expert). One layer's [E, ...] weights are their own pool; with
+  `layer`, a stack [L, E, ...] is viewed as [L * E, ...] (a free reshape, so the kernels read
+  the layer's experts in place through `tile_expert + base`, and no layer is sliced out)."""
+  if layer is None:
+    return weights, weights[0].shape[0], 0
+  e_local = weights[0].shape[1]
+  pool = tuple(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), w) for w in weights)
+  base = layer * e_local if isinstance(layer, int) else jnp.asarray(layer, jnp.int32) * e_local
+  return pool, e_local, base
+
+
 def padded_rows(num_copies: int, num_local_experts: int, block_rows: int,
                 max_group_size: int | None = None) -> int:
   """Static number of rows R that holds every group padded to block_rows.

@@ -108,8 +108,14 @@ def _mapped_mlp(xb: jax.Array, sel: jax.Array, w_gate, w_up, w_down) -> jax.Arra
   return jax.lax.map(one, (xb, sel))
 
 
+def layer_of(w, layer):
+  """Layer `layer` of stacked expert weights [L, E, ...] (arrays or quantized weights)."""
+  return jax.tree.map(lambda a: a[layer], w)
+
+
 def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate: jax.Array,
-                w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0) -> jax.Array:
+                w_up: jax.Array, w_down: jax.Array, *, expert_offset: int = 0,
+                layer: jax.Array | int | None = None) -> jax.Array:
   """Weighted sum of the chosen experts' SwiGLU MLPs, over a local shard of experts.
 
   Picks one of four equivalent formulations by the (static) shapes, cheapest first on CPU:
@@ -129,10 +135,16 @@ def moe_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, w_gate:
   Args:
     x: [T, H].
     weights: [T, k] float32 routing weights; expert_ids: [T, k] int32 global expert ids.
-    w_gate, w_up: [E_local, H, I]; w_down: [E_local, I, H].
+    w_gate, w_up: [E_local, H, I]; w_down: [E_local, I, H]; or, with `layer`, stacks of L
+      layers' experts ([L, E_local, H, I], [L, E_local, I, H]) of which layer `layer` runs.
+    layer: int32 scalar (a scanned layer stack's position). The layer's experts are indexed in
+      the stack where each formulation reads them (XLA fuses the index into the gathers and
+      the quantized experts' dequantization; XLA:CPU materialises a dot's operand).
   Returns:
     [T, H] in x's dtype.
   """
+  if layer is not None:
+    w_gate, w_up, w_down = (layer_of(w, layer) for w in (w_gate, w_up, w_down))
   args = (x, weights, expert_ids, w_gate, w_up, w_down)
   if _gather_pays(expert_ids.size, w_gate):
     return moe_experts_gathered(*args, expert_offset=expert_offset)

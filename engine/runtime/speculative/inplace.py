@@ -1,4 +1,5 @@
-"""`run_if`: a conditional whose large state (a KV cache) XLA updates in place.
+"""`run_if`: a conditional whose large state (a KV cache) XLA updates in place; `place`, a
+per-row scatter into a loop buffer.
 
 XLA copies a buffer that a conditional branch updates whenever that conditional sits inside
 another one (the loop's plain / block branches), but updates a while loop's state in place at
@@ -31,3 +32,13 @@ def run_if(pred: jax.Array, fn: Callable[[State], State], state: State) -> State
 
   _, out, _ = jax.lax.while_loop(lambda c: c[0] < trips, body, (jnp.int32(0), state, consts))
   return out
+
+
+def place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
+          ) -> jax.Array:
+  """buffer[b, start[b] + i] = values[b, i] for i < count[b]. buffer [B, N], values [B, T]."""
+  t = values.shape[1]
+  cols = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, buffer.shape[1])
+  rows = jnp.arange(buffer.shape[0])[:, None]
+  return buffer.at[rows, cols].set(values, mode="drop")

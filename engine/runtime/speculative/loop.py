@@ -30,17 +30,10 @@ from engine.runtime.speculative import goodput
 from engine.runtime.speculative.acceptance import prefix_length, verify
 from engine.runtime.speculative import drafters as registry
 from engine.runtime.speculative.drafters import Drafter, LoopContext, aux_layers_of, drafter_id
+from engine.runtime.speculative.inplace import place
 from engine.runtime.steps import DecodeBatch, decode_loop
 
 
-def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
-           ) -> jax.Array:
-  """buffer[b, start[b] + i] = values[b, i] for i < count[b]. buffer [B, N], values [B, T]."""
-  t = values.shape[1]
-  cols = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, buffer.shape[1])
-  rows = jnp.arange(buffer.shape[0])[:, None]
-  return buffer.at[rows, cols].set(values, mode="drop")
 
 
 @jax.tree_util.register_dataclass
@@ -271,9 +264,9 @@ def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, sp
     count = s.count + n_emit
     return dataclasses.replace(
         s, cache=cache, drafters=states,
-        out=_place(s.out, s.count, v.emitted, n_emit),
-        lps=tuple(_place(buf, s.count, x, n_emit) for buf, x in zip(s.lps, lp)),
-        history=_place(s.history, s.history_len, v.emitted, n_emit),
+        out=place(s.out, s.count, v.emitted, n_emit),
+        lps=tuple(place(buf, s.count, x, n_emit) for buf, x in zip(s.lps, lp)),
+        history=place(s.history, s.history_len, v.emitted, n_emit),
         count=count, history_len=s.history_len + n_emit, n_cached=s.n_cached + n_emit,
         tok=jnp.where(live, v.extra, s.tok), stopped=s.stopped | v.stopped,
         done=s.done | v.stopped | (count >= limit),

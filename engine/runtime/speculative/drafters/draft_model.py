@@ -31,7 +31,7 @@ from engine.runtime.page_pool import NULL_PAGE
 from engine.runtime.speculative.acceptance import draft_sample
 from engine.runtime.speculative.drafters.base import (Drafter, LoopContext, Proposal,
                                                       zeros_like_shape)
-from engine.runtime.speculative.inplace import run_if
+from engine.runtime.speculative.inplace import place, run_if
 
 Span = tuple[int, int, int]  # (row, first position, number of positions)
 
@@ -112,14 +112,6 @@ class DraftEntries:
         self._marks[page] = (self._epoch[page], min(self.page_size, upto - j * self.page_size))
 
 
-def _place(buffer: jax.Array, start: jax.Array, values: jax.Array, count: jax.Array
-           ) -> jax.Array:
-  """buffer[b, start[b] + i] = values[b, i] for i < count[b]. buffer [B, N], values [B, T]."""
-  t = values.shape[1]
-  cols = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  cols = jnp.where(jnp.arange(t)[None, :] < count[:, None], cols, buffer.shape[1])
-  rows = jnp.arange(buffer.shape[0])[:, None]
-  return buffer.at[rows, cols].set(values, mode="drop")
 
 
 def draft_feed(draft_params, dcache, pending, n_pending, tok, n_cached, live, page_table, *,
@@ -129,7 +121,7 @@ def draft_feed(draft_params, dcache, pending, n_pending, tok, n_cached, live, pa
   the draft cache holding positions <= n_cached)."""
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([pending, jnp.zeros_like(pending[:, :1])], axis=1)
-  block = _place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
+  block = place(block, n_pending, tok[:, None], jnp.ones_like(n_pending))
   hidden, dcache = forward(draft_params, dcache, block, n_cached - n_pending,
                            (n_pending + 1) * live_i, page_table, cfg=draft_cfg, impl=impl)
   return jnp.take_along_axis(hidden, n_pending[:, None, None], axis=1)[:, 0], dcache
@@ -183,7 +175,7 @@ class DraftModelDrafter(Drafter):
     return place_cache(init_cache(self.draft_cfg, num_pages, page_size, dtype), self.draft_cfg)
 
   def clear_null_page(self, state: Cache) -> Cache:
-    return clear_page(state, NULL_PAGE)
+    return clear_page(state, NULL_PAGE, self.draft_cfg)
 
   def start(self, state: Cache, rows: Any, b: int, k_max: int) -> dict:
     return {"cache": state, "pending": jnp.zeros((b, k_max), jnp.int32),
