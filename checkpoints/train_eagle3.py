@@ -56,6 +56,8 @@ def _define_flags() -> None:
   flags.DEFINE_float("lr", 2e-3, "Peak learning rate.")
   flags.DEFINE_integer("intermediate", 640, "The head's MLP width.")
   flags.DEFINE_integer("seed", 0, "Seed.")
+  flags.DEFINE_string("init_from", None, "A head directory to start from (a second phase).")
+  flags.DEFINE_bool("greedy_only", False, "Only greedy continuations (default: half sampled).")
   flags.DEFINE_string("corpus_cache", demo_corpus.default_cache_dir(), "Tokenized corpus.")
 
 
@@ -235,7 +237,7 @@ def generate_data(model: Any, train_ids: np.ndarray, n: int, prompt_len: int, ne
     m = min(32, n - start)
     starts = rng.integers(0, len(train_ids) - prompt_len, m)
     prompts = [[int(x) for x in train_ids[s:s + prompt_len]] for s in starts]
-    temp = 0.0 if (start // 32) % 2 == 0 else 1.0
+    temp = 0.0 if (start // 32) % 2 == 0 or FLAGS.greedy_only else 1.0
     res = engine.generate(model, prompts, max_new_tokens=new, temperature=temp,
                           seed=seed + start, ignore_eos=True)
     out += [p + list(r.token_ids) for p, r in zip(prompts, res)]
@@ -252,7 +254,7 @@ def main(argv: list[str]) -> None:
   conf = head_config(FLAGS.target, FLAGS.intermediate)
   init_dir = FLAGS.out + ".init"
   save_head(init_dir, conf, initial_tensors(conf, tcfg, tparams, FLAGS.seed))
-  hcfg, params = load_eagle3(init_dir, tcfg, tparams, jnp.float32)
+  hcfg, params = load_eagle3(FLAGS.init_from or init_dir, tcfg, tparams, jnp.float32)
   frozen = {"embed": params.pop("embed")}
   train_ids, _ = demo_corpus.tokenized_corpus(FLAGS.corpus_cache,
                                                os.path.join(DEMO, "tokenizer.json"))
@@ -312,6 +314,7 @@ def main(argv: list[str]) -> None:
                 aux_layer_ids=AUX_IDS, ttt_steps=k, decay=TTT_DECAY, steps=FLAGS.steps,
                 batch=FLAGS.batch, sequences=FLAGS.sequences, prompt_len=FLAGS.prompt_len,
                 new_tokens=FLAGS.new_tokens, lr=FLAGS.lr, generate_seconds=round(gen_s, 1),
+                init_from=FLAGS.init_from, greedy_only=FLAGS.greedy_only,
                 train_seconds=round(train_s, 1),
                 heldout={n: round(float(v), 4) for n, v in held_metrics.items()},
                 history=history)
