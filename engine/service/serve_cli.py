@@ -231,9 +231,14 @@ def main(argv: list[str]) -> int:
                         kernels=mesh_flags.kernel_choice())
     draft = (engine.load(FLAGS.draft_checkpoint, dtype=FLAGS.dtype, mesh=mesh)
              if FLAGS.draft_checkpoint else None)
-    head, extra_drafters = None, ()
-    head_dir = eagle3_checkpoint("eagle3" if FLAGS.speculative == "eagle3" else drafters.AUTO,
-                                 FLAGS.eagle3_checkpoint, FLAGS.checkpoint)
+    head, extra_drafters, head_dir = None, (), None
+    # A head when one is asked for: --eagle3_checkpoint, or eagle3 / auto as the default or
+    # among --drafters (the demo target's own head then, if no flag names one).
+    if FLAGS.eagle3_checkpoint or FLAGS.speculative in ("eagle3", drafters.AUTO) or (
+        "eagle3" in FLAGS.drafters):
+      head_dir = eagle3_checkpoint(
+          "eagle3" if "eagle3" in (FLAGS.speculative, *FLAGS.drafters) else drafters.AUTO,
+          FLAGS.eagle3_checkpoint, FLAGS.checkpoint)
     if head_dir is not None:
       head = model.llm.head(head_dir)
       extra_drafters = ("eagle3",)  # (requests may choose it; auto includes it)
