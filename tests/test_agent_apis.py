@@ -65,7 +65,8 @@ def ref(k25_eng):
   stream = chat.stream_for(inputs)
   stream.feed(RequestOutput("r", out.output_ids, out.text, True, out.finish_reason, None,
                             Usage(len(inputs.prompt_ids), 0, 8), Timings(0.0)))
-  return dict(prompt_tokens=len(inputs.prompt_ids), reasoning="".join(stream.reasoning),
+  return dict(prompt_tokens=len(inputs.prompt_ids), ids=list(out.output_ids),
+              reasoning="".join(stream.reasoning),
               content="".join(stream.content), reasoning_tokens=stream.reasoning_tokens,
               finish=out.finish_reason, thinking=inputs.starts_in_reasoning)
 
@@ -372,7 +373,8 @@ def test_thinking_controls(server, k25_eng):
     s = openai_chat.parse_chat(json.dumps({**body, **extra}).encode(), *args).requests[0].sampling
     assert s.thinking_token_budget == budget, extra
     if budget is not None:
-      assert s.think_end_token_ids == (end, section) and s.think_start_token_id is None
+      assert s.think_end_token_ids == (end, section) and s.think_in_prompt
+      assert s.think_start_token_id == tok.token_to_id("<think>")
   s = anthropic_messages.parse_messages(json.dumps({
       **body, "max_tokens": 64, "thinking": {"type": "enabled", "budget_tokens": 7}}).encode(),
       *args).requests[0].sampling
@@ -381,6 +383,41 @@ def test_thinking_controls(server, k25_eng):
       "model": "k25", "input": USER, "reasoning": {"effort": "medium"}}).encode(), *args,
       openai_responses.ResponseStore(1)).requests[0].sampling
   assert s.thinking_token_budget == 8192
+
+
+@pytest.mark.slow
+def test_the_thinking_budget_closes_the_thought_on_every_api(server, ref, k25_eng):
+  """At the budget the engine writes `</think>` (id 279 here) itself: exactly `budget`
+  reasoning tokens, the same thought as the unbounded greedy output's first tokens, then the
+  answer (the model, random, never closes its thought by itself this early)."""
+  tok = k25_eng.tokenizer
+  assert tok.token_to_id("</think>") == 279 and 279 not in ref["ids"]
+  thought5 = tok.decode(ref["ids"][:5], skip_special_tokens=False)
+  client = oai(server)
+  r = client.responses.create(model="k25", input=USER, max_output_tokens=12, temperature=0,
+                              extra_body={"thinking_token_budget": 5})
+  assert r.usage.output_tokens_details.reasoning_tokens == 5
+  assert r.output[0].type == "reasoning" and r.output[0].content[0].text == thought5
+  assert r.output[1].type == "message" and r.usage.output_tokens == 12
+  m = ant(server).messages.create(model="k25", max_tokens=12, extra_body={"temperature": 0},
+                                  thinking={"type": "enabled", "budget_tokens": 5},
+                                  messages=[{"role": "user", "content": USER}])
+  assert [b.type for b in m.content] == ["thinking", "text"]
+  assert m.content[0].thinking == thought5 and m.usage.output_tokens == 12
+  # Budget 0: the thought closes at once.
+  c = client.chat.completions.create(model="k25", max_tokens=4, temperature=0,
+                                     messages=[{"role": "user", "content": USER}],
+                                     extra_body={"thinking_token_budget": 0})
+  assert not getattr(c.choices[0].message, "reasoning_content", None)
+  assert c.usage.completion_tokens_details.reasoning_tokens == 0
+  # tool_choice required: the constraint lets reasoning run free up to `</think>`; the budget
+  # ends it, and the call follows.
+  t = client.responses.create(model="k25", input=USER, tools=[FN_TOOL], tool_choice="required",
+                              parallel_tool_calls=False, max_output_tokens=96, temperature=0,
+                              extra_body={"thinking_token_budget": 3})
+  assert t.status == "completed" and t.usage.output_tokens_details.reasoning_tokens == 3
+  assert [o.type for o in t.output] == ["reasoning", "function_call"]
+  assert json.loads(t.output[1].arguments)["city"] in ("Paris", "Oslo")
 
 
 def test_bad_inputs_are_400_in_each_apis_shape_and_the_server_serves_on(server):

@@ -2,7 +2,8 @@
 answer, for every API (chat's three edges and gRPC Generate), and the count of reasoning tokens
 that usage reports and the thinking budget bounds.
 
-The rule, the same on text and on token ids (and in the decode loop's budget):
+The rule, the same on text and on token ids (on ids it is the engine's own,
+`engine.runtime.thought`, which forces the end marker at the thinking budget):
   * a thought starts where the prompt left the model inside a think block (K2.5's generation
     prompt ends in `<think>`), or where the output's first token is `<think>` (Qwen3 writes
     it). Once answer text has come, `<think>` is answer text: no family re-opens
@@ -26,6 +27,7 @@ import dataclasses
 from typing import Any, Sequence
 
 from engine.chat.markup import THINK_END, THINK_START, Markup
+from engine.runtime.thought import ANSWER, START, THOUGHT, ThoughtState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,12 @@ class ReasoningSplitter:
     self.markers, self.ends, self.ids = markers, tuple(ends), ids
     first = "reasoning" if starts_in_reasoning else "start"
     self._text_state = first if markers else "answer"
-    self._id_state = first if (markers or ids) else "answer"
+    # The id rule is the engine's (`engine.runtime.thought`: the programs force the end
+    # marker at the budget with it); the state counts here.
+    self._ids = ThoughtState(ids.start if ids is not None else None,
+                             (ids.end, *ids.also_end) if ids is not None else (),
+                             {"start": START, "reasoning": THOUGHT}.get(first, ANSWER)
+                             if (markers or ids) else ANSWER)
     self._buf = ""
     self._final = False
     self.reasoning_tokens = 0
@@ -148,18 +155,7 @@ class ReasoningSplitter:
 
   def _step_id(self, tok: int) -> str:
     """Advances the id state by one token: "reasoning", "marker" or "answer"."""
-    ids = self.ids
-    if self._id_state == "start":
-      if ids is not None and tok == ids.start:
-        self._id_state = "reasoning"
-        return "marker"
-      self._id_state = "answer"
-    if self._id_state == "answer":
-      return "answer"
-    if ids is not None and (tok == ids.end or tok in ids.also_end):
-      self._id_state = "answer"
-      return "marker"
-    return "marker" if ids is not None and tok == ids.start else "reasoning"
+    return self._ids.step(tok)
 
   def count(self, token_ids: Sequence[int]) -> int:
     """Reasoning tokens among the new ids (added to `reasoning_tokens`)."""

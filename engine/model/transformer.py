@@ -1,6 +1,9 @@
-"""The decoder forward pass, written as pure functions of a parameter pytree.
+"""The decoder forward pass: the `Transformer` module, and the pure functions of a parameter
+pytree every jitted program calls.
 
-Read top to bottom: `forward` embeds tokens, runs every layer (attention writes its new cache
+Read top to bottom: `forward(params, ...)` binds the parameter pytree to the Flax modules
+(`bind`: `nnx.merge` with a cached graphdef, at trace time) and calls `Transformer`, which
+embeds tokens, runs every layer (`modules.DecoderLayer`: attention writes its new cache
 entries, then reads the paged cache; then a dense MLP or a MoE), normalises and returns hidden
 states; `compute_logits` applies the LM head.
 
@@ -32,147 +35,48 @@ import functools
 from typing import Any
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from engine.model import kernels
+from engine.model import modules
 from engine.model.cache import Cache, layer_table, mtp_entry
 from engine.model.config import ModelConfig
-from engine.model.expert_parallel import (replicated_features, routed_experts,
-                                          split_batch_over_data)
+from engine.model.expert_parallel import split_batch_over_data
 from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.modules import DecoderLayer, MTPLayer, ParamInit, rms_norm
 from engine.model.params import Params
-from engine.model.rope import apply_rope, rope_cos_sin
-from pallas_kernels.moe.reference import swiglu_mlp
-from pallas_kernels.quant import dequantize, is_quantized
+from engine.model.rope import rope_cos_sin
+from engine.model.vision import VisionTower
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm computed in float32, returned in x's dtype."""
-  xf = x.astype(jnp.float32)
-  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+# ---- the layer modules, called on one layer's parameters -----------------------------------
+# (the forward itself merges whole stacks: `Transformer`; these serve tests and tools)
 
-
-# ---- attention -------------------------------------------------------------------------------
-
-def _weights(p: Params, dtype) -> Params:
-  """The attention's parameters with FP8 linears kept quantized dequantized to `dtype`."""
-  return {k: dequantize(v, dtype) if is_quantized(v) else v for k, v in p.items()}
+def _layer_of_kind(cfg: ModelConfig, moe: bool) -> int:
+  """A layer index whose kind is dense or MoE as asked (a graphdef depends only on that)."""
+  n = cfg.num_layers + cfg.num_nextn_predict_layers
+  return next((i for i in range(n) if cfg.is_moe_layer(i) == moe), 0)
 
 
 def mla_attention(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ctx: "_Ctx",
                   cfg: ModelConfig, impl: KernelChoice) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """x [B, T, H] -> ([B, T, H], updated pool). layer_cache: a page pool {"latent": [N, P, D]}
-  holding this layer's pages where `ctx.page_table` points."""
-  p = _weights(p, x.dtype)
-  dn, dc = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-  if cfg.q_lora_rank is None:
-    q = jnp.einsum("bth,hnd->btnd", x, p["q"])
-  else:
-    q_a = rms_norm(replicated_features(x @ p["q_a"]), p["q_a_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btr,rnd->btnd", q_a, p["q_b"])
-  q_nope, q_rope = q[..., :dn], q[..., dn:]
+  """`modules.MLAAttention` on one layer's `attn` parameters: x [B, T, H] -> ([B, T, H],
+  updated pool)."""
+  return modules.mla_module(cfg, p)(x, layer_cache, ctx, impl)
 
-  kv = replicated_features(x @ p["kv_a"])  # [B, T, Dc + Dr] (columns split over tensor)
-  c_kv = rms_norm(kv[..., :dc], p["kv_a_norm"], cfg.rms_norm_eps)
-  cos, sin = ctx.cos_sin(cfg)
-  k_rope = apply_rope(kv[..., dc:], cos, sin, cfg.rope.interleave)
-  q_rope = apply_rope(q_rope, cos, sin, cfg.rope.interleave)
-
-  latent = jnp.concatenate([c_kv, k_rope], axis=-1)
-  pages = kernels.write_pages(impl)(layer_cache["latent"], ctx.page_table, ctx.positions,
-                                    ctx.valid, latent)
-
-  w_uk, w_uv = p["kv_b"][..., :dn], p["kv_b"][..., dn:]  # [Dc, nH, dn], [Dc, nH, dv]
-  q_latent = jnp.einsum("btnd,cnd->btnc", q_nope, w_uk)
-  ctx_latent = kernels.mla_attention(impl)(
-      q_latent, q_rope, pages, ctx.page_table, ctx.positions, ctx.kv_lens,
-      softmax_scale=cfg.softmax_scale)
-  out = jnp.einsum("btnc,cnv->btnv", ctx_latent, w_uv)
-  return jnp.einsum("btnv,nvh->bth", out, p["o"]), {"latent": pages}
-
-
-def gqa_attention(p: Params, x: jax.Array, layer_cache: dict[str, jax.Array], ctx: "_Ctx",
-                  cfg: ModelConfig, impl: KernelChoice) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """x [B, T, H] -> ([B, T, H], updated pool). layer_cache: a page pool {"k", "v": [N, P, nKV,
-  hd]} holding this layer's pages where `ctx.page_table` points."""
-  q = jnp.einsum("bth,hnd->btnd", x, p["q"])
-  k = jnp.einsum("bth,hnd->btnd", x, p["k"])
-  v = jnp.einsum("bth,hnd->btnd", x, p["v"])
-  if cfg.attention_bias:
-    q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-  if cfg.qk_norm:
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  cos, sin = ctx.cos_sin(cfg)
-  q = apply_rope(q, cos, sin, cfg.rope.interleave)
-  k = apply_rope(k, cos, sin, cfg.rope.interleave)
-
-  write = kernels.write_pages(impl)
-  k_pages = write(layer_cache["k"], ctx.page_table, ctx.positions, ctx.valid, k)
-  v_pages = write(layer_cache["v"], ctx.page_table, ctx.positions, ctx.valid, v)
-  out = kernels.gqa_attention(impl)(q, k_pages, v_pages, ctx.page_table, ctx.positions,
-                                    ctx.kv_lens, softmax_scale=cfg.qk_head_dim ** -0.5)
-  out = jnp.einsum("btnd,ndh->bth", out, p["o"])
-  if cfg.attention_bias:
-    out = out + p["o_bias"]
-  return out, {"k": k_pages, "v": v_pages}
-
-
-# ---- feed-forward ----------------------------------------------------------------------------
 
 def moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice,
         ctx: "_Ctx | None" = None, layer: Any = None) -> jax.Array:
-  """Routed experts plus shared experts. x [B, T, H] -> [B, T, H].
-
-  p["experts"] is one layer's, or with `layer` a stack's (the kernels read layer `layer` in
-  place: `kernels.moe_experts`)."""
-  return _moe(p, x, cfg, impl, ctx, layer)[0]
-
-
-def _moe(p: Params, x: jax.Array, cfg: ModelConfig, impl: KernelChoice, ctx: "_Ctx | None",
-         layer: Any) -> tuple[jax.Array, jax.Array | None]:
-  """`moe`, also returning [E] int32 tokens each expert received (real tokens only) when
-  `ctx.collect_router_counts`, else None."""
-  b, t, h = x.shape
-  xf = x.reshape(b * t, h)
-  router_logits = xf.astype(jnp.float32) @ p["router"]
-  weights, ids = kernels.route(impl)(
-      router_logits, p.get("router_bias"), scoring_func=cfg.scoring_func,
-      topk_method=cfg.topk_method, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-      topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-      routed_scaling_factor=cfg.routed_scaling_factor)
-  counts = None
-  if ctx is not None and ctx.collect_router_counts:  # off on the serving path
-    real = ctx.valid.reshape(-1, 1).astype(jnp.int32)
-    onehot = (ids[:, :, None] == jnp.arange(cfg.num_experts)[None, None, :]) * real[:, :, None]
-    counts = jnp.sum(onehot, axis=(0, 1))
-  if ctx is not None:
-    # Padding tokens (packed rows, idle rows) go to no expert: an id outside every shard
-    # contributes zero, so a decode step streams only the experts real tokens chose.
-    ids = jnp.where(ctx.valid.reshape(-1, 1), ids, -1)
-  y = routed_experts(impl, xf, weights, ids, p["experts"], layer=layer)
-  if "shared" in p:
-    s = p["shared"]
-    y = y + swiglu_mlp(xf, s["gate"], s["up"], s["down"])
-  return y.reshape(b, t, h), counts
+  """`modules.MoE` on one layer's `moe` parameters: x [B, T, H] -> [B, T, H]. p["experts"] is
+  one layer's, or with `layer` a stack's (the kernels read layer `layer` in place)."""
+  return modules.moe_module(cfg, _layer_of_kind(cfg, True), p)(x, impl, ctx, layer)[0]
 
 
 def decoder_layer(p: Params, x: jax.Array, pool: dict[str, jax.Array], ctx: "_Ctx",
                   cfg: ModelConfig, impl: KernelChoice, experts_layer: Any = None
                   ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
-  """One decoder layer. pool: the page pool its attention reads and writes through
-  `ctx.page_table`; experts_layer: with stacked routed experts, which layer of the stack.
-  Returns (x, updated pool, [E] router counts or None)."""
-  attend = mla_attention if cfg.is_mla else gqa_attention
-  a, pool = attend(p["attn"], rms_norm(x, p["input_norm"], cfg.rms_norm_eps), pool, ctx, cfg,
-                   impl)
-  x = x + a
-  hn = rms_norm(x, p["post_attn_norm"], cfg.rms_norm_eps)
-  counts = None
-  if "moe" in p:
-    f, counts = _moe(p["moe"], hn, cfg, impl, ctx, experts_layer)
-  else:
-    f = swiglu_mlp(hn, p["mlp"]["gate"], p["mlp"]["up"], p["mlp"]["down"])
-  return x + f, pool, counts
+  """`modules.DecoderLayer` on one layer's parameters. Returns (x, updated pool, [E] router
+  counts or None)."""
+  layer = modules.layer_module(cfg, _layer_of_kind(cfg, "moe" in p), p)
+  return layer(x, pool, ctx, impl, experts_layer)
 
 
 # ---- the layer stacks ------------------------------------------------------------------------
@@ -183,8 +87,8 @@ SCAN_UNROLL = 1
 
 
 def _layer_view(stack: Params, j: Any) -> Params:
-  """Layer j's parameters out of a stack: every leaf at position j, except the routed experts,
-  which stay stacked (the MoE kernels read layer j in place: `experts_layer`)."""
+  """Layer j's parameters out of a stack's state: every leaf at position j, except the routed
+  experts, which stay stacked (the MoE kernels read layer j in place: `experts_layer`)."""
   view = jax.tree.map(lambda w: w[j], {k: v for k, v in stack.items() if k != "moe"})
   if "moe" in stack:
     rest = {k: v for k, v in stack["moe"].items() if k != "experts"}
@@ -192,25 +96,29 @@ def _layer_view(stack: Params, j: Any) -> Params:
   return view
 
 
-def _run_stack(stack: Params, entry: dict[str, jax.Array], num_pages: int, x: jax.Array,
-               ctx: "_Ctx", cfg: ModelConfig, impl: KernelChoice, first: int, last: int,
-               scan: bool) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
+def _run_stack(stack: DecoderLayer, entry: dict[str, jax.Array], num_pages: int, x: jax.Array,
+               ctx: "_Ctx", impl: KernelChoice, first: int, last: int, scan: bool
+               ) -> tuple[jax.Array, dict[str, jax.Array], jax.Array | None]:
   """Layers first..last-1 of a stack (positions in it) over x, as one `lax.scan` (or one call
   per layer when not `scan`, or for one layer).
 
-  The stack's pages (`entry`, its layers' pools end to end, `num_pages` each) ride in the
-  scan's carry; layer j reaches its own through the page table shifted by j * num_pages, and
-  its parameters are indexed at j inside the body: neither is sliced out of its stack and
-  copied per layer (the writes are in-place scatters into the donated cache). Returns (x,
-  updated entry, [last - first, E] router counts or None)."""
+  The stack is split into its graphdef and state (`nnx.split`); the scan's body merges layer
+  j's view of the state into a one-layer `DecoderLayer` and calls it. The stack's pages
+  (`entry`, its layers' pools end to end, `num_pages` each) ride in the scan's carry; layer j
+  reaches its own through the page table shifted by j * num_pages, and its parameters are
+  indexed at j inside the body: neither is sliced out of its stack and copied per layer (the
+  writes are in-place scatters into the donated cache). Returns (x, updated entry,
+  [last - first, E] router counts or None)."""
+  graphdef, state = nnx.split(stack)
+  state = nnx.to_pure_dict(state)
 
   def layer(carry, j):
     x, entry = carry
     lctx = ctx.with_page_table(layer_table(ctx.page_table, j, num_pages))
     # (an array even for a static j: kernels behind `_jit_per_static_kwargs` then share one
     # lowering across the layers of an unrolled stack)
-    x, entry, counts = decoder_layer(_layer_view(stack, j), x, entry, lctx, cfg, impl,
-                                     experts_layer=jnp.asarray(j, jnp.int32))
+    x, entry, counts = nnx.merge(graphdef, _layer_view(state, j))(
+        x, entry, lctx, impl, experts_layer=jnp.asarray(j, jnp.int32))
     return (x, entry), counts
 
   if scan and last - first > 1:
@@ -250,6 +158,128 @@ class _Ctx:
     if self._cos_sin is None:
       self._cos_sin = rope_cos_sin(cfg.rope, cfg.rope_dim, self.positions)
     return self._cos_sin
+
+
+class Transformer(nnx.Module):
+  """The decoder: token table, the stacks of layers (`cfg.layer_stacks`, each a `DecoderLayer`
+  with a leading layer axis), final norm, output head (absent when tied), the MTP layers and
+  Kimi K2.5's vision tower (`vision.VisionTower`, run by its own program) when present.
+
+  Its state, as a pure dict (`to_params`), is the parameter pytree (`engine.model.params`);
+  `bind(cfg, params)` rebuilds the module from one inside a jitted program."""
+
+  def __init__(self, cfg: ModelConfig, init: ParamInit, *, mtp: bool = True,
+               vision: bool = True):
+    self.cfg = cfg
+    H, V = cfg.hidden_size, cfg.vocab_size
+    self.embed = init("embed", (V, H))
+    self.stacks = nnx.List([DecoderLayer(cfg, start, init.stacked(stop - start))
+                            for start, stop in cfg.layer_stacks])
+    self.final_norm = init("final_norm", (H,))
+    if not cfg.tie_word_embeddings:
+      self.lm_head = init("lm_head", (H, V))
+    if mtp and cfg.num_nextn_predict_layers:
+      self.mtp = nnx.List([MTPLayer(cfg, k, init)
+                           for k in range(cfg.num_nextn_predict_layers)])
+    if vision and cfg.vision is not None:
+      self.vision = VisionTower(cfg.vision, init)
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> the token table's rows [B, T, H]."""
+    return self.embed[...][tokens]
+
+  def __call__(self, cache: Cache, tokens: jax.Array, start: jax.Array, n_new: jax.Array,
+               page_table: jax.Array, *, impl: KernelChoice, router_counts: bool,
+               input_embeds: jax.Array | None = None, hidden_at: tuple[int, ...] = (),
+               scan_layers: bool = True) -> tuple[jax.Array, Cache, Any, Any]:
+    """Runs the decoder over a block of new tokens (the arguments: `_forward`)."""
+    cfg = self.cfg
+    bad = [l for l in hidden_at if not 0 <= l <= cfg.num_layers]
+    if bad:
+      raise ValueError(f"hidden states asked for layers {bad}, outside [0, {cfg.num_layers}]")
+    ctx = _Ctx(start, n_new, tokens.shape[1], page_table, router_counts)
+    ctx.cos_sin(cfg)  # computed once, before any scan body (every layer reuses it)
+    if input_embeds is None:
+      x = self.embed_tokens(tokens)
+    else:
+      if input_embeds.shape != tokens.shape + (cfg.hidden_size,):
+        raise ValueError(f"input_embeds has shape {input_embeds.shape}, expected "
+                         f"{tokens.shape + (cfg.hidden_size,)}")
+      x = input_embeds.astype(self.embed.dtype)
+    x = split_batch_over_data(x)
+    # MTP layers' cache entries (after the stacks') pass through untouched.
+    new_cache, counts, states = list(cache), [], {}
+    for r, (first, last) in enumerate(cfg.layer_stacks):
+      num_pages = next(iter(cache[r].values())).shape[0] // (last - first)
+      cuts = sorted({first, last} | {l for l in hidden_at if first < l < last})
+      for a, b in zip(cuts, cuts[1:]):
+        states.setdefault(a, x)
+        x, new_cache[r], c = _run_stack(self.stacks[r], new_cache[r], num_pages, x, ctx, impl,
+                                        a - first, b - first, scan_layers)
+        if c is not None:
+          counts.append(c)
+    states.setdefault(cfg.num_layers, x)
+    hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+    if router_counts:
+      counts = (jnp.concatenate(counts) if counts
+                else jnp.zeros((0, cfg.num_experts), jnp.int32))
+    captured = jnp.stack([states[l] for l in hidden_at]) if hidden_at else None
+    return hidden, new_cache, counts if router_counts else None, captured
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """hidden [..., H] -> float32 logits [..., V] (tied embeddings use embed.T)."""
+    if self.cfg.tie_word_embeddings:
+      return jnp.einsum("...h,vh->...v", hidden, self.embed[...],
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,hv->...v", hidden, self.lm_head[...],
+                      preferred_element_type=jnp.float32)
+
+
+_PARTS = ("embed", "stacks", "final_norm", "lm_head", "mtp", "vision")
+
+
+@functools.cache
+def _model_graphdef(cfg: ModelConfig, mtp: bool, vision: bool) -> Any:
+  return nnx.graphdef(Transformer(cfg, ParamInit(None), mtp=mtp, vision=vision))
+
+
+def _as_state(tree: Any) -> Any:
+  """A parameter pytree as the nested dict `nnx.merge` takes: lists as int-keyed dicts."""
+  if isinstance(tree, (list, tuple)):
+    return {i: _as_state(v) for i, v in enumerate(tree)}
+  if isinstance(tree, dict):
+    return {k: _as_state(v) for k, v in tree.items()}
+  return tree
+
+
+def to_params(state: Any) -> Params:
+  """A module's state (`nnx.State` or its pure dict) -> the parameter pytree: int-keyed dicts
+  back to lists (`stacks`, `mtp`, the vision tower's `layers`)."""
+  if isinstance(state, nnx.State):
+    state = nnx.to_pure_dict(state)
+  if isinstance(state, dict):
+    if state and all(isinstance(k, int) for k in state):
+      return [to_params(state[i]) for i in range(len(state))]
+    return {k: to_params(v) for k, v in state.items()}
+  return state
+
+
+def bind(cfg: ModelConfig, params: Params) -> Transformer:
+  """The `Transformer` whose parameters are `params` (a pytree of arrays or tracers): the
+  cached graphdef merged with them. Cheap, so jitted functions call it at trace time."""
+  graphdef = _model_graphdef(cfg, "mtp" in params, "vision" in params)
+  return nnx.merge(graphdef, _as_state({k: params[k] for k in _PARTS if k in params}))
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32) -> Transformer:
+  """A randomly initialised `Transformer` (`modules.ParamInit`'s values), drawn by one
+  compiled program (not op by op), compiled once per (cfg, dtype)."""
+  return _init_program(cfg, jnp.dtype(dtype))(jax.random.key(seed))
+
+
+@functools.cache
+def _init_program(cfg: ModelConfig, dtype: Any) -> Any:
+  return nnx.jit(lambda key: Transformer(cfg, ParamInit(nnx.Rngs(key), dtype)))
 
 
 def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -313,7 +343,8 @@ def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
              impl: KernelChoice, router_counts: bool,
              input_embeds: jax.Array | None = None, hidden_at: tuple[int, ...] = (),
              scan_layers: bool = True) -> tuple[jax.Array, Cache, Any, Any]:
-  """Runs the decoder over a block of new tokens.
+  """Runs the decoder (`Transformer.__call__` on `bind(cfg, params)`) over a block of new
+  tokens.
 
   Args:
     params: the parameter pytree (`engine.model.params`: stacked layers).
@@ -333,37 +364,9 @@ def _forward(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
     (hidden [B, T, H] after the final norm, updated cache, router counts or None, the hidden
     states at `hidden_at` [len, B, T, H] or None).
   """
-  bad = [l for l in hidden_at if not 0 <= l <= cfg.num_layers]
-  if bad:
-    raise ValueError(f"hidden states asked for layers {bad}, outside [0, {cfg.num_layers}]")
-  ctx = _Ctx(start, n_new, tokens.shape[1], page_table, router_counts)
-  ctx.cos_sin(cfg)  # computed once, before any scan body (every layer reuses it)
-  if input_embeds is None:
-    x = embed_tokens(params, tokens, cfg)
-  else:
-    if input_embeds.shape != tokens.shape + (cfg.hidden_size,):
-      raise ValueError(f"input_embeds has shape {input_embeds.shape}, expected "
-                       f"{tokens.shape + (cfg.hidden_size,)}")
-    x = input_embeds.astype(params["embed"].dtype)
-  x = split_batch_over_data(x)
-  # MTP layers' cache entries (after the stacks') pass through untouched.
-  new_cache, counts, states = list(cache), [], {}
-  for r, (first, last) in enumerate(cfg.layer_stacks):
-    num_pages = next(iter(cache[r].values())).shape[0] // (last - first)
-    cuts = sorted({first, last} | {l for l in hidden_at if first < l < last})
-    for a, b in zip(cuts, cuts[1:]):
-      states.setdefault(a, x)
-      x, new_cache[r], c = _run_stack(params["stacks"][r], new_cache[r], num_pages, x, ctx, cfg,
-                                      impl, a - first, b - first, scan_layers)
-      if c is not None:
-        counts.append(c)
-  states.setdefault(cfg.num_layers, x)
-  hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-  if router_counts:
-    counts = (jnp.concatenate(counts) if counts
-              else jnp.zeros((0, cfg.num_experts), jnp.int32))
-  captured = jnp.stack([states[l] for l in hidden_at]) if hidden_at else None
-  return hidden, new_cache, counts if router_counts else None, captured
+  return bind(cfg, params)(cache, tokens, start, n_new, page_table, impl=impl,
+                           router_counts=router_counts, input_embeds=input_embeds,
+                           hidden_at=hidden_at, scan_layers=scan_layers)
 
 
 def forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: jax.Array,
@@ -406,15 +409,11 @@ def _forward_mtp(params: Params, cache: Cache, hidden: jax.Array, next_tokens: j
   Returns:
     (hidden [B, T, H] to feed `compute_logits`, updated cache, router counts or None).
   """
-  p = params["mtp"][depth]
+  layer = modules.mtp_module(cfg, depth, params["mtp"][depth])
   ctx = _Ctx(start, n_new, next_tokens.shape[1], page_table, router_counts)
-  emb = rms_norm(params["embed"][next_tokens], p["enorm"], cfg.rms_norm_eps)
-  h = rms_norm(hidden, p["hnorm"], cfg.rms_norm_eps)
-  x = jnp.concatenate([emb, h.astype(emb.dtype)], axis=-1) @ p["eh_proj"]
   i = mtp_entry(cfg, depth)
   cache = list(cache)
-  x, cache[i], counts = decoder_layer(p, x, cache[i], ctx, cfg, impl)
-  out = rms_norm(x, p["final_norm"], cfg.rms_norm_eps)
+  out, cache[i], counts = layer(params["embed"][next_tokens], hidden, cache[i], ctx, impl)
   if router_counts:
     counts = (counts[None] if counts is not None
               else jnp.zeros((0, cfg.num_experts), jnp.int32))

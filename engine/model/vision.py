@@ -1,4 +1,5 @@
-"""Kimi K2.5's vision tower (MoonViT) and patch-merger projector, as pure functions.
+"""Kimi K2.5's vision tower (MoonViT) and patch-merger projector, as Flax NNX modules
+(`VisionBlock`, `VisionTower`) run by one jitted program over `params["vision"]`.
 
     feats = encode_images(params["vision"], batch.pixel_values, batch.grid_thws, cfg=cfg.vision)
     # [sum over images of (h/2)(w/2), text hidden]: image 0's tokens, then image 1's, ...
@@ -22,13 +23,17 @@ computed in query blocks of `ATTN_BLOCK` so memory stays O(block * patches).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from engine.model.config import VisionConfig  # noqa: F401  (re-exported: the tower's config)
+from engine.model.modules import ParamInit
+from engine.model.params import vision_param_shapes
 
 Params = dict[str, Any]
 ATTN_BLOCK = 512  # query rows per attention block
@@ -157,39 +162,88 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Arr
   return out.reshape(n * ATTN_BLOCK, *q.shape[1:])[:P]
 
 
-def _block(p: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, segment: jax.Array,
-           cfg: VisionConfig) -> jax.Array:
-  eps = cfg.layer_norm_eps
-  h = layer_norm(x, p["attn_norm"], p["attn_norm_bias"], eps)
-  q = _rotate(jnp.einsum("pd,dnh->pnh", h, p["q"]) + p["q_bias"], cos, sin)
-  k = _rotate(jnp.einsum("pd,dnh->pnh", h, p["k"]) + p["k_bias"], cos, sin)
-  v = jnp.einsum("pd,dnh->pnh", h, p["v"]) + p["v_bias"]
-  a = segment_attention(q, k, v, segment, cfg.head_dim ** -0.5)
-  x = x + jnp.einsum("pnh,nhd->pd", a, p["o"]) + p["o_bias"]
-  h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps)
-  h = jax.nn.gelu(h @ p["fc1"] + p["fc1_bias"], approximate=True)
-  return x + h @ p["fc2"] + p["fc2_bias"]
+def _params(module: nnx.Module, names: Any) -> dict[str, jax.Array]:
+  return {n: getattr(module, n)[...] for n in names}
+
+
+class VisionBlock(nnx.Module):
+  """One pre-LayerNorm block: 2D-rotary attention within each image, then a GELU-tanh MLP.
+  q, k, v [D, nV, hd] (q, k in rotate-half layout), o [nV, hd, D], fc1 [D, I], fc2 [I, D]."""
+
+  def __init__(self, cfg: VisionConfig, init: ParamInit):
+    self.cfg = cfg
+    for name, shape in vision_param_shapes(cfg)["layers"][0].items():
+      setattr(self, name, init(name, shape))
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment: jax.Array
+               ) -> jax.Array:
+    """x [P, D] -> [P, D]; patches attend only to those of their own segment (image)."""
+    cfg = self.cfg
+    p = _params(self, vision_param_shapes(cfg)["layers"][0])
+    eps = cfg.layer_norm_eps
+    h = layer_norm(x, p["attn_norm"], p["attn_norm_bias"], eps)
+    q = _rotate(jnp.einsum("pd,dnh->pnh", h, p["q"]) + p["q_bias"], cos, sin)
+    k = _rotate(jnp.einsum("pd,dnh->pnh", h, p["k"]) + p["k_bias"], cos, sin)
+    v = jnp.einsum("pd,dnh->pnh", h, p["v"]) + p["v_bias"]
+    a = segment_attention(q, k, v, segment, cfg.head_dim ** -0.5)
+    x = x + jnp.einsum("pnh,nhd->pd", a, p["o"]) + p["o_bias"]
+    h = layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps)
+    h = jax.nn.gelu(h @ p["fc1"] + p["fc1_bias"], approximate=True)
+    return x + h @ p["fc2"] + p["fc2_bias"]
+
+
+class VisionTower(nnx.Module):
+  """MoonViT and the patch-merger projector: patch embedding + resampled position table,
+  `num_layers` `VisionBlock`s, final LayerNorm, 2x2 patch merge -> Linear -> GELU -> Linear to
+  the text width. Never quantized."""
+
+  _OWN = ("patch_embed", "patch_bias", "pos_emb", "final_norm", "final_norm_bias", "proj_norm",
+          "proj_norm_bias", "proj_in", "proj_in_bias", "proj_out", "proj_out_bias")
+
+  def __init__(self, cfg: VisionConfig, init: ParamInit):
+    self.cfg = cfg
+    shapes = vision_param_shapes(cfg)
+    for name in self._OWN:
+      setattr(self, name, init(name, shapes[name]))
+    self.layers = nnx.List([VisionBlock(cfg, init) for _ in range(cfg.num_layers)])
+
+  def __call__(self, pixel_values: jax.Array, inputs: VisionInputs) -> jax.Array:
+    """pixel_values [P, 3, p, p] -> [P // M, text hidden] (`VisionInputs` for P patches)."""
+    cfg = self.cfg
+    p = _params(self, self._OWN)
+    dtype = p["patch_embed"].dtype
+    P = pixel_values.shape[0]
+    x = pixel_values.reshape(P, -1).astype(dtype) @ p["patch_embed"] + p["patch_bias"]
+    table = p["pos_emb"].reshape(-1, cfg.hidden_size).astype(jnp.float32)
+    pos = jnp.zeros(x.shape, jnp.float32)
+    for t in range(inputs.pos_index.shape[1]):  # tap by tap: never a [P, 16, D] gather
+      pos = pos + inputs.pos_weight[:, t, None] * table[inputs.pos_index[:, t]]
+    x = x + pos.astype(dtype)
+    cos, sin = rope_cos_sin(inputs.rope_hw, cfg)
+    for layer in self.layers:
+      x = layer(x, cos, sin, inputs.segment)
+    x = layer_norm(x, p["final_norm"], p["final_norm_bias"], cfg.layer_norm_eps)
+    merged = layer_norm(x[inputs.merge_index], p["proj_norm"], p["proj_norm_bias"],
+                        cfg.projection_ln_eps)  # [T, M, D]
+    h = merged.reshape(merged.shape[0], -1) @ p["proj_in"] + p["proj_in_bias"]
+    h = jax.nn.gelu(h, approximate=False)
+    return h @ p["proj_out"] + p["proj_out_bias"]
+
+
+@functools.cache
+def _tower_graphdef(cfg: VisionConfig) -> Any:
+  return nnx.graphdef(VisionTower(cfg, ParamInit(None)))
+
+
+def tower(params: Params, cfg: VisionConfig) -> VisionTower:
+  """`params["vision"]` (arrays or tracers) as a `VisionTower`."""
+  state = dict(params, layers=dict(enumerate(params["layers"])))
+  return nnx.merge(_tower_graphdef(cfg), state)
 
 
 def _encode_patches(params: Params, pixel_values: jax.Array, inputs: VisionInputs, *,
                     cfg: VisionConfig) -> jax.Array:
-  dtype = params["patch_embed"].dtype
-  P = pixel_values.shape[0]
-  x = pixel_values.reshape(P, -1).astype(dtype) @ params["patch_embed"] + params["patch_bias"]
-  table = params["pos_emb"].reshape(-1, cfg.hidden_size).astype(jnp.float32)
-  pos = jnp.zeros(x.shape, jnp.float32)
-  for t in range(inputs.pos_index.shape[1]):  # tap by tap: never a [P, 16, D] gather
-    pos = pos + inputs.pos_weight[:, t, None] * table[inputs.pos_index[:, t]]
-  x = x + pos.astype(dtype)
-  cos, sin = rope_cos_sin(inputs.rope_hw, cfg)
-  for layer in params["layers"]:
-    x = _block(layer, x, cos, sin, inputs.segment, cfg)
-  x = layer_norm(x, params["final_norm"], params["final_norm_bias"], cfg.layer_norm_eps)
-  merged = layer_norm(x[inputs.merge_index], params["proj_norm"], params["proj_norm_bias"],
-                      cfg.projection_ln_eps)  # [T, M, D]
-  h = merged.reshape(merged.shape[0], -1) @ params["proj_in"] + params["proj_in_bias"]
-  h = jax.nn.gelu(h, approximate=False)
-  return h @ params["proj_out"] + params["proj_out_bias"]
+  return tower(params, cfg)(pixel_values, inputs)
 
 
 # Jitted per (num_patches, cfg, dtypes): -> [num_patches // M, text hidden].

@@ -29,7 +29,8 @@ def sampling(reqs: Sequence[Request | None]) -> dict[str, np.ndarray]:
   """Per-row sampling parameters as description arrays; padding rows (None) sample greedily."""
   default = SamplingParams()
   return sampling_arrays(SamplingArrays.from_params(
-      [r.sampling if r is not None else default for r in reqs]))
+      [r.sampling if r is not None else default for r in reqs],
+      [r.thought if r is not None else None for r in reqs]))
 
 
 def null_rows(b: int, max_pages: int, page_size: int) -> tuple[np.ndarray, np.ndarray]:

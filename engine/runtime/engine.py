@@ -215,7 +215,7 @@ class Engine:
         raise ValueError(f"request_id: {rid!r} is already in use")
       req = Request(request_id=rid, prompt_ids=ids, sampling=sampling, stop=stop,
                     stop_ids=stop_ids, arrival_order=next(self._order), spec=spec,
-                    images=images, grammar=matcher)
+                    images=images, grammar=matcher, thought=sampling.thought())
       self.requests[rid] = req
       self._inbox.append(req)
     self._apply_inbox_if_idle()

@@ -39,6 +39,8 @@ def append_tokens(req: Request, new_ids: list[int],
     if req.timings.first_token is None:
       req.timings.first_token = time.monotonic()
     req.output_ids.append(tok)
+    if req.thought is not None:
+      req.thought.step(tok)
     if logprobs is not None and logprobs[i] is not None:
       req.output_logprobs.append(logprobs[i])
     n = len(req.output_ids)

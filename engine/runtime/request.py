@@ -119,6 +119,10 @@ class Request:
   # admission; None: unconstrained). Constrained requests sample only in the engine's masked
   # step (`steps.masked_step`), never in `model_step` or the decode loops.
   grammar: Any = None
+  # The thinking budget's state (`thought.ThoughtState`, from `SamplingParams.thought()` at
+  # admission; None: no budget): advanced with every output token (`outputs.append_tokens`),
+  # so a preempted request's replay and every program start from its current count.
+  thought: Any = None
   finish_reason: str | None = None
   stop_reason: str | int | None = None  # the stop string or stop token id that ended it
   timings: Timings = dataclasses.field(default_factory=lambda: Timings(time.monotonic()))

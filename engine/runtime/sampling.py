@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.runtime.grammar import StructuredOutputsParams
+from engine.runtime.thought import ANSWER, MAX_THINK_END, ThoughtState
 
 MAX_TOP_LOGPROBS = 20  # top alternatives per token the serving programs compute (static shape)
 # Sampled rows choose among their top PREFILTER_CANDIDATES tokens (lax.top_k) instead of sorting
@@ -46,13 +47,22 @@ class SamplingParams:
   # Serving and engine.generate: constrain the output to a JSON schema / regex / choice /
   # grammar (engine/runtime/grammar.py); the allowed-token mask applies before sampling.
   structured_outputs: StructuredOutputsParams | None = None
-  # Serving: at most this many reasoning tokens (None: unbounded). The output starts inside
-  # a thought (or at think_start_token_id as its first token); at the budget the decode loop
-  # writes think_end_token_ids[0] itself. Any of think_end_token_ids ends the thought (Kimi's
-  # tool section begin too); the markers are no reasoning tokens (engine/chat/reasoning.py).
+  # Serving: at most this many reasoning tokens (None: unbounded). The output starts inside a
+  # thought when the prompt opened one (think_in_prompt) or no think_start_token_id is given;
+  # else a thought opens where that is the first token (inside one, it is a marker). At the
+  # budget every program writes think_end_token_ids[0] itself. Any of think_end_token_ids ends
+  # the thought (Kimi's tool section begin too); markers are no reasoning tokens (`thought.py`).
   thinking_token_budget: int | None = None
   think_start_token_id: int | None = None
   think_end_token_ids: tuple[int, ...] = ()
+  think_in_prompt: bool = False
+
+  def thought(self) -> ThoughtState | None:
+    """The output's initial thought state under the budget (None: no budget)."""
+    if self.thinking_token_budget is None:
+      return None
+    return ThoughtState.for_params(self.thinking_token_budget, self.think_start_token_id,
+                                   self.think_end_token_ids, self.think_in_prompt)
 
   def validate(self) -> None:
     if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -77,6 +87,9 @@ class SamplingParams:
       if not self.think_end_token_ids:
         raise ValueError("thinking_token_budget needs think_end_token_ids (the marker the "
                          "engine writes at the budget)")
+      if len(self.think_end_token_ids) > MAX_THINK_END:
+        raise ValueError(f"think_end_token_ids: at most {MAX_THINK_END}, got "
+                         f"{len(self.think_end_token_ids)}")
     if self.structured_outputs is not None:
       if not isinstance(self.structured_outputs, StructuredOutputsParams):
         raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
@@ -93,11 +106,26 @@ class SamplingArrays:
   top_p: jax.Array  # float32
   min_p: jax.Array  # float32
   seed: jax.Array  # uint32
+  # The thinking budget (`thought.py`): the rule's markers and each row's state at the call's
+  # start (the host's `ThoughtState`); rows without a budget: budget -1, state ANSWER.
+  think_budget: jax.Array  # int32, -1: none
+  think_start: jax.Array  # int32, -1: none
+  think_end: jax.Array  # [B, MAX_THINK_END] int32, -1 padded; [:, 0] is the forced marker
+  think_state: jax.Array  # int32 (thought.START / THOUGHT / ANSWER)
+  think_count: jax.Array  # int32 reasoning tokens so far
 
   @staticmethod
-  def from_params(params: Sequence[SamplingParams]) -> "SamplingArrays":
+  def from_params(params: Sequence[SamplingParams],
+                  thoughts: Sequence[ThoughtState | None] | None = None) -> "SamplingArrays":
+    """`thoughts`: each row's current thought state (None: the request's initial one)."""
     for p in params:
       p.validate()
+    thoughts = list(thoughts) if thoughts is not None else [None] * len(params)
+    states = [t if t is not None else p.thought() for p, t in zip(params, thoughts)]
+    ends = np.full((len(params), MAX_THINK_END), -1, np.int32)
+    for i, t in enumerate(states):
+      if t is not None:
+        ends[i, :len(t.ends)] = t.ends
     # Host arrays: a jitted call transfers them with its other arguments (no compile, no
     # separate dispatch per field).
     return SamplingArrays(
@@ -106,6 +134,12 @@ class SamplingArrays:
         top_p=np.asarray([p.top_p for p in params], np.float32),
         min_p=np.asarray([p.min_p for p in params], np.float32),
         seed=np.asarray([p.seed for p in params], np.uint32),
+        think_budget=np.asarray([-1 if t is None else t.budget for t in states], np.int32),
+        think_start=np.asarray([-1 if t is None or t.start is None else t.start
+                                for t in states], np.int32),
+        think_end=ends,
+        think_state=np.asarray([ANSWER if t is None else t.state for t in states], np.int32),
+        think_count=np.asarray([0 if t is None else t.count for t in states], np.int32),
     )
 
 

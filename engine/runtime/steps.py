@@ -31,6 +31,7 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import (Cache, compute_logits, embed_tokens, forward,
                                       forward_hidden_states)
+from engine.runtime import thought
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 from engine.runtime.speculative.acceptance import verify
 from engine.runtime.speculative.drafters.base import aux_layers_of
@@ -99,6 +100,8 @@ def sample_rows(params: Params, hidden: jax.Array, start: jax.Array, n_new: jax.
   last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)[:, 0]
   logits = compute_logits(params, last, cfg)
   tokens = sample(logits, sampling, start + n_new)
+  # The thinking budget: rows sample from their request's state at the step's start.
+  tokens = thought.force(sampling, sampling.think_state, sampling.think_count, tokens)
   return tokens, token_logprobs(logits, tokens)
 
 
@@ -106,8 +109,8 @@ def sample_rows(params: Params, hidden: jax.Array, start: jax.Array, n_new: jax.
 @dataclasses.dataclass
 class DecodeBatch:
   """The rows of a decode-only call (the plain and the speculative loops' common inputs), B rows
-  of which the padding ones have remaining 0. Per-row state a loop must carry (a thinking
-  budget, say) is a field here."""
+  of which the padding ones have remaining 0. Per-row state a loop must carry is a field here
+  (the thinking budget's state rides in `sampling.think_*`; the loops carry it on)."""
   tokens: jax.Array  # [B] each row's newest token, not yet in the cache (at position n_cached)
   n_cached: jax.Array  # [B] tokens in the cache per row
   page_table: jax.Array  # [B, P]
@@ -138,13 +141,14 @@ def decode_loop(params: Params, cache: Cache, batch: DecodeBatch, *, max_steps: 
   page_table, sampling, stop_ids = batch.page_table, batch.sampling, batch.stop_ids
 
   def step(state):
-    cache, tok, n_cached, done, count, out, stopped, lps = state
+    cache, tok, n_cached, done, count, out, stopped, lps, thinking = state
     live = (~done).astype(jnp.int32)
     hidden, cache = forward(params, cache, tok[:, None], n_cached, live, page_table, cfg=cfg,
                             impl=impl)
     n_cached = n_cached + live
     logits = compute_logits(params, hidden[:, 0], cfg)
-    new = sample(logits, sampling, n_cached)
+    new = thought.force(sampling, *thinking, sample(logits, sampling, n_cached))
+    thinking = thought.advance(sampling, *thinking, new, ~done)
     here = (cols == count[:, None]) & ~done[:, None]  # [B, max_steps]: this step's column
     out = jnp.where(here, new[:, None], out)
 
@@ -160,16 +164,18 @@ def decode_loop(params: Params, cache: Cache, batch: DecodeBatch, *, max_steps: 
            & ~done)
     stopped = stopped | hit
     done = done | hit | (count >= limit)
-    return cache, jnp.where(live > 0, new, tok), n_cached, done, count, out, stopped, lps
+    return (cache, jnp.where(live > 0, new, tok), n_cached, done, count, out, stopped, lps,
+            thinking)
 
   zeros = jnp.zeros((b,), jnp.int32)
   k = min(MAX_TOP_LOGPROBS, cfg.vocab_size)
   lps = (jnp.zeros((b, max_steps), jnp.float32), jnp.zeros((b, max_steps, k), jnp.int32),
          jnp.zeros((b, max_steps, k), jnp.float32))
   state = (cache, batch.tokens, batch.n_cached.astype(jnp.int32), limit <= 0, zeros,
-           jnp.full((b, max_steps), -1, jnp.int32), jnp.zeros((b,), bool), lps)
+           jnp.full((b, max_steps), -1, jnp.int32), jnp.zeros((b,), bool), lps,
+           (sampling.think_state.astype(jnp.int32), sampling.think_count.astype(jnp.int32)))
   state = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), step, state)
-  cache, _, _, _, count, out, stopped, lps = state
+  cache, _, _, _, count, out, stopped, lps, _ = state
   return out, count, stopped, lps, cache
 
 
@@ -209,6 +215,18 @@ def masked_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Arra
                           impl=impl)
   logits = compute_logits(params, hidden, cfg)  # [B, T, V]
   masked = apply_bitmask(logits.astype(jnp.float32), bitmask)
+  # The thinking budget: the slot it forces admits only the end marker, where the grammar
+  # admits it too (a grammar that does not wins); the masks after that slot were computed
+  # along the drafts, so the drafts end there.
+  _, forced = thought.force_block(sampling, sampling.think_state, sampling.think_count,
+                                  tokens[:, 1:], n_draft)
+  marker = sampling.think_end[:, 0]
+  word = jnp.take_along_axis(bitmask, jnp.broadcast_to(
+      jnp.maximum(marker, 0)[:, None, None] // 32, (b, t, 1)), axis=-1)[..., 0]
+  forced = forced & (((word >> (jnp.maximum(marker, 0)[:, None] % 32)) & 1) == 1)
+  first = jnp.argmax(forced, axis=1).astype(jnp.int32)
+  n_draft = jnp.where(jnp.any(forced, axis=1), jnp.minimum(n_draft, first), n_draft)
+  masked = thought.only_marker(masked, forced, marker)
   if t == 1:  # no drafts: verify's rule at K = 0, without its conditionals
     n_acc, extra = jnp.zeros((b,), jnp.int32), sample(masked[:, 0], sampling, start + 1)
   else:

@@ -243,7 +243,7 @@ def sampling_fields(inputs: ChatInputs) -> dict[str, Any]:
   if inputs.thinking_budget is not None:
     ids = inputs.think_ids
     fields.update(thinking_token_budget=inputs.thinking_budget,
-                  think_start_token_id=None if inputs.starts_in_reasoning else ids.start,
+                  think_start_token_id=ids.start, think_in_prompt=inputs.starts_in_reasoning,
                   think_end_token_ids=(ids.end, *ids.also_end))
   return fields
 

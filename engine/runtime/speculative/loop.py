@@ -26,6 +26,7 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward, forward_hidden_states
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
+from engine.runtime import thought
 from engine.runtime.speculative import goodput
 from engine.runtime.speculative.acceptance import prefix_length, verify
 from engine.runtime.speculative import drafters as registry
@@ -85,13 +86,15 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                  q: jax.Array | None, n_draft: jax.Array, n_cached: jax.Array, live: jax.Array,
                  n_out: jax.Array, stop_ids: jax.Array, min_before_stop: jax.Array,
                  sampling: SamplingArrays, page_table: jax.Array, *, cfg: ModelConfig,
-                 impl: KernelChoice, q_rows: jax.Array, aux_layers: tuple[int, ...] = ()
-                 ) -> Verified:
+                 impl: KernelChoice, q_rows: jax.Array, aux_layers: tuple[int, ...] = (),
+                 forced: jax.Array | None = None) -> Verified:
   """ONE target forward over `[tok, d_1 .. d_K]` (tok [B] at position n_cached, n_draft [B]
   real drafts), acceptance and stop ids (stop_ids [B, S] padded with -1; they count once a row
   has emitted min_before_stop [B] tokens, n_out [B] so far). q [B, K, V] is the drafts'
   distribution in `q_rows` [B]; the other rows' drafts (all, with q None) are deterministic.
-  `aux_layers`: also return the residual streams entering these layers (`Verified.aux`)."""
+  `aux_layers`: also return the residual streams entering these layers (`Verified.aux`).
+  forced [B, K+1]: slots the thinking budget forces to the row's end marker (`thought.py`;
+  the drafts already carry it there): verification sees only the marker allowed."""
   b, k = draft.shape
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([tok[:, None], draft], axis=1)
@@ -105,9 +108,11 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
     hidden, cache = forward(params, cache, block, n_cached, (n_draft + 1) * live_i, page_table,
                             cfg=cfg, impl=impl)
   logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
-  n_acc, extra = verify(logits, draft, q, n_draft, sampling, n_cached + 1)
+  target = (logits if forced is None
+            else thought.only_marker(logits, forced, sampling.think_end[:, 0]))
+  n_acc, extra = verify(target, draft, q, n_draft, sampling, n_cached + 1)
   if q is not None:
-    m_acc, m_extra = verify(logits, draft, None, n_draft, sampling, n_cached + 1)
+    m_acc, m_extra = verify(target, draft, None, n_draft, sampling, n_cached + 1)
     n_acc, extra = jnp.where(q_rows, n_acc, m_acc), jnp.where(q_rows, extra, m_extra)
   slots = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
   emitted = jnp.where(slots < n_acc[:, None],
@@ -158,6 +163,8 @@ class LoopState:
   calibration: jax.Array  # [3] tokens expected, emitted (when drafting); time (cost table)
   lps: tuple[jax.Array, jax.Array, jax.Array]  # as `steps.decode_loop`'s (if want_logprobs)
   drafters: dict[str, Any]  # each drafter's own loop state
+  think_state: jax.Array  # [B] the thinking budget's state and count (`thought.py`)
+  think_count: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -235,12 +242,18 @@ def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, sp
     if k == 0:
       draft, n_draft, q = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32), None
     n_draft = jnp.where(live, jnp.minimum(n_draft, s.k_rows), 0)
+    # The thinking budget: the end marker replaces the draft where the budget forces it.
+    draft, forced = thought.force_block(sampling, s.think_state, s.think_count, draft, n_draft)
     # Rows of model drafters use their q; the others (deterministic drafters, off) match
     # the target's own samples, so their sampled output is that of plain decoding.
     v = verify_block(params, cache, s.tok, draft, q, n_draft, s.n_cached, live, s.count,
                      batch.stop_ids, batch.min_before_stop, sampling, page_table, cfg=cfg,
-                     impl=impl, q_rows=model_ids[s.ids], aux_layers=aux_layers)
+                     impl=impl, q_rows=model_ids[s.ids], aux_layers=aux_layers,
+                     forced=forced)
     n_acc, n_emit = v.n_accepted, v.n_emit
+    think = (s.think_state, s.think_count)
+    for i in range(v.emitted.shape[1]):
+      think = thought.advance(sampling, *think, v.emitted[:, i], live & (i < n_emit))
 
     def logprobs(_):
       t, vocab = v.logits.shape[1], v.logits.shape[2]
@@ -263,7 +276,7 @@ def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, sp
     drafting = (live & (s.ids > 0)).astype(jnp.float32)
     count = s.count + n_emit
     return dataclasses.replace(
-        s, cache=cache, drafters=states,
+        s, cache=cache, drafters=states, think_state=think[0], think_count=think[1],
         out=place(s.out, s.count, v.emitted, n_emit),
         lps=tuple(place(buf, s.count, x, n_emit) for buf, x in zip(s.lps, lp)),
         history=place(s.history, s.history_len, v.emitted, n_emit),
@@ -334,7 +347,9 @@ def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, sp
            jnp.zeros((b, config.max_steps, kt), jnp.int32),
            jnp.zeros((b, config.max_steps, kt), jnp.float32)),
       drafters={d.name: d.start(state.get(d.name), rows.get(d.name), b, k_max)
-                for d in drafters})
+                for d in drafters},
+      think_state=batch.sampling.think_state.astype(jnp.int32),
+      think_count=batch.sampling.think_count.astype(jnp.int32))
   s = jax.lax.while_loop(lambda s: ~jnp.all(s.done) & (s.calibration[2] < spec.time_budget),
                          body, s)
   new_state, new_rows = {}, {}
