@@ -58,7 +58,10 @@ flags.DEFINE_string("checkpoint", os.path.join(ROOT, "checkpoints", "demo", "tar
                     "Target checkpoint (default: the demo model).")
 flags.DEFINE_string("draft_checkpoint", os.path.join(ROOT, "checkpoints", "demo", "draft"),
                     "Draft model for method 'draft' (and one of auto's drafters).")
-flags.DEFINE_list("methods", ["ngram", "mtp", "draft", "learned"], "Drafters to compare.")
+flags.DEFINE_string("eagle3_checkpoint", os.path.join(ROOT, "checkpoints", "demo", "eagle3"),
+                    "EAGLE-3 head for method eagle3 (and auto, when the directory exists).")
+flags.DEFINE_list("methods", ["ngram", "mtp", "draft", "learned"], "Drafters to compare "
+                  "(also eagle3).")
 flags.DEFINE_list("num_draft", ["2", "4"], "K values (draft tokens per step), e.g. 2,4,8.")
 flags.DEFINE_bool("adaptive", True, "Also run each method with adaptive draft length.")
 flags.DEFINE_bool("auto", True, "Also run method 'auto' on the serving engine path.")
@@ -154,14 +157,27 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: li
 
 # ---- the workloads ---------------------------------------------------------------------------
 
+def head_dir(method: str) -> str | None:
+  """The EAGLE-3 head a method runs with: --eagle3_checkpoint for eagle3 (which needs it) and
+  for auto when the directory exists."""
+  path = FLAGS.eagle3_checkpoint
+  if method == "eagle3":
+    if not path or not os.path.isdir(path):
+      raise SystemExit(f"--methods=eagle3 needs --eagle3_checkpoint (not found: {path})")
+    return path
+  return path if method == "auto" and path and os.path.isdir(path) else None
+
+
 def spec_factory(method: str, k: int, adaptive: bool, draft) -> Callable[[], SpeculativeConfig]:
   """A fresh config per call: the learned table (and auto's) starts empty every time."""
+  head = head_dir(method)
+
   def make():
     with_draft = draft is not None and method in ("draft", "auto")
     return SpeculativeConfig(method, k, draft.config if with_draft else None,
                              draft.params if with_draft else None,
                              memory=NgramMemory() if method in ("learned", "auto") else None,
-                             adaptive=adaptive or method == "auto")
+                             adaptive=adaptive or method == "auto", checkpoint=head)
   return make
 
 

@@ -52,6 +52,42 @@ def _row(name: str, rep: dict) -> str:
           f"{h['ce']:.3f} |")
 
 
+def eagle3_section(rep: dict | None) -> list[str]:
+  """The EAGLE-3 head's section (`train_eagle3`'s report), or nothing without one."""
+  if not rep:
+    return []
+  h = rep["heldout"]
+  k = rep["ttt_steps"]
+  agree = ", ".join(f"step {j}: {h[f'agree{j}']:.1%}" for j in range(k))
+  ce = ", ".join(f"{h[f'ce{j}']:.3f}" for j in range(k))
+  return ["## EAGLE-3 head", "",
+          f"`eagle3/` (`python -m checkpoints.train_eagle3`): an EAGLE-3 head in the published "
+          f"MLA layout (`Eagle3DeepseekV2ForCausalLM`, `midlayer.*`, bf16), {rep['params']:,} "
+          f"parameters (its own full-vocabulary `lm_head`; the target's embedding, not shipped), "
+          f"aux layer ids {rep['aux_layer_ids']} (input convention: the residual streams "
+          f"entering layers 2 and 3 and the 4th layer's output). Data: {rep['sequences']} "
+          f"prompts of {rep['prompt_len']} tokens from the train split, each continued "
+          f"{rep['new_tokens']} tokens by the target (float32; "
+          + ("greedy" if rep.get("greedy_only") else "half greedy, half sampled at temperature 1")
+          + f"), {rep['generate_seconds'] / 60:.1f} min. Training-time test with "
+          f"K = {k} unrolled steps, soft cross-entropy against the target's distribution, step "
+          f"weights {rep['decay']}^k; AdamW, peak lr {rep['lr']}, {rep['steps']} steps x "
+          f"{rep['batch']} sequences, {rep['train_seconds'] / 60:.1f} min on this shared 2-core "
+          f"CPU. On 16 generated sequences never trained on, the head's top-1 agrees with the "
+          f"target's ({agree}; cross-entropy {ce}). Acceptance against the MTP layer: "
+          "BENCHMARKS.md, issue 55.", ""] + _eagle3_phase1(rep.get("phase1"))
+
+
+def _eagle3_phase1(p1: dict | None) -> list[str]:
+  if not p1:
+    return []
+  return [f"It trained in two phases: phase 1 from random weights (its `lm_head` the target's) "
+          f"on {p1['sequences']} continuations, half greedy, half sampled, {p1['steps']} steps, "
+          f"peak lr {p1['lr']}, {p1['train_seconds'] / 60:.1f} min; phase 2 (the numbers above) "
+          "from the phase-1 weights on greedy continuations only (the acceptance measured is "
+          "greedy), a fresh AdamW state and schedule.", ""]
+
+
 def build(demo_dir: str, hf_parity_path: str | None) -> str:
   import engine
   from checkpoints import demo_corpus, ngram_baseline
@@ -114,6 +150,7 @@ def build(demo_dir: str, hf_parity_path: str | None) -> str:
               f"target's own top-1 prediction of that token {h['mtp_agree']:.1%} of the time "
               f"(matches the true token {h['mtp_acc']:.1%}; MTP cross-entropy "
               f"{h['mtp_ce']:.3f}).", ""]
+  lines += eagle3_section(_json(os.path.join(demo_dir, "eagle3", "train_report.json")))
   parity = _json(hf_parity_path) if hf_parity_path else None
   if parity:
     errs = [p["rel_err"] for p in parity["prompts"]]
@@ -136,10 +173,13 @@ def build(demo_dir: str, hf_parity_path: str | None) -> str:
     prompt = model.encode(header)
     out = engine.generate(model, prompt, max_new_tokens=SAMPLE_TOKENS)
     lines += ["```python", header + out.text.rstrip(), "```", ""]
-  sizes = {m: _dir_bytes(os.path.join(demo_dir, m)) for m in ("target", "draft")}
+  sizes = {m: _dir_bytes(os.path.join(demo_dir, m)) for m in ("target", "draft", "eagle3")
+           if os.path.isdir(os.path.join(demo_dir, m))}
   lines += ["## Shipped files", "",
             f"`checkpoints/demo/`: target {sizes['target'] / 1e6:.1f} MB, draft "
-            f"{sizes['draft'] / 1e6:.1f} MB, tokenizer and split "
+            f"{sizes['draft'] / 1e6:.1f} MB"
+            + (f", EAGLE-3 head {sizes['eagle3'] / 1e6:.1f} MB" if "eagle3" in sizes else "")
+            + ", tokenizer and split "
             f"{(_dir_bytes(demo_dir) - sum(sizes.values())) / 1e6:.2f} MB; total "
             f"{_dir_bytes(demo_dir) / 1e6:.1f} MB.", ""]
   return "\n".join(lines)

@@ -36,6 +36,8 @@ from engine.runtime.sampling import SamplingParams
 
 # The bundled demo model (the `checkpoints` package installs beside `engine`).
 DEMO_CHECKPOINT = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "target")
+# The demo target's EAGLE-3 head (the default of --eagle3_checkpoint with the demo target).
+DEMO_EAGLE3 = os.path.join(os.path.dirname(checkpoints.__file__), "demo", "eagle3")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
@@ -92,6 +94,24 @@ class GenerationResult:
   finish_reason: str  # "stop" or "length"
   prompt_tokens: int
   spec: dict | None = None  # speculative decoding counters (drafted, accepted, ...) if used
+
+
+def eagle3_checkpoint(method: str, flag: str | None, target: str) -> str | None:
+  """The EAGLE-3 head directory the command lines use for drafter `method`: `flag`
+  (--eagle3_checkpoint), else the demo target's own head when it is there; ValueError naming
+  the flag when "eagle3" needs one and none is given ("auto" then goes without). None for
+  methods that use no head."""
+  from engine.runtime.speculative import drafters
+  auto = method == drafters.AUTO
+  if not auto and not drafters.drafter_class(method).uses_head:
+    return None
+  path = flag
+  if path is None and os.path.abspath(target) == os.path.abspath(DEMO_CHECKPOINT) and (
+      os.path.isdir(DEMO_EAGLE3)):
+    path = DEMO_EAGLE3
+  if path is None and not auto:
+    raise ValueError(f"--speculative={method} needs --eagle3_checkpoint")
+  return path
 
 
 def _read_json(path: str) -> dict[str, Any]:

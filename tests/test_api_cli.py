@@ -152,3 +152,7 @@ def test_cli_speculative_runs_on_the_engine_with_the_same_tokens():
   assert "speculative=auto" in r.stderr and "tokens per target forward" in r.stderr
   r = _cli(f"--checkpoint={FIXTURE}", "--prompt_ids=1,2", "--speculative=draft")
   assert r.returncode != 0 and "--draft_checkpoint" in r.stderr
+  r = _cli(f"--checkpoint={FIXTURE}", "--prompt_ids=1,2", "--speculative=eagle3")
+  assert r.returncode != 0
+  assert r.stderr.strip().splitlines()[-1] == (
+      "error: --speculative=eagle3 needs --eagle3_checkpoint")

@@ -223,14 +223,22 @@ def test_generate_keeps_plain_output_and_reproduces_samples(model):
 
 
 @pytest.mark.slow
-def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
-  """Drafters with their own q (draft model, MTP) through the whole loop: 2048 seeded samples
-  of a 16-token-vocabulary target, per output position, against 2048 plain samples (one engine
-  with both drafters: one compiled loop)."""
+def test_sampled_model_drafts_keep_the_target_distribution_end_to_end(tmp_path):
+  """Drafters with their own q (draft model, MTP, an EAGLE-3 head) through the whole loop: 2048
+  seeded samples of a 16-token-vocabulary target, per output position, against 2048 plain
+  samples (one engine with every drafter: one compiled loop)."""
+  from checkpoints import train_eagle3
+  from engine.model.eagle3_loader import load_eagle3
   from engine.runtime.engine import Engine, EngineConfig
   from engine.runtime.request import StopParams
-  cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], vocab_size=16, num_nextn_predict_layers=1))
+  raw = dict(CONFIGS["deepseek_v3"], vocab_size=16, num_nextn_predict_layers=1)
+  cfg = config_from_dict(raw)
   params = init_params(cfg, seed=2, scale=1.0)
+  conf = train_eagle3.head_config_dict(raw, 32, aux_ids=[0, 1, cfg.num_layers])
+  head_dir = tmp_path / "head"
+  train_eagle3.save_head(str(head_dir), conf, train_eagle3.initial_tensors(conf, cfg, params,
+                                                                           seed=4))
+  head = load_eagle3(str(head_dir), cfg, params, jnp.float32)
   dcfg = config_from_dict(dict(CONFIGS["llama"], vocab_size=16))
   n = 2048
   prompts = [[1, 5, 6]] * n
@@ -241,10 +249,11 @@ def test_sampled_model_drafts_keep_the_target_distribution_end_to_end():
   # draft at 2048 rows).
   eng = Engine(cfg, params, EngineConfig(
       page_size=16, max_num_seqs=n, max_num_batched_tokens=3 * n, decode_batch_sizes=(n,),
-      max_model_len=16, num_pages=n + 1, drafters=("mtp", "draft"), num_draft_tokens=2,
-      measure_spec_costs=False), draft=(dcfg, init_params(dcfg, seed=3)))
+      max_model_len=16, num_pages=n + 1, drafters=("mtp", "draft", "eagle3"),
+      num_draft_tokens=2, measure_spec_costs=False), draft=(dcfg, init_params(dcfg, seed=3)),
+      head=head)
   eng.spec.costs.step[:] = 1.0
-  for drafter in ("draft", "mtp"):
+  for drafter in ("draft", "mtp", "eagle3"):
     got = eng.generate(prompts, [SamplingParams(temperature=1.0, seed=n + i, drafter=drafter)
                                  for i in range(n)], StopParams(max_tokens=4, ignore_eos=True),
                        closed=True)

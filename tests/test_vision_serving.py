@@ -461,3 +461,30 @@ def test_an_engine_with_the_mtp_drafter_refuses_images_and_keeps_nothing(k25, go
   rid = eng.add_request([t for t in ids if t != eng.images.pad_id], SamplingParams(),
                         StopParams(max_tokens=2))
   assert list(eng.requests) == [rid] and eng.requests[rid].spec.drafter == "mtp"
+
+
+@pytest.mark.slow
+def test_image_requests_with_the_eagle3_drafter_keep_the_golden_tokens(k25, golden, tmp_path):
+  """An EAGLE-3 head (random, the published MLA layout) drafts for image requests: at the
+  <|media_pad|> positions it takes the pad id's token embedding, the image reaching it through
+  the target's aux states there; both golden prompts, chunked and batched, still give
+  transformers' greedy tokens, and the head drafted."""
+  from checkpoints import train_eagle3
+  from engine.model.eagle3_loader import load_eagle3
+  with open(os.path.join(FIXTURE, "config.json")) as fh:
+    text = json.load(fh)["text_config"]
+  conf = train_eagle3.head_config_dict(text, 48, aux_ids=[0, 1, 2])
+  train_eagle3.save_head(str(tmp_path), conf, train_eagle3.initial_tensors(
+      conf, k25.config, k25.params, seed=1))
+  head = load_eagle3(str(tmp_path), k25.config, k25.params, k25.params["embed"].dtype)
+  eng = Engine.from_model(k25, dataclasses.replace(
+      VISION_CONFIG, speculative="eagle3", num_draft_tokens=2, measure_spec_costs=False),
+      head=head)
+  pad = eng.images.pad_id
+  rids = [add(eng, collapse(golden[f"prompt_{j}"], pad),
+              [make_image(int(i)) for i in golden[f"prompt_images_{j}"]],
+              max_tokens=len(golden[f"greedy_{j}"])) for j in (0, 1)]
+  reqs = run(eng, *rids)
+  for j, req in enumerate(reqs):
+    assert req.output_ids == golden[f"greedy_{j}"].tolist(), j
+  assert sum(r.usage().spec_draft_tokens for r in reqs) > 0

@@ -52,10 +52,22 @@ def mtp_entry(cfg: ModelConfig, depth: int) -> int:
   return len(cfg.layer_stacks) + depth
 
 
+# A drafter's own entries after the model's (an EAGLE-3 head's KV): per entry, each page
+# array's shape per token, e.g. ({"latent": (576,)},) or ({"k": (nKV, hd), "v": (nKV, hd)},).
+Extra = tuple[dict[str, tuple[int, ...]], ...]
+
+
+def first_extra_entry(cfg: ModelConfig) -> int:
+  """The index of the first cache entry after the model's own (decoder stacks, MTP layers)."""
+  return len(entry_layers(cfg))
+
+
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jnp.bfloat16,
-               sharding: Any = None) -> Cache:
+               sharding: Any = None, extra: Extra = ()) -> Cache:
   """Allocates a zeroed page pool of `num_pages` pages for every layer, the layers of a stack
-  end to end (see the module docstring), MTP layers last. `sharding`: one for every array."""
+  end to end (see the module docstring), MTP layers last, then the `extra` entries (drafters'
+  own, one layer each, `first_extra_entry` on) with the same pages. `sharding`: one for
+  every array."""
 
   def zeros(layers: int, shape: tuple[int, ...]) -> jax.Array:
     shape = (layers * shape[0],) + shape[1:]
@@ -64,7 +76,8 @@ def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any = jn
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
 
   shapes = page_shapes(cfg, num_pages, page_size)
-  return [{k: zeros(n, s) for k, s in shapes.items()} for n in entry_layers(cfg)]
+  own = [{k: zeros(n, s) for k, s in shapes.items()} for n in entry_layers(cfg)]
+  return own + [{k: zeros(1, (num_pages, page_size) + s) for k, s in e.items()} for e in extra]
 
 
 def layer_table(page_table: jax.Array, j: Any, num_pages: int) -> jax.Array:
@@ -79,11 +92,13 @@ def layer_pages(entry: dict[str, jax.Array], layers: int, j: int) -> dict[str, j
   return {k: v[j * n:(j + 1) * n] for k, v in entry.items()}
 
 
-def cache_bytes_per_token(cfg: ModelConfig, dtype: Any = jnp.bfloat16) -> int:
-  """Bytes of cache one token occupies across all layers."""
+def cache_bytes_per_token(cfg: ModelConfig, dtype: Any = jnp.bfloat16, extra: Extra = ()
+                          ) -> int:
+  """Bytes of cache one token occupies across all layers (and the `extra` entries)."""
   per_layer = sum(math.prod(s[2:]) for s in page_shapes(cfg, 1, 1).values())
   n = cfg.num_layers + cfg.num_nextn_predict_layers
-  return per_layer * n * jnp.dtype(dtype).itemsize
+  own = sum(math.prod(s) for e in extra for s in e.values())
+  return (per_layer * n + own) * jnp.dtype(dtype).itemsize
 
 
 def contiguous_page_table(batch: int, max_len: int, page_size: int) -> np.ndarray:
@@ -94,11 +109,14 @@ def contiguous_page_table(batch: int, max_len: int, page_size: int) -> np.ndarra
 
 def clear_page(cache: Cache, page: int, cfg: ModelConfig) -> Cache:
   """The cache with every layer's entries of `page` zeroed (page 0, the null page, after
-  programs that wrote junk there): in a stack's entry, `page` of each of its layers."""
+  programs that wrote junk there): in a stack's entry, `page` of each of its layers; the
+  drafters' entries after the model's too."""
 
   def clear(v: jax.Array, layers: int) -> jax.Array:
     n = v.shape[0] // layers
     return v.at[page + n * np.arange(layers)].set(0)
 
+  layers = entry_layers(cfg)
+  layers += [1] * (len(cache) - len(layers))  # (drafters' own entries: one layer each)
   return [{k: clear(v, n) for k, v in entry.items()}
-          for entry, n in zip(cache, entry_layers(cfg), strict=True)]
+          for entry, n in zip(cache, layers, strict=True)]

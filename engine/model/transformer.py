@@ -81,8 +81,9 @@ def decoder_layer(p: Params, x: jax.Array, pool: dict[str, jax.Array], ctx: "_Ct
 
 # ---- the layer stacks ------------------------------------------------------------------------
 
-# Layers per iteration of a stack's scan (`lax.scan`'s unroll). Measured on the CPU (BENCHMARKS,
-# issue 49): 2 gained nothing in step time and doubles the body XLA compiles.
+# Layers per iteration of a stack's scan (`lax.scan`'s unroll). 1 keeps the compiled body one
+# layer; on the CPU 2 read 0.87x the batch-32 decode time in 3 noisy pairs (BENCHMARKS, issue
+# 49), not a reason for GPU policy: a GPU step-time A/B decides.
 SCAN_UNROLL = 1
 
 

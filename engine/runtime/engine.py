@@ -63,10 +63,13 @@ class Engine:
 
   def __init__(self, cfg: ModelConfig, params: Params, config: EngineConfig = EngineConfig(),
                tokenizer: Any = None, eos_token_ids: Sequence[int] = (), mesh: Any = None,
-               draft: tuple[ModelConfig, Params] | None = None):
+               draft: tuple[ModelConfig, Params] | None = None,
+               head: tuple[Any, Params] | None = None):
     """`mesh`: the `jax.sharding.Mesh` the parameters are placed on (`engine.model.sharding`);
     the cache is placed by the same module's rules and every program runs under it.
-    `draft`: (config, params) of a draft model with the target's vocabulary (drafter "draft")."""
+    `draft`: (config, params) of a draft model with the target's vocabulary (drafter "draft").
+    `head`: (Eagle3Config, params) of an EAGLE-3 head (`eagle3_loader.load_eagle3`; drafter
+    "eagle3")."""
     config = with_kernels_resolved(config, cfg, params, mesh)  # "auto" -> this device's
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.tokenizer = tokenizer
@@ -83,20 +86,24 @@ class Engine:
                                         max_num_batched_tokens=config.max_num_batched_tokens,
                                         max_model_len=max_len)
     self.max_pages_per_seq = -(-max_len // config.page_size)
-    dtype = config.cache_dtype or params["embed"].dtype
-    devices = jax.tree.leaves(params)[0].sharding.device_set
-    num_pages = kv_sizing.agree_num_pages(
-        config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
-    self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
-    self.scheduler = Scheduler(self.sched_config, self.pool)
     draft_cfg = draft[0] if draft is not None else None
     wanted = ({config.speculative} if config.speculative not in (None, drafter_registry.AUTO)
               else set()) | set(config.drafters)
     if config.speculative == drafter_registry.AUTO and not wanted:
       raise ValueError("EngineConfig.speculative='auto' chooses among EngineConfig.drafters, "
                        "which is empty")
-    drafters = drafter_registry.build(wanted, cfg, config, draft_cfg)
+    drafters = drafter_registry.build(wanted, cfg, config, draft_cfg,
+                                      head_cfg=head[0] if head is not None else None)
     own = {d.name: draft[1] for d in drafters if d.uses_draft_model}
+    own.update({d.name: head[1] for d in drafters if d.uses_head})
+    # (drafters' own cache entries, an EAGLE-3 head's KV, take pages' room too)
+    self._extra_entries = tuple(e for d in drafters for e in d.cache_entries())
+    dtype = config.cache_dtype or params["embed"].dtype
+    devices = jax.tree.leaves(params)[0].sharding.device_set
+    num_pages = kv_sizing.agree_num_pages(
+        config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
+    self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
+    self.scheduler = Scheduler(self.sched_config, self.pool)
     self.runner = ModelRunner(cfg, params, config, num_pages=num_pages, cache_dtype=dtype,
                               mesh=mesh, drafters=drafters, own_params=own)
     self.traffic = TrafficStats()
@@ -135,13 +142,14 @@ class Engine:
 
   @staticmethod
   def from_model(model: Any, config: EngineConfig = EngineConfig(),
-                 draft_model: Any = None) -> "Engine":
-    """From an `engine.load` result (and a loaded draft model for drafter "draft")."""
+                 draft_model: Any = None, head: tuple[Any, Params] | None = None) -> "Engine":
+    """From an `engine.load` result (and a loaded draft model for drafter "draft", a loaded
+    EAGLE-3 head (config, params) for drafter "eagle3")."""
     eng = Engine(model.config, model.params, dataclasses.replace(config, kernels=model.kernels)
                  if config.kernels == AUTO else config, model.tokenizer,
                  model.eos_token_ids, mesh=getattr(model, "mesh", None),
                  draft=None if draft_model is None else (draft_model.config,
-                                                         draft_model.params))
+                                                         draft_model.params), head=head)
     eng.chat_template = getattr(model, "chat_template", None)
     if eng.images.pad_id is not None:
       eng.image_processor = getattr(model, "image_processor", None)
@@ -174,7 +182,7 @@ class Engine:
     statistics (CPU), room for every sequence at full length, plus the null page."""
     return kv_sizing.pages_for(
         kv_sizing.free_device_bytes(devices),
-        cache_bytes_per_token(self.cfg, dtype) * self.config.page_size,
+        cache_bytes_per_token(self.cfg, dtype, self._extra_entries) * self.config.page_size,
         self.config.kv_cache_memory_fraction,
         self.sched_config.max_num_seqs * self.max_pages_per_seq + 1)
 

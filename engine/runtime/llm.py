@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Any, Sequence
 
 from engine.model.config import ModelConfig
+from engine.model.eagle3_config import load_eagle3_config
+from engine.model.eagle3_loader import load_eagle3
 from engine.model.params import Params
 from engine.runtime import warmup as warmup_lib
 from engine.runtime.buckets import bucket, powers_of_two_upto, quarter_bucket
@@ -54,8 +57,9 @@ class SpeculativeConfig:
   method: a drafter's name: "ngram" (prompt lookup), "learned" (an n-gram table learned across
   requests: `memory`, an `NgramMemory` updated in place; else the kept engine's own table),
   "mtp" (the checkpoint's MTP layer), "draft" (a small model with the same tokenizer:
-  `draft_cfg`, `draft_params`); or "auto" (every drafter the model supports, chosen per row
-  as it goes, adaptive). num_draft_tokens: K >= 1. adaptive: choose every iteration whether
+  `draft_cfg`, `draft_params`), "eagle3" (an EAGLE-3 head: `checkpoint`, its directory as
+  published, loaded once per model and path); or "auto" (every drafter the model supports,
+  the EAGLE-3 head when `checkpoint` is given, chosen per row as it goes, adaptive). num_draft_tokens: K >= 1. adaptive: choose every iteration whether
   to draft (up to K per row) or decode plainly, from the acceptance estimates and the cost
   table (always on for "auto"). measure_costs: time the cost table on this machine when the
   engine is made (else the roofline, `speculative.costs`)."""
@@ -66,6 +70,7 @@ class SpeculativeConfig:
   memory: object | None = None  # engine.NgramMemory
   adaptive: bool = False
   measure_costs: bool = True
+  checkpoint: str | None = None  # an EAGLE-3 head's directory (drafter "eagle3")
 
   def validate(self, cfg: ModelConfig) -> None:
     methods = drafter_registry.names() + (AUTO,)
@@ -81,16 +86,26 @@ class SpeculativeConfig:
       if cls.uses_draft_model and (self.draft_cfg is None or self.draft_params is None):
         raise ValueError(f"speculative method {self.method!r} needs draft_cfg and "
                          "draft_params")
-      why = cls.unsupported(cfg, self.draft_cfg)
+      if cls.uses_head and self.checkpoint is None:
+        raise ValueError(f"speculative method {self.method!r} needs checkpoint (an EAGLE-3 "
+                         "head's directory)")
+      why = cls.unsupported(cfg, self.draft_cfg, head_cfg=self.head_config(cfg))
       if why is not None:
         raise ValueError(f"speculative method {self.method!r}: {why}")
+
+  def head_config(self, cfg: ModelConfig) -> Any:
+    """The EAGLE-3 head's config checked against the target (`Eagle3Error` naming the field),
+    or None without `checkpoint`."""
+    if self.checkpoint is None:
+      return None
+    return load_eagle3_config(self.checkpoint, cfg)
 
   def drafters(self, cfg: ModelConfig) -> tuple[str, ...]:
     """The engine's drafters: the method's, or for "auto" every one the model supports."""
     if self.method != AUTO:
       return (self.method,)
     draft = self.draft_cfg if self.draft_params is not None else None
-    return drafter_registry.supported(cfg, draft)
+    return drafter_registry.supported(cfg, draft, head_cfg=self.head_config(cfg))
 
 
 @dataclasses.dataclass
@@ -112,6 +127,17 @@ class LLM:
     # key -> (engine, what it was made from: it serves only the same objects)
     self._engines: "collections.OrderedDict[tuple, tuple[Engine, tuple]]" = (
         collections.OrderedDict())
+    self._heads: dict[str, tuple[Any, Params, Any]] = {}  # path -> (cfg, params, made from)
+
+  def head(self, checkpoint: str) -> tuple[Any, Params]:
+    """The EAGLE-3 head at `checkpoint` for this model (loaded once per path and weights)."""
+    m = self.model
+    path = os.path.abspath(checkpoint)
+    kept = self._heads.get(path)
+    if kept is None or kept[2] is not m.params:
+      cfg, params = load_eagle3(path, m.config, m.params, dtype=m.params["embed"].dtype)
+      kept = self._heads[path] = (cfg, params, m.params)
+    return kept[0], kept[1]
 
   @property
   def engines(self) -> list[Engine]:
@@ -163,19 +189,23 @@ class LLM:
     """(its key, the kept engine for `config` or a new one (warmed up, or its cost table
     timed), what it was made from)."""
     m = self.model
-    draft = None
+    draft = head = None
     if speculative is not None and any(drafter_registry.drafter_class(d).uses_draft_model
                                        for d in config.drafters):
       draft = (speculative.draft_cfg, speculative.draft_params)
+    if speculative is not None and any(drafter_registry.drafter_class(d).uses_head
+                                       for d in config.drafters):
+      head = self.head(speculative.checkpoint)
     measure = bool(config.drafters) and speculative.measure_costs
-    key = (config, draft[0] if draft else None, measure)
+    key = (config, draft[0] if draft else None, head[0] if head else None, measure)
     kept = self._engines.pop(key, None)
-    made_from = (m.params, m.tokenizer, m.mesh, draft[1] if draft else None)
+    made_from = (m.params, m.tokenizer, m.mesh, draft[1] if draft else None,
+                 head[1] if head else None)
     if kept is not None and all(a is b for a, b in zip(kept[1], made_from)) and (
         kept[0].eos_token_ids == tuple(m.eos_token_ids)):
       return key, kept[0], made_from
     eng = Engine(m.config, m.params, config, m.tokenizer, m.eos_token_ids, mesh=m.mesh,
-                 draft=draft)
+                 draft=draft, head=head)
     if warmup:
       eng.warmup(progress=False)  # (it times the cost table too)
       return key, eng, made_from

@@ -73,8 +73,11 @@ class ModelRunner:
     self.cfg, self.params, self.config, self.mesh = cfg, params, config, mesh
     self.impl = config.kernels
     self.devices = jax.tree.leaves(params)[0].sharding.device_set
-    self.cache = self.place_cache(init_cache(cfg, num_pages, config.page_size, cache_dtype),
-                                  cfg)
+    # Drafters' own entries (an EAGLE-3 head's KV) after the model's, on the same pages.
+    self.extra_entries = tuple(e for d in drafters for e in d.cache_entries())
+    self.cache = self.place_cache(init_cache(cfg, num_pages, config.page_size, cache_dtype,
+                                             extra=self.extra_entries), cfg,
+                                  extra=len(self.extra_entries))
     self.drafters = {d.name: d for d in drafters}
     self.own_params = dict(own_params or {})
     # Device state is committed where the weights are from the start (like the cache): a
@@ -100,9 +103,13 @@ class ModelRunner:
 
   # ---- placement -------------------------------------------------------------------------------
 
-  def place_cache(self, cache: Any, cfg: ModelConfig) -> Any:
+  def place_cache(self, cache: Any, cfg: ModelConfig, extra: int = 0) -> Any:
+    """`cache` placed (its last `extra` entries, drafters' own, replicated on a mesh)."""
     if self.mesh is not None:
-      return jax.device_put(cache, [cache_sharding(cfg, self.mesh)] * len(cache))
+      n = len(cache) - extra
+      replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      return jax.device_put(cache, [cache_sharding(cfg, self.mesh)] * n
+                            + [{k: replicated for k in e} for e in cache[n:]])
     if len(self.devices) == 1:
       # Commit the cache where the weights are: jit outputs are committed when an input is,
       # and a cache whose commitment changes after the first step would compile twice.
@@ -133,8 +140,11 @@ class ModelRunner:
     kernels = dict(impl=self.impl)
     if desc.kind == MIXED:
       observe = "next_tokens" in a
+      own = {d.name: self.own_params[d.name] for d in self.observers
+             if observe and d.name in self.own_params}
       args = (self.params, self.cache, a["tokens"], a["start"], a["n_new"], a["page_table"],
-              _sampling(a), a.get("features"), a.get("feature_mask"), a.get("next_tokens"))
+              _sampling(a), a.get("features"), a.get("feature_mask"), a.get("next_tokens"),
+              own or None)
       return Program(steps.model_step, args,
                      dict(cfg=self.cfg, observers=self.observers if observe else (), **kernels),
                      self._keep_mixed)

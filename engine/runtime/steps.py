@@ -29,10 +29,12 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
-from engine.model.transformer import Cache, compute_logits, embed_tokens, forward
+from engine.model.transformer import (Cache, compute_logits, embed_tokens, forward,
+                                      forward_hidden_states)
 from engine.runtime import thought
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
 from engine.runtime.speculative.acceptance import verify
+from engine.runtime.speculative.drafters.base import aux_layers_of
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "impl", "observers"),
@@ -40,7 +42,8 @@ from engine.runtime.speculative.acceptance import verify
 def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
                n_new: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
                features: jax.Array | None = None, feature_mask: jax.Array | None = None,
-               next_tokens: jax.Array | None = None, *, cfg: ModelConfig,
+               next_tokens: jax.Array | None = None, own_params: dict | None = None, *,
+               cfg: ModelConfig,
                impl: KernelChoice = REFERENCE, observers: tuple = ()
                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array], dict, Cache]:
   """Forward over packed rows and sample after each row's last real token.
@@ -54,7 +57,9 @@ def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array
       take `features` [B, W, H] (the image's encoder output rows, `multimodal_step`) as their
       input embedding instead of the token's.
     next_tokens: [B, W] the token after each position (-1 where it is the one sampled here),
-      for the drafters that observe prefill (`observers`, `Drafter.observe_prefill`).
+      for the drafters that observe prefill (`observers`, `Drafter.observe_prefill`; those
+      reading residual streams (`aux_layers`, EAGLE-3) get them from this forward).
+    own_params: the observers' own weights by name (an EAGLE-3 head's).
   Returns:
     ([B] int32 token sampled at position start + n_new (meaningful where the row ends its
     request's known tokens), its logprobs (`sampling.token_logprobs`), each observer's rows'
@@ -64,15 +69,27 @@ def model_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array
   if features is not None:
     embeds = embed_tokens(params, tokens, cfg)
     embeds = jnp.where(feature_mask[..., None], features.astype(embeds.dtype), embeds)
-  hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg, impl=impl,
-                          input_embeds=embeds)
+  layers = aux_layers_of(observers)
+  states = {}
+  if layers:
+    hidden, cache, aux = forward_hidden_states(params, cache, tokens, start, n_new, page_table,
+                                               layers=layers, cfg=cfg, impl=impl,
+                                               input_embeds=embeds)
+    states = dict(zip(layers, aux))
+  else:
+    hidden, cache = forward(params, cache, tokens, start, n_new, page_table, cfg=cfg,
+                            impl=impl, input_embeds=embeds)
   sampled, lps = sample_rows(params, hidden, start, n_new, sampling, cfg)
   rows = {}
   if observers:
     nxt = jnp.where(next_tokens < 0, sampled[:, None], next_tokens)
     for d in observers:
+      aux = (jnp.concatenate([states[i] for i in d.aux_layers], axis=-1) if d.aux_layers
+             else None)
       rows[d.name], cache = d.observe_prefill(params, cache, hidden, nxt, start, n_new,
-                                              page_table, impl=impl)
+                                              page_table, impl=impl,
+                                              own_params=(own_params or {}).get(d.name),
+                                              aux=aux)
   return sampled, lps, rows, cache
 
 

@@ -214,4 +214,7 @@ def _mixed_steps(eng: Any, b: int, w: int):
   yield batching.null_mixed(b, w, max_pages, page_size, observe=observe), True
   if eng.images.pad_id is not None:
     feats = (np.zeros((b, w, eng.cfg.hidden_size), eng.images.dtype), np.ones((b, w), bool))
-    yield batching.null_mixed(b, w, max_pages, page_size, observe=False, features=feats), True
+    # (an engine whose observers serve images, EAGLE-3's, runs image steps with them)
+    observe_images = observe and not eng.spec.refuses_images()
+    yield batching.null_mixed(b, w, max_pages, page_size, observe=observe_images,
+                              features=feats), True

@@ -33,7 +33,7 @@ from absl import flags
 from absl import logging
 
 import engine
-from engine.api import DEMO_CHECKPOINT
+from engine.api import DEMO_CHECKPOINT, eagle3_checkpoint
 from engine.runtime import compile_cache
 from engine.runtime.speculative import drafters
 from engine.service import mesh_flags
@@ -70,6 +70,9 @@ flags.DEFINE_string("learned_table", None, "With --speculative=learned or auto: 
                     "loaded when it exists and saved after generating.")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory for --speculative=draft "
                     "or auto (default: the demo draft model when running the demo target).")
+flags.DEFINE_string("eagle3_checkpoint", None, "EAGLE-3 head directory (config.json + "
+                    "safetensors, as published) for --speculative=eagle3 or auto (default: "
+                    "checkpoints/demo/eagle3 when running the demo target).")
 flags.DEFINE_string("compilation_cache_dir", compile_cache.default_dir(),
                     "JAX persistent compilation cache: a second run loads, not recompiles ('' "
                     f"off; default ${compile_cache.ENV} or ~/.cache/moejax/jax_cache).")
@@ -101,7 +104,9 @@ def _speculative_config(model: "engine.LoadedModel") -> "engine.SpeculativeConfi
             if method == engine.NgramMemory.drafter or (auto and FLAGS.learned_table) else None)
   return engine.SpeculativeConfig(
       method, FLAGS.num_draft_tokens, draft.config if draft else None,
-      draft.params if draft else None, memory=memory, adaptive=FLAGS.adaptive_k or auto)
+      draft.params if draft else None, memory=memory, adaptive=FLAGS.adaptive_k or auto,
+      checkpoint=eagle3_checkpoint(method, FLAGS.eagle3_checkpoint, FLAGS.checkpoint))
+
 
 
 def main(argv: list[str]) -> int:

@@ -29,7 +29,7 @@ from absl import logging
 import jax
 
 import engine
-from engine.api import DEMO_CHECKPOINT
+from engine.api import DEMO_CHECKPOINT, eagle3_checkpoint
 from engine.runtime import compile_cache
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.speculative import drafters
@@ -86,6 +86,9 @@ flags.DEFINE_bool("structured_warmup", False, "Warm-up also compiles the masked 
                   "warm-up ~90 s more on 2 CPU cores, more than the rest; BENCHMARKS.md).")
 flags.DEFINE_string("draft_checkpoint", None, "Draft model directory (same tokenizer) for the "
                     "'draft' drafter.")
+flags.DEFINE_string("eagle3_checkpoint", None, "EAGLE-3 head directory (as published) for the "
+                    "'eagle3' drafter (default: checkpoints/demo/eagle3 with the demo target); "
+                    "given, requests may choose eagle3 and auto includes it.")
 flags.DEFINE_string("traffic_stats_path", None, "Histogram of step shapes: read at start to "
                     "choose the compiled buckets, written back at shutdown.")
 flags.DEFINE_string("api_keys_file", None, "File with one API key per line: clients must send "
@@ -228,6 +231,17 @@ def main(argv: list[str]) -> int:
                         kernels=mesh_flags.kernel_choice())
     draft = (engine.load(FLAGS.draft_checkpoint, dtype=FLAGS.dtype, mesh=mesh)
              if FLAGS.draft_checkpoint else None)
+    head, extra_drafters, head_dir = None, (), None
+    # A head when one is asked for: --eagle3_checkpoint, or eagle3 / auto as the default or
+    # among --drafters (the demo target's own head then, if no flag names one).
+    if FLAGS.eagle3_checkpoint or FLAGS.speculative in ("eagle3", drafters.AUTO) or (
+        "eagle3" in FLAGS.drafters):
+      head_dir = eagle3_checkpoint(
+          "eagle3" if "eagle3" in (FLAGS.speculative, *FLAGS.drafters) else drafters.AUTO,
+          FLAGS.eagle3_checkpoint, FLAGS.checkpoint)
+    if head_dir is not None:
+      head = model.llm.head(head_dir)
+      extra_drafters = ("eagle3",)  # (requests may choose it; auto includes it)
     eng = Engine.from_model(model, EngineConfig(
         page_size=FLAGS.page_size, num_pages=FLAGS.num_pages,
         kv_cache_memory_fraction=FLAGS.kv_cache_memory_fraction,
@@ -237,11 +251,12 @@ def main(argv: list[str]) -> int:
         compilation_cache_dir=FLAGS.compilation_cache_dir,
         traffic_stats_path=FLAGS.traffic_stats_path,
         speculative=None if FLAGS.speculative == drafters.OFF else FLAGS.speculative,
-        drafters=tuple(FLAGS.drafters), num_draft_tokens=FLAGS.num_draft_tokens,
+        drafters=tuple(dict.fromkeys((*FLAGS.drafters, *extra_drafters))),
+        num_draft_tokens=FLAGS.num_draft_tokens,
         adaptive_k=FLAGS.adaptive_k, measure_spec_costs=FLAGS.measure_spec_costs,
         encoder_cache_bytes=FLAGS.encoder_cache_mb << 20,
         constrained_warmup=FLAGS.structured_warmup),
-        draft_model=draft)
+        draft_model=draft, head=head)
     group = None
     if jax.process_count() > 1:
       group = multihost.connect(eng, multihost.Settings(
@@ -250,7 +265,8 @@ def main(argv: list[str]) -> int:
           lockstep_port=FLAGS.lockstep_port, connect_timeout_s=FLAGS.coordinator_timeout_s,
           heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
           drain_timeout_s=FLAGS.drain_timeout_s, step_timeout_s=FLAGS.step_timeout_s),
-          extra=dict(checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint))
+          extra=dict(checkpoint=FLAGS.checkpoint, draft_checkpoint=FLAGS.draft_checkpoint,
+                     eagle3_checkpoint=head_dir))
   except (ValueError, FileNotFoundError, OSError, NotImplementedError,
           lockstep.LockstepError) as e:
     if joined:  # not through jax's shutdown barrier, which would wait for the other processes

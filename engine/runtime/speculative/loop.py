@@ -24,13 +24,13 @@ import jax.numpy as jnp
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import Params
-from engine.model.transformer import Cache, compute_logits, forward
+from engine.model.transformer import Cache, compute_logits, forward, forward_hidden_states
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, token_logprobs
 from engine.runtime import thought
 from engine.runtime.speculative import goodput
 from engine.runtime.speculative.acceptance import prefix_length, verify
 from engine.runtime.speculative import drafters as registry
-from engine.runtime.speculative.drafters import Drafter, LoopContext, drafter_id
+from engine.runtime.speculative.drafters import Drafter, LoopContext, aux_layers_of, drafter_id
 from engine.runtime.speculative.inplace import place
 from engine.runtime.steps import DecodeBatch, decode_loop
 
@@ -78,25 +78,35 @@ class Verified:
   n_emit: jax.Array  # [B] tokens the row emits (a + 1, cut after a stop id; 0 if not live)
   stopped: jax.Array  # [B] bool: a stop id ended the row inside the block
   logits: jax.Array  # [B, K+1, V] target logits: slot i is the distribution of emitted[:, i]
+  # {layer: [B, K+1, H]} the residual streams entering the drafters' `aux_layers` (EAGLE-3)
+  aux: dict[int, jax.Array]
 
 
 def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
                  q: jax.Array | None, n_draft: jax.Array, n_cached: jax.Array, live: jax.Array,
                  n_out: jax.Array, stop_ids: jax.Array, min_before_stop: jax.Array,
                  sampling: SamplingArrays, page_table: jax.Array, *, cfg: ModelConfig,
-                 impl: KernelChoice, q_rows: jax.Array,
+                 impl: KernelChoice, q_rows: jax.Array, aux_layers: tuple[int, ...] = (),
                  forced: jax.Array | None = None) -> Verified:
   """ONE target forward over `[tok, d_1 .. d_K]` (tok [B] at position n_cached, n_draft [B]
   real drafts), acceptance and stop ids (stop_ids [B, S] padded with -1; they count once a row
   has emitted min_before_stop [B] tokens, n_out [B] so far). q [B, K, V] is the drafts'
   distribution in `q_rows` [B]; the other rows' drafts (all, with q None) are deterministic.
+  `aux_layers`: also return the residual streams entering these layers (`Verified.aux`).
   forced [B, K+1]: slots the thinking budget forces to the row's end marker (`thought.py`;
   the drafts already carry it there): verification sees only the marker allowed."""
   b, k = draft.shape
   live_i = live.astype(jnp.int32)
   block = jnp.concatenate([tok[:, None], draft], axis=1)
-  hidden, cache = forward(params, cache, block, n_cached, (n_draft + 1) * live_i, page_table,
-                          cfg=cfg, impl=impl)
+  aux = {}
+  if aux_layers:
+    hidden, cache, states = forward_hidden_states(
+        params, cache, block, n_cached, (n_draft + 1) * live_i, page_table, layers=aux_layers,
+        cfg=cfg, impl=impl)
+    aux = dict(zip(aux_layers, states))
+  else:
+    hidden, cache = forward(params, cache, block, n_cached, (n_draft + 1) * live_i, page_table,
+                            cfg=cfg, impl=impl)
   logits = compute_logits(params, hidden, cfg)  # [B, K+1, V]
   target = (logits if forced is None
             else thought.only_marker(logits, forced, sampling.think_end[:, 0]))
@@ -115,7 +125,8 @@ def verify_block(params: Params, cache: Cache, tok: jax.Array, draft: jax.Array,
   stopped = jnp.any(is_stop, axis=1) & live
   n_emit = jnp.where(stopped, jnp.argmax(is_stop, axis=1).astype(jnp.int32) + 1, n_emit)
   return Verified(cache=cache, hidden=hidden, n_accepted=n_acc * live_i, extra=extra,
-                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped, logits=logits)
+                  emitted=emitted, n_emit=n_emit * live_i, stopped=stopped, logits=logits,
+                  aux=aux)
 
 
 def matched(proposal: jax.Array, n_proposed: jax.Array, emitted: jax.Array, n_emit: jax.Array
@@ -187,9 +198,7 @@ def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, sp
   weights (the draft model's). Returns (result, cache, state).
   """
   cfg, widths, drafters, impl = config.cfg, config.widths, config.drafters, config.impl
-  if any(d.aux_layers for d in drafters):
-    raise NotImplementedError("drafters reading layers' hidden states (aux_layers) need the "
-                              "loop to pass transformer.forward_hidden_states' states on")
+  aux_layers = aux_layers_of(drafters)
   b = batch.tokens.shape[0]
   all_ids = registry.ids()
   n_ids = len(all_ids)
@@ -239,7 +248,8 @@ def speculative_decode_loop(params: Params, cache: Cache, batch: DecodeBatch, sp
     # the target's own samples, so their sampled output is that of plain decoding.
     v = verify_block(params, cache, s.tok, draft, q, n_draft, s.n_cached, live, s.count,
                      batch.stop_ids, batch.min_before_stop, sampling, page_table, cfg=cfg,
-                     impl=impl, q_rows=model_ids[s.ids], forced=forced)
+                     impl=impl, q_rows=model_ids[s.ids], aux_layers=aux_layers,
+                     forced=forced)
     n_acc, n_emit = v.n_accepted, v.n_emit
     think = (s.think_state, s.think_count)
     for i in range(v.emitted.shape[1]):

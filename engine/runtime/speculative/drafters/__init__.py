@@ -13,8 +13,10 @@ import contextlib
 from typing import Any, Iterator
 
 from engine.model.config import ModelConfig
-from engine.runtime.speculative.drafters.base import AUTO, OFF, Drafter, LoopContext, Proposal
+from engine.runtime.speculative.drafters.base import (AUTO, OFF, Drafter, LoopContext, Proposal,
+                                                      aux_layers_of)
 from engine.runtime.speculative.drafters.draft_model import DraftModelDrafter
+from engine.runtime.speculative.drafters.eagle3 import Eagle3Drafter
 from engine.runtime.speculative.drafters.learned import LearnedDrafter, NgramMemory
 from engine.runtime.speculative.drafters.mtp import MtpDrafter
 from engine.runtime.speculative.drafters.ngram import NgramDrafter
@@ -24,9 +26,10 @@ _REGISTERED: list[type[Drafter]] = [
     LearnedDrafter,
     MtpDrafter,
     DraftModelDrafter,
+    Eagle3Drafter,
 ]
 
-__all__ = ["AUTO", "Drafter", "LoopContext", "NgramMemory", "OFF", "Proposal", "build",
+__all__ = ["AUTO", "Drafter", "aux_layers_of", "LoopContext", "NgramMemory", "OFF", "Proposal", "build",
            "drafter_class", "drafter_id", "ids", "names", "registered", "registry", "supported"]
 
 
@@ -69,23 +72,27 @@ def registered(cls: type[Drafter]) -> Iterator[type[Drafter]]:
     _REGISTERED.remove(cls)
 
 
-def supported(cfg: ModelConfig, draft_cfg: ModelConfig | None) -> tuple[str, ...]:
-  """Every drafter this model (and draft model) can use: what "auto" chooses among."""
-  return tuple(d.name for d in _REGISTERED if d.unsupported(cfg, draft_cfg) is None)
+def supported(cfg: ModelConfig, draft_cfg: ModelConfig | None, head_cfg: Any = None
+              ) -> tuple[str, ...]:
+  """Every drafter this model (and draft model, EAGLE-3 head) can use: what "auto" chooses
+  among."""
+  return tuple(d.name for d in _REGISTERED
+               if d.unsupported(cfg, draft_cfg, head_cfg=head_cfg) is None)
 
 
-def build(wanted: Any, cfg: ModelConfig, config: Any, draft_cfg: ModelConfig | None = None
-          ) -> tuple[Drafter, ...]:
+def build(wanted: Any, cfg: ModelConfig, config: Any, draft_cfg: ModelConfig | None = None,
+          head_cfg: Any = None) -> tuple[Drafter, ...]:
   """The drafters named in `wanted` (in registry order) for this model and `config` (an
-  EngineConfig); ValueError naming what is missing (an MTP layer, a draft model) or unknown."""
+  EngineConfig); ValueError naming what is missing (an MTP layer, a draft model, an EAGLE-3
+  head) or unknown."""
   for n in wanted:
     drafter_class(n)  # (unknown: ValueError)
   out = []
   for d in _REGISTERED:
     if d.name not in wanted:
       continue
-    why = d.unsupported(cfg, draft_cfg)
+    why = d.unsupported(cfg, draft_cfg, head_cfg=head_cfg)
     if why is not None:
       raise ValueError(f"EngineConfig: {why}")
-    out.append(d.create(cfg, config, draft_cfg))
+    out.append(d.create(cfg, config, draft_cfg, head_cfg=head_cfg))
   return tuple(out)

@@ -81,6 +81,8 @@ class Drafter:
   learns_from_plain: ClassVar[bool] = False
   # Uses a draft model (`Engine(draft=...)`, `SpeculativeConfig(draft_cfg=, draft_params=)`).
   uses_draft_model: ClassVar[bool] = False
+  # Uses an EAGLE-3 head (`Engine(head=...)`, `SpeculativeConfig(checkpoint=)`).
+  uses_head: ClassVar[bool] = False
   # Requests with images are refused by an engine that has it (why).
   refuses_images: ClassVar[str | None] = None
   # Constrained rows draft with its host form (`host_propose`).
@@ -89,24 +91,26 @@ class Drafter:
   junk_changes_state: ClassVar[bool] = False
 
   # The target layers whose input residual stream its `observe` / `observe_prefill` need for
-  # every verified position (EAGLE-3's three aux layers); () : the final hidden state. The
-  # forward returns them (`transformer.forward_hidden_states` splits the scanned stacks there);
-  # until the loop and the prefill steps hand them on, no drafter may ask
-  # (`loop.speculative_decode_loop` refuses it).
-  aux_layers: ClassVar[tuple[int, ...]] = ()
+  # every verified position (EAGLE-3's three aux layers; an instance field there): the loop's
+  # verify and the mixed step then run `forward_hidden_states` and hand them over
+  # (`Verified.aux`, `observe_prefill(aux=)`). () : the final hidden state only.
+  aux_layers: tuple[int, ...] = ()
 
   cfg: ModelConfig  # the target's
 
   # ---- what it is, on the host -----------------------------------------------------------
 
   @classmethod
-  def create(cls, cfg: ModelConfig, config: Any, draft_cfg: ModelConfig | None) -> "Drafter":
-    """This drafter for the target `cfg`, an `EngineConfig` and the draft model's config."""
+  def create(cls, cfg: ModelConfig, config: Any, draft_cfg: ModelConfig | None,
+             head_cfg: Any = None) -> "Drafter":
+    """This drafter for the target `cfg`, an `EngineConfig`, the draft model's config and the
+    EAGLE-3 head's (`eagle3_config.Eagle3Config`)."""
     return cls(cfg=cfg)
 
   @classmethod
-  def unsupported(cls, cfg: ModelConfig, draft_cfg: ModelConfig | None) -> str | None:
-    """Why this model (and draft model) cannot use it, or None."""
+  def unsupported(cls, cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                  head_cfg: Any = None) -> str | None:
+    """Why this model (and draft model, EAGLE-3 head) cannot use it, or None."""
     return None
 
   def roofline_cost(self) -> float:
@@ -123,6 +127,12 @@ class Drafter:
   def row_width(self) -> int:
     """float32 values of row state per request (0: none)."""
     return 0
+
+  def cache_entries(self) -> tuple[dict[str, tuple[int, ...]], ...]:
+    """Entries it adds to the target's paged cache after the model's own (`cache.init_cache`'s
+    `extra`: each page array's shape per token): same page ids, so prefix caching, preemption
+    and page freeing cover them."""
+    return ()
 
   # ---- engine-wide device state (the model runner's) ---------------------------------------
 
@@ -167,10 +177,11 @@ class Drafter:
 
   def observe_prefill(self, params: Any, cache: Any, hidden: jax.Array,
                       next_tokens: jax.Array, start: jax.Array, n_new: jax.Array,
-                      page_table: jax.Array, *, impl: KernelChoice
-                      ) -> tuple[jax.Array, Any]:
-    """A mixed step's chunk (target hidden [B, W, H], the token after each position): (the
-    rows' state at each row's last position [B, width], target cache)."""
+                      page_table: jax.Array, *, impl: KernelChoice, own_params: Any = None,
+                      aux: jax.Array | None = None) -> tuple[jax.Array, Any]:
+    """A mixed step's chunk (target hidden [B, W, H], the token after each position; its own
+    weights; `aux` [B, W, len(aux_layers) * H] the residual streams entering `aux_layers`):
+    (the rows' state at each row's last position [B, width], target cache)."""
     raise NotImplementedError
 
   def learn_plain(self, state: Any, inputs: dict[str, jax.Array], out: jax.Array,
@@ -211,6 +222,15 @@ class Drafter:
   def counters(self) -> dict[str, int]:
     """Its own engine counters (zeroed)."""
     return {}
+
+
+def aux_layers_of(drafters: Sequence[Drafter]) -> tuple[int, ...]:
+  """Every layer some drafter reads the entering residual stream of (`Drafter.aux_layers`), in
+  first-asked order: what the forward feeding them must return."""
+  out: list[int] = []
+  for d in drafters:
+    out += [i for i in d.aux_layers if i not in out]
+  return tuple(out)
 
 
 def zeros_like_shape(shape: Any) -> Any:

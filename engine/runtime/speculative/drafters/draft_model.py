@@ -153,11 +153,12 @@ class DraftModelDrafter(Drafter):
   draft_cfg: ModelConfig | None = None
 
   @classmethod
-  def create(cls, cfg, config, draft_cfg) -> "DraftModelDrafter":
+  def create(cls, cfg, config, draft_cfg, head_cfg=None) -> "DraftModelDrafter":
     return cls(cfg=cfg, draft_cfg=draft_cfg)
 
   @classmethod
-  def unsupported(cls, cfg: ModelConfig, draft_cfg: ModelConfig | None) -> str | None:
+  def unsupported(cls, cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                  head_cfg=None) -> str | None:
     if draft_cfg is None:
       return "drafter 'draft' needs a draft model (Engine(draft=))"
     if draft_cfg.vocab_size != cfg.vocab_size:

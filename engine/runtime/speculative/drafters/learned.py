@@ -174,7 +174,7 @@ class LearnedDrafter(Drafter):
   slots: int = EngineConfig.learned_table_slots
 
   @classmethod
-  def create(cls, cfg, config, draft_cfg) -> "LearnedDrafter":
+  def create(cls, cfg, config, draft_cfg, head_cfg=None) -> "LearnedDrafter":
     return cls(cfg=cfg, slots=config.learned_table_slots)
 
   def init_state(self, num_pages, page_size, dtype, place_cache, place_state) -> NgramTable:

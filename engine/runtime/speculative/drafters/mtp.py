@@ -67,7 +67,8 @@ class MtpDrafter(Drafter):
   cfg: ModelConfig
 
   @classmethod
-  def unsupported(cls, cfg: ModelConfig, draft_cfg: ModelConfig | None) -> str | None:
+  def unsupported(cls, cfg: ModelConfig, draft_cfg: ModelConfig | None,
+                  head_cfg=None) -> str | None:
     if cfg.num_nextn_predict_layers < 1:
       return f"drafter 'mtp' needs an MTP layer: {cfg.no_mtp_reason}"
     return None
@@ -111,7 +112,7 @@ class MtpDrafter(Drafter):
     return None, st["hidden"]
 
   def observe_prefill(self, params, cache, hidden, next_tokens, start, n_new, page_table, *,
-                      impl):
+                      impl, own_params=None, aux=None):
     h, cache = mtp_observe(params, cache, hidden, next_tokens, start, n_new, page_table,
                            cfg=self.cfg, impl=impl)
     return h.astype(jnp.float32), cache

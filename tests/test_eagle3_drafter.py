@@ -1,0 +1,308 @@
+"""The EAGLE-3 drafter in the serving engine (`engine/runtime/speculative/drafters/eagle3.py`) on
+the tiny Kimi K2.5 INT4 target of the EAGLE-3 goldens (`golden/fixtures/eagle3`, float32):
+greedy output identical to speculative decoding off for every published head layout and both
+aux-id conventions; the head's KV in the target's paged cache and its row state equal a one-shot
+forward over the request's tokens after chunked prefill and verified blocks; its drafts equal
+the PyTorch golden's; continuous batching, prefix hits, preemption and structured outputs keep
+plain decoding's output; a missing or mismatched head is refused naming what is wrong."""
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.api import DEMO_CHECKPOINT, eagle3_checkpoint
+from engine.model.cache import cache_bytes_per_token, first_extra_entry, init_cache
+from engine.model.config import load_config
+from engine.model.eagle3_config import Eagle3Error
+from engine.model.eagle3_loader import load_eagle3
+from engine.model.hf_loader import load_hf_params
+from engine.model.kernels import REFERENCE
+from engine.model.transformer import forward_hidden_states
+from engine.runtime.engine import Engine, EngineConfig
+from engine.runtime.grammar import StructuredOutputsParams
+from engine.runtime.llm import SpeculativeConfig
+from engine.runtime.request import StopParams
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative.drafters import aux_layers_of, build
+from engine.runtime.speculative.drafters.eagle3 import (Eagle3Drafter, eagle3_observe,
+                                                        eagle3_propose)
+from engine.runtime.sampling import SamplingArrays
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "eagle3")
+VARIANTS = ("mla", "mla_reduced", "mla_eagle31", "mha_reduced", "mha_full")
+PAGE = 8
+CONFIG = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
+              max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32,
+              num_draft_tokens=3, measure_spec_costs=False, decode_batch_sizes=(4,),
+              compilation_cache_dir=None)
+
+
+@pytest.fixture(scope="module")
+def target():
+  cfg = load_config(os.path.join(FIXTURES, "target"))
+  params = load_hf_params(os.path.join(FIXTURES, "target"), cfg, jnp.float32, progress=False)
+  return cfg, params
+
+
+@functools.lru_cache(maxsize=None)
+def _head(variant):
+  cfg = load_config(os.path.join(FIXTURES, "target"))
+  return load_eagle3(os.path.join(FIXTURES, variant), cfg, None, jnp.float32)
+
+
+def head(target, variant):
+  return load_eagle3(os.path.join(FIXTURES, variant), target[0], target[1], jnp.float32)
+
+
+def prompts(n, seed, lo=6, hi=30):
+  rng = np.random.default_rng(seed)
+  return [[1] + [int(t) for t in rng.integers(3, 320, rng.integers(lo, hi))] for _ in range(n)]
+
+
+_plain: dict = {}
+
+
+def plain(target, ps, max_tokens):
+  """Plain greedy decoding's output of each prompt (one engine for the module)."""
+  if "engine" not in _plain:
+    _plain["engine"] = Engine(*target, EngineConfig(**CONFIG))
+  key = (tuple(map(tuple, ps)), max_tokens)
+  if key not in _plain:
+    got = _plain["engine"].generate(ps, SamplingParams(), StopParams(max_tokens=max_tokens,
+                                                                     ignore_eos=True))
+    _plain[key] = [r.output_ids for r in got]
+  return _plain[key]
+
+
+# ---- fast: configuration, refusals, the cache's size -------------------------------------------
+
+def test_engine_without_a_head_refuses_eagle3_naming_it(target):
+  with pytest.raises(ValueError, match="eagle3.*EAGLE-3 head.*--eagle3_checkpoint"):
+    Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"))
+  with pytest.raises(ValueError, match="needs checkpoint"):
+    SpeculativeConfig("eagle3").validate(target[0])
+  # "auto" includes eagle3 only when a head is given
+  auto = SpeculativeConfig("auto")
+  assert "eagle3" not in auto.drafters(target[0])
+  with_head = SpeculativeConfig("auto", checkpoint=os.path.join(FIXTURES, "mla"))
+  assert "eagle3" in with_head.drafters(target[0])
+
+
+def test_command_line_head_directory(tmp_path):
+  assert eagle3_checkpoint("ngram", None, "elsewhere") is None
+  assert eagle3_checkpoint("auto", None, str(tmp_path)) is None  # (auto goes without)
+  assert eagle3_checkpoint("eagle3", "/some/head", str(tmp_path)) == "/some/head"
+  with pytest.raises(ValueError, match="^--speculative=eagle3 needs --eagle3_checkpoint$"):
+    eagle3_checkpoint("eagle3", None, str(tmp_path))
+  demo_head = os.path.join(os.path.dirname(DEMO_CHECKPOINT), "eagle3")
+  if os.path.isdir(demo_head):  # the demo target's default
+    assert eagle3_checkpoint("eagle3", None, DEMO_CHECKPOINT) == demo_head
+
+
+def test_a_mismatched_head_is_refused_naming_the_field(target, tmp_path):
+  d = tmp_path / "head"
+  shutil.copytree(os.path.join(FIXTURES, "mla"), d)
+  conf = json.loads((d / "config.json").read_text())
+  conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 3, 9]
+  (d / "config.json").write_text(json.dumps(conf))
+  with pytest.raises(Eagle3Error, match="aux"):
+    SpeculativeConfig("eagle3", checkpoint=str(d)).validate(target[0])
+  cfg, _ = _head("mla")
+  why = Eagle3Drafter.unsupported(target[0], None,
+                                  head_cfg=dataclasses.replace(cfg, vocab_size=512))
+  assert "vocab_size 512" in why
+  why = Eagle3Drafter.unsupported(target[0], None,
+                                  head_cfg=dataclasses.replace(cfg, target_hidden_size=128))
+  assert "hidden size 128" in why
+  with pytest.raises(ValueError, match="EngineConfig: EAGLE-3 head: vocab_size 512"):
+    Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"),
+           head=(dataclasses.replace(cfg, vocab_size=512), None))
+
+
+def test_the_heads_kv_is_an_entry_of_the_targets_cache(target):
+  """MLA head: one more layer of the target's latent shape; MHA head: its own K / V arrays on
+  the same pages; both counted in the cache's bytes per token."""
+  tcfg = target[0]
+  base = cache_bytes_per_token(tcfg, jnp.float32)
+  for variant, shapes in (("mla", {"latent": (tcfg.latent_dim,)}),
+                          ("mha_full", None)):
+    hcfg, _ = _head(variant)
+    d = build({"eagle3"}, tcfg, EngineConfig(**CONFIG), head_cfg=hcfg)[0]
+    assert aux_layers_of([d]) == hcfg.aux_layers == d.aux_layers
+    entries = d.cache_entries()
+    if shapes is not None:
+      assert entries == (shapes,)
+    else:
+      lc = hcfg.layer
+      assert entries == ({"k": (lc.num_kv_heads, lc.head_dim),
+                          "v": (lc.num_kv_heads, lc.head_dim)},)
+    per_token = sum(int(np.prod(s)) for s in entries[0].values()) * 4
+    assert cache_bytes_per_token(tcfg, jnp.float32, entries) == base + per_token
+    cache = init_cache(tcfg, 3, PAGE, jnp.float32, extra=entries)
+    assert len(cache) == first_extra_entry(tcfg) + 1
+    assert {k: v.shape[2:] for k, v in cache[-1].items()} == entries[0]
+
+
+# ---- slow: the engine --------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_output_identical_to_speculative_off(target, variant):
+  """Every layout (MLA / MHA, full / reduced vocabulary, EAGLE-3.1; aux ids [1, 2, 3]: output
+  convention, [2, 3, 4]: input) in a continuous batch of rows that join and leave."""
+  ps = prompts(4, seed=3)
+  eng = Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"),
+               head=head(target, variant))
+  got = eng.generate(ps, SamplingParams(), StopParams(max_tokens=20, ignore_eos=True))
+  assert [r.output_ids for r in got] == plain(target, ps, 20)
+  s = eng.stats()
+  assert s["spec_steps_eagle3"] > 0 and s["spec_drafted_eagle3"] > 0
+
+
+def check_head_state(eng, req, target, hcfg, hparams):
+  """The head's cache entries at positions < num_computed and the request's row state equal a
+  one-shot target forward (aux states) and head first pass over the request's tokens."""
+  tcfg, tparams = target
+  ids, n = req.all_ids, req.num_computed
+  assert n == len(ids) - 1
+  width = eng.max_pages_per_seq * PAGE
+  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
+  entry = first_extra_entry(tcfg)
+  cache = init_cache(tcfg, eng.pool.num_pages, PAGE, jnp.float32,
+                     extra=eng.runner.extra_entries)
+  carry, pool = _one_shot(tparams, hparams, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
+                          jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([n]), pt,
+                          tcfg=tcfg, hcfg=hcfg, entry=entry)
+  pos = np.arange(n)
+  idx = (np.asarray(pt)[0, pos // PAGE], pos % PAGE)
+  for k, v in pool.items():
+    np.testing.assert_allclose(np.asarray(eng.cache[entry][k])[idx], np.asarray(v)[idx],
+                               rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(req.spec.rows["eagle3"], np.asarray(carry[0]), rtol=1e-4,
+                             atol=1e-4)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "hcfg", "entry"))
+def _one_shot(tparams, hparams, cache, tokens, nxt, n, pt, *, tcfg, hcfg, entry):
+  _, cache, states = forward_hidden_states(tparams, cache, tokens, jnp.zeros(1, jnp.int32), n,
+                                           pt, layers=hcfg.aux_layers, cfg=tcfg)
+  aux = jnp.concatenate(list(states), axis=-1)
+  return eagle3_observe(hparams, cache[entry], aux, nxt, jnp.zeros(1, jnp.int32), n, pt,
+                        cfg=hcfg, impl=REFERENCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ("mla", "mha_full"))
+def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
+  """One request prefilled in chunks: the head's KV and row state equal a one-shot pass, and
+  its first drafts are the PyTorch golden's; after decode loops (verified blocks observed) the
+  state still does. Then (MLA) a batch in a pool too small for it (preemption, recompute)
+  whose prompts share a prefix (prefix-cache hits): plain decoding's output."""
+  hcfg, hparams = head(target, variant)
+  states = np.load(os.path.join(FIXTURES, "target_states.npz"))
+  golden = np.load(os.path.join(FIXTURES, variant, "golden.npz"))
+  eng = Engine(*target, EngineConfig(**dict(CONFIG, max_num_seqs=2, decode_batch_sizes=(2,),
+                                            num_pages=11, max_num_batched_tokens=8),
+                                     speculative="eagle3"), head=(hcfg, hparams))
+  prompt = [int(t) for t in states["prompt_1"]]  # 13 tokens: two 8-token chunks
+  max_tokens = 30 if variant == "mla" else 14
+  rid = eng.add_request(prompt, SamplingParams(), StopParams(max_tokens=max_tokens,
+                                                             ignore_eos=True))
+  req = eng.requests[rid]
+  while not req.output_ids:
+    eng.step()
+  assert req.output_ids == [int(states["next_token_1"])]
+  check_head_state(eng, req, target, hcfg, hparams)
+  n = req.num_computed
+  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
+  entry = first_extra_entry(target[0])
+  sampling = SamplingArrays.from_params([SamplingParams()])
+  propose = jax.jit(functools.partial(eagle3_propose, k=3, cfg=hcfg, impl=eng.runner.impl))
+  drafts, _, _ = propose(hparams, jax.tree.map(jnp.copy, eng.cache[entry]),
+                         jnp.asarray(req.spec.rows["eagle3"][None]), jnp.asarray([n]),
+                         jnp.asarray([True]), pt, sampling)
+  np.testing.assert_array_equal(np.asarray(drafts)[0], golden["draft_tokens_1"][:3])
+  while len(req.output_ids) < max_tokens - 4:
+    eng.step()
+  check_head_state(eng, req, target, hcfg, hparams)
+  assert req.spec.drafted > 0
+  for _ in eng.run():
+    pass
+  assert req.output_ids == plain(target, [prompt], max_tokens)[0]
+  if variant != "mla":
+    return
+  shared = prompts(1, seed=5, lo=17, hi=18)[0]
+  ps = [shared + p[1:] for p in prompts(4, seed=6, lo=4, hi=12)]
+  got = eng.generate(ps, SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))
+  assert [r.output_ids for r in got] == plain(target, ps, 24)
+  assert sum(r.num_preemptions for r in got) > 0
+  assert eng.stats()["prefix_cache_hits"] > 0
+  assert sum(r.usage().spec_draft_tokens for r in got) > 0
+
+
+@pytest.fixture(scope="module")
+def demo_with_head(tmp_path_factory):
+  """The demo target (float32) and a random EAGLE-3 head for it in the published MLA layout
+  (`checkpoints.train_eagle3`'s initial weights)."""
+  import engine
+  from checkpoints import train_eagle3
+  model = engine.load(DEMO_CHECKPOINT, dtype="float32")
+  d = str(tmp_path_factory.mktemp("demo_head"))
+  conf = train_eagle3.head_config(DEMO_CHECKPOINT, 128)
+  train_eagle3.save_head(d, conf, train_eagle3.initial_tensors(conf, model.config,
+                                                               model.params, seed=3))
+  return model, d
+
+
+@pytest.mark.slow
+def test_structured_outputs_beside_eagle3_rows(demo_with_head):
+  """A constrained request (structured outputs: masked steps, its drafts checked against the
+  grammar) beside rows drafting with eagle3, on the demo target: every row keeps plain
+  decoding's output, the constrained one within its grammar."""
+  model, head_dir = demo_with_head
+  ps = [model.tokenizer.encode(t).ids for t in ("def add(a, b):", "import os\n", "class A:")]
+  choice = StructuredOutputsParams(regex="(yes|no|maybe)")
+  sampling = [SamplingParams(structured_outputs=choice), SamplingParams(), SamplingParams()]
+  config = dict(CONFIG, page_size=16, max_model_len=64)
+  base = Engine.from_model(model, EngineConfig(**config))
+  want = base.generate(ps, sampling, StopParams(max_tokens=12, ignore_eos=True))
+  eng = Engine.from_model(model, EngineConfig(**config, speculative="eagle3"),
+                          head=model.llm.head(head_dir))
+  got = eng.generate(ps, sampling, StopParams(max_tokens=12, ignore_eos=True))
+  assert [r.output_ids for r in got] == [r.output_ids for r in want]
+  assert model.tokenizer.decode(got[0].output_ids, skip_special_tokens=True) in (
+      "yes", "no", "maybe")
+  assert sum(r.usage().spec_draft_tokens for r in got[1:]) > 0
+
+
+@pytest.mark.slow
+def test_command_line_eagle3_prints_the_spec_keys(target):
+  """`python -m engine.generate --speculative=eagle3 --eagle3_checkpoint=DIR --json`: plain
+  decoding's tokens, and the `spec` keys every drafter prints."""
+  import subprocess
+  import sys
+  states = np.load(os.path.join(FIXTURES, "target_states.npz"))
+  ids = ",".join(map(str, states["prompt_0"].tolist()))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-m", "engine.generate",
+                      f"--checkpoint={os.path.join(FIXTURES, 'target')}", f"--prompt_ids={ids}",
+                      "--max_new_tokens=12", "--ignore_eos", "--dtype=float32", "--json",
+                      "--speculative=eagle3", "--num_draft_tokens=3",
+                      f"--eagle3_checkpoint={os.path.join(FIXTURES, 'mha_reduced')}"],
+                     cwd=root, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr
+  obj = json.loads(r.stdout.strip().splitlines()[-1])
+  assert obj["token_ids"] == plain(target, [states["prompt_0"].tolist()], 12)[0]
+  spec = obj["spec"]
+  assert spec["method"] == "eagle3" and spec["drafters"] == ["eagle3"]
+  assert {"drafted", "accepted", "accepted_at", "mean_accepted_length"} <= set(spec)
+  assert len(spec["accepted_at"]) == 3 and spec["accepted"] <= spec["drafted"]
+  # (whether it drafted is the measured cost table's call on this machine)
+  assert spec["steps"] + spec["accepted"] == 11  # every forward: 1 + its accepted drafts
