@@ -1,5 +1,5 @@
 """The repository's own rules, checked on its files: the linter passes, every declared dependency
-is imported somewhere, no default or instruction names a path on one machine, the reference
+is imported somewhere and every imported package is declared, no default or instruction names a path on one machine, the reference
 environment is found inside the checkout, and every test module keeps a test in the fast tier."""
 
 import ast
@@ -118,6 +118,42 @@ def test_declared_dependencies_are_imported():
   unused, stale = _unused(_declared(), _imported_modules(), ci)
   assert not unused, "declared but never used (remove it, or use it):\n" + "\n".join(unused)
   assert not stale, "\n".join(stale)
+
+
+# Imported but deliberately not declared, each with where it comes from.
+UNDECLARED_IMPORTS = {
+    "torch": "the reference environment (.venv-ref/, tests/golden/make_ref_env.sh) and the GPU "
+             "image's peers stage",
+    "transformers": "the reference environment",
+    "torchvision": "the reference environment (--vision)",
+    "compressed_tensors": "the reference environment",
+    "triton": "the GPU image's peers stage (bench/protocol/peers.py skips without it)",
+    "xgrammar": "bench/grammar_engines.py's optional comparison (skipped when absent)",
+}
+
+
+def _local_modules() -> set[str]:
+  """Top-level names that are this checkout's own: its packages and the modules tests and
+  scripts import by path."""
+  names = {p.name for p in ROOT.iterdir() if p.is_dir()}
+  return names | {p.stem for p in _python_files()}
+
+
+def test_imported_packages_are_declared():
+  """What the code imports from outside the standard library and the checkout is declared in
+  pyproject.toml (or named above with its reason): nothing arrives only as another package's
+  dependency."""
+  owners = importlib.metadata.packages_distributions()
+  declared = _declared()
+  local = _local_modules()
+  missing = []
+  for module in sorted({m.split(".")[0] for m in _imported_modules()}):
+    if module in sys.stdlib_module_names or module in local or module in UNDECLARED_IMPORTS:
+      continue
+    dists = {_canonical(d) for d in owners.get(module, [])}
+    if not dists & set(declared):
+      missing.append(f"{module} (installed by {sorted(dists) or 'nothing'})")
+  assert not missing, "imported but not declared in pyproject.toml:\n" + "\n".join(missing)
 
 
 def test_import_names_match_the_installed_distributions():
