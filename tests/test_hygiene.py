@@ -1,6 +1,7 @@
 """The repository's own rules, checked on its files: the linter passes, every declared dependency
-is imported somewhere and every imported package is declared, no default or instruction names a path on one machine, the reference
-environment is found inside the checkout, and every test module keeps a test in the fast tier."""
+is imported somewhere and every imported package is declared, no default or instruction names a
+path on one machine, the reference environment is found inside the checkout, and every test
+module keeps a test in the fast tier."""
 
 import ast
 import importlib.metadata
