@@ -5,6 +5,7 @@ per-request INTERNAL, metrics, reasoning split, the command lines (harness:
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as pb_reflection  # v1's messages on the wire
 
+from engine.service.engine_loop import EngineLoop
 from service_harness import *  # noqa: F401,F403  (fixtures, helpers, shared imports)
 
 
@@ -136,6 +137,35 @@ def test_internal_errors_fail_only_their_request(serve, eng, monkeypatch):
     bg.server.engine_loop.fail_all("the replica stopped serving", retryable=True)
     code, details = status_of(lambda: list(stream))
     assert code == grpc.StatusCode.UNAVAILABLE and "stopped serving" in details
+
+
+def test_engine_loop_stop_leaves_the_engine_idle(eng, monkeypatch):
+  """An abort that lands while the loop's last step holds the engine (as `fail_all` from
+  another thread can) is carried out by stop(), and a request still subscribed is aborted."""
+  loop = EngineLoop(eng)
+  stop = StopParams(max_tokens=60, ignore_eos=True)
+  late, left = eng.add_request(PROMPT, stop=stop), eng.add_request(PROMPT, stop=stop)
+  got = collections.defaultdict(list)
+  for rid in (late, left):
+    loop.subscribe(rid, got[rid].append)
+  step = eng.step
+
+  def last_step():
+    outputs = step()
+    aborter = threading.Thread(target=eng.abort, args=(late,))
+    aborter.start()  # the engine lock is ours: the abort waits in the inbox
+    aborter.join()
+    loop._stop.set()
+    return outputs
+
+  monkeypatch.setattr(eng, "step", last_step)
+  loop.start()
+  loop._thread.join()
+  assert eng.has_unfinished()  # the queued abort and the running request
+  loop.stop()
+  for rid in (late, left):
+    assert got[rid][-1].finished and got[rid][-1].finish_reason == "abort"
+  assert_idle(eng)
 
 
 # ---- metrics and reasoning ---------------------------------------------------------------------

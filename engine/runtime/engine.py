@@ -263,6 +263,15 @@ class Engine:
     self._apply_inbox_if_idle()
     return True
 
+  def settle(self) -> list[RequestOutput]:
+    """Carries out queued adds and aborts and returns the pending updates without running the
+    model: what a stopping loop calls so an abort queued during its last step is not lost."""
+    with self._lock:
+      self._apply_inbox()
+      with self._inbox_lock:
+        outputs, self._pending = self._pending, []
+      return outputs
+
   def has_unfinished(self) -> bool:
     with self._inbox_lock:
       if self._inbox or self._aborts or self._pending:

@@ -38,9 +38,14 @@ class EngineLoop:
     self._thread.start()
 
   def stop(self) -> None:
+    """Stops the thread, then aborts what is still subscribed and delivers what the last step
+    left queued (an abort that arrived during it), so the engine is left idle."""
     self._stop.set()
     self._wake.set()
     self._thread.join()
+    for rid in self.subscribed():
+      self.engine.abort(rid)
+    self._deliver(self.engine.settle())
 
   def wake(self) -> None:
     self._wake.set()
@@ -77,13 +82,16 @@ class EngineLoop:
         logging.exception("engine step failed; failing the in-flight requests")
         self.fail_all(f"{type(e).__name__}: {e}")
         continue
-      for out in outputs:
-        if out.finished:  # before delivery: the client may reuse the id as soon as it reads
-          self.engine.release(out.request_id)
-        with self._lock:
-          deliver = self._subscribers.get(out.request_id)
-        if deliver is not None:
-          deliver(out)
+      self._deliver(outputs)
+
+  def _deliver(self, outputs) -> None:
+    for out in outputs:
+      if out.finished:  # before delivery: the client may reuse the id as soon as it reads
+        self.engine.release(out.request_id)
+      with self._lock:
+        deliver = self._subscribers.get(out.request_id)
+      if deliver is not None:
+        deliver(out)
 
   def fail_all(self, message: str, retryable: bool = False) -> None:
     """Every subscribed request ends with `message` (an EngineFailure) and is aborted."""
