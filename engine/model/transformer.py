@@ -13,8 +13,10 @@ decoder layer, so the program XLA compiles has one layer body per stack however 
 (`scan_layers=False`: one call per layer, the unrolled reference). No layer's pages or routed
 experts are sliced out for the scan: the body reaches its pages in the stack's pool through a
 shifted page table (`_run_stack`), hands the MoE kernels the stacked experts with the layer
-index, and indexes its other parameters at its layer. `forward_hidden_states` splits the scans
-at given layers to return the residual stream entering them.
+index, and indexes its other parameters at its layer (on XLA:CPU a dot reads whole buffers, so
+a weight an XLA dot reads is copied out of its stack per iteration: BENCHMARKS, issue 49).
+`forward_hidden_states` splits the scans at given layers to return the residual stream
+entering them.
 
 One call processes a block of T new tokens per sequence: row b's tokens sit at positions
 `start[b] .. start[b] + T - 1`, of which the first `n_new[b]` are real (the rest are padding and
@@ -82,7 +84,7 @@ def decoder_layer(p: Params, x: jax.Array, pool: dict[str, jax.Array], ctx: "_Ct
 # ---- the layer stacks ------------------------------------------------------------------------
 
 # Layers per iteration of a stack's scan (`lax.scan`'s unroll). 1 keeps the compiled body one
-# layer; on the CPU 2 read 0.87x the batch-32 decode time in 3 noisy pairs (BENCHMARKS, issue
+# layer; on the CPU 2 reads within noise of 1 and of the unrolled forward (BENCHMARKS, issue
 # 49), not a reason for GPU policy: a GPU step-time A/B decides.
 SCAN_UNROLL = 1
 
@@ -106,10 +108,13 @@ def _run_stack(stack: DecoderLayer, entry: dict[str, jax.Array], num_pages: int,
   The stack is split into its graphdef and state (`nnx.split`); the scan's body merges layer
   j's view of the state into a one-layer `DecoderLayer` and calls it. The stack's pages
   (`entry`, its layers' pools end to end, `num_pages` each) ride in the scan's carry; layer j
-  reaches its own through the page table shifted by j * num_pages, and its parameters are
-  indexed at j inside the body: neither is sliced out of its stack and copied per layer (the
-  writes are in-place scatters into the donated cache). Returns (x, updated entry,
-  [last - first, E] router counts or None)."""
+  reaches its own through the page table shifted by j * num_pages (the writes are in-place
+  scatters into the donated cache, never a copy of it), and its parameters are indexed at j
+  inside the body. XLA fuses that index into the gathers and elementwise ops reading them; a
+  dot on XLA:CPU reads a whole buffer, so layer j's slice of a weight an XLA dot reads is
+  copied per iteration (XLA:GPU's dynamic-slice fusion can read it in place: unchecked; the
+  MoE kernels take the stacked experts and the index). Returns (x, updated entry, [last - first, E] router
+  counts or None)."""
   graphdef, state = nnx.split(stack)
   state = nnx.to_pure_dict(state)
 
