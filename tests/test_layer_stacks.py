@@ -150,14 +150,15 @@ def _computations(hlo: str) -> dict[str, list[str]]:
 
 def test_dense_moe_scan_copies_one_layer_of_each_dot_weight_at_most():
   """At a batch where every expert runs on every token (`moe_experts_all`, batch 32 of the
-  demo model), the compiled decode step still updates the cache entry in place and copies no
-  stack. What the scan's body does copy, per iteration, is layer j's slice of each weight an
+  demo model), the compiled decode step still updates the cache entry in place, copies no
+  stack, and computes the per-call constants (rope tables, causal mask) once, outside the
+  scan. What the scan's body does copy, per iteration, is layer j's slice of each weight an
   XLA dot reads (projections, shared and routed experts): XLA:CPU's dots read whole buffers,
   so a dynamic slice feeding one is materialised (the batch-32 decode step's ~5% against the
   unrolled forward of separate arrays, BENCHMARKS, issue 49). Never more than one layer's."""
   cfg = config_from_dict(dict(CONFIGS["deepseek_v3"], num_hidden_layers=6,
                               first_k_dense_replace=0))  # one stack of 6 MoE layers
-  b, ps, pages = 8, 8, 2  # 16 copies over 8 experts: every expert on every token
+  b, ps, pages = 8, 4, 3  # 16 copies over 8 experts: every expert on every token
   hlo = _decode_hlo_for(cfg, b, ps, pages)
   whole = _materialized(hlo)
   e, h, i, d = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.latent_dim
@@ -176,6 +177,17 @@ def test_dense_moe_scan_copies_one_layer_of_each_dot_weight_at_most():
   assert shapes.count(f"f32[{e},{h},{i}]") <= 2, in_body  # gate, up
   assert shapes.count(f"f32[{e},{i},{h}]") <= 1, in_body  # down
   assert shapes.count(f"f32[{e},{h},{i}]") >= 1, in_body  # (the formulation this test means)
+  # Per-call constants are computed once, outside the body: the rope tables, and the causal
+  # mask over the row's ps * pages key positions.
+  called, todo = set(), [body]
+  while todo:
+    for line in comps[todo.pop()]:
+      new = set(re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)) - called
+      called |= new
+      todo += new
+  ops = [line for c in called | {body} for line in comps[c]]
+  assert not [op for op in ops if re.search(r" (cosine|sine)\(", op)]
+  assert not [op for op in ops if re.search(rf"\[[\d,]*\b{ps * pages}\]\{{[^}}]*\}} iota\(", op)]
 
 
 def _decode_hlo_for(cfg, b, ps, pages) -> str:
