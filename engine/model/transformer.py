@@ -84,8 +84,9 @@ def decoder_layer(p: Params, x: jax.Array, pool: dict[str, jax.Array], ctx: "_Ct
 # ---- the layer stacks ------------------------------------------------------------------------
 
 # Layers per iteration of a stack's scan (`lax.scan`'s unroll). 1 keeps the compiled body one
-# layer; on the CPU 2 reads within noise of 1 and of the unrolled forward (BENCHMARKS, issue
-# 49), not a reason for GPU policy: a GPU step-time A/B decides.
+# layer; on the CPU 2 was no better in general (batch-32 decode 1.00-1.04x the separate-arrays
+# forward at 3 layers, 1.15x at 16 where 1 read 1.09x: BENCHMARKS, issue 49), and a GPU
+# step-time A/B decides GPU policy.
 SCAN_UNROLL = 1
 
 
