@@ -114,8 +114,8 @@ def _run_stack(stack: DecoderLayer, entry: dict[str, jax.Array], num_pages: int,
   inside the body. XLA fuses that index into the gathers and elementwise ops reading them; a
   dot on XLA:CPU reads a whole buffer, so layer j's slice of a weight an XLA dot reads is
   copied per iteration (XLA:GPU's dynamic-slice fusion can read it in place: unchecked; the
-  MoE kernels take the stacked experts and the index). Returns (x, updated entry, [last - first, E] router
-  counts or None)."""
+  MoE kernels take the stacked experts and the index). Returns (x, updated entry,
+  [last - first, E] router counts or None)."""
   graphdef, state = nnx.split(stack)
   state = nnx.to_pure_dict(state)
 
