@@ -161,7 +161,8 @@ def main(argv):
   if FLAGS.out:
     with open(FLAGS.out, "w") as fh:
       json.dump(dict(model=FLAGS.model, layers=cfg.num_layers, kernels=FLAGS.kernels,
-                     page_size=FLAGS.page_size, context=FLAGS.context, steps=FLAGS.steps, pairs=FLAGS.pairs,
+                     page_size=FLAGS.page_size, context=FLAGS.context, steps=FLAGS.steps,
+                     pairs=FLAGS.pairs,
                      backend=jax.default_backend(), results=results), fh, indent=1)
   return 0 if all(r["tokens_agree"] for r in results) else 1
 
