@@ -113,9 +113,9 @@ def _run_stack(stack: DecoderLayer, entry: dict[str, jax.Array], num_pages: int,
   scatters into the donated cache, never a copy of it), and its parameters are indexed at j
   inside the body. XLA fuses that index into the gathers and elementwise ops reading them; a
   dot on XLA:CPU reads a whole buffer, so layer j's slice of a weight an XLA dot reads is
-  copied per iteration (XLA:GPU's dynamic-slice fusion can read it in place: unchecked; the
-  MoE kernels take the stacked experts and the index). Returns (x, updated entry,
-  [last - first, E] router counts or None)."""
+  copied per iteration (XLA:GPU's dynamic-slice fusion, on by default, can read it in place:
+  unchecked on a GPU; the MoE kernels take the stacked experts and the index). Returns (x,
+  updated entry, [last - first, E] router counts or None)."""
   graphdef, state = nnx.split(stack)
   state = nnx.to_pure_dict(state)
 
