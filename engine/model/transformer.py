@@ -85,8 +85,8 @@ def decoder_layer(p: Params, x: jax.Array, pool: dict[str, jax.Array], ctx: "_Ct
 
 # Layers per iteration of a stack's scan (`lax.scan`'s unroll). 1 keeps the compiled body one
 # layer; on the CPU 2 was no better in general (batch-32 decode 1.00-1.04x the separate-arrays
-# forward at 3 layers, 1.15x at 16 where 1 read 1.09x: BENCHMARKS, issue 49), and a GPU
-# step-time A/B decides GPU policy.
+# forward at 3 layers, 1.07-1.15x at 16 where 1 read 1.03-1.09x: BENCHMARKS, issue 49), and a
+# GPU step-time A/B decides GPU policy.
 SCAN_UNROLL = 1
 
 
