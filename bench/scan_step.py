@@ -16,7 +16,9 @@ Runs alternate program by program (A B C, C B A, ...) and each timed call's proc
 CPUs) or wall time (a GPU) is compared with the `separate` call of its round: ratios, median
 and range. The greedy tokens of the three must agree. On XLA:CPU the scan's body copies layer
 j's slice of every weight an XLA dot reads (BENCHMARKS, issue 49): this measures what that
-costs. Prints a table, writes JSON.
+costs, and reads from the compiled `scan` program the bytes each layer iteration copies out of
+slices (`slice_copies`; on a GPU, none means the gemms read the stacked weights in place).
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
