@@ -5,8 +5,8 @@ import json
 import os
 import sys
 
-MODE = sys.argv[1]  # "meshes", "dispatch", "reference" or "multiprocess"
-DEVICES = 8 if MODE in ("meshes", "dispatch") else 4
+MODE = sys.argv[1]  # "meshes", "dispatch", "eagle3", "reference" or "multiprocess"
+DEVICES = 8 if MODE in ("meshes", "dispatch", "eagle3") else 4
 # (Kept: the flags the test process was started with, e.g. conftest's optimization level.)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={DEVICES}").strip()
@@ -90,6 +90,7 @@ def run_meshes():
       if spec == engine_mesh:
         results[f"{name}/{spec}"]["greedy_equal"] = greedy == want
   results["demo_load"] = load_demo_sharded()
+  results["eagle3"] = eagle3_sharded()
   return results
 
 
@@ -108,6 +109,86 @@ def load_demo_sharded():
   a = moejax.generate(one, "def read_config(path):", max_new_tokens=12)
   b = moejax.generate(placed, "def read_config(path):", max_new_tokens=12)
   return dict(all_named_on_mesh=named, expert_fraction=frac, same_text=a.token_ids == b.token_ids)
+
+
+def eagle3_sharded():
+  """EAGLE-3 on a 2-device tensor mesh. The float32 demo with its MLA head: greedy output and
+  drafts as on one device, equal to plain greedy (the one-device engine's, drafter off). The MHA fixture head beside the tiny INT4
+  target: its K/V entry split by KV head, its draft chain as on one device. Both: the head's
+  weights and cache entry placed as a target layer of its kind."""
+  from engine.model.cache import first_extra_entry
+  from engine.model.config import load_config
+  from engine.model.eagle3 import draft_chain, init_pool
+  from engine.model.eagle3_loader import load_eagle3
+  from engine.model.hf_loader import load_hf_params
+  from engine.runtime.engine import Engine, EngineConfig
+  from engine.runtime.request import StopParams
+  from engine.runtime.sampling import SamplingParams
+  here = os.path.dirname(os.path.abspath(__file__))
+  demo = os.path.join(os.path.dirname(here), "checkpoints", "demo")
+  mesh = sharding.make_mesh("tensor:2", jax.devices()[:2])
+  conf = dict(page_size=8, max_num_seqs=2, max_num_batched_tokens=32, row_widths=(32,),
+              max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32,
+              num_draft_tokens=3, measure_spec_costs=False, decode_batch_sizes=(2,),
+              compilation_cache_dir=None)
+
+  def specs(tree):
+    return {k: str(v.sharding.spec) for k, v in tree.items()}
+
+  import engine as moejax
+  model = moejax.load(os.path.join(demo, "target"), dtype="float32")
+  cfg, params = model.config, model.params
+  placed = sharding.shard_params(cfg, params, mesh)
+  prompts = [[1, 300, 301, 302, 303, 304, 305], [1, 40, 41, 42]]
+  stop = StopParams(max_tokens=16, ignore_eos=True)
+  out = {}
+  for name, p, m in (("one", params, None), ("mesh", placed, mesh)):
+    # (the head loaded as `engine.load`'s model loads it: sharing the target's embedding)
+    head = load_eagle3(os.path.join(demo, "eagle3"), cfg, p, jnp.float32)
+    eng = Engine(cfg, p, EngineConfig(**conf, speculative="eagle3"), head=head, mesh=m)
+    if name == "one":  # plain greedy: the same engine, its drafter off
+      off = eng.generate(prompts, SamplingParams(drafter="off"), stop)
+      out["plain"] = dict(tokens=[r.output_ids for r in off])
+    out[name] = dict(tokens=[r.output_ids for r in eng.generate(prompts, stop=stop)],
+                     drafted=eng.counters["spec_drafted"], accepted=eng.counters["spec_accepted"])
+  own = eng.runner.own_params["eagle3"]
+  results = dict(same_as_one_device=out["mesh"] == out["one"],
+                 same_as_plain=out["mesh"]["tokens"] == out["plain"]["tokens"],
+                 accepted=out["mesh"]["accepted"],
+                 # after generating: still placed as the target's MLA layers
+                 mla_entry=specs(eng.runner.cache[first_extra_entry(cfg)]),
+                 target_entry=specs(eng.runner.cache[0]),
+                 mla_params=dict(specs(own["attn"]), lm_head=str(own["lm_head"].sharding.spec)),
+                 embed_shared=own["embed"] is eng.params["embed"])
+
+  fixtures = os.path.join(here, "golden", "fixtures", "eagle3")
+  cfg = load_config(os.path.join(fixtures, "target"))
+  params = load_hf_params(os.path.join(fixtures, "target"), cfg, jnp.float32, progress=False)
+  hcfg, hparams = load_eagle3(os.path.join(fixtures, "mha_full"), cfg, params, jnp.float32)
+  eng = Engine(cfg, sharding.shard_params(cfg, params, mesh),
+               EngineConfig(**conf, speculative="eagle3"), head=(hcfg, hparams), mesh=mesh)
+  results["mha_entry"] = specs(eng.runner.cache[first_extra_entry(cfg)])
+  results["mha_params"] = specs(eng.runner.own_params["eagle3"]["attn"])
+  rng = np.random.default_rng(0)
+  aux = rng.standard_normal((2, 8, hcfg.num_aux * cfg.hidden_size)).astype(np.float32)
+  tokens = rng.integers(3, cfg.vocab_size, (2, 8)).astype(np.int32)
+  args = (aux, tokens, np.zeros(2, np.int32), np.asarray([8, 5], np.int32), TABLE)
+  ref = draft_chain(hparams, init_pool(hcfg, 5, 8, jnp.float32), *args, cfg=hcfg, num_drafts=3)
+  placed_pool = jax.device_put(init_pool(hcfg, 5, 8, jnp.float32),
+                               sharding.cache_sharding(hcfg.layer, mesh))
+  with jax.set_mesh(mesh):
+    got = draft_chain(eng.runner.own_params["eagle3"], placed_pool, *args, cfg=hcfg,
+                      num_drafts=3)
+  results["mha_chain_max_abs_diff"] = max(
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+      zip(jax.tree.leaves(ref[:2]), jax.tree.leaves(got[:2])))
+  results["mha_same_drafts"] = bool((np.asarray(ref[2]) == np.asarray(got[2])).all())
+  results["mha_pool_kept"] = all(
+      v.sharding.is_equivalent_to(sharding.cache_sharding(hcfg.layer, mesh)[k], v.ndim)
+      for k, v in got[3].items())
+  results["mha_chain_max_abs_ref"] = max(float(np.max(np.abs(np.asarray(a))))
+                                         for a in jax.tree.leaves(ref[:2]))
+  return results
 
 
 def run_multiprocess(port, pid):
@@ -158,6 +239,8 @@ def run_dispatch():
 if __name__ == "__main__":
   if MODE == "meshes":
     print(json.dumps(run_meshes()))
+  elif MODE == "eagle3":  # (part of "meshes"; alone for debugging)
+    print(json.dumps(eagle3_sharded()))
   elif MODE == "dispatch":
     print(json.dumps(run_dispatch()))
   elif MODE == "reference":

@@ -1,6 +1,6 @@
 """Meshes and sharding rules; sharded = single-device results on 8 forced CPU devices (in a
-child process, since the device count is fixed when JAX starts); two `jax.distributed`
-processes on localhost."""
+child process, since the device count is fixed when JAX starts), EAGLE-3 heads included; two
+`jax.distributed` processes on localhost."""
 
 import json
 import os
@@ -62,6 +62,26 @@ def test_every_parameter_follows_its_rule():
     sharding.check_divisible(cfg, jax.sharding.AbstractMesh((1, 1, 128), sharding.MESH_AXES))
 
 
+def test_an_eagle3_head_is_split_as_a_target_layer_of_its_kind():
+  """The rules `sharding.shard_head` applies: attention heads, the MLP's inner dimension and
+  the vocabulary over tensor; fc and the norms whole; the MHA head's K/V pages by KV head."""
+  from engine.model.eagle3_config import load_eagle3_config
+  from engine.model.eagle3_loader import abstract_head_params
+  fixtures = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "eagle3")
+  target = config_from_dict(json.load(open(os.path.join(fixtures, "target", "config.json"))))
+  tp2 = jax.sharding.AbstractMesh((1, 1, 2), sharding.MESH_AXES)
+  for variant in ("mla", "mha_full"):
+    head = load_eagle3_config(os.path.join(fixtures, variant), target)
+    specs = sharding.param_specs(head.layer, abstract_head_params(head), tp2)
+    assert specs["fc"] == specs["final_norm"] == P()
+    assert specs["mlp"]["gate"] == P(None, "tensor") and specs["mlp"]["down"] == P("tensor", None)
+    assert specs["lm_head"] == P(None, "tensor") and specs["embed"] == P("tensor", None)
+    assert specs["attn"]["o"] == P("tensor", None, None)
+    q = "q_b" if head.is_mla else "q"
+    assert specs["attn"][q] == P(None, "tensor", None)
+  assert sharding.cache_sharding(head.layer, tp2)["k"].spec == P(None, None, "tensor", None)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 def test_dispatch_packing_is_exact(dtype):
   """Routing weights and expert ids travel bit-cast inside the token rows, as unsigned integers
@@ -90,6 +110,7 @@ def test_sharded_equals_single_device_on_eight_devices():
   results = _run("meshes")
   demo = results.pop("demo_load")
   assert demo["all_named_on_mesh"] and demo["same_text"] and demo["expert_fraction"] == 0.125
+  check_eagle3_on_a_mesh(results.pop("eagle3"))
   assert len(results) == 6
   for name, r in results.items():
     assert r["shard_map_in_forward"], name
@@ -101,6 +122,27 @@ def test_sharded_equals_single_device_on_eight_devices():
   # The engine generated on one mesh per model, as on one device.
   assert sorted(n for n, r in results.items() if "greedy_equal" in r) == [
       "deepseek_v3/data:2,expert:4", "qwen3_moe/tensor:4,expert:2"]
+
+
+def check_eagle3_on_a_mesh(r):
+  """EAGLE-3 on a tensor:2 mesh (`sharding_child.eagle3_sharded`): the float32 demo with its MLA
+  head generates and drafts as on one device, and as plain greedy; the head's weights and KV
+  entry are split as a target layer of its kind (MLA latent replicated, as the target's; MHA
+  K/V by KV head) and stay so after the loop; the MHA head's draft chain matches one device."""
+  assert r["same_as_one_device"] and r["same_as_plain"] and r["accepted"] > 0, r
+  assert r["mla_entry"] == r["target_entry"] == {"latent": "P()"}, r
+  split_heads = "P(None, 'tensor', None)"
+  assert r["mla_params"] == dict(q_a="P(None, 'tensor')", kv_a="P(None, 'tensor')",
+                                 q_a_norm="P()", kv_a_norm="P()", q_b=split_heads,
+                                 kv_b=split_heads, o="P('tensor', None, None)",
+                                 lm_head="P(None, 'tensor')"), r
+  assert r["embed_shared"], r  # the head reuses the target's placed embedding, no copy
+  kv_split = "P(None, None, 'tensor', None)"
+  assert r["mha_entry"] == {"k": kv_split, "v": kv_split}, r
+  assert r["mha_params"] == dict(q=split_heads, k=split_heads, v=split_heads,
+                                 o="P('tensor', None, None)"), r
+  assert r["mha_same_drafts"] and r["mha_pool_kept"], r
+  assert r["mha_chain_max_abs_diff"] <= 1e-5 * r["mha_chain_max_abs_ref"] + 1e-6, r
 
 
 @pytest.mark.slow

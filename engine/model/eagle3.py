@@ -20,8 +20,10 @@ t + 1 (the input ids shifted left by one; the last slot is the token the target 
 at RoPE position t. A chained step takes one token per row, the previous draft, with the
 previous step's carry, one position further.
 
-KV: the attention writes the block's entries into a page pool and reads it through a page table,
-as `pallas_kernels/attention/reference.py` defines them (via `engine.model.kernels`, so a kernel
+The attention is the target's module of the head's kind (`modules.MLAAttention` /
+`GQAAttention` over the head's `attn` params, whose first projections take 2H inputs). KV: it
+writes the block's entries into a page pool and reads it through a page table, as
+`pallas_kernels/attention/reference.py` defines them (via `engine.model.kernels`, so a kernel
 choice applies): the MLA head's pool is {"latent": [N, P, kv_lora_rank + qk_rope_head_dim]}, one
 more layer of the target's cache (same width, same page ids); the MHA head's is {"k", "v":
 [N, P, nKV, hd]}, arrays of its own indexed by the target's page ids and page table
@@ -31,19 +33,17 @@ rejects are overwritten by the next first pass, and nothing past a row's length 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from engine.model import kernels
 from engine.model.eagle3_config import Eagle3Config
 from engine.model.kernels import KernelChoice, REFERENCE
+from engine.model.modules import attention_module
 from engine.model.params import Params
-from engine.model.rope import apply_rope, rope_cos_sin
-from engine.model.transformer import rms_norm
+from engine.model.transformer import _Ctx, rms_norm
 from pallas_kernels.moe.reference import swiglu_mlp
 
 Pool = dict[str, jax.Array]
@@ -64,71 +64,6 @@ def init_pool(cfg: Eagle3Config, num_pages: int, page_size: int,
               dtype: Any = jnp.bfloat16) -> Pool:
   """A zeroed pool with the target's page count and size (the MLA head's is a target layer's)."""
   return {k: jnp.zeros(s, dtype) for k, s in pool_shapes(cfg, num_pages, page_size).items()}
-
-
-# ---- attention -------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _Block:
-  """Positional bookkeeping of one call: row b's tokens at start[b] + t, the first n_new[b]
-  real."""
-  positions: jax.Array  # [B, T]
-  valid: jax.Array  # [B, T]
-  kv_lens: jax.Array  # [B]
-  page_table: jax.Array  # [B, max_pages]
-
-  @classmethod
-  def make(cls, start: jax.Array, n_new: jax.Array, t: int, page_table: jax.Array) -> "_Block":
-    offsets = jnp.arange(t, dtype=jnp.int32)[None, :]
-    return cls(start[:, None].astype(jnp.int32) + offsets, offsets < n_new[:, None],
-               (start + n_new).astype(jnp.int32), page_table)
-
-
-def _mla_attention(p: Params, x: jax.Array, pool: Pool, blk: _Block, cfg: Eagle3Config,
-                   impl: KernelChoice) -> tuple[jax.Array, Pool]:
-  """x [B, T, 2H] -> ([B, T, H], pool): absorbed MLA, the latent written to the pool."""
-  lc = cfg.layer
-  dn, dc, eps = lc.qk_nope_head_dim, lc.kv_lora_rank, lc.rms_norm_eps
-  if lc.q_lora_rank is None:
-    q = jnp.einsum("bth,hnd->btnd", x, p["q"])
-  else:
-    q = jnp.einsum("btr,rnd->btnd", rms_norm(x @ p["q_a"], p["q_a_norm"], eps), p["q_b"])
-  kv = x @ p["kv_a"]
-  cos, sin = rope_cos_sin(lc.rope, lc.rope_dim, blk.positions)
-  k_rope = apply_rope(kv[..., dc:], cos, sin, lc.rope.interleave)
-  q_rope = apply_rope(q[..., dn:], cos, sin, lc.rope.interleave)
-  latent = jnp.concatenate([rms_norm(kv[..., :dc], p["kv_a_norm"], eps), k_rope], axis=-1)
-  pages = kernels.write_pages(impl)(pool["latent"], blk.page_table, blk.positions, blk.valid,
-                                    latent)
-  w_uk, w_uv = p["kv_b"][..., :dn], p["kv_b"][..., dn:]
-  q_latent = jnp.einsum("btnd,cnd->btnc", q[..., :dn], w_uk)
-  ctx = kernels.mla_attention(impl)(q_latent, q_rope, pages, blk.page_table, blk.positions,
-                                    blk.kv_lens, softmax_scale=lc.softmax_scale)
-  out = jnp.einsum("btnc,cnv->btnv", ctx, w_uv)
-  return jnp.einsum("btnv,nvh->bth", out, p["o"]), {"latent": pages}
-
-
-def _mha_attention(p: Params, x: jax.Array, pool: Pool, blk: _Block, cfg: Eagle3Config,
-                   impl: KernelChoice) -> tuple[jax.Array, Pool]:
-  """x [B, T, 2H] -> ([B, T, H], pool): Llama attention (rotate-half RoPE), K/V to the pool."""
-  lc = cfg.layer
-  q = jnp.einsum("bth,hnd->btnd", x, p["q"])
-  k = jnp.einsum("bth,hnd->btnd", x, p["k"])
-  v = jnp.einsum("bth,hnd->btnd", x, p["v"])
-  if lc.attention_bias:
-    q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-  cos, sin = rope_cos_sin(lc.rope, lc.rope_dim, blk.positions)
-  q = apply_rope(q, cos, sin, lc.rope.interleave)
-  k = apply_rope(k, cos, sin, lc.rope.interleave)
-  write = kernels.write_pages(impl)
-  k_pages = write(pool["k"], blk.page_table, blk.positions, blk.valid, k)
-  v_pages = write(pool["v"], blk.page_table, blk.positions, blk.valid, v)
-  out = kernels.gqa_attention(impl)(q, k_pages, v_pages, blk.page_table, blk.positions,
-                                    blk.kv_lens, softmax_scale=lc.head_dim ** -0.5)
-  out = jnp.einsum("btnd,ndh->bth", out, p["o"])
-  if lc.attention_bias:
-    out = out + p["o_bias"]
-  return out, {"k": k_pages, "v": v_pages}
 
 
 # ---- the head --------------------------------------------------------------------------------
@@ -169,7 +104,7 @@ def draft_step(params: Params, pool: Pool, hidden: jax.Array, tokens: jax.Array,
   """
   lc = cfg.layer
   eps = lc.rms_norm_eps
-  blk = _Block.make(start, n_new, tokens.shape[1], page_table)
+  ctx = _Ctx(start, n_new, tokens.shape[1], page_table)
   emb = params["embed"][tokens]
   g = hidden.astype(emb.dtype)
   if cfg.norm_before_residual:
@@ -178,8 +113,8 @@ def draft_step(params: Params, pool: Pool, hidden: jax.Array, tokens: jax.Array,
   else:
     residual, g = g, rms_norm(g, params["hidden_norm"], eps)
   x = jnp.concatenate([rms_norm(emb, params["input_norm"], eps), g], axis=-1)
-  attend = _mla_attention if cfg.is_mla else _mha_attention
-  a, pool = attend(params["attn"], x, pool, blk, cfg, impl)
+  # The target's attention module of the head's kind, its first projections taking 2H inputs.
+  a, pool = attention_module(lc, params["attn"])(x, pool, ctx, impl)
   h = residual + a
   m = params["mlp"]
   h = h + swiglu_mlp(rms_norm(h, params["post_attn_norm"], eps), m["gate"], m["up"], m["down"])

@@ -354,3 +354,8 @@ def moe_module(cfg: ModelConfig, i: int, p: dict[str, Any]) -> MoE:
 
 def mla_module(cfg: ModelConfig, p: dict[str, Any]) -> MLAAttention:
   return nnx.merge(_graphdef(MLAAttention, cfg), p)
+
+
+def attention_module(cfg: ModelConfig, p: dict[str, Any]) -> MLAAttention | GQAAttention:
+  """A layer's `attn` parameters as the attention module of its kind (MLA or GQA by `cfg`)."""
+  return nnx.merge(_graphdef(MLAAttention if cfg.is_mla else GQAAttention, cfg), p)

@@ -19,6 +19,12 @@ The MLA latent cache has no head axis (one 576-wide latent per token serves all 
 replicated over `tensor` and `expert`: each device of an EP group holds the whole latent cache
 (for Kimi K2.5, 61 layers x 576 x 2 bytes = 70 KB per token: 9.2 GB per device for 128k tokens).
 GQA K/V pages are split over `tensor` by KV head when the head count divides.
+
+An EAGLE-3 head (`engine.model.eagle3`) is placed as a target layer of its attention kind
+(`shard_head`): its heads, its MLP's inner dimension and its vocabulary split over `tensor` by
+the rules below (a head that shares the target's `embed` / `lm_head` shares their arrays), `fc`
+and the norms replicated; its cache entry as that kind's pool (`cache_sharding` of the head's
+layer): the MLA head's latent replicated, the MHA head's K/V split by KV head.
 """
 
 from __future__ import annotations
@@ -120,7 +126,7 @@ def _spec_for(path: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int) -> P
       return P(t_if(0), None)
     if name in ("q_a", "kv_a"):  # [H, rank]: output dim; the forward gathers the activation
       return P(None, t_if(1))
-  return P()  # norms, routers, eh_proj: replicated
+  return P()  # norms, routers, eh_proj, an EAGLE-3 head's fc: replicated
 
 
 def param_specs(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
@@ -143,6 +149,16 @@ def param_shardings(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
 def shard_params(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
   """Places an existing parameter pytree on the mesh by the rules above."""
   return jax.device_put(params, param_shardings(cfg, params, mesh))
+
+
+def shard_head(layer: ModelConfig, params: Params, mesh: Mesh) -> Params:
+  """An EAGLE-3 head's params (`eagle3_loader`; `layer`: its decoder layer's config) placed by
+  the target's rules for the same leaf names: the attention's heads, the MLP's inner dimension
+  and the vocabulary over `tensor` (a dimension it does not divide stays whole), the rest
+  replicated."""
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(layer, params, mesh),
+                           is_leaf=lambda x: isinstance(x, P))
+  return jax.device_put(params, shardings)
 
 
 def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:

@@ -33,6 +33,7 @@ from engine.model.cache import cache_bytes_per_token
 from engine.model.config import ModelConfig
 from engine.model.kernels import AUTO
 from engine.model.params import Params
+from engine.model.sharding import shard_head
 from engine.runtime import batching, compile_cache, kv_sizing, structured, warmup
 from engine.runtime.buckets import TrafficStats, default_row_widths, derive_buckets
 from engine.runtime.engine_config import EngineConfig, with_kernels_resolved
@@ -95,7 +96,9 @@ class Engine:
     drafters = drafter_registry.build(wanted, cfg, config, draft_cfg,
                                       head_cfg=head[0] if head is not None else None)
     own = {d.name: draft[1] for d in drafters if d.uses_draft_model}
-    own.update({d.name: head[1] for d in drafters if d.uses_head})
+    # (on a mesh, the head's weights split as a target layer of its kind: `shard_head`)
+    own.update({d.name: head[1] if mesh is None else shard_head(head[0].layer, head[1], mesh)
+                for d in drafters if d.uses_head})
     # (drafters' own cache entries, an EAGLE-3 head's KV, take pages' room too)
     self._extra_entries = tuple(e for d in drafters for e in d.cache_entries())
     dtype = config.cache_dtype or params["embed"].dtype

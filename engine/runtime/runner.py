@@ -75,9 +75,10 @@ class ModelRunner:
     self.devices = jax.tree.leaves(params)[0].sharding.device_set
     # Drafters' own entries (an EAGLE-3 head's KV) after the model's, on the same pages.
     self.extra_entries = tuple(e for d in drafters for e in d.cache_entries())
+    extra = (tuple(s for d in drafters for s in d.cache_shardings(mesh)) if mesh is not None
+             else ())
     self.cache = self.place_cache(init_cache(cfg, num_pages, config.page_size, cache_dtype,
-                                             extra=self.extra_entries), cfg,
-                                  extra=len(self.extra_entries))
+                                             extra=self.extra_entries), cfg, extra=extra)
     self.drafters = {d.name: d for d in drafters}
     self.own_params = dict(own_params or {})
     # Device state is committed where the weights are from the start (like the cache): a
@@ -103,13 +104,12 @@ class ModelRunner:
 
   # ---- placement -------------------------------------------------------------------------------
 
-  def place_cache(self, cache: Any, cfg: ModelConfig, extra: int = 0) -> Any:
-    """`cache` placed (its last `extra` entries, drafters' own, replicated on a mesh)."""
+  def place_cache(self, cache: Any, cfg: ModelConfig, extra: tuple = ()) -> Any:
+    """`cache` placed: on a mesh, the model's entries by `cache_sharding`, its last
+    len(extra) entries (drafters' own) by `extra` (`Drafter.cache_shardings`)."""
     if self.mesh is not None:
-      n = len(cache) - extra
-      replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      return jax.device_put(cache, [cache_sharding(cfg, self.mesh)] * n
-                            + [{k: replicated for k in e} for e in cache[n:]])
+      n = len(cache) - len(extra)
+      return jax.device_put(cache, [cache_sharding(cfg, self.mesh)] * n + list(extra))
     if len(self.devices) == 1:
       # Commit the cache where the weights are: jit outputs are committed when an input is,
       # and a cache whose commitment changes after the first step would compile twice.

@@ -134,6 +134,12 @@ class Drafter:
     and page freeing cover them."""
     return ()
 
+  def cache_shardings(self, mesh: Any) -> tuple[dict[str, Any], ...]:
+    """Where each of `cache_entries` lives on `mesh`: a `NamedSharding` per page array
+    (default: replicated)."""
+    everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return tuple({k: everywhere for k in e} for e in self.cache_entries())
+
   # ---- engine-wide device state (the model runner's) ---------------------------------------
 
   def init_state(self, num_pages: int, page_size: int, dtype: Any, place_cache: Any,

@@ -13,7 +13,8 @@ further. Draft j (1-based) is the token at position n_cached + j.
 
 KV: the head's pool is one more entry of the target's paged cache (`cache_entries`; the MLA
 head's has a target MLA layer's shape, the MHA head's its own K / V arrays), so it shares the
-target's page ids and page table, and prefix caching, preemption and page freeing cover it. The
+target's page ids and page table, and prefix caching, preemption and page freeing cover it (on a
+mesh, sharded as a target layer of its kind: `cache_shardings`, `sharding.shard_head`). The
 chained steps' entries (positions n_cached .. n_cached + K - 2) are overwritten by the next
 first pass; nothing past a row's length is read.
 
@@ -36,6 +37,7 @@ from engine.model.config import ModelConfig
 from engine.model.eagle3_config import Eagle3Config
 from engine.model.kernels import KernelChoice
 from engine.model.params import Params
+from engine.model.sharding import cache_sharding
 from engine.model.transformer import rms_norm
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative.acceptance import draft_sample
@@ -131,6 +133,11 @@ class Eagle3Drafter(Drafter):
 
   def cache_entries(self) -> tuple[dict[str, tuple[int, ...]], ...]:
     return ({n: s[2:] for n, s in eagle3.pool_shapes(self.head, 1, 1).items()},)
+
+  def cache_shardings(self, mesh: Any) -> tuple[dict[str, Any], ...]:
+    """As a target layer of the head's kind: the MLA latent replicated, MHA K/V split by KV
+    head over `tensor` (`sharding.cache_sharding`)."""
+    return (cache_sharding(self.head.layer, mesh),)
 
   def start(self, state: Any, rows: jax.Array, b: int, k_max: int) -> dict:
     return {"hidden": rows}
