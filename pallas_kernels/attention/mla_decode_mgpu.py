@@ -35,7 +35,8 @@ tiles) and Dr a multiple of 64 (128-byte swizzle); page size a multiple of 64, o
 
 Interpret mode (`pallas_kernels.interpret`) implements neither `pl.run_state` nor stores to
 WGMMA accumulators, so under it (only) P @ V goes to a fresh accumulator and is added in
-registers; on the GPU it accumulates in place. Everything else is the same code.
+registers (`wgmma_accumulate`); on the GPU it accumulates in place. Everything else is the same
+code.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.mla_decode_schedule import (BLOCK_KV, BLOCK_Q, DecodeSchedule,
                                                           num_q_blocks, num_slots)
-from pallas_kernels.interpret import interpreting
+from pallas_kernels.interpret import wgmma_accumulate
 
 NUM_STAGES = 2  # 2 x 72 KiB of KV next to the 72 KiB query tile: the SMEM (227 KiB) is full
 _MEMORY_WG_REGISTERS = 40  # per thread; the memory warpgroup only issues TMA copies
@@ -116,7 +117,6 @@ def decode_partials(q_latent: jax.Array, q_rope: jax.Array, pages: jax.Array,
   else:
     copies, blocks_per_page = BLOCK_KV // page_size, 0
     kv_src = pages
-  accumulate_in_place = not interpreting()
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   # Scores in log2 units: exp2 is one ex2.approx (approx_math), and the scale folds log2(e).
   scale_log2 = softmax_scale * math.log2(math.e)
@@ -192,16 +192,7 @@ def decode_partials(q_latent: jax.Array, q_rope: jax.Array, pages: jax.Array,
 
     def add_context(acc, slot, cols):
       """acc += P @ V[:, cols] for the KV block in `slot`, then releases the slot."""
-      v_tile = k_smem.at[slot, :, cols]
-      if accumulate_in_place:
-        def context(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_tile)
-        acc = pl.run_state(context)(plgpu.ACC.init(acc))
-      else:
-        def context(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, v_tile)
-          return acc_ref[...]
-        acc = acc + pl.run_scoped(context, plgpu.ACC((BLOCK_Q, dv_wg), jnp.float32))
+      acc = wgmma_accumulate(acc, p_smem, k_smem.at[slot, :, cols])
       plgpu.barrier_arrive(k_free.at[slot])
       return acc
 

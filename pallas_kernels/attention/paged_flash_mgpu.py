@@ -38,9 +38,10 @@ Constraints (WGMMA / TMA): q and pages bf16 or f16 (float32 would run WGMMA in t
 block_kv a multiple of 16 dividing the page size; Dk and each compute warpgroup's share of Dv
 multiples of the swizzle width (64 columns for block_kv >= 64, 32 for 32, 16 for 16).
 
-Interpret mode (`pallas_kernels.interpret.gpu_interpret_mode`) implements neither `pl.run_state`
-nor stores to WGMMA accumulators, so under it (only) P @ V goes to a fresh accumulator and is added
-in registers; on the GPU it accumulates in place. Everything else is the same code.
+Interpret mode (`pallas_kernels.interpret`) implements neither `pl.run_state` nor stores to
+WGMMA accumulators, so under it (only) P @ V goes to a fresh accumulator and is added in
+registers (`wgmma_accumulate`); on the GPU it accumulates in place. Everything else is the same
+code.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.interpret import interpreting
+from pallas_kernels.interpret import wgmma_accumulate
 
 BLOCK_Q = 64  # WGMMA's M tile: one warpgroup's rows.
 _MAX_WGMMA_N = 256  # widest accumulator one compute warpgroup holds (64 x 256 float32).
@@ -117,10 +118,6 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
   # addressed by static-size indices: TMA wants slice starts it can prove tile-aligned.
   def by_blocks(pages):
     return pages.reshape(pages.shape[0], blocks_per_page, block_kv, *pages.shape[2:])
-  # Interpret mode implements neither pl.run_state nor accumulator stores, so there the P @ V
-  # product goes to a fresh accumulator and is added in registers; on the GPU it accumulates in
-  # place (a second 64 x 256 float32 accumulator would not fit in registers).
-  accumulate_in_place = not interpreting()
   # setmaxnreg wants multiples of 8; 65536 registers per SM, 128 threads per warpgroup.
   compute_registers = min(
       240, (65536 - 128 * _MEMORY_WG_REGISTERS) // (128 * num_compute_wgs) // 8 * 8)
@@ -195,15 +192,7 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, row_limit, block_end,
         v_tile = v_smem.at[slot, :, cols]
       else:
         v_tile = k_smem.at[slot, :, cols]
-      if accumulate_in_place:
-        def context(acc_ref):
-          plgpu.wgmma(acc_ref, p_tile, v_tile)
-        acc = pl.run_state(context)(plgpu.ACC.init(acc))
-      else:
-        def context(acc_ref):
-          plgpu.wgmma(acc_ref, p_tile, v_tile)
-          return acc_ref[...]
-        acc = acc + pl.run_scoped(context, plgpu.ACC((BLOCK_Q, dv_wg), jnp.float32))
+      acc = wgmma_accumulate(acc, p_tile, v_tile)
       plgpu.barrier_arrive(k_free.at[slot])
       if not shared_kv:
         plgpu.barrier_arrive(v_free.at[slot])
