@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,6 @@ def _swapped_matmul(act: jax.Array, weights: tuple[jax.Array, ...], slot_expert:
   slots = rows // nt
   grid_n = n // _WEIGHT_TILE
   bk = cfg.block_k
-  fused = len(weights) == 2
 
   def body(slot_expert_gmem, num_slots_gmem, act_gmem, *refs):
     w_gmems, out_gmem = refs[:-1], refs[-1]
@@ -105,16 +105,7 @@ def _swapped_matmul(act: jax.Array, weights: tuple[jax.Array, ...], slot_expert:
           return tuple(acc[...] for acc in accs)
 
         accs = pl.run_scoped(acc_scope, *[plgpu.ACC((_WEIGHT_TILE, nt))] * len(weights))
-        result = (accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1]) if fused else accs[0]
-
-        @functools.partial(pl.run_scoped,
-                           o_smem=plgpu.SMEM((_WEIGHT_TILE, nt), out_gmem.dtype))
-        def _store(o_smem):
-          o_smem[...] = result.astype(o_smem.dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * _WEIGHT_TILE,
-                                                                _WEIGHT_TILE)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        store_slot_tile(accs, out_gmem, si, ni)
 
   kernel = plgpu.kernel(
       body,
@@ -125,6 +116,22 @@ def _swapped_matmul(act: jax.Array, weights: tuple[jax.Array, ...], slot_expert:
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )
   return kernel(slot_expert, num_slots, act, *weights)
+
+
+def store_slot_tile(accs: tuple[jax.Array, ...], out_gmem: Any, si: jax.Array,
+                    ni: jax.Array) -> None:
+  """A slot kernel's work-item epilogue (inside the kernel): silu(gate) * up of the two
+  accumulators [tile, Nt] (one: as it is) to out_gmem[si, ni * tile:(ni + 1) * tile] through
+  SMEM, waiting until the TMA has read it (the next work item reuses the SMEM)."""
+  result = (accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1]) if len(accs) == 2 else accs[0]
+  tile = result.shape[0]
+
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM(result.shape, out_gmem.dtype))
+  def _store(o_smem):
+    o_smem[...] = result.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * tile, tile)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def decode_swiglu(xs: jax.Array, slot_expert: jax.Array, num_slots: jax.Array,

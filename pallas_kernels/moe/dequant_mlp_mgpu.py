@@ -20,7 +20,6 @@ Shapes: act [S * nt, K] bf16, slot_expert [S] int32, num_slots [1] int32 -> [S, 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -28,8 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import permute as permute_lib
-from pallas_kernels.moe.decode_mlp_mgpu import block_tokens_for
+from pallas_kernels.moe.decode_mlp_mgpu import block_tokens_for, store_slot_tile
 
 WEIGHT_TILE = 64  # WGMMA's M: weight columns per work item
 
@@ -123,17 +121,7 @@ def swapped_matmul(act: jax.Array, weights: Sequence[WeightTiles], n: int,
           return tuple(acc[...] for acc in accs)
 
         accs = pl.run_scoped(acc_scope, *[plgpu.ACC((WEIGHT_TILE, nt))] * nw)
-        result = (accs[0] / (1.0 + jnp.exp(-accs[0])) * accs[1]) if nw == 2 else accs[0]
-
-        @functools.partial(pl.run_scoped,
-                           o_smem=plgpu.SMEM((WEIGHT_TILE, nt), out_gmem.dtype))
-        def _store(o_smem):
-          o_smem[...] = result.astype(o_smem.dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[si, pl.ds(ni * WEIGHT_TILE,
-                                                                WEIGHT_TILE)])
-          # The next work item reuses this SMEM: wait until the TMA has read it.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        store_slot_tile(accs, out_gmem, si, ni)
 
   kernel = plgpu.kernel(
       body,
@@ -166,21 +154,3 @@ def block_tokens(num_tokens: int) -> int:
   """Slot height: the decode sizes' (tokens rounded up to 8, so up to 64 tokens each active
   expert owns exactly one slot), PREFILL_TOKENS above them (a big group spans several)."""
   return min(block_tokens_for(num_tokens), PREFILL_TOKENS)
-
-
-def moe_experts_slots(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, e_local: int,
-                      expert_offset: int,
-                      swiglu: Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array],
-                      base: jax.Array | int = 0) -> jax.Array:
-  """`reference.moe_experts` contract around a slot kernel pair: swiglu(xs, slot_expert,
-  num_slots, block_tokens) -> ys, with the permutation of `permute.py` before and the
-  weighted combine after. `base`: the pool index of the layer's first expert (weights viewed
-  as a pool of stacked layers' experts: `permute.expert_pool`)."""
-  t, k = expert_ids.shape
-  nt = block_tokens(t)
-  rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
-  perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
-                                  expert_offset=expert_offset, block_rows=nt, num_rows=rows)
-  xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
-  ys = swiglu(xs, perm.tile_expert + base, perm.num_tiles, nt)
-  return permute_lib.combine(ys, perm, weights, x.dtype)

@@ -123,6 +123,8 @@ def moe_experts_fp8(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   if not all(is_fp8(w) for w in (w_gate, w_up, w_down)):
     raise TypeError("moe_experts_fp8 takes Fp8Weight experts")
   (w_gate, w_up, w_down), e_local, base = permute_lib.expert_pool((w_gate, w_up, w_down), layer)
-  return dequant_lib.moe_experts_slots(
-      x, weights, expert_ids, e_local, expert_offset,
-      lambda xs, se, ns, nt: fp8_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg), base)
+  return permute_lib.moe_experts_slots(
+      x, weights, expert_ids,
+      lambda xs, se, ns, nt: fp8_swiglu(xs, se, ns, w_gate, w_up, w_down, nt, cfg),
+      num_local_experts=e_local, expert_offset=expert_offset,
+      block_rows=dequant_lib.block_tokens(expert_ids.shape[0]), base=base)

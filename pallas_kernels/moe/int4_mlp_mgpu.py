@@ -182,11 +182,8 @@ def moe_experts_int4(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
   why = problem(x.dtype, w_gate, w_up, w_down, cfg)
   if why:
     raise NotImplementedError(why)
-  t, k = expert_ids.shape
-  nt = block_tokens(t)
-  rows = permute_lib.padded_rows(t * k, e_local, nt, max_group_size=t)
-  perm = permute_lib.route_copies(expert_ids, num_local_experts=e_local,
-                                  expert_offset=expert_offset, block_rows=nt, num_rows=rows)
-  xs = permute_lib.permute(x, perm, top_k=k, num_rows=rows)
-  ys = swiglu_f32(xs, perm.tile_expert + base, perm.num_tiles, w_gate, w_up, w_down, nt, cfg)
-  return permute_lib.combine(ys, perm, weights, x.dtype)
+  return permute_lib.moe_experts_slots(
+      x, weights, expert_ids,
+      lambda xs, se, ns, nt: swiglu_f32(xs, se, ns, w_gate, w_up, w_down, nt, cfg),
+      num_local_experts=e_local, expert_offset=expert_offset,
+      block_rows=block_tokens(expert_ids.shape[0]), base=base)

@@ -18,6 +18,7 @@ permuted layout (static bound, see `padded_rows`), R / block_rows row tiles.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,23 @@ def combine(ys: jax.Array, perm: Permutation, weights: jax.Array, out_dtype) -> 
 
 
 unpermute = combine
+
+
+def moe_experts_slots(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
+                      swiglu: Callable[[jax.Array, jax.Array, jax.Array, int], jax.Array], *,
+                      num_local_experts: int, expert_offset: int, block_rows: int,
+                      base: jax.Array | int = 0) -> jax.Array:
+  """`reference.moe_experts` contract around a slot kernel pair: the copies permuted into
+  groups of `block_rows`-row slots, swiglu(xs, slot_expert, num_slots, block_rows) -> ys, the
+  weighted combine. `base`: the pool index of the layer's first expert (weights viewed as a
+  pool of stacked layers' experts: `expert_pool`)."""
+  t, k = expert_ids.shape
+  rows = padded_rows(t * k, num_local_experts, block_rows, max_group_size=t)
+  perm = route_copies(expert_ids, num_local_experts=num_local_experts,
+                      expert_offset=expert_offset, block_rows=block_rows, num_rows=rows)
+  xs = permute(x, perm, top_k=k, num_rows=rows)
+  ys = swiglu(xs, perm.tile_expert + base, perm.num_tiles, block_rows)
+  return combine(ys, perm, weights, x.dtype)
 
 
 def moe_experts_permuted(x: jax.Array, weights: jax.Array, expert_ids: jax.Array,
