@@ -24,7 +24,8 @@ from engine.model.kernels import KernelChoice, REFERENCE
 from engine.model.params import init_params, layer_params
 from engine.model.transformer import forward, moe as moe_layer
 from model_configs import CONFIGS
-from pallas_kernels.moe import dequant_mlp_mgpu, fp8_mlp_mgpu, moe_mgpu, reference
+from quantized_moe_checks import assert_close, reference_f32, routed_problem
+from pallas_kernels.moe import dequant_mlp_mgpu, fp8_mlp_mgpu, moe_mgpu
 from pallas_kernels.quant import Fp8Weight, Int4Weight, dequantize
 
 # Shape and case sweeps: the fast tier runs each one's first case (tests/conftest.py).
@@ -33,7 +34,6 @@ pytestmark = pytest.mark.sweep
 jax.config.update("jax_default_matmul_precision", "highest")
 
 SMALL = dequant_mlp_mgpu.DequantConfig(block_k=128, max_concurrent_steps=2, num_sms=3)
-TOL = 2e-2  # of the reference's largest magnitude: bf16 h and output
 
 
 def _fp8(rng, e, k, n):
@@ -43,28 +43,7 @@ def _fp8(rng, e, k, n):
 
 
 def _fp8_problem(seed, t, e, k, h, i, ids=None):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-  if ids is None:
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
-  w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-  return (x, w, jnp.asarray(ids, jnp.int32),
-          _fp8(rng, e, h, i), _fp8(rng, e, h, i), _fp8(rng, e, i, h))
-
-
-def _reference_f32(x, w, ids, wg, wu, wd, expert_offset=0):
-  # (bf16 first: the weights the kernels multiply, for FP8 the float32 product rounded)
-  deq = [dequantize(v, jnp.bfloat16).astype(jnp.float32) for v in (wg, wu, wd)]
-  return reference.moe_experts_dense(x.astype(jnp.float32), w, ids, *deq,
-                                     expert_offset=expert_offset)
-
-
-def _assert_close(got, want):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  assert np.isfinite(got).all(), "kernel left output unwritten (NaN poison)"
-  scale = np.abs(want).max()
-  assert scale > 0
-  np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * scale)
+  return routed_problem(seed, t, e, k, h, i, _fp8, ids)
 
 
 def test_kernel_reads_one_layer_of_stacked_fp8_experts():
@@ -78,8 +57,8 @@ def test_kernel_reads_one_layer_of_stacked_fp8_experts():
     got = moe_mgpu.moe_experts(x, w, ids, *stacks, layer=jnp.int32(1))
     shard = fp8_mlp_mgpu.moe_experts_fp8(x, w, ids, *(v[:, 2:] for v in stacks),
                                          expert_offset=2, layer=jnp.int32(1), cfg=SMALL)
-  _assert_close(got, _reference_f32(x, w, ids, *layer1))
-  _assert_close(shard, _reference_f32(x, w, ids, *(v[2:] for v in layer1), expert_offset=2))
+  assert_close(got, reference_f32(x, w, ids, *layer1))
+  assert_close(shard, reference_f32(x, w, ids, *(v[2:] for v in layer1), expert_offset=2))
 
 
 # ---- FP8 (W8A16) ---------------------------------------------------------------------------
@@ -97,7 +76,7 @@ def test_fp8_kernel_equals_reference(name):
   args = _fp8_problem(hash(name) % 1000, t, e, k, h, i, ids)
   with gpu_interpret():
     got = fp8_mlp_mgpu.moe_experts_fp8(*args, cfg=dataclasses.replace(SMALL, block_k=bk))
-  _assert_close(got, _reference_f32(*args))
+  assert_close(got, reference_f32(*args))
 
 
 def test_fp8_dequantized_tiles_are_bitwise_the_reference_weights():
@@ -132,7 +111,7 @@ def test_fp8_matmul_half_scale_block_and_shard():
   deq = dequantize(wt, jnp.bfloat16).astype(jnp.float32)
   want = jnp.einsum("stk,skn->snt", xs.astype(jnp.float32).reshape(2, nt, 128),
                     deq[slot_expert])
-  _assert_close(got, want)
+  assert_close(got, want)
 
 
 def test_fp8_kernel_refuses_other_blocks():
@@ -170,7 +149,7 @@ def test_moe_layer_with_quantized_experts_uses_the_kernel_and_equals_reference(f
   want = moe_layer(f32, x.astype(jnp.float32), cfg, REFERENCE)
   with gpu_interpret():
     got = moe_layer(p, x, cfg, KernelChoice(moe="mosaic_gpu"))
-  _assert_close(got, want)
+  assert_close(got, want)
 
 
 # ---- lowering for CUDA at Kimi K2.5 shapes -----------------------------------------------------

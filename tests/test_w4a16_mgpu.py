@@ -25,15 +25,15 @@ import pytest
 from cuda_export import MOSAIC_CALL, export_cuda_calls, gpu_interpret
 from engine.model import quantized
 from jax.experimental.mosaic.gpu import fragmented_array as fa
-from pallas_kernels.moe import int4_mlp_mgpu, moe_mgpu, reference, w4a16_layout as layout
+from pallas_kernels.moe import int4_mlp_mgpu, moe_mgpu, w4a16_layout as layout
 from pallas_kernels.moe import w4a16_mgpu
 from pallas_kernels.quant import Int4Weight, dequantize
+from quantized_moe_checks import assert_close, reference_f32, routed_problem
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "kimi_k25_int4")
 SMALL = int4_mlp_mgpu.Int4Config(num_sms=2, max_stages=2)
-TOL = 2e-2  # of the reference's largest magnitude: the kernels' bf16 h
 
 
 def _int4(rng, e, k, n, group=32):
@@ -44,27 +44,7 @@ def _int4(rng, e, k, n, group=32):
 
 
 def _problem(seed, t, e, k, h, i, group=32, ids=None):
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-  if ids is None:
-    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
-  w = jnp.asarray(rng.random((t, k)) + 0.1, jnp.float32)
-  ws = (_int4(rng, e, h, i, group), _int4(rng, e, h, i, group), _int4(rng, e, i, h, group))
-  return x, w, jnp.asarray(ids, jnp.int32), *ws
-
-
-def _reference_f32(x, w, ids, wg, wu, wd, expert_offset=0):
-  deq = [dequantize(v, jnp.bfloat16).astype(jnp.float32) for v in (wg, wu, wd)]
-  return reference.moe_experts_dense(x.astype(jnp.float32), w, ids, *deq,
-                                     expert_offset=expert_offset)
-
-
-def _assert_close(got, want):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  assert np.isfinite(got).all(), "kernel left output unwritten (NaN poison)"
-  scale = np.abs(want).max()
-  assert scale > 0
-  np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * scale)
+  return routed_problem(seed, t, e, k, h, i, lambda *a: _int4(*a, group), ids)
 
 
 # ---- the register plan (pure Python) -----------------------------------------------------------
@@ -177,7 +157,7 @@ def test_kernel_equals_reference(name):
   args = _problem(len(name), t, e, k, h, i, group, ids)
   with gpu_interpret():
     got = int4_mlp_mgpu.moe_experts_int4(*args, cfg=dataclasses.replace(SMALL, **changes))
-  _assert_close(got, _reference_f32(*args))
+  assert_close(got, reference_f32(*args))
 
 
 def test_expert_shard_and_unused_slots():
@@ -187,7 +167,7 @@ def test_expert_shard_and_unused_slots():
   shard = [v[3:] for v in (wg, wu, wd)]
   with gpu_interpret():
     got = int4_mlp_mgpu.moe_experts_int4(x, w, ids, *shard, expert_offset=3, cfg=SMALL)
-  _assert_close(got, _reference_f32(x, w, ids, *shard, expert_offset=3))
+  assert_close(got, reference_f32(x, w, ids, *shard, expert_offset=3))
 
 
 def test_reads_one_layer_of_stacked_experts():
@@ -201,8 +181,8 @@ def test_reads_one_layer_of_stacked_experts():
     got = int4_mlp_mgpu.moe_experts_int4(x, w, ids, *(v[:, 2:] for v in stacks),
                                          expert_offset=2, layer=jnp.int32(1), cfg=SMALL)
     routed = moe_mgpu.moe_experts(x, w, ids, *stacks, layer=jnp.int32(1), num_sms=2)
-  _assert_close(got, _reference_f32(x, w, ids, *(v[2:] for v in layer1), expert_offset=2))
-  _assert_close(routed, _reference_f32(x, w, ids, *layer1))
+  assert_close(got, reference_f32(x, w, ids, *(v[2:] for v in layer1), expert_offset=2))
+  assert_close(routed, reference_f32(x, w, ids, *layer1))
 
 
 def test_compressed_tensors_nibble_order_through_the_kernel():
@@ -257,7 +237,7 @@ def test_kernel_has_no_races():
   with gpu_interpret(detect_races=True):
     out = jax.block_until_ready(int4_mlp_mgpu.moe_experts_int4(
         *args, cfg=dataclasses.replace(SMALL, splits=2)))
-  _assert_close(out, _reference_f32(*args))
+  assert_close(out, reference_f32(*args))
 
 
 def test_refuses_what_it_cannot_compute():
