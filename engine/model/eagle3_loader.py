@@ -30,9 +30,8 @@ The head's params (matrices [in, out], head axes explicit, as `engine.model.para
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,39 +39,13 @@ import numpy as np
 
 from engine.model.config import ModelConfig
 from engine.model.eagle3_config import Eagle3Config, Eagle3Error, load_eagle3_config
+from engine.model.hf_loader import CheckpointError, checkpoint_headers
+from engine.model.hf_mapping import Transform, _heads_in, _heads_out, _reshape, _same, _t
 from engine.model.params import Params
-from engine.model.safetensors_io import (FLOAT_DTYPES, SafetensorsError, SafetensorsFile,
-                                         TensorInfo, read_header)
+from engine.model.safetensors_io import FLOAT_DTYPES, SafetensorsFile, TensorInfo
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_LISTED = 8
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
-
-Transform = Callable[[np.ndarray], np.ndarray]
-
-
-def _t(x: np.ndarray) -> np.ndarray:
-  return x.T
-
-
-def _same(x: np.ndarray) -> np.ndarray:
-  return x
-
-
-def _heads_in(n: int, d: int) -> Transform:
-  """[n*d, X] (HF out, in) -> [X, n, d]."""
-  return lambda x: x.reshape(n, d, x.shape[-1]).transpose(2, 0, 1)
-
-
-def _heads_out(n: int, d: int) -> Transform:
-  """[X, n*d] (HF o_proj) -> [n, d, X]."""
-  return lambda x: x.T.reshape(n, d, x.shape[0])
-
-
-def _reshape(*shape: int) -> Transform:
-  return lambda x: x.reshape(shape)
 
 
 # name -> (leaf path, HF shape, transform, our shape); "fc_norm.i" fills row i of fc_norm.
@@ -171,47 +144,20 @@ def canonical_name(name: str) -> str:
   return name
 
 
-def _checkpoint_files(head_dir: str) -> list[str]:
-  index = os.path.join(head_dir, INDEX_FILE)
-  if os.path.exists(index):
-    try:
-      with open(index) as fh:
-        weight_map = json.load(fh)["weight_map"]
-      shards = sorted({str(v) for v in weight_map.values()})
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-      raise Eagle3Error(f"{index}: not a valid safetensors index ({e})") from None
-    for s in shards:
-      if os.path.basename(s) != s or not os.path.isfile(os.path.join(head_dir, s)):
-        raise Eagle3Error(f"{index} names shard {s!r}, which is not a file in {head_dir}")
-    return [os.path.join(head_dir, s) for s in shards]
-  if os.path.isfile(os.path.join(head_dir, SINGLE_FILE)):
-    return [os.path.join(head_dir, SINGLE_FILE)]
-  entries = sorted(os.listdir(head_dir))
-  files = [os.path.join(head_dir, e) for e in entries if e.endswith(".safetensors")]
-  if files:
-    return files
-  pickled = [e for e in entries if e.endswith(PICKLE_SUFFIXES)]
-  if pickled:
-    raise Eagle3Error(f"EAGLE-3 head {head_dir}: only pickle-based weights "
-                      f"({', '.join(pickled[:3])}); safetensors is required (this loader never "
-                      f"unpickles)")
-  raise Eagle3Error(f"EAGLE-3 head {head_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
-
-
-def _headers(files: list[str]) -> dict[str, tuple[str, TensorInfo]]:
-  """{canonical name: (file, header entry)} over all shards."""
+def _headers(head_dir: str) -> dict[str, tuple[str, TensorInfo]]:
+  """{canonical name: (file, header entry)} over the head's safetensors files (found and
+  checked as a target checkpoint's: `hf_loader.checkpoint_headers`)."""
+  try:
+    sources = checkpoint_headers(head_dir)
+  except CheckpointError as e:
+    raise Eagle3Error(f"EAGLE-3 head: {e}") from None
   found: dict[str, tuple[str, TensorInfo]] = {}
-  for path in files:
-    try:
-      tensors, _ = read_header(path)
-    except SafetensorsError as e:
-      raise Eagle3Error(str(e)) from None
-    for raw, info in tensors.items():
-      name = canonical_name(raw)
-      if name in found:
-        raise Eagle3Error(f"tensor {raw!r} ({name}) appears twice: in "
-                          f"{os.path.basename(found[name][0])} and {os.path.basename(path)}")
-      found[name] = (path, info)
+  for raw, src in sources.items():
+    name = canonical_name(raw)
+    if name in found:
+      raise Eagle3Error(f"tensor {raw!r} ({name}) appears twice: in "
+                        f"{os.path.basename(found[name][0])} and {os.path.basename(src.file)}")
+    found[name] = (src.file, src.info)
   return found
 
 
@@ -282,7 +228,7 @@ def load_eagle3(head_dir: str, target_cfg: ModelConfig, target_params: Params | 
   """
   head_dir = os.fspath(head_dir)
   cfg = load_eagle3_config(head_dir, target_cfg)
-  found = _headers(_checkpoint_files(head_dir))
+  found = _headers(head_dir)
   expected = expected_tensors(cfg)
   _check(cfg, expected, found, head_dir)
   dtype = jnp.dtype(dtype)

@@ -140,6 +140,14 @@ def _read_headers(files: list[str], weight_map: dict[str, str] | None,
   return sources
 
 
+def checkpoint_headers(ckpt_dir: str) -> dict[str, _Source]:
+  """{raw tensor name: where it lives} over a directory's safetensors (`model.safetensors`, an
+  index's shards, or every `*.safetensors`), checked: a name in two shards, an index that
+  disagrees with the files, pickle-only weights are `CheckpointError`s."""
+  files, weight_map = _checkpoint_files(ckpt_dir)
+  return _read_headers(files, weight_map, ckpt_dir)
+
+
 # ---- validation -----------------------------------------------------------------------------
 
 def _raw_config(ckpt_dir: str) -> dict[str, Any]:
@@ -197,8 +205,7 @@ def checkpoint_config(ckpt_dir: str, cfg: ModelConfig | None = None,
   mtp = cfg.is_mla and cfg.num_nextn_predict_layers
   if not (mtp or keep_fp8 or cfg.vision is not None):
     return cfg
-  files, weight_map = _checkpoint_files(ckpt_dir)
-  raw = _read_headers(files, weight_map, ckpt_dir)
+  raw = checkpoint_headers(ckpt_dir)
   if mtp and not _mtp_tensor_names(raw, cfg):
     cfg = without_mtp(cfg)
   if cfg.vision is not None and not any(n.startswith(K25_VISION_PREFIXES) for n in raw):

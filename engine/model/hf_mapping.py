@@ -31,8 +31,6 @@ def shown(name: str, cfg: ModelConfig) -> str:
   return K25_PREFIX + name
 
 
-Transform = Callable[[np.ndarray], np.ndarray]
-
 
 @dataclasses.dataclass(frozen=True)
 class Fill:
