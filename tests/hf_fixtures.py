@@ -7,7 +7,10 @@ transformers itself, anchor both sides.
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
+import numpy as np
 
 from engine.model.hf_export import (EXPERT_LAYOUTS, export_hf, hf_tensors,  # noqa: F401
                                     write_checkpoint)
@@ -46,3 +49,19 @@ CONFIGS = dict(deepseek_v3=DEEPSEEK_V3, deepseek_v3_no_qlora_tied=DEEPSEEK_V3_NO
                kimi_k25=KIMI_K25)
 
 BF16 = ml_dtypes.bfloat16
+
+
+def quantize_fp8(w, block):
+  """[out, in] float32 -> (F8_E4M3 weight, float32 scale_inv [ceil(out/b0), ceil(in/b1)]): the
+  block scaling of DeepSeek-V3's FP8 checkpoints (each block's largest magnitude to 448)."""
+  b0, b1 = block
+  rows, cols = math.ceil(w.shape[0] / b0), math.ceil(w.shape[1] / b1)
+  scale = np.zeros((rows, cols), np.float32)
+  q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+  for r in range(rows):
+    for c in range(cols):
+      blk = w[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1]
+      s = max(float(np.abs(blk).max()), 1e-12) / 448.0
+      scale[r, c] = s
+      q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = (blk / s).astype(ml_dtypes.float8_e4m3fn)
+  return q, scale

@@ -32,25 +32,11 @@ from engine.model.transformer import forward_logits
 from pallas_kernels.quant import Fp8Weight, dequantize
 from tests import hf_fixtures as fx
 from tests.generation import generate_ids, loaded
-from tests.hf_fixtures import BF16, write_checkpoint
+from tests.hf_fixtures import BF16, quantize_fp8, write_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
 BLOCK = (32, 32)
 E, H, IM = 8, 64, 32
-
-
-def _quantize_fp8(w, block):
-  b0, b1 = block
-  rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
-  scale = np.zeros((rows, cols), np.float32)
-  q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
-  for r in range(rows):
-    for c in range(cols):
-      blk = w[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1]
-      s = max(float(np.abs(blk).max()), 1e-12) / 448.0
-      scale[r, c] = s
-      q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = (blk / s).astype(ml_dtypes.float8_e4m3fn)
-  return q, scale
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +48,7 @@ def ckpt(tmp_path_factory):
   tensors = hf_tensors(cfg_dict, init_params(cfg, seed=2, scale=2.0), dtype=BF16)
   for name in list(tensors):
     if name.endswith("_proj.weight") or name.endswith("proj_with_mqa.weight"):
-      q, s = _quantize_fp8(tensors[name].astype(np.float32), BLOCK)
+      q, s = quantize_fp8(tensors[name].astype(np.float32), BLOCK)
       tensors[name], tensors[name + "_scale_inv"] = q, s
   out = str(tmp_path_factory.mktemp("fp8") / "dsv3_fp8")
   write_checkpoint(cfg_dict, tensors, out, shards=3)
@@ -161,7 +147,7 @@ def test_partly_fp8_experts_are_dequantized_at_load(tmp_path):
   cfg = config_from_dict(cfg_dict)
   tensors = hf_tensors(cfg_dict, init_params(cfg), dtype=BF16)
   name = "model.layers.1.mlp.experts.5.down_proj.weight"
-  tensors[name], tensors[name + "_scale_inv"] = _quantize_fp8(tensors[name].astype(np.float32),
+  tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(tensors[name].astype(np.float32),
                                                               BLOCK)
   out = str(tmp_path / "partial")
   write_checkpoint(cfg_dict, tensors, out)
@@ -189,7 +175,7 @@ def test_fp8_dense_only_when_every_linear_is_fp8(tmp_path):
   tensors = hf_tensors(cfg_dict, init_params(cfg), dtype=BF16)
   for name in list(tensors):
     if name.endswith("_proj.weight") and "layers.0.self_attn.o_proj" not in name:
-      tensors[name], tensors[name + "_scale_inv"] = _quantize_fp8(
+      tensors[name], tensors[name + "_scale_inv"] = quantize_fp8(
           tensors[name].astype(np.float32), BLOCK)
   out = str(tmp_path / "mixed")
   write_checkpoint(cfg_dict, tensors, out)

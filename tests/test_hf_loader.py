@@ -1,7 +1,6 @@
 """HF safetensors -> params: round trips for every family, layouts, casts, FP8, and errors."""
 
 import json
-import math
 import os
 
 import jax
@@ -18,7 +17,7 @@ from engine.model.hf_mapping import hf_tensor_shapes
 from engine.model.params import init_params, layer_params, path_str
 from engine.model.safetensors_io import SafetensorsFile, load_file
 from tests import hf_fixtures as fx
-from tests.hf_fixtures import BF16, export_hf, hf_tensors, write_checkpoint
+from tests.hf_fixtures import BF16, export_hf, hf_tensors, quantize_fp8, write_checkpoint
 
 
 def _flat(tree):
@@ -169,21 +168,6 @@ def test_hf_tensor_shapes_matches_export():
 
 # ---- FP8 block quantization ------------------------------------------------------------------
 
-def _quantize_fp8(w, block):
-  """[out, in] float32 -> (F8_E4M3 weight, float32 scale_inv [ceil(out/b0), ceil(in/b1)])."""
-  b0, b1 = block
-  rows, cols = math.ceil(w.shape[0] / b0), math.ceil(w.shape[1] / b1)
-  scale = np.zeros((rows, cols), np.float32)
-  q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
-  for r in range(rows):
-    for c in range(cols):
-      blk = w[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1]
-      s = max(float(np.abs(blk).max()), 1e-12) / 448.0
-      scale[r, c] = s
-      q[r * b0:(r + 1) * b0, c * b1:(c + 1) * b1] = (blk / s).astype(ml_dtypes.float8_e4m3fn)
-  return q, scale
-
-
 def _dequant_ref(q, scale, block):
   out = np.zeros(q.shape, np.float32)
   b0, b1 = block
@@ -210,7 +194,7 @@ def test_fp8_block_dequant(tmp_path, block):
                "model.layers.2.mlp.shared_experts.up_proj.weight"]
   refs = {}
   for name in quantized:
-    q, s = _quantize_fp8(tensors[name].astype(np.float32), eff_block)
+    q, s = quantize_fp8(tensors[name].astype(np.float32), eff_block)
     tensors[name] = q
     tensors[name + "_scale_inv"] = s
     refs[name] = _dequant_ref(q, s, eff_block)
@@ -236,7 +220,7 @@ def test_fp8_errors(tmp_path):
   cfg = config_from_dict(fx.DEEPSEEK_V3)
   tensors = hf_tensors(fx.DEEPSEEK_V3, init_params(cfg))
   name = "model.layers.0.self_attn.kv_b_proj.weight"
-  q, s = _quantize_fp8(tensors[name], (128, 128))
+  q, s = quantize_fp8(tensors[name], (128, 128))
   ckpt = str(tmp_path / "e")
   write_checkpoint(fx.DEEPSEEK_V3, dict(tensors, **{name: q}), ckpt)
   with pytest.raises(CheckpointError, match=r"kv_b_proj\.weight'.*F8_E4M3.*weight_scale_inv"):
