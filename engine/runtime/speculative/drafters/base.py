@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice
+from engine.runtime.speculative.inplace import run_if
 
 AUTO = "auto"  # a request's drafter chosen by the loop from measured acceptance and costs
 OFF = "off"
@@ -228,6 +229,18 @@ class Drafter:
   def counters(self) -> dict[str, int]:
     """Its own engine counters (zeroed)."""
     return {}
+
+
+def propose_when_used(ctx: LoopContext, k: int, propose: Any, state: Any
+                      ) -> tuple[Proposal, Any]:
+  """A model drafter's proposal of k drafts in every row: propose(state) -> (draft [B, k],
+  q [B, k, V], state), run only when a live row drafts with it (else zeros and `state` as it
+  was; `inplace.run_if`, so a cache in `state` is updated in place)."""
+  b = ctx.tok.shape[0]
+  wanted = jnp.any(ctx.uses & ctx.live)
+  nothing = (jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k, ctx.cfg.vocab_size), jnp.float32))
+  draft, q, state = run_if(wanted, lambda s: propose(s[2]), (*nothing, state))
+  return Proposal(draft, jnp.full((b,), k, jnp.int32), q, wanted), state
 
 
 def aux_layers_of(drafters: Sequence[Drafter]) -> tuple[int, ...]:

@@ -41,7 +41,8 @@ from engine.model.sharding import cache_sharding
 from engine.model.transformer import rms_norm
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative.acceptance import draft_sample
-from engine.runtime.speculative.drafters.base import Drafter, LoopContext, Proposal
+from engine.runtime.speculative.drafters.base import (Drafter, LoopContext, Proposal,
+                                                      propose_when_used)
 from engine.runtime.speculative.inplace import run_if
 
 
@@ -144,17 +145,14 @@ class Eagle3Drafter(Drafter):
 
   def propose(self, ctx: LoopContext, st: dict, cache: Any, k: int
               ) -> tuple[Proposal, dict, Any]:
-    b = ctx.tok.shape[0]
-    wanted = jnp.any(ctx.uses & ctx.live)  # (only when a live row drafts with it)
-    nothing = (jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k, self.cfg.vocab_size), jnp.float32))
-    draft, q, pool = run_if(
-        wanted, lambda s: eagle3_propose(ctx.own_params, s[2], st["hidden"], ctx.n_cached,
-                                         ctx.live, ctx.page_table, ctx.sampling, k=k,
-                                         cfg=self.head, impl=ctx.impl),
-        (*nothing, cache[self.entry]))
+    proposal, pool = propose_when_used(
+        ctx, k, lambda pool: eagle3_propose(ctx.own_params, pool, st["hidden"], ctx.n_cached,
+                                            ctx.live, ctx.page_table, ctx.sampling, k=k,
+                                            cfg=self.head, impl=ctx.impl),
+        cache[self.entry])
     cache = list(cache)
     cache[self.entry] = pool
-    return Proposal(draft, jnp.full((b,), k, jnp.int32), q, wanted), st, cache
+    return proposal, st, cache
 
   def observe(self, ctx: LoopContext, st: dict, cache: Any, v: Any, k: int
               ) -> tuple[dict, Any]:

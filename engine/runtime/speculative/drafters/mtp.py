@@ -20,7 +20,8 @@ from engine.model.params import Params
 from engine.model.transformer import Cache, compute_logits, forward_mtp
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative.acceptance import draft_sample
-from engine.runtime.speculative.drafters.base import Drafter, LoopContext, Proposal
+from engine.runtime.speculative.drafters.base import (Drafter, LoopContext, Proposal,
+                                                      propose_when_used)
 from engine.runtime.speculative.inplace import run_if
 
 
@@ -84,15 +85,12 @@ class MtpDrafter(Drafter):
 
   def propose(self, ctx: LoopContext, st: dict, cache: Any, k: int
               ) -> tuple[Proposal, dict, Any]:
-    b = ctx.tok.shape[0]
-    wanted = jnp.any(ctx.uses & ctx.live)  # (only when a live row drafts with it)
-    nothing = (jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k, self.cfg.vocab_size), jnp.float32))
-    draft, q, cache = run_if(
-        wanted, lambda s: mtp_propose(ctx.params, s[2], st["hidden"], ctx.n_cached, ctx.live,
-                                      ctx.page_table, ctx.sampling, k=k, cfg=self.cfg,
-                                      impl=ctx.impl),
-        (*nothing, cache))
-    return Proposal(draft, jnp.full((b,), k, jnp.int32), q, wanted), st, cache
+    proposal, cache = propose_when_used(
+        ctx, k, lambda cache: mtp_propose(ctx.params, cache, st["hidden"], ctx.n_cached,
+                                          ctx.live, ctx.page_table, ctx.sampling, k=k,
+                                          cfg=self.cfg, impl=ctx.impl),
+        cache)
+    return proposal, st, cache
 
   def observe(self, ctx: LoopContext, st: dict, cache: Any, v: Any, k: int
               ) -> tuple[dict, Any]:
