@@ -89,44 +89,66 @@ def write_checkpoint(layers: int) -> str:
 def measure(ckpt: str) -> dict:
   """Lower and compile seconds of the prefill and decode programs (this process is fresh)."""
   import jax
-  import jax.numpy as jnp
   import engine
-  from engine.model.cache import contiguous_page_table, init_cache
-  from engine.model.transformer import compute_logits, forward, forward_logits
   jax.config.update("jax_enable_compilation_cache", False)
   t0 = time.perf_counter()
   model = engine.load(ckpt, progress=False)
   load_s = time.perf_counter() - t0
-  cfg, params = model.config, model.params
+  return {"load_s": load_s, **program_seconds(model.config, model.params)}
+
+
+def depth_programs(cfg, params, impl=None, scan_layers: bool = True) -> dict:
+  """{"prefill", "decode"}: each (jitted program, its arguments), kernels `impl` (default:
+  the reference), scanned or unrolled. `params` may be ShapeDtypeStructs (a CUDA export)."""
+  import jax
+  import jax.numpy as jnp
+  from engine.model.cache import contiguous_page_table, init_cache
+  from engine.model.kernels import REFERENCE
+  from engine.model.transformer import compute_logits, forward, forward_logits
+  impl = impl or REFERENCE
   page = 16
   table = jnp.asarray(contiguous_page_table(1, PREFILL_TOKENS + DECODE_STEPS, page))
   cache = init_cache(cfg, int(table.size), page, params["embed"].dtype)
   ones = jnp.ones((1,), jnp.int32)
 
   @jax.jit
+  def prefill(params, cache, tokens, start, n_new, table):
+    return forward_logits(params, cache, tokens, start, n_new, table, cfg=cfg, impl=impl,
+                          scan_layers=scan_layers)
+
+  @jax.jit
   def decode(params, cache, token, start, table):
     def step(i, carry):
       cache, token = carry
-      hidden, cache = forward(params, cache, token[:, None], start + i, ones, table, cfg=cfg)
+      hidden, cache = forward(params, cache, token[:, None], start + i, ones, table, cfg=cfg,
+                              impl=impl, scan_layers=scan_layers)
       return cache, jnp.argmax(compute_logits(params, hidden[:, 0], cfg), -1).astype(jnp.int32)
     return jax.lax.fori_loop(0, DECODE_STEPS, step, (cache, token))
 
-  programs = {
-      "prefill": lambda: forward_logits.lower(
-          params, cache, jnp.ones((1, PREFILL_TOKENS), jnp.int32), jnp.zeros((1,), jnp.int32),
-          jnp.full((1,), PREFILL_TOKENS, jnp.int32), table, cfg=cfg),
-      "decode": lambda: decode.lower(params, cache, ones, jnp.full((1,), PREFILL_TOKENS,
-                                                                     jnp.int32), table),
+  return {
+      "prefill": (prefill, (params, cache, jnp.ones((1, PREFILL_TOKENS), jnp.int32),
+                            jnp.zeros((1,), jnp.int32), jnp.full((1,), PREFILL_TOKENS, jnp.int32),
+                            table)),
+      "decode": (decode, (params, cache, ones, jnp.full((1,), PREFILL_TOKENS, jnp.int32), table)),
   }
-  out = {"load_s": load_s, "layers": cfg.num_layers}
-  for name, lower in programs.items():
-    t0 = time.perf_counter()
-    lowered = lower()
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    out[name] = {"lower_s": t1 - t0, "compile_s": t2 - t1,
-                 "hlo_instructions": compiled.as_text().count("\n  %")}
+
+
+def lower_compile(fn, args) -> dict:
+  """{"lower_s", "compile_s", "hlo_instructions"} of one program (`depth_programs`' value)."""
+  t0 = time.perf_counter()
+  lowered = fn.lower(*args)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  return {"lower_s": t1 - t0, "compile_s": t2 - t1,
+          "hlo_instructions": compiled.as_text().count("\n  %")}
+
+
+def program_seconds(cfg, params, impl=None, scan_layers: bool = True) -> dict:
+  """Lower and compile seconds of the prefill and decode programs, one after the other."""
+  out = {"layers": cfg.num_layers}
+  for name, (fn, args) in depth_programs(cfg, params, impl, scan_layers).items():
+    out[name] = lower_compile(fn, args)
   return out
 
 

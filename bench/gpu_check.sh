@@ -30,9 +30,13 @@
 # BUDGET_S (480; dry run 300) bounds the whole script: a stage gets min(its limit, what is
 # left less 15 s for the summary); one with under 20 s left writes a skip row. STAGES=a,b
 # runs only those (sharing the budget: each may run past its limit by what the later ones
-# leave); an extra stage by name, run right after the ceilings: kernel_check (every compiled
+# leave); extra stages by name, run right after the ceilings: kernel_check (every compiled
 # kernel against its reference; a kernel issue's session: STAGES=ceilings,kernel_check,int4
-# or ...,mla: without the ceilings a stage has no fractions). Exit status 0
+# or ...,mla: without the ceilings a stage has no fractions), layers (120 s; issue 49,
+# protocol/layers.py: decode step time of the scanned layer stack against the layers as
+# separate arrays and unrolled on an 8-layer K2.5-width slice of 48 experts at B 1 and 64,
+# the scanned program's per-layer slice-copy bytes, lower + compile seconds at 4 and 61
+# tiny layers scanned and unrolled; STAGES=ceilings,layers). Exit status 0
 # when every stage run wrote at least one row or a skip row (`bench.protocol.rows check`).
 # QUICK=1 with DRY_RUN=1: each stage's first case and first CUDA lowering only (the CI test).
 # LIMITS="mla:120,..." sets stage limits outright (still within the budget).
@@ -55,7 +59,7 @@ LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defau
 # (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
 [ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:130,mla:100,experts:70}
 RESERVE=15
-ORDER="ceilings:25 kernel_check:120 int4:150 k25_slice:160 mla:55 experts:40 peers:30"
+ORDER="ceilings:25 kernel_check:120 layers:120 int4:150 k25_slice:160 mla:55 experts:40 peers:30"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"
 SCRATCH=$(mktemp -d -t moejax_gpu_check.XXXXXX)
 RAN=""
@@ -117,9 +121,13 @@ echo "gpu_check: OUT=$OUT DRY_RUN=$DRY_RUN BUDGET_S=$BUDGET_S COMMIT=$COMMIT STA
 stage ceilings 25 $PY -m bench.protocol.ceilings "$OUT"
 stage kernel_check 120 $PY -m bench.kernel_check --results="$OUT" --out="$SCRATCH/kernel_check.json"
 if [ "$DRY_RUN" != 0 ]; then
+  stage layers 120 $PY -m bench.protocol.layers "$OUT" --layers=3
   stage int4 150 $PY -m bench.protocol.int4 "$OUT"
   stage k25_slice 160 $PY -m bench.protocol.k25_slice "$OUT" --layers=3
 else
+  # (XLA's GEMM autotuning off, as for the slice below: compiles stay short; in every row)
+  stage layers 120 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    $PY -m bench.protocol.layers "$OUT" --layers=8
   STAGE_STDOUT="$SCRATCH/int4_sass.txt" stage int4 150 env MOSAIC_GPU_DUMP_SASS=1 \
     MOSAIC_GPU_DUMP_PTXAS=1 SASS_LOG="$SCRATCH/int4_sass.txt" $PY -m bench.protocol.int4 "$OUT"
   # (XLA's GEMM autotuning off, as in the second GPU run: the slice's compiles stay short)

@@ -78,14 +78,16 @@ def _model():
   return cfg, random_params_on_device(cfg, jnp.bfloat16)
 
 
-def _program(name: str, cfg, batch: int, table, impl):
-  """The jitted decode loop of program `name`: (params, per_layer, cache, tokens) -> (cache,
-  tokens)."""
+def _program(name: str, cfg, batch: int, table, impl, context: int, steps: int):
+  """The jitted decode loop of program `name` (PROGRAMS, or "unrolled": the forward with
+  `scan_layers=False`, one call per layer on its stack's slice) of `steps` steps after
+  `context` cached tokens: (params, per_layer, cache, tokens) -> (cache, tokens)."""
 
   def step(params, per_layer, cache, tok, start):
     n_new = jnp.ones((batch,), jnp.int32)
     if name != "separate":
-      return forward(params, cache, tok[:, None], start, n_new, table, cfg=cfg, impl=impl)
+      return forward(params, cache, tok[:, None], start, n_new, table, cfg=cfg, impl=impl,
+                     scan_layers=name != "unrolled")
     ctx = transformer._Ctx(start, n_new, 1, table)
     ctx.cos_sin(cfg)
     x, cache = params["embed"][tok[:, None]], list(cache)
@@ -101,10 +103,10 @@ def _program(name: str, cfg, batch: int, table, impl):
   def run(params, per_layer, cache, tok):
     def body(i, carry):
       cache, tok = carry
-      start = jnp.full((batch,), FLAGS.context, jnp.int32) + i
+      start = jnp.full((batch,), context, jnp.int32) + i
       hidden, cache = step(params, per_layer, cache, tok, start)
       return cache, jnp.argmax(compute_logits(params, hidden[:, 0], cfg), -1).astype(jnp.int32)
-    return jax.lax.fori_loop(0, FLAGS.steps, body, (cache, tok))
+    return jax.lax.fori_loop(0, steps, body, (cache, tok))
 
   return run
 
@@ -157,7 +159,7 @@ def measure(cfg, params, per_layer, batch: int, impl) -> dict:
   for name in PROGRAMS:
     transformer.SCAN_UNROLL = 2 if name == "scan_u2" else 1  # (read when tracing)
     try:
-      runs[name] = _program(name, cfg, batch, table, impl)
+      runs[name] = _program(name, cfg, batch, table, impl, FLAGS.context, FLAGS.steps)
       state[name] = jax.block_until_ready(runs[name](
           params, per_layer, init_cache(cfg, int(table.size), page, dtype),
           jnp.ones((batch,), jnp.int32)))

@@ -133,6 +133,7 @@ def sections(rows: list[dict]) -> list[str]:
         ("/decode", lambda r: _f(r["us"] / decode[r["batch"]]) if r.get("us") and
          r.get("kind") == "verify" and decode.get(r.get("batch")) else "-"),
         ("compile s", lambda r: _f(r.get("compile_s"))), ("note", _note)]))
+  out.extend(_layers(by_stage.get("layers", [])))
   rs = [r for r in by_stage.get("mla", []) if _timed(r)]
   checks = [r for r in rs if "ok" in r]
   if checks:
@@ -161,6 +162,42 @@ def sections(rows: list[dict]) -> list[str]:
                f"{len(exports)} lower with Mosaic GPU calls" + "".join(
                    f"\n- FAILED {r['stage']} {r.get('case')}: {r.get('error', 'no Mosaic call')[:150]}"
                    for r in bad))
+  return out
+
+
+def _mib(v: Any) -> str:
+  return "-" if v is None else f"{v / 2**20:.3g}"
+
+
+def _layers(rows: list[dict]) -> list[str]:
+  """Stage `layers` (issue 49): step time scanned / separate / unrolled with the scanned
+  program's slice copies, then lower + compile seconds against depth."""
+  out = []
+  ratio = {r.get("case"): r for r in rows if r.get("impl") == "vs_separate"}
+  steps = [r for r in rows if r.get("kind") == "decode" or
+           (r.get("case", "").startswith("decode") and r.get("impl") in ("scan", "separate",
+                                                                         "unrolled"))]
+  if steps:
+    out.append("## layers: decode step, scanned vs separate arrays vs unrolled\n" + table(
+        steps, [
+        ("impl", lambda r: r["impl"]), ("case", lambda r: r.get("case")),
+        ("us/step", lambda r: _f(r.get("us"))), ("GB/s", lambda r: _f(r.get("gbps"))),
+        ("% ceil", lambda r: _pct(r.get("frac_ceiling"))),
+        ("/separate", lambda r: _f((ratio.get(r.get("case")) or {}).get(r["impl"]))),
+        ("tokens = sep", lambda r: _f(((ratio.get(r.get("case")) or {}).get("tokens_agree")
+                                       or {}).get(r["impl"]))),
+        ("slice copy MiB/iter", lambda r: _mib(r.get("slice_copy_bytes"))),
+        ("layer non-expert MiB", lambda r: _mib(r.get("layer_nonexpert_bytes"))),
+        ("compile s", lambda r: _f(r.get("compile_s"))), ("note", _note)]))
+  comp = [r for r in rows if r.get("case", "").startswith("compile ") and
+          r.get("impl") != "cuda_export"]
+  if comp:
+    out.append("## layers: lower + compile s against depth (tiny widths)\n" + table(comp, [
+        ("impl", lambda r: r["impl"]), ("case", lambda r: r.get("case")),
+        ("lower s", lambda r: _f(r.get("lower_s"))),
+        ("compile s", lambda r: _f(r.get("compile_s"))),
+        ("HLO instr", lambda r: _f(r.get("hlo_instructions"))),
+        ("kernels", lambda r: r.get("kernels", "-")), ("note", _note)]))
   return out
 
 

@@ -60,8 +60,12 @@ TOY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermedi
            max_position_embeddings=8192)
 
 
-def slice_config(layers: int, toy: bool) -> ModelConfig:
+def slice_config(layers: int, toy: bool, experts: int | None = None) -> ModelConfig:
+  """The slice's config: K2.5 with `layers` layers (`TOY` widths in the dry run), `experts`
+  routed experts if given (the real widths only: a shard's experts, e.g. EP-8's 48)."""
   d = dict(KIMI_K25_TEXT, num_hidden_layers=layers, **(TOY if toy else {}))
+  if experts and not toy:
+    d["n_routed_experts"] = experts
   return dataclasses.replace(config_from_dict(d), int4=INT4)
 
 
