@@ -243,6 +243,7 @@ def test_protocol_imports_only_what_the_gpu_image_has():
         sys.modules[name] = None
       import bench.protocol.ceilings, bench.protocol.experts, bench.protocol.int4
       import bench.protocol.k25_slice, bench.protocol.mla, bench.protocol.peers, bench.summarize
+      import bench.protocol.layers
   """)
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                      env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
@@ -264,3 +265,79 @@ def test_k25_projection_prices_the_busiest_device_and_the_verify():
   assert rows[0]["tok_s"] > rows[1]["tok_s"]  # more overhead, fewer tokens
   for r in rows:  # a verify costs more than a step, so speculation gains less than tau
     assert r["verify_ms"] > 1.3 * r["step_ms"] and r["tok_s"] < r["spec_tok_s"] < 3 * r["tok_s"]
+
+
+def _tiny_layers_model(layers):
+  from bench.compile_depth import tiny_deepseek_v3
+  from engine.model.params import abstract_params
+  cfg = config_from_dict(tiny_deepseek_v3(layers))
+  params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_params(cfg, jnp.bfloat16))
+  return cfg, params
+
+
+def test_layers_stage_past_its_deadline_writes_a_skip_row_per_program(tmp_path):
+  # The `layers` stage (issue 49) cut at its deadline: every program it did not start is a
+  # skip row naming the deadline, so the stage keeps a row per question and compiles nothing.
+  from bench.protocol import layers
+  from engine.model.kernels import REFERENCE
+  rec = rows.Recorder(str(tmp_path), "layers")
+  cfg, params = _tiny_layers_model(3)
+  layers.step_rows(rec, layers.Clock(0.0), cfg, params, [], REFERENCE, 1, 16, 1)
+  layers.depth_rows(rec, layers.Clock(0.0), (2, 3))
+  got = [(r["impl"], r["case"]) for r in _rows(tmp_path)]
+  assert got == [(p, "decode B=1") for p in layers.PROGRAMS] + [
+      (impl, f"compile {prog} L={n}") for impl in ("scan", "unrolled") for n in (2, 3)
+      for prog in ("prefill", "decode")]
+  assert all("deadline" in r["skipped"] for r in _rows(tmp_path))
+  assert layers.layer_nonexpert_bytes(params) == sum(
+      x.nbytes // x.shape[0] for k, x in jax.tree_util.tree_leaves_with_path(
+          params["stacks"][-1]) if "experts" not in jax.tree_util.keystr(k))
+
+
+def _numpy_params(cfg):
+  """Random parameters drawn on the host (random_params_on_device compiles a program: ~12 s
+  of CPU): integer leaves random bits, norms ones, the rest N(0, 0.02^2)."""
+  from engine.model.params import abstract_params, path_str
+  rng = np.random.default_rng(0)
+
+  def leaf(path, a):
+    dt = np.dtype(a.dtype)
+    if np.issubdtype(dt, np.integer):
+      info = np.iinfo(dt)
+      return jnp.asarray(rng.integers(info.min, info.max, a.shape, dtype=dt, endpoint=True))
+    if path_str(path).endswith("norm"):
+      return jnp.ones(a.shape, a.dtype)
+    return jnp.asarray(rng.standard_normal(a.shape, np.float32) * 0.02, a.dtype)
+
+  return jax.tree_util.tree_map_with_path(leaf, abstract_params(cfg, jnp.bfloat16))
+
+
+@pytest.mark.slow
+def test_layers_stage_rows_at_toy_size(tmp_path, monkeypatch):
+  # Step rows (scan and separate: `unrolled` is the same code path with another flag), the
+  # scan's slice copies from its compiled program (XLA:CPU copies each layer's slice of the
+  # weights its dots read: nonzero here), the ratios row, and compile rows (one layer: the
+  # rows, not the depth, are under test; ~14 s of CPU in all); then the summary's tables.
+  from bench.protocol import layers
+  from engine.model.kernels import REFERENCE
+  monkeypatch.setattr(layers, "PROGRAMS", ("scan", "separate"))
+  rec = rows.Recorder(str(tmp_path), "layers")
+  cfg = k25_slice.slice_config(3, toy=True)
+  params = _numpy_params(cfg)
+  per_layer = [layer_params(cfg, params, i) for i in range(cfg.num_layers)]
+  layers.step_rows(rec, layers.Clock(600.0), cfg, params, per_layer, REFERENCE, 1, 16, 1)
+  layers.depth_rows(rec, layers.Clock(600.0), (1,))
+  got = {(r["impl"], r["case"]): r for r in _rows(tmp_path)}
+  for p in ("scan", "separate"):
+    r = got[(p, "decode B=1")]
+    assert r["us"] > 0 and r["bytes"] > 0 and r["kernels"] == "reference+reference", r
+  scan = got[("scan", "decode B=1")]
+  assert scan["slice_copy_bytes"] > 0 and scan["slice_copies"][0]["trip_count"] == 2
+  ratio = got[("vs_separate", "decode B=1")]
+  assert ratio["tokens_agree"] == {"scan": True}
+  assert ratio["scan"] == pytest.approx(scan["us"] / got[("separate", "decode B=1")]["us"])
+  compiles = [r for r in _rows(tmp_path) if r.get("kind") == "compile"]
+  assert len(compiles) == 4 and all(r["compile_s"] > 0 and r["hlo_instructions"] > 0
+                                    for r in compiles)
+  text = summarize.summary(str(tmp_path))
+  assert "## layers: decode step" in text and "## layers: lower + compile" in text
