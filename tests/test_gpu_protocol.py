@@ -341,3 +341,18 @@ def test_layers_stage_rows_at_toy_size(tmp_path, monkeypatch):
                                     for r in compiles)
   text = summarize.summary(str(tmp_path))
   assert "## layers: decode step" in text and "## layers: lower + compile" in text
+
+
+def test_layers_stage_compiles_its_tiny_depths_with_the_mosaic_kernels_on_hopper():
+  # Issue 49 asks for the depth compile times with the Mosaic GPU kernels: the stage's tiny
+  # widths must be ones both kernels take (compile_depth's own 64-wide model is refused).
+  from bench.compile_depth import tiny_deepseek_v3
+  from bench.protocol import layers
+  from engine.model import kernels
+  auto = kernels.KernelChoice(attention="auto", moe="auto")
+  hopper = dict(device_kind="NVIDIA H200", platform="gpu", dtype=jnp.bfloat16, page_size=16)
+  cfg = config_from_dict(dict(tiny_deepseek_v3(4), **layers.MOSAIC_TINY))
+  assert kernels.resolve(auto, cfg, **hopper).choice == kernels.KernelChoice(
+      attention="mosaic_gpu", moe="mosaic_gpu")
+  assert kernels.resolve(auto, config_from_dict(tiny_deepseek_v3(4)), **hopper).choice.moe \
+      == "reference"
