@@ -6,8 +6,8 @@
 In priority order, each row written as it is measured (a stage cut at its limit keeps them):
 1. Decode step time, B = 1 then 64, on a Kimi K2.5-width slice (`k25_slice.slice_config`:
    hidden 7168, MLA, INT4 experts; `--layers` layers, the first dense; `--experts` routed
-   experts, an EP-8 shard's 48, so that it fits one device twice over), `STEPS` greedy steps
-   per call in one program (`bench.scan_step._program`), the cache donated:
+   experts, an EP-8 shard's 48, so that it fits one device twice over), 8 greedy steps (2 in
+   the dry run) per call in one program (`bench.scan_step._program`), the cache donated:
    `scan` (the forward as served), `separate` (each layer called on arrays of its own, copied
    out of the stacks before the program: nothing is sliced inside it), `unrolled`
    (`scan_layers=False`: one call per layer on its stack's static slice). Per row: `us` per
@@ -17,8 +17,9 @@ In priority order, each row written as it is measured (a stage cut at its limit 
    The `scan` row also carries the compiled program's slice copies (`scan_step.slice_copies`:
    per loop body, the bytes its fusions copy out of a dynamic-slice of a stack per iteration)
    and `layer_nonexpert_bytes` (one MoE layer's weights but its routed experts, which the MoE
-   kernels read in place by layer index). Zero copies on a GPU: XLA:GPU's gemms read the
-   stacked weights in place; about `layer_nonexpert_bytes`: each iteration copies its layer.
+   kernels read in place by layer index). Zero on a GPU means XLA:GPU's gemms read the
+   stacked weights in place; about `layer_nonexpert_bytes` means each iteration copies its
+   layer's weights before its gemms read them.
 2. Compile depth (`bench.compile_depth`'s programs: prefill of 64 tokens, 8 decode steps in a
    `fori_loop`) at 4 and 61 layers, tiny widths wide enough for the Mosaic GPU kernels
    (`MOSAIC_TINY`), scanned then unrolled: lower and compile seconds and HLO instructions,
