@@ -58,6 +58,10 @@ def _define_flags() -> None:
   flags.DEFINE_integer("seed", 0, "Seed.")
   flags.DEFINE_string("init_from", None, "A head directory to start from (a second phase).")
   flags.DEFINE_bool("greedy_only", False, "Only greedy continuations (default: half sampled).")
+  flags.DEFINE_integer("draft_vocab", 0, "A reduced draft vocabulary of this many ids (the "
+                       "training data's most frequent; 0: the target's full vocabulary).")
+  flags.DEFINE_string("data", None, "An .npz of generated sequences: read when it exists, "
+                      "else written after generating.")
   flags.DEFINE_string("corpus_cache", demo_corpus.default_cache_dir(), "Tokenized corpus.")
 
 
@@ -127,8 +131,27 @@ def save_head(path: str, conf: dict[str, Any], tensors: dict[str, np.ndarray]) -
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as fh:
     json.dump(conf, fh, indent=2)
-  save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()},
+  save_file({k: v if k in ("d2t", "t2d") else v.astype(ml_dtypes.bfloat16)
+             for k, v in tensors.items()},
             os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def vocab_map(used: np.ndarray, vocab_size: int) -> dict[str, np.ndarray]:
+  """`d2t` (int64 offsets: target id = draft id + d2t) and `t2d` (bool [V]) of the sorted
+  target ids `used` [Vd]."""
+  t2d = np.zeros(vocab_size, bool)
+  t2d[used] = True
+  return {"d2t": (used.astype(np.int64) - np.arange(len(used))), "t2d": t2d}
+
+
+def reduce_vocab(conf: dict[str, Any], tensors: dict[str, np.ndarray], vocab_size: int,
+                 used: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """A full-vocabulary head's config and tensors cut to the draft vocabulary `used` (its
+  `lm_head` rows kept, `d2t` / `t2d` added)."""
+  out = dict(tensors)
+  out["lm_head.weight"] = tensors["lm_head.weight"][used]
+  out.update(vocab_map(used, vocab_size))
+  return dict(conf, draft_vocab_size=len(used)), out
 
 
 # ---- training-time test ------------------------------------------------------------------------
@@ -196,35 +219,91 @@ def ttt_logits(params: Any, aux: jax.Array, ids: jax.Array, hcfg: Any, k_steps: 
   return out
 
 
-def target_pass(tparams: Any, tcfg: Any, hcfg: Any, ids: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
-  """(aux [B, L, 3H], target logits [B, L, V]) of ids [B, L] from an empty cache."""
+def target_states(tparams: Any, tcfg: Any, hcfg: Any, ids: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+  """(aux [B, L, 3H], the target's final normed hidden [B, L, H]) of ids [B, L] from an empty
+  cache: what the head trains on, fixed while it trains (`precompute` keeps them)."""
   b, n = ids.shape
   cache = init_cache(tcfg, b + 1, n, jnp.float32)
   table = jnp.arange(1, b + 1, dtype=jnp.int32)[:, None]
   hidden, _, states = forward_hidden_states(
       tparams, cache, ids, jnp.zeros((b,), jnp.int32), jnp.full((b,), n, jnp.int32), table,
       layers=hcfg.aux_layers, cfg=tcfg)
-  aux = jnp.concatenate(list(states), -1)
-  return jax.lax.stop_gradient(aux), jax.lax.stop_gradient(compute_logits(tparams, hidden,
-                                                                           tcfg))
+  return jax.lax.stop_gradient(jnp.concatenate(list(states), -1)), jax.lax.stop_gradient(hidden)
+
+
+def target_pass(tparams: Any, tcfg: Any, hcfg: Any, ids: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+  """(aux [B, L, 3H], target logits [B, L, V]) of ids [B, L] from an empty cache."""
+  aux, hidden = target_states(tparams, tcfg, hcfg, ids)
+  return aux, compute_logits(tparams, hidden, tcfg)
+
+
+def precompute(tparams: Any, tcfg: Any, hcfg: Any, data: np.ndarray, chunk: int = 16
+               ) -> tuple[np.ndarray, np.ndarray]:
+  """`target_states` of every sequence of data [N, L], once, in chunks: float32 host arrays
+  (aux [N, L, 3H], final hidden [N, L, H]). Training then runs only the head."""
+  fn = jax.jit(lambda ids: target_states(tparams, tcfg, hcfg, ids))
+  aux, final = [], []
+  for i in range(0, len(data), chunk):
+    a, f = fn(jnp.asarray(data[i:i + chunk]))
+    aux.append(np.asarray(a, np.float32))
+    final.append(np.asarray(f, np.float32))
+  return np.concatenate(aux), np.concatenate(final)
+
+
+def soft_ce(logits: list[jax.Array], tlogits: jax.Array, used: jax.Array | None = None
+            ) -> tuple[jax.Array, dict]:
+  """The training-time-test loss: step k's logits [B, T, Vd] against the target's distribution
+  of the token k + 2 ahead (tlogits [B, >= T + K, V], index t: the token after t);
+  sum 0.8^k CE_k, and per-step CE and top-1 agreement. With a reduced draft vocabulary (`used`
+  [Vd]: its target ids) the target's distribution is renormalised over it and positions whose
+  target top-1 lies outside it are left out (SpecForge's / TorchSpec's rule); agreement counts
+  them as misses."""
+  t = logits[0].shape[1]
+  total, metrics = 0.0, {}
+  for k, lg in enumerate(logits):
+    tl = tlogits[:, k + 1:k + 1 + t]
+    top = jnp.argmax(tl, -1)
+    mine = jnp.argmax(lg, -1)
+    if used is None:
+      ce = -jnp.mean(jnp.sum(jax.nn.softmax(tl, -1) * jax.nn.log_softmax(lg, -1), -1))
+    else:
+      inside = jnp.zeros(tl.shape[-1], bool).at[used].set(True)[top]
+      per = -jnp.sum(jax.nn.softmax(tl[..., used], -1) * jax.nn.log_softmax(lg, -1), -1)
+      ce = jnp.sum(per * inside) / jnp.maximum(jnp.sum(inside), 1)
+      mine = used[mine]
+    total = total + TTT_DECAY ** k * ce
+    metrics[f"ce{k}"] = ce
+    metrics[f"agree{k}"] = jnp.mean(mine == top)
+  return total, metrics
+
+
+def draft_vocab(data: np.ndarray, vocab_size: int, n: int) -> np.ndarray:
+  """The n most frequent token ids of data (the sorted target ids of a reduced draft
+  vocabulary; SpecForge's rule on the training tokens)."""
+  counts = np.bincount(data.ravel(), minlength=vocab_size)
+  return np.sort(np.argsort(-counts, kind="stable")[:n]).astype(np.int32)
 
 
 def losses(train: Any, frozen: Any, tparams: Any, ids: jax.Array, *, tcfg: Any, hcfg: Any,
            k_steps: int) -> tuple[jax.Array, dict]:
+  """The loss with the target run inside (ids [B, L]): the reference `head_losses` must equal."""
   t = ids.shape[1] - k_steps - 1
   aux, tlogits = target_pass(tparams, tcfg, hcfg, ids)
-  params = dict(train, **frozen)
-  logits = ttt_logits(params, aux[:, :t], ids, hcfg, k_steps)
-  total, metrics = 0.0, {}
-  for k, lg in enumerate(logits):
-    p = jax.nn.softmax(tlogits[:, k + 1:k + 1 + t], -1)
-    ce = -jnp.mean(jnp.sum(p * jax.nn.log_softmax(lg, -1), -1))
-    total = total + TTT_DECAY ** k * ce
-    metrics[f"ce{k}"] = ce
-    metrics[f"agree{k}"] = jnp.mean(jnp.argmax(lg, -1) == jnp.argmax(tlogits[:, k + 1:k + 1 + t],
-                                                                      -1))
-  return total, metrics
+  logits = ttt_logits(dict(train, **frozen), aux[:, :t], ids, hcfg, k_steps)
+  return soft_ce(logits, tlogits, frozen.get("draft_to_target"))
+
+
+def head_losses(train: Any, frozen: Any, lm_head: jax.Array, aux: jax.Array, final: jax.Array,
+                ids: jax.Array, *, hcfg: Any, k_steps: int) -> tuple[jax.Array, dict]:
+  """`losses` from `precompute`'s arrays (aux, final [B, L, *] of ids [B, L]): the target's
+  logits from its final hidden and its `lm_head` [H, V] (one matmul, no gradient)."""
+  t = ids.shape[1] - k_steps - 1
+  logits = ttt_logits(dict(train, **frozen), aux[:, :t], ids, hcfg, k_steps)
+  tlogits = jnp.einsum("bth,hv->btv", final[:, :t + k_steps], lm_head,
+                       preferred_element_type=jnp.float32)
+  return soft_ce(logits, jax.lax.stop_gradient(tlogits), frozen.get("draft_to_target"))
 
 
 def generate_data(model: Any, train_ids: np.ndarray, n: int, prompt_len: int, new: int,
@@ -252,16 +331,30 @@ def main(argv: list[str]) -> None:
   model = engine.load(FLAGS.target, dtype="float32")
   tcfg, tparams = model.config, model.params
   conf = head_config(FLAGS.target, FLAGS.intermediate)
+  if FLAGS.init_from:
+    with open(os.path.join(FLAGS.init_from, "config.json")) as fh:
+      conf = json.load(fh)
   init_dir = FLAGS.out + ".init"
   save_head(init_dir, conf, initial_tensors(conf, tcfg, tparams, FLAGS.seed))
   hcfg, params = load_eagle3(FLAGS.init_from or init_dir, tcfg, tparams, jnp.float32)
-  frozen = {"embed": params.pop("embed")}
   train_ids, _ = demo_corpus.tokenized_corpus(FLAGS.corpus_cache,
                                                os.path.join(DEMO, "tokenizer.json"))
   t0 = time.time()
-  data = generate_data(model, train_ids, FLAGS.sequences, FLAGS.prompt_len, FLAGS.new_tokens,
-                       FLAGS.seed)
-  gen_s = time.time() - t0
+  if FLAGS.data and os.path.exists(FLAGS.data):
+    saved_data = np.load(FLAGS.data)
+    data, gen_s = saved_data["ids"], float(saved_data["seconds"])
+  else:
+    data = generate_data(model, train_ids, FLAGS.sequences, FLAGS.prompt_len, FLAGS.new_tokens,
+                         FLAGS.seed)
+    gen_s = time.time() - t0
+    if FLAGS.data:
+      np.savez(FLAGS.data, ids=data, seconds=gen_s)
+  if 0 < FLAGS.draft_vocab < hcfg.draft_vocab_size:  # (rows of the start's lm_head kept)
+    conf, tensors = reduce_vocab(conf, to_tensors(hcfg, params), hcfg.draft_vocab_size,
+                                 draft_vocab(data[:-16], tcfg.vocab_size, FLAGS.draft_vocab))
+    save_head(init_dir, conf, tensors)
+    hcfg, params = load_eagle3(init_dir, tcfg, tparams, jnp.float32)
+  frozen = {n: params.pop(n) for n in ("embed", "draft_to_target") if n in params}
   k = FLAGS.ttt
   # Step 0 of the unrolled forward is the serving head's first pass (same weights, same logits).
   probe = jnp.asarray(data[:2, :40])
@@ -272,36 +365,45 @@ def main(argv: list[str]) -> None:
       dict(params, **frozen), aux[:, :36], hcfg), probe[:, 1:37], jnp.zeros(2, jnp.int32),
       jnp.full(2, 36, jnp.int32), jnp.asarray([[1], [2]], jnp.int32), cfg=hcfg)
   np.testing.assert_allclose(np.asarray(mine), np.asarray(served), rtol=2e-4, atol=2e-4)
+  # The target's states once per sequence: the steps run only the head.
+  t0 = time.time()
+  all_aux, all_final = precompute(tparams, tcfg, hcfg, data)
+  pre_s = time.time() - t0
+  lm_head = tparams["lm_head"]
   schedule = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(FLAGS.steps // 20, 1),
                                                 FLAGS.steps, end_value=FLAGS.lr * 0.05)
   opt = optax.chain(optax.clip_by_global_norm(1.0),
                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.01))
   state = opt.init(params)
+  head_loss = functools.partial(head_losses, hcfg=hcfg, k_steps=k)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, state, ids):
+  def step(params, state, aux, final, ids):
     (loss, metrics), grads = jax.value_and_grad(
-        lambda p: losses(p, frozen, tparams, ids, tcfg=tcfg, hcfg=hcfg, k_steps=k),
-        has_aux=True)(params)
+        lambda p: head_loss(p, frozen, lm_head, aux, final, ids), has_aux=True)(params)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state, dict(metrics, loss=loss)
 
   rng = np.random.default_rng(FLAGS.seed + 1)
-  held = data[-16:]  # (a check on sequences never trained on)
-  train = data[:-16]
+  n_train = len(data) - 16  # (the last 16: a check on sequences never trained on)
   history = []
   t1 = time.time()
   for i in range(FLAGS.steps):
-    batch = train[rng.integers(0, len(train), FLAGS.batch)]
-    params, state, m = step(params, state, jnp.asarray(batch))
-    if i % 50 == 0 or i == FLAGS.steps - 1:
+    pick = np.sort(rng.integers(0, n_train, FLAGS.batch))
+    params, state, m = step(params, state, jnp.asarray(all_aux[pick]),
+                            jnp.asarray(all_final[pick]), jnp.asarray(data[pick]))
+    if i % 100 == 0 or i == FLAGS.steps - 1:
       m = {n: round(float(v), 4) for n, v in m.items()}
       history.append(dict(step=i, **m))
       print(f"step {i}: {m} ({time.time() - t1:.0f} s)", flush=True)
   train_s = time.time() - t1
-  _, held_metrics = jax.jit(lambda p, ids: losses(p, frozen, tparams, ids, tcfg=tcfg, hcfg=hcfg,
-                                                  k_steps=k))(params, jnp.asarray(held))
-  save_head(FLAGS.out, conf, to_tensors(hcfg, params))
+  _, held_metrics = jax.jit(head_loss)(params, frozen, lm_head, jnp.asarray(all_aux[n_train:]),
+                                       jnp.asarray(all_final[n_train:]),
+                                       jnp.asarray(data[n_train:]))
+  tensors = to_tensors(hcfg, params)
+  if "draft_to_target" in frozen:
+    tensors.update(vocab_map(np.asarray(frozen["draft_to_target"]), tcfg.vocab_size))
+  save_head(FLAGS.out, conf, tensors)
   _, saved = load_eagle3(FLAGS.out, tcfg, tparams, jnp.float32)  # (the export round-trips)
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     y = functools.reduce(lambda node, key: node[key.key], path, saved)
@@ -310,10 +412,12 @@ def main(argv: list[str]) -> None:
   import shutil
   shutil.rmtree(init_dir)
   n_params = sum(int(np.prod(v.shape)) for v in to_tensors(hcfg, params).values())
+  pre_vocab = dict(draft_vocab=hcfg.draft_vocab_size)
   report = dict(model="eagle3 head (MLA, published layout)", params=n_params,
                 aux_layer_ids=AUX_IDS, ttt_steps=k, decay=TTT_DECAY, steps=FLAGS.steps,
-                batch=FLAGS.batch, sequences=FLAGS.sequences, prompt_len=FLAGS.prompt_len,
-                new_tokens=FLAGS.new_tokens, lr=FLAGS.lr, generate_seconds=round(gen_s, 1),
+                batch=FLAGS.batch, sequences=len(data), prompt_len=FLAGS.prompt_len,
+                new_tokens=data.shape[1] - FLAGS.prompt_len, lr=FLAGS.lr, generate_seconds=round(gen_s, 1),
+                precompute_seconds=round(pre_s, 1), **pre_vocab,
                 init_from=FLAGS.init_from, greedy_only=FLAGS.greedy_only,
                 train_seconds=round(train_s, 1),
                 heldout={n: round(float(v), 4) for n, v in held_metrics.items()},
