@@ -118,6 +118,39 @@ def project(k: Kernels, overheads_ms: list[float], ceiling: float, context: int,
   return rows
 
 
+# An EAGLE-3 MLA head for K2.5 (lightseekorg/kimi-k2.5-eagle3-mla: hidden 7168, q_lora 1536,
+# kv_lora 512, 64 heads, MLP 18432; it shares the target's embedding): fc 3H -> H, the MLA
+# attention on 2H inputs, the MLP, and the lm_head over its draft vocabulary.
+HEAD_BODY_PARAMS = (3 * HIDDEN * HIDDEN + 2 * HIDDEN * 1536 + 1536 * 64 * 192
+                    + 2 * HIDDEN * 576 + 512 * 64 * 256 + 64 * 128 * HIDDEN + 3 * HIDDEN * 18432)
+
+
+def head_gb(draft_vocab: int, split: int = DEVICES) -> float:
+  """GB (bf16) one EAGLE-3 draft step reads per device: the head's body and its lm_head over
+  `draft_vocab` ids, split `split` ways (tensor-parallel as the target's attention)."""
+  return (HEAD_BODY_PARAMS + draft_vocab * HIDDEN) * 2 / split / 1e9
+
+
+def speculators(k: Kernels, overhead_ms: float, ceiling: float, context: int, drafts: int,
+                draft_overhead_ms: float) -> list[dict]:
+  """Tokens/s per request = accepted length / (verify + K draft steps), per speculator, at
+  published acceptance (`tau`: mean accepted length at K = 3, greedy chains)."""
+  cases = [("n-gram (prompt lookup / learned)", 1.5, 0.0, 0.0),
+           ("n-gram (prompt lookup / learned)", 2.0, 0.0, 0.0),
+           ("EAGLE-3 MHA (AQ-MedAI, lightseekorg), 32k draft vocab", 2.7, head_gb(32000), None),
+           ("EAGLE-3 MHA (AQ-MedAI, lightseekorg), 32k draft vocab", 3.3, head_gb(32000), None),
+           ("EAGLE-3 MLA (lightseekorg), full vocab", 2.9, head_gb(163840), None),
+           ("EAGLE-3 MLA (lightseekorg), full vocab", 3.1, head_gb(163840), None),
+           ("EAGLE-3 MLA, full vocab, head not split", 3.0, head_gb(163840, 1), None)]
+  rows = []
+  for name, tau, gb, extra_ms in cases:
+    r = project(k, [overhead_ms], ceiling, context, tau, drafts, gb,
+                draft_overhead_ms if extra_ms is None else extra_ms)[0]
+    rows.append(dict(r, speculator=name, tau=tau, draft_gb=gb,
+                     draft_ms=(r["spec_ms"] - r["verify_ms"]) / drafts))
+  return rows
+
+
 TODAY = Kernels("today (measured INT4 rate; MLA est.)", None, 20.0, 0.3, 0.75)
 TARGETS = Kernels("issues 52/53 targets", 0.80, 5.0, 0.85, 0.75)
 
@@ -137,8 +170,22 @@ def main(argv=None) -> None:
   p.add_argument("--draft_gb", type=float, default=0.41,
                  help="bytes one draft forward reads per device (an MTP-sized layer + head/8)")
   p.add_argument("--draft_overhead_ms", type=float, default=0.15)
+  p.add_argument("--speculators", action="store_true",
+                 help="tokens/s per speculator at published acceptance (the targets' kernels, "
+                      "the first --overhead_ms)")
   a = p.parse_args(argv)
   ceiling = a.ceiling_gbps * 1e9
+  if a.speculators:
+    print("| kernels | speculator | tokens per verify | draft GB / device | draft ms | "
+          "verify ms | ms per verify + K drafts | tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k in (TODAY, TARGETS):
+      for r in speculators(k, a.overhead_ms[0], ceiling, a.context, a.drafts,
+                           a.draft_overhead_ms):
+        print(f"| {k.name} | {r['speculator']} | {r['tau']} | {r['draft_gb']:.2f} | "
+              f"{r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['spec_ms']:.2f} | "
+              f"{r['spec_tok_s']:.0f} |")
+    return
   kinds = [(TODAY, False), (TARGETS, False), (TARGETS, True)]
   if a.expert_frac:
     kinds.append((Kernels("measured", a.expert_frac, a.attention_us, 0.85, 0.75), False))

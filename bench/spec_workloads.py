@@ -1,7 +1,8 @@
 """Prompts shared by the speculative-decoding benchmarks (`speculative.py`, `spec_serving.py`,
 `spec_constants.py`).
 
-* FRESH: short code openings the model continues freely (little to copy);
+* FRESH: short code openings the model continues freely (little to copy); `fresh_prompts`
+  adds held-out openings for batches past its 8;
 * `agent_turn`: a later turn that resends the conversation (the prompt, the model's answer, a
   blank line, the prompt again), so the answer repeats earlier context; `agent_turns` makes
   them for a batch of prompts with the model's greedy answers (after a `document`, if asked);
@@ -20,6 +21,13 @@ FRESH = ["def read_config(path):\n", "class Point:\n    def __init__(self, x, y)
          "import os\nimport sys\n\n\ndef main(argv):\n", "    for i, item in enumerate(items):\n",
          "def parse_args():\n    parser = argparse.ArgumentParser(", "    @property\n    def name",
          "def merge(a, b):\n", "with open(path) as fh:\n"]
+
+
+def fresh_prompts(model: Any, n: int) -> list[str]:
+  """n fresh prompts: FRESH, then (past its 8) openings of 16 tokens of held-out code
+  (`novel_prompts`; no prompt twice in a batch, so no row copies another's answer)."""
+  extra = novel_prompts(model, max(n - len(FRESH), 0), 0, tokens=16) if n > len(FRESH) else []
+  return FRESH[:n] + [model.decode(ids[1:]) for ids in extra]
 
 
 def agent_turn(model: Any, prompt: str, prompt_ids: Sequence[int],

@@ -4,7 +4,8 @@
     python -m bench.speculative --methods=ngram,mtp --num_draft=2,4,8 --out=spec.json
     python -m bench.speculative --dtype=float32 --num_draft=4,8 --learning_curve=5
 
-Two workloads of `--batch` prompts, greedy, `--max_new_tokens` each (EOS ignored):
+Two workloads of `--batch` prompts (a list: each batch size in turn), greedy,
+`--max_new_tokens` each (EOS ignored):
 * fresh: short code openings the model continues freely (little to copy);
 * agent: agent-style repetition: a later turn that resends the conversation: the fresh prompt,
   the model's own greedy continuation of it, a blank line, and the same prompt again, so the
@@ -23,8 +24,9 @@ Each row: one warm-up call of it and of its path's `off` (compiles), then `--rou
 that time a call of each in turn; speedup = the mean times' ratio, so load from elsewhere on the
 machine (which moved separately timed rows by up to 0.3x on CPU) slows both alike. Counters are
 summed over the timed calls: mean accepted length = tokens per target forward; identical =
-every call's tokens equal plain greedy on the loop path. The learned table starts empty in
-every call (no credit for the warm-up having seen the prompts).
+every call's tokens equal plain greedy on the loop path; accepted at 1/2/..: the share of
+verify steps with drafts that accepted draft j (per-position acceptance). The learned table
+starts empty in every call (no credit for the warm-up having seen the prompts).
 
 `--learning_curve=N`: N repetitions of the agent workload with one learned table kept across
 them (drafter "learned" at the largest K, and "auto" with `--auto`): accepted length and speedup
@@ -50,7 +52,7 @@ from absl import app, flags
 import engine as moejax
 from engine import NgramMemory, SpeculativeConfig
 
-from bench.spec_workloads import FRESH, agent_turns
+from bench.spec_workloads import agent_turns, fresh_prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -67,7 +69,7 @@ flags.DEFINE_bool("adaptive", True, "Also run each method with adaptive draft le
 flags.DEFINE_bool("auto", True, "Also run method 'auto' on the serving engine path.")
 flags.DEFINE_integer("learning_curve", 0, "Repetitions of the agent workload with one learned "
                      "table kept across them (0: skip).", lower_bound=0)
-flags.DEFINE_integer("batch", 4, "Prompts per workload.")
+flags.DEFINE_list("batch", ["4"], "Prompts per workload; a list (e.g. 1,16) runs each.")
 flags.DEFINE_integer("agent_context", 0, "Tokens of a held-out document in front of each agent "
                      "turn (a long conversation: attention reads more cache per step, so "
                      "verifying drafts costs relatively less).")
@@ -134,7 +136,8 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: li
         ) -> dict:
   """A table row from the timed calls of one configuration (`seconds`: mean per call);
   counters summed over the calls; speedup is over `base_seconds` (the path's `off`, timed side
-  by side)."""
+  by side); `accepted_at_rate[j]`: the share of verify steps with drafts whose draft j + 1 was
+  accepted (drafts past the first rejection count as rejected)."""
   got = [r for call in calls for r in call]
   n_tokens = sum(len(t) for t, _ in got) / len(calls)
   specs = [s for _, s in got if s is not None]
@@ -145,7 +148,12 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: li
            acceptance_rate=sum(s["accepted"] for s in specs) / drafted if drafted else 0.0,
            tok_s=n_tokens / seconds, seconds=seconds, speedup=base_seconds / seconds,
            identical=all([t for t, _ in call] == plain_ids for call in calls),
-           prompt_tokens=prompt_tokens, calls=len(calls))
+           prompt_tokens=prompt_tokens, calls=len(calls), batch=len(plain_ids),
+           steps=steps, drafted=drafted, accepted=sum(s["accepted"] for s in specs))
+  with_drafts = sum(s["drafts"] for s in specs)
+  if specs and with_drafts:
+    at = [sum(s["accepted_at"][j] for s in specs) for j in range(len(specs[0]["accepted_at"]))]
+    r["accepted_at_rate"] = [a / with_drafts for a in at]
   if specs and "auto_choices" in specs[0]:  # row iterations per drafter, all requests
     r["auto_choices"] = {}
     for s in specs:
@@ -272,15 +280,17 @@ def learning_curve(model, draft, ids: list[list[int]], max_new: int, k: int, rep
 
 def print_table(rows: list[dict], repetition: bool = False) -> None:
   first = f"{'rep':>3} " if repetition else ""
-  header = (f"{first}{'workload':8} {'path':6} {'method':8} {'K':>2} {'adapt':5} {'acc.len':>7} "
-            f"{'acc.rate':>8} {'tok/s':>8} {'speedup':>7} {'calls':>5} identical")
+  header = (f"{first}{'workload':8} {'B':>2} {'path':6} {'method':8} {'K':>2} {'adapt':5} "
+            f"{'acc.len':>7} {'acc.rate':>8} {'accepted at 1/2/..':18} {'tok/s':>8} "
+            f"{'speedup':>7} {'calls':>5} identical")
   print(header)
   print("-" * len(header))
   for r in rows:
     lead = f"{r['repetition']:>3} " if repetition else ""
-    print(f"{lead}{r['workload']:8} {r['path']:6} {r['method']:8} {r['k']:>2} "
+    at = "/".join(f"{a:.2f}" for a in r.get("accepted_at_rate", [])[:4]) or "-"
+    print(f"{lead}{r['workload']:8} {r['batch']:>2} {r['path']:6} {r['method']:8} {r['k']:>2} "
           f"{'yes' if r['adaptive'] else 'no':5} {r['mean_accepted_length']:7.2f} "
-          f"{r['acceptance_rate']:8.2f} {r['tok_s']:8.1f} {r['speedup']:7.2f} "
+          f"{r['acceptance_rate']:8.2f} {at:18} {r['tok_s']:8.1f} {r['speedup']:7.2f} "
           f"{r['calls']:>5} {r['identical']}")
 
 
@@ -318,24 +328,25 @@ def main(argv):
   draft = (moejax.load(FLAGS.draft_checkpoint, progress=False, dtype=FLAGS.dtype)
            if wants_draft and FLAGS.draft_checkpoint else None)
   ks = sorted({int(k) for k in FLAGS.num_draft})
-  fresh = FRESH[:FLAGS.batch]
-  workloads = {"fresh": [model.encode(p) for p in fresh],
-               "agent": agent_turns(model, fresh, FLAGS.max_new_tokens, FLAGS.agent_context)}
-  rows, curve = [], []
+  batches = [int(b) for b in FLAGS.batch]
+  rows, curve, agent = [], [], None
 
   def write(**extra):  # after every stage: a crash late in a long run keeps what it measured
     if FLAGS.out:
       with open(FLAGS.out, "w") as fh:
-        json.dump(dict(checkpoint=FLAGS.checkpoint, batch=FLAGS.batch, dtype=FLAGS.dtype,
+        json.dump(dict(checkpoint=FLAGS.checkpoint, batch=batches, dtype=FLAGS.dtype,
                        max_new_tokens=FLAGS.max_new_tokens, num_draft=ks, rows=rows,
                        learning_curve=curve, **extra), fh, indent=1)
 
-  for name, ids in workloads.items():
-    rows += workload_rows(model, draft, name, ids, FLAGS.max_new_tokens, FLAGS.methods, ks,
-                          FLAGS.adaptive, FLAGS.auto, FLAGS.rounds)
-    write()
+  for b in batches:
+    fresh = fresh_prompts(model, b)
+    agent = agent_turns(model, fresh, FLAGS.max_new_tokens, FLAGS.agent_context)
+    for name, ids in (("fresh", [model.encode(p) for p in fresh]), ("agent", agent)):
+      rows += workload_rows(model, draft, name, ids, FLAGS.max_new_tokens, FLAGS.methods, ks,
+                            FLAGS.adaptive, FLAGS.auto, FLAGS.rounds)
+      write()
   if FLAGS.learning_curve:
-    curve = learning_curve(model, draft, workloads["agent"], FLAGS.max_new_tokens, max(ks),
+    curve = learning_curve(model, draft, agent, FLAGS.max_new_tokens, max(ks),
                            FLAGS.learning_curve, FLAGS.auto)
 
   print_table(rows)

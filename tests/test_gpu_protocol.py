@@ -265,6 +265,17 @@ def test_k25_projection_prices_the_busiest_device_and_the_verify():
   assert rows[0]["tok_s"] > rows[1]["tok_s"]  # more overhead, fewer tokens
   for r in rows:  # a verify costs more than a step, so speculation gains less than tau
     assert r["verify_ms"] > 1.3 * r["step_ms"] and r["tok_s"] < r["spec_tok_s"] < 3 * r["tok_s"]
+  # An EAGLE-3 MLA head for K2.5: its full-vocabulary lm_head is 163840 x 7168 bf16 = 2.35 GB,
+  # the body ~0.67B parameters; tokens/s = tau / (verify + K head steps).
+  assert proj.head_gb(163840, 1) - proj.head_gb(0, 1) == pytest.approx(2.349, abs=0.001)
+  assert proj.HEAD_BODY_PARAMS == pytest.approx(0.667e9, rel=0.01)
+  spec = {(r["speculator"], r["tau"]): r for r in proj.speculators(
+      proj.TARGETS, 3.0, 4.3e12, 8192, drafts=3, draft_overhead_ms=0.15)}
+  ngram, mla = spec[("n-gram (prompt lookup / learned)", 2.0)], next(
+      r for (name, tau), r in spec.items() if name.startswith("EAGLE-3 MLA (") and tau == 2.9)
+  assert ngram["spec_ms"] == ngram["verify_ms"] < mla["spec_ms"]
+  assert mla["spec_tok_s"] == pytest.approx(2.9 / mla["spec_ms"] * 1e3)
+  assert mla["spec_tok_s"] > ngram["spec_tok_s"]
 
 
 def _tiny_layers_model(layers):
