@@ -306,6 +306,21 @@ def head_losses(train: Any, frozen: Any, lm_head: jax.Array, aux: jax.Array, fin
   return soft_ce(logits, jax.lax.stop_gradient(tlogits), frozen.get("draft_to_target"))
 
 
+def with_earlier_phases(report: dict, init_from: str | None) -> dict:
+  """The report with the phases the start head trained in (`earlier_phases`, oldest first,
+  their histories dropped), read from its train_report.json."""
+  path = init_from and os.path.join(init_from, "train_report.json")
+  if not path or not os.path.exists(path):
+    return report
+  with open(path) as fh:
+    prev = json.load(fh)
+  earlier = prev.pop("earlier_phases", [])
+  if "phase1" in prev:
+    earlier.append(prev.pop("phase1"))
+  prev.pop("history", None)
+  return dict(report, earlier_phases=earlier + [prev])
+
+
 def generate_data(model: Any, train_ids: np.ndarray, n: int, prompt_len: int, new: int,
                   seed: int) -> np.ndarray:
   """[n, prompt_len + new] target-generated sequences from train-split prompts."""
@@ -412,16 +427,20 @@ def main(argv: list[str]) -> None:
   import shutil
   shutil.rmtree(init_dir)
   n_params = sum(int(np.prod(v.shape)) for v in to_tensors(hcfg, params).values())
-  pre_vocab = dict(draft_vocab=hcfg.draft_vocab_size)
+  vocab = dict(draft_vocab=hcfg.draft_vocab_size)
+  if "draft_to_target" in frozen:  # (the held-out sequences' generated tokens it covers)
+    vocab["draft_vocab_coverage"] = round(float(np.isin(
+        data[n_train:, FLAGS.prompt_len:], np.asarray(frozen["draft_to_target"])).mean()), 4)
   report = dict(model="eagle3 head (MLA, published layout)", params=n_params,
                 aux_layer_ids=AUX_IDS, ttt_steps=k, decay=TTT_DECAY, steps=FLAGS.steps,
                 batch=FLAGS.batch, sequences=len(data), prompt_len=FLAGS.prompt_len,
-                new_tokens=data.shape[1] - FLAGS.prompt_len, lr=FLAGS.lr, generate_seconds=round(gen_s, 1),
-                precompute_seconds=round(pre_s, 1), **pre_vocab,
+                new_tokens=data.shape[1] - FLAGS.prompt_len, lr=FLAGS.lr,
+                generate_seconds=round(gen_s, 1), precompute_seconds=round(pre_s, 1), **vocab,
                 init_from=FLAGS.init_from, greedy_only=FLAGS.greedy_only,
                 train_seconds=round(train_s, 1),
                 heldout={n: round(float(v), 4) for n, v in held_metrics.items()},
                 history=history)
+  report = with_earlier_phases(report, FLAGS.init_from)
   with open(os.path.join(FLAGS.out, "train_report.json"), "w") as fh:
     json.dump(report, fh, indent=1)
   print(json.dumps({k_: report[k_] for k_ in ("params", "train_seconds", "heldout")}))

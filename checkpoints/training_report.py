@@ -60,32 +60,52 @@ def eagle3_section(rep: dict | None) -> list[str]:
   k = rep["ttt_steps"]
   agree = ", ".join(f"step {j}: {h[f'agree{j}']:.1%}" for j in range(k))
   ce = ", ".join(f"{h[f'ce{j}']:.3f}" for j in range(k))
+  if "draft_vocab_coverage" in rep:
+    vocab = (f"a reduced draft vocabulary of {rep['draft_vocab']:,} ids (`d2t` / `t2d`: the "
+             f"training data's most frequent; they hold {rep['draft_vocab_coverage']:.2%} of "
+             "the held-out sequences' generated tokens; over it the target's distribution is "
+             "renormalised and positions whose target top-1 lies outside are left out)")
+  else:
+    vocab = "its own full-vocabulary `lm_head`"
+  fast = ""
+  if "precompute_seconds" in rep:
+    fast = (f" The target's aux residual streams and final hidden state are computed once per "
+            f"sequence ({rep['precompute_seconds'] / 60:.1f} min), so a step runs only the head "
+            f"({rep['train_seconds'] / rep['steps']:.2f} s a step here).")
   return ["## EAGLE-3 head", "",
           f"`eagle3/` (`python -m checkpoints.train_eagle3`): an EAGLE-3 head in the published "
           f"MLA layout (`Eagle3DeepseekV2ForCausalLM`, `midlayer.*`, bf16), {rep['params']:,} "
-          f"parameters (its own full-vocabulary `lm_head`; the target's embedding, not shipped), "
-          f"aux layer ids {rep['aux_layer_ids']} (input convention: the residual streams "
-          f"entering layers 2 and 3 and the 4th layer's output). Data: {rep['sequences']} "
-          f"prompts of {rep['prompt_len']} tokens from the train split, each continued "
+          f"parameters ({vocab}; the target's embedding, not shipped), aux layer ids "
+          f"{rep['aux_layer_ids']} (input convention: the residual streams entering layers 2 "
+          f"and 3 and the 4th layer's output). Data: {rep['sequences']:,} prompts of "
+          f"{rep['prompt_len']} tokens from the train split, each continued "
           f"{rep['new_tokens']} tokens by the target (float32; "
           + ("greedy" if rep.get("greedy_only") else "half greedy, half sampled at temperature 1")
           + f"), {rep['generate_seconds'] / 60:.1f} min. Training-time test with "
           f"K = {k} unrolled steps, soft cross-entropy against the target's distribution, step "
           f"weights {rep['decay']}^k; AdamW, peak lr {rep['lr']}, {rep['steps']} steps x "
           f"{rep['batch']} sequences, {rep['train_seconds'] / 60:.1f} min on this shared 2-core "
-          f"CPU. On 16 generated sequences never trained on, the head's top-1 agrees with the "
-          f"target's ({agree}; cross-entropy {ce}). Acceptance against the MTP layer: "
-          "BENCHMARKS.md, issue 55.", ""] + _eagle3_phase1(rep.get("phase1"))
+          f"CPU.{fast} On 16 generated sequences never trained on, the head's top-1 agrees with "
+          f"the target's ({agree}; cross-entropy {ce}). Acceptance against the MTP layer: "
+          "BENCHMARKS.md, issue 55.", ""] + _eagle3_phases(rep.get("earlier_phases", []))
 
 
-def _eagle3_phase1(p1: dict | None) -> list[str]:
-  if not p1:
+def _eagle3_phases(earlier: list[dict]) -> list[str]:
+  """The phases the head trained in before the one above, each from the previous one's weights
+  with a fresh AdamW state and schedule."""
+  if not earlier:
     return []
-  return [f"It trained in two phases: phase 1 from random weights (its `lm_head` the target's) "
-          f"on {p1['sequences']} continuations, half greedy, half sampled, {p1['steps']} steps, "
-          f"peak lr {p1['lr']}, {p1['train_seconds'] / 60:.1f} min; phase 2 (the numbers above) "
-          "from the phase-1 weights on greedy continuations only (the acceptance measured is "
-          "greedy), a fresh AdamW state and schedule.", ""]
+  out = ["Phases, each from the previous one's weights with a fresh AdamW state and warm-up + "
+         "cosine schedule (the target's forward inside every step before the last):", ""]
+  for i, p in enumerate(earlier, 1):
+    start = "random weights (its `lm_head` the target's)" if i == 1 else f"phase {i - 1}"
+    data = "greedy" if p.get("greedy_only") else "half greedy, half sampled"
+    held = p.get("heldout", {})
+    out.append(f"{i}. from {start}: {p['sequences']} continuations ({data}), {p['steps']} "
+               f"steps x {p['batch']}, peak lr {p['lr']}, {p['train_seconds'] / 60:.1f} min"
+               + (f"; held-out top-1 agreement {held['agree0']:.1%} / {held['agree1']:.1%} / "
+                  f"{held['agree2']:.1%}" if held else "") + ".")
+  return out + [f"{len(earlier) + 1}. from phase {len(earlier)}: the numbers above.", ""]
 
 
 def build(demo_dir: str, hf_parity_path: str | None) -> str:
