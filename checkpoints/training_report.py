@@ -86,11 +86,23 @@ def eagle3_section(rep: dict | None) -> list[str]:
           f"weights {rep['decay']}^k; AdamW, peak lr {rep['lr']}, {rep['steps']} steps x "
           f"{rep['batch']} sequences, {rep['train_seconds'] / 60:.1f} min on this shared 2-core "
           f"CPU.{fast} On 16 generated sequences never trained on, the head's top-1 agrees with "
-          f"the target's ({agree}; cross-entropy {ce}). Acceptance against the MTP layer: "
-          "BENCHMARKS.md, issue 55.", ""] + _eagle3_phases(rep.get("earlier_phases", []))
+          f"the target's ({agree}; cross-entropy {ce}).{_acceptance(rep.get('acceptance'))}",
+          ""] + _eagle3_phases(rep.get("earlier_phases", []), "draft_vocab_coverage" in rep)
 
 
-def _eagle3_phases(earlier: list[dict]) -> list[str]:
+def _acceptance(acc: dict | None) -> str:
+  """The measured acceptance against the MTP layer (`acceptance` in the report, written after
+  measuring: `bench.speculative` rows and `engine.generate --json`)."""
+  if not acc:
+    return " Acceptance against the MTP layer: BENCHMARKS.md, issue 55."
+  cells = "; ".join(f"{w}: {r['eagle3'][0]:.2f} ({'/'.join(f'{x:.2f}' for x in r['eagle3'][1])}) "
+                    f"against {r['mtp'][0]:.2f} ({'/'.join(f'{x:.2f}' for x in r['mtp'][1])})"
+                    for w, r in acc["rows"].items())
+  return (f" Mean accepted length at K = 3 (greedy, float32; acceptance at draft 1/2/3 in "
+          f"brackets), the head against the MTP layer, `{acc['command']}`: {cells}.")
+
+
+def _eagle3_phases(earlier: list[dict], cut: bool = False) -> list[str]:
   """The phases the head trained in before the one above, each from the previous one's weights
   with a fresh AdamW state and schedule."""
   if not earlier:
@@ -105,7 +117,9 @@ def _eagle3_phases(earlier: list[dict]) -> list[str]:
                f"steps x {p['batch']}, peak lr {p['lr']}, {p['train_seconds'] / 60:.1f} min"
                + (f"; held-out top-1 agreement {held['agree0']:.1%} / {held['agree1']:.1%} / "
                   f"{held['agree2']:.1%}" if held else "") + ".")
-  return out + [f"{len(earlier) + 1}. from phase {len(earlier)}: the numbers above.", ""]
+  return out + [f"{len(earlier) + 1}. from phase {len(earlier)}"
+                + (" (its `lm_head` cut to the draft vocabulary's rows)" if cut else "")
+                + ": the numbers above.", ""]
 
 
 def build(demo_dir: str, hf_parity_path: str | None) -> str:
