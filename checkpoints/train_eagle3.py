@@ -3,6 +3,10 @@ objective, and writes it in the published MLA layout (`config.json` + `model.saf
 `midlayer.*` names, bf16), reusing the target's embedding (the head ships no `embed_tokens`).
 
     python -m checkpoints.train_eagle3 --steps=1500 --out=checkpoints/demo/eagle3
+    # the shipped head's last phase (from the previous head; data cached in --data):
+    python -m checkpoints.train_eagle3 --sequences=4096 --new_tokens=96 --greedy_only \
+        --steps=1000 --lr=1e-3 --draft_vocab=2048 --data=/tmp/eagle3_data.npz \
+        --init_from=checkpoints/demo/eagle3 --out=/tmp/eagle3_head
 
 Data: prompts cut from the demo corpus' train split, continued by the target itself
 (`engine.generate`, float32; half greedy, half sampled at temperature 1), as the published Kimi
@@ -12,6 +16,11 @@ token k + 1 ahead, the target's fused aux states at k = 0, its own previous outp
 attention seeing the step-0 prefix plus its own earlier steps' entries at the same index (the
 "diagonal"), exactly as chained drafting at serving time does; loss_k is the soft cross-entropy
 against the target's distribution of the token k + 2 ahead; total = sum 0.8^k loss_k.
+
+The target is frozen, so its aux residual streams and final hidden state are computed once per
+sequence (`precompute`) and a step runs only the head (`head_losses`; `losses`, the target run
+inside, is the reference it must equal). With `--draft_vocab` the head drafts from the training
+data's most frequent ids (`d2t` / `t2d`), its lm_head a quarter the size or less.
 """
 
 from __future__ import annotations

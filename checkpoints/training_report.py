@@ -71,7 +71,13 @@ def eagle3_section(rep: dict | None) -> list[str]:
   if "precompute_seconds" in rep:
     fast = (f" The target's aux residual streams and final hidden state are computed once per "
             f"sequence ({rep['precompute_seconds'] / 60:.1f} min), so a step runs only the head "
-            f"({rep['train_seconds'] / rep['steps']:.2f} s a step here).")
+            f"({rep['train_seconds'] / rep['steps']:.2f} s a step here, under load).")
+    prof = rep.get("step_profile")
+    if prof:
+      fast += (f" One step of 8 x 128 tokens, timed side by side ({prof['note']}): the target "
+               f"inside the step {prof['target_inside_s']} s, precomputed states "
+               f"{prof['precomputed_s']} s, and with the {rep['draft_vocab']:,}-id draft "
+               f"vocabulary {prof['precomputed_draft_vocab_s']} s.")
   return ["## EAGLE-3 head", "",
           f"`eagle3/` (`python -m checkpoints.train_eagle3`): an EAGLE-3 head in the published "
           f"MLA layout (`Eagle3DeepseekV2ForCausalLM`, `midlayer.*`, bf16), {rep['params']:,} "
