@@ -5,8 +5,8 @@ objective, and writes it in the published MLA layout (`config.json` + `model.saf
     python -m checkpoints.train_eagle3 --steps=1500 --out=checkpoints/demo/eagle3
     # the shipped head's last phase (from the previous head; data cached in --data):
     python -m checkpoints.train_eagle3 --sequences=4096 --new_tokens=96 --greedy_only \
-        --steps=1000 --lr=1e-3 --draft_vocab=2048 --data=/tmp/eagle3_data.npz \
-        --init_from=checkpoints/demo/eagle3 --out=/tmp/eagle3_head
+        --steps=1000 --lr=1e-3 --draft_vocab=2048 --data=eagle3_data.npz \
+        --init_from=checkpoints/demo/eagle3 --out=eagle3_head
 
 Data: prompts cut from the demo corpus' train split, continued by the target itself
 (`engine.generate`, float32; half greedy, half sampled at temperature 1), as the published Kimi
