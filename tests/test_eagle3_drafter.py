@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -166,22 +167,22 @@ def test_greedy_output_identical_to_speculative_off(target, variant):
   assert s["spec_steps_eagle3"] > 0 and s["spec_drafted_eagle3"] > 0
 
 
-def check_head_state(eng, req, target, hcfg, hparams):
+def check_head_state(eng, req, target, hcfg, hparams, page=PAGE):
   """The head's cache entries at positions < num_computed and the request's row state equal a
   one-shot target forward (aux states) and head first pass over the request's tokens."""
   tcfg, tparams = target
   ids, n = req.all_ids, req.num_computed
   assert n == len(ids) - 1
-  width = eng.max_pages_per_seq * PAGE
+  width = eng.max_pages_per_seq * page
   pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
   entry = first_extra_entry(tcfg)
-  cache = init_cache(tcfg, eng.pool.num_pages, PAGE, jnp.float32,
+  cache = init_cache(tcfg, eng.pool.num_pages, page, jnp.float32,
                      extra=eng.runner.extra_entries)
   carry, pool = _one_shot(tparams, hparams, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
                           jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([n]), pt,
                           tcfg=tcfg, hcfg=hcfg, entry=entry)
   pos = np.arange(n)
-  idx = (np.asarray(pt)[0, pos // PAGE], pos % PAGE)
+  idx = (np.asarray(pt)[0, pos // page], pos % page)
   for k, v in pool.items():
     np.testing.assert_allclose(np.asarray(eng.cache[entry][k])[idx], np.asarray(v)[idx],
                                rtol=1e-4, atol=1e-4)
@@ -203,7 +204,7 @@ def _one_shot(tparams, hparams, cache, tokens, nxt, n, pt, *, tcfg, hcfg, entry)
 def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
   """One request prefilled in chunks: the head's KV and row state equal a one-shot pass, and
   its first drafts are the PyTorch golden's; after decode loops (verified blocks observed) the
-  state still does. Then (MLA) a batch in a pool too small for it (preemption, recompute)
+  state still does, and so does a request's after a prefix-cache hit. Then (MLA) a batch in a pool too small for it (preemption, recompute)
   whose prompts share a prefix (prefix-cache hits): plain decoding's output."""
   hcfg, hparams = head(target, variant)
   states = np.load(os.path.join(FIXTURES, "target_states.npz"))
@@ -236,6 +237,17 @@ def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
   for _ in eng.run():
     pass
   assert req.output_ids == plain(target, [prompt], max_tokens)[0]
+  # A prefix hit whose next token differs: the head's entry at the hit's last position (and
+  # the row state) depend on it, so the hit's last page is computed again.
+  hits = eng.stats()["prefix_cache_hits"]
+  other = req.all_ids[:2 * PAGE] + [3 + (req.all_ids[2 * PAGE] - 2) % 300, 5, 6]
+  hit = eng.requests[eng.add_request(other, SamplingParams(), StopParams(max_tokens=2))]
+  while not hit.output_ids:
+    eng.step()
+  assert eng.stats()["prefix_cache_hits"] > hits
+  check_head_state(eng, hit, target, hcfg, hparams)
+  for _ in eng.run():
+    pass
   if variant != "mla":
     return
   shared = prompts(1, seed=5, lo=17, hi=18)[0]
@@ -248,38 +260,67 @@ def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
 
 
 @pytest.fixture(scope="module")
-def demo_with_head(tmp_path_factory):
-  """The demo target (float32) and a random EAGLE-3 head for it in the published MLA layout
-  (`checkpoints.train_eagle3`'s initial weights)."""
+def demo_with_head():
+  """The demo target (float32) and its trained EAGLE-3 head (`checkpoints/demo/eagle3`)."""
   import engine
-  from checkpoints import train_eagle3
   model = engine.load(DEMO_CHECKPOINT, dtype="float32")
-  d = str(tmp_path_factory.mktemp("demo_head"))
-  conf = train_eagle3.head_config(DEMO_CHECKPOINT, 128)
-  train_eagle3.save_head(d, conf, train_eagle3.initial_tensors(conf, model.config,
-                                                               model.params, seed=3))
-  return model, d
+  return model, model.llm.head(os.path.join(os.path.dirname(DEMO_CHECKPOINT), "eagle3"))
+
+
+FUNCTION = r"def [a-z]{1,6}\(self\):\n    return [a-z]{1,6}\n"
 
 
 @pytest.mark.slow
-def test_structured_outputs_beside_eagle3_rows(demo_with_head):
-  """A constrained request (structured outputs: masked steps, its drafts checked against the
-  grammar) beside rows drafting with eagle3, on the demo target: every row keeps plain
-  decoding's output, the constrained one within its grammar."""
-  model, head_dir = demo_with_head
-  ps = [model.tokenizer.encode(t).ids for t in ("def add(a, b):", "import os\n", "class A:")]
-  choice = StructuredOutputsParams(regex="(yes|no|maybe)")
-  sampling = [SamplingParams(structured_outputs=choice), SamplingParams(), SamplingParams()]
-  config = dict(CONFIG, page_size=16, max_model_len=64)
-  base = Engine.from_model(model, EngineConfig(**config))
-  want = base.generate(ps, sampling, StopParams(max_tokens=12, ignore_eos=True))
+def test_structured_outputs_draft_with_eagle3_checked_against_the_grammar(demo_with_head):
+  """Constrained rows (structured outputs) drafting with eagle3 beside an unconstrained eagle3
+  row, on the demo target: the head's top-1 drafts, proposed by each masked step on the device
+  and cut on the host at the first token the grammar forbids, verified under the masks.
+  Every row keeps plain decoding's output (greedy and a seeded sampled row), each constrained
+  one within its grammar; constrained rows drafted and had drafts accepted, and some drafts
+  were cut; the head's KV and row state of a constrained row equal a one-shot pass (the masked
+  step's first pass keeps them current)."""
+  model, (hcfg, hparams) = demo_with_head
+  tok = model.tokenizer
+  ps = [tok.encode(t).ids for t in ("def add(a, b):", "import os\n", "x = ", "class A:")]
+  schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                             "size": {"type": "integer"}},
+            "required": ["name", "size"], "additionalProperties": False}
+  constraints = [StructuredOutputsParams(regex="(yes|no|maybe)"),
+                 StructuredOutputsParams(regex=FUNCTION),
+                 StructuredOutputsParams(json=json.dumps(schema))]
+  sampling = [SamplingParams(structured_outputs=constraints[0]),
+              SamplingParams(structured_outputs=constraints[1]),
+              SamplingParams(structured_outputs=constraints[2], temperature=0.7, seed=3),
+              SamplingParams()]
+  stop = StopParams(max_tokens=32, ignore_eos=True)
+  config = dict(CONFIG, page_size=16, max_model_len=96)
+  want = Engine.from_model(model, EngineConfig(**config)).generate(ps, sampling, stop)
   eng = Engine.from_model(model, EngineConfig(**config, speculative="eagle3"),
-                          head=model.llm.head(head_dir))
-  got = eng.generate(ps, sampling, StopParams(max_tokens=12, ignore_eos=True))
-  assert [r.output_ids for r in got] == [r.output_ids for r in want]
-  assert model.tokenizer.decode(got[0].output_ids, skip_special_tokens=True) in (
-      "yes", "no", "maybe")
-  assert sum(r.usage().spec_draft_tokens for r in got[1:]) > 0
+                          head=(hcfg, hparams))
+  ids = [eng.add_request(p, s, stop) for p, s in zip(ps, sampling)]
+  reqs = [eng.requests[i] for i in ids]
+  checked = False
+  while eng.has_unfinished():
+    eng.step()
+    for r in reqs[:3]:  # a constrained row, after masked steps that verified drafts
+      if not checked and not r.finished and r.spec.drafted > 0:
+        check_head_state(eng, r, (model.config, model.params), hcfg, hparams, page=16)
+        checked = True
+  assert checked
+  assert [r.output_ids for r in reqs] == [r.output_ids for r in want]
+  text = [tok.decode(r.output_ids, skip_special_tokens=True) for r in reqs]
+  assert text[0] in ("yes", "no", "maybe")
+  assert re.fullmatch(FUNCTION, text[1]), text[1]
+  assert set(json.loads(text[2])) == {"name", "size"}
+  s = eng.stats()
+  info = ([(r.spec.drafted, r.spec.accepted, len(r.output_ids)) for r in reqs],
+          {k: v for k, v in s.items() if k.startswith("structured_")})
+  # (the first masked step has no drafts: "yes" / "no" / "maybe" may end before any)
+  assert all(r.spec.drafted > 0 for r in reqs[1:]), info  # constrained rows drafted too
+  assert sum(r.spec.accepted for r in reqs[:3]) > 0, info
+  assert s["structured_drafted"] > 0 and s["structured_accepted"] > 0, info
+  assert s["structured_drafts_cut"] > 0, info  # drafts the grammar forbids are never verified
+  assert s["spec_drafted_eagle3"] >= s["structured_drafted"] + reqs[3].spec.drafted
 
 
 @pytest.mark.slow

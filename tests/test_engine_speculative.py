@@ -239,8 +239,9 @@ def check_mtp_state(eng, req, model):
 @pytest.mark.slow
 def test_model_drafters_in_a_tight_pool(model, close):
   """MTP and the draft model, fixed K, in a pool that one long request fits and a batch does
-  not: MTP's cache entries and hidden state after chunked prefill and decode loops; both
-  drafters' rows preempted and recomputed keep plain decoding's output. Two rows at most
+  not: MTP's cache entries and hidden state after chunked prefill, decode loops and a
+  prefix-cache hit; both drafters' rows preempted and recomputed keep plain decoding's
+  output. Two rows at most
   (one decode batch size, 2: one loop program to compile) and 10 usable pages: the long
   request takes all 10, two of the batch's rows (6-7 pages each) do not fit."""
   cfg, params = model
@@ -261,6 +262,17 @@ def test_model_drafters_in_a_tight_pool(model, close):
   for _ in eng.run():
     pass
   assert req.output_ids == plain(model, [long], 30)[0]
+  # A prefix hit whose next token differs: the MTP entry at the hit's last position (and the
+  # row state) depend on it, so the hit's last page is computed again.
+  hits = eng.stats()["prefix_cache_hits"]
+  other = long[:24] + [3 + (long[24] - 2) % 300, 5, 6]
+  hit = eng.requests[eng.add_request(other, SamplingParams(), StopParams(max_tokens=2))]
+  while not hit.output_ids:
+    eng.step()
+  assert eng.stats()["prefix_cache_hits"] > hits
+  check_mtp_state(eng, hit, model)
+  for _ in eng.run():
+    pass
   ps = fresh_prompts(6, seed=21, lo=20, hi=30)
   got = eng.generate(ps, [SamplingParams(drafter=["mtp", "draft"][i % 2]) for i in range(6)],
                      StopParams(max_tokens=24))

@@ -177,3 +177,30 @@ def test_prepare_cuts_drafts_at_a_forbidden_token_and_pads_to_the_compiled_width
   assert masks == [before, after_a.allowed_tokens().tolist()]
   assert m.num_accepted == 2 and m.allowed_tokens().tolist() == before  # rolled back
   assert prepare([free], [4], 64, 8192, 4).bitmask.shape[:2] == (1, 1)  # no draft: one column
+
+
+def test_prepare_cuts_device_drafts_at_a_forbidden_token(tok):
+  """A row drafting with a device drafter (EAGLE-3, `speculative/constrained.py`): the drafts
+  the last masked step proposed after its newest token (`RequestSpec.proposed`), cut at the
+  first one the grammar forbids (counted); drafts proposed for another position are not used.
+  "auto" rows take the engine's device drafter, else the n-gram host form."""
+  import types
+  from engine.runtime.structured import prepare, row_drafter
+  grammar = compile_grammar(S(regex=r"(ab)+"), tok, vocab_size=8192, eos_token_ids=[EOS])
+  a, b = encode(tok, "a")[0], encode(tok, "b")[0]
+  x = encode(tok, "x")[0]
+  m = grammar.matcher()
+  assert m.accept(a)
+  row = types.SimpleNamespace(all_ids=[7, 8, a], num_computed=2, grammar=m,
+                              spec=types.SimpleNamespace(drafter="eagle3",
+                                                         proposed=(2, [b, a, x, b])))
+  stale = types.SimpleNamespace(all_ids=[7, 8, a], num_computed=1, grammar=grammar.matcher(),
+                                spec=types.SimpleNamespace(drafter="auto", proposed=(2, [a])))
+  prep = prepare([row, stale], [4, 4], window=64, vocab_size=8192, max_drafts=4,
+                 device=("eagle3",))
+  assert prep.drafts == [[b, a], []] and prep.cut == 2
+  assert m.num_accepted == 1  # rolled back
+  assert prepare([row], [1], 64, 8192, 4, device=("eagle3",)).drafts == [[b]]  # its limit
+  assert row_drafter("auto", ("eagle3",)) == "eagle3" and row_drafter("auto") == "ngram"
+  assert row_drafter("ngram", ("eagle3",)) == "ngram" and row_drafter("eagle3") is None
+  assert row_drafter("mtp", ("eagle3",)) is None and row_drafter(None, ("eagle3",)) is None

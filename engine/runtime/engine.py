@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+import numpy as np
 
 from engine.model.cache import cache_bytes_per_token
 from engine.model.config import ModelConfig
@@ -106,7 +107,9 @@ class Engine:
     num_pages = kv_sizing.agree_num_pages(
         config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
     self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
-    self.scheduler = Scheduler(self.sched_config, self.pool)
+    # (a drafter's entry at a cached page's last position saw another request's next token)
+    self.scheduler = Scheduler(self.sched_config, self.pool, recompute_last_hit_page=any(
+        d.observes_prefill for d in drafters))
     self.runner = ModelRunner(cfg, params, config, num_pages=num_pages, cache_dtype=dtype,
                               mesh=mesh, drafters=drafters, own_params=own)
     self.traffic = TrafficStats()
@@ -139,8 +142,9 @@ class Engine:
                                self.runner.execute)
     if self.spec is not None:
       self.counters.update(spec_steps=0, spec_drafted=0, spec_accepted=0)
-    self.constrained = structured.ConstrainedRows(cfg.vocab_size, config.ngram_window,
-                                                  config.num_draft_tokens)
+    self.constrained = structured.ConstrainedRows(
+        cfg.vocab_size, config.ngram_window, config.num_draft_tokens,
+        device=tuple(d.name for d in self.runner.constrained_drafters))
     self._take_snapshot()
 
   @staticmethod
@@ -341,7 +345,8 @@ class Engine:
       # their masked step follows it.
       masks = None
       if plan.constrained:
-        limits = structured.draft_limits(plan.constrained, self.scheduler, self.k)
+        limits = structured.draft_limits(plan.constrained, self.scheduler, self.k,
+                                         self.constrained.device)
         masks = (self.constrained.start(plan.constrained, limits) if plan.segments
                  else self.constrained.now(plan.constrained, limits))
       if plan.decode_only:
@@ -389,8 +394,14 @@ class Engine:
                                          observe=bool(observers), features=features)
     out = self.runner.execute(desc)
     sampled, lps = out["sampled"], out["lps"]
-    for seg, row in zip(plan.segments, sampling_rows):
+    last_rows = np.cumsum([-(-s.num_tokens // w) for s in plan.segments]) - 1
+    for seg, row, last in zip(plan.segments, sampling_rows, last_rows):
       if row is None:
+        req = seg.request
+        if (req.constrained and req.spec is not None
+            and seg.start + seg.num_tokens == req.num_tokens - 1):
+          for d in observers:  # (its newest token waits for the masked step)
+            req.spec.rows[d.name] = out[f"rows.{d.name}"][last]
         self._advance(seg.request, seg.start + seg.num_tokens, [])
         continue
       if seg.request.spec is not None:
@@ -433,9 +444,12 @@ class Engine:
     tokens, start, n_draft, table, bits = self.constrained.arrays(
         prep, b, self.max_pages_per_seq, self.config.page_size,
         lambda r: batching.page_table_row(r, self.max_pages_per_seq))
+    device = self.runner.constrained_drafters
     out = self.runner.execute(StepDescription(
         MASKED, dict(tokens=tokens, start=start, n_draft=n_draft, page_table=table,
-                     bitmask=bits, **batching.sampling(reqs + [None] * (b - len(reqs)))),
+                     bitmask=bits, **batching.sampling(reqs + [None] * (b - len(reqs))),
+                     **(self.constrained.device_arrays(
+                         prep, b, {d.name: d.row_width() for d in device}) if device else {})),
         dict(want_logprobs=bool(wants_logprobs(reqs)))))
     emitted_all, counts, lps = out["out"], out["count"], out["lps"]
     c = self.constrained.counters
@@ -446,7 +460,12 @@ class Engine:
       c["structured_tokens"] += n
       if drafted:
         self.constrained.count_drafts(req, drafted, n - 1,
-                                      self.counters if self.spec is not None else None)
+                                      self.counters if self.spec is not None else None,
+                                      self.spec.per_drafter if self.spec is not None else None)
+      if device and req.spec is not None:  # (the next step's drafts follow the new newest)
+        for d in device:
+          req.spec.rows[d.name] = out[f"rows.{d.name}"][i]
+        req.spec.proposed = (req.num_computed + n, [int(t) for t in out["drafts"][i]])
       for tok in emitted:
         if not req.grammar.accept(tok):  # cannot happen: every emitted token was allowed
           raise RuntimeError(f"{req.request_id}: token {tok} outside the grammar's mask "

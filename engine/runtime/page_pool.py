@@ -129,8 +129,9 @@ class PagePool:
 
   # ---- prefix cache --------------------------------------------------------------------------
 
-  def match_prefix(self, keys: Sequence[int]) -> list[int]:
-    """Pages holding the longest cached run of `keys` from the start; takes a reference on each."""
+  def match_prefix(self, keys: Sequence[int], drop_last: bool = False) -> list[int]:
+    """Pages holding the longest cached run of `keys` from the start; takes a reference on each.
+    `drop_last`: all but the run's last page (which the caller computes again)."""
     if not self.enable_prefix_cache:
       return []
     pages = []
@@ -139,6 +140,8 @@ class PagePool:
       if page is None:
         break
       pages.append(page)
+    if drop_last:
+      pages = pages[:-1]
     self.prefix_queries += len(keys)
     self.prefix_hits += len(pages)
     for page in pages:

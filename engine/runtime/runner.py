@@ -91,6 +91,8 @@ class ModelRunner:
         self.state[d.name] = st
     self.learners = tuple(d for d in drafters if d.learns_from_plain)
     self.observers = tuple(d for d in drafters if d.observes_prefill)
+    # Model drafters of constrained rows: the masked step keeps them current and proposes.
+    self.constrained_drafters = tuple(d for d in drafters if d.drafts_constrained)
     k = config.num_draft_tokens
     self.loop_config = loop.LoopConfig(
         max_steps=config.max_decode_steps * (k + 1),
@@ -165,7 +167,19 @@ class ModelRunner:
     if desc.kind == MASKED:
       args = (self.params, self.cache, a["tokens"], a["start"], a["n_draft"], a["page_table"],
               _sampling(a), a["bitmask"], np.bool_(sc["want_logprobs"]))
-      return Program(steps.masked_step, args, dict(cfg=self.cfg, **kernels),
+      extra = {}
+      if self.constrained_drafters:  # (absent arrays: warm-up's junk rows, which write nothing)
+        b = a["tokens"].shape[0]
+        extra = dict(
+            rows={d.name: a.get(f"rows.{d.name}", np.zeros((b, d.row_width()), np.float32))
+                  for d in self.constrained_drafters},
+            own_params={d.name: self.own_params.get(d.name) for d in self.constrained_drafters},
+            live=a.get("live", np.zeros((b,), bool)),
+            drafting=a.get("drafting", np.zeros((b,), np.int32)))
+      return Program(steps.masked_step, args,
+                     dict(cfg=self.cfg, drafters=self.constrained_drafters,
+                          k=self.config.num_draft_tokens if self.constrained_drafters else 0,
+                          **extra, **kernels),
                      self._keep_masked)
     if desc.kind == DRAFTER:
       name = sc["drafter"]
@@ -232,9 +246,10 @@ class ModelRunner:
     return self._keep_decode(tuple(head))
 
   def _keep_masked(self, out) -> dict[str, Any]:
-    emitted, counts, lps, self.cache = out
-    emitted, counts, lps = jax.device_get((emitted, counts, lps))
-    return {"out": np.asarray(emitted), "count": np.asarray(counts), "lps": _lps(lps)}
+    emitted, counts, lps, rows, drafts, self.cache = out
+    emitted, counts, lps, rows, drafts = jax.device_get((emitted, counts, lps, rows, drafts))
+    return {"out": np.asarray(emitted), "count": np.asarray(counts), "lps": _lps(lps),
+            "drafts": np.asarray(drafts), **{f"rows.{n}": np.asarray(r) for n, r in rows.items()}}
 
   def _clear_null_page(self) -> None:
     self.cache = clear_page(self.cache, NULL_PAGE, self.cfg)

@@ -82,10 +82,16 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 class Scheduler:
   """Owns the waiting queue, the running list and the page pool's assignment to requests."""
 
-  def __init__(self, config: SchedulerConfig, pool: PagePool, prefix_salt: object = None):
+  def __init__(self, config: SchedulerConfig, pool: PagePool, prefix_salt: object = None,
+               recompute_last_hit_page: bool = False):
+    """`recompute_last_hit_page`: a prefix hit leaves its last page to be computed again, for
+    drafters whose cache entry at a position depends on the token after it (an EAGLE-3 head's,
+    an MTP layer's: the cached page's entry at its last position saw the next token of the
+    request that computed it) and whose row state prefill builds (vLLM's rule with EAGLE)."""
     self.config = config
     self.pool = pool
     self.prefix_salt = prefix_salt
+    self.recompute_last_hit_page = recompute_last_hit_page
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
@@ -210,13 +216,14 @@ class Scheduler:
 
   def _match_prefix(self, req: Request) -> None:
     """On admission, takes the longest cached prefix of the known tokens (leaving at least one
-    token to compute, whose logits give the next token)."""
+    token to compute, whose logits give the next token; and the hit's last page, with
+    `recompute_last_hit_page`)."""
     if req.pages:
       return
     usable = (req.num_tokens - 1) // self.pool.page_size
     keys = page_keys(req.all_ids[:usable * self.pool.page_size], self.pool.page_size,
                      self.prefix_salt, images=req.images)
-    hits = self.pool.match_prefix(keys)
+    hits = self.pool.match_prefix(keys, drop_last=self.recompute_last_hit_page)
     req.pages = list(hits)
     req.page_keys = keys[:len(hits)]
     req.num_cached_pages = len(hits)

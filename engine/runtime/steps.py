@@ -12,7 +12,8 @@
   never recompiles.
 * `masked_step`: constrained rows (structured outputs) `[B, T]`: each row's newest token and
   up to T - 1 drafted ones, one forward, the grammar's allowed-token bitmask per position
-  applied to the logits (-inf elsewhere) before sampling and verification.
+  applied to the logits (-inf elsewhere) before sampling and verification; model drafters of
+  constrained rows (EAGLE-3) observe the block and propose the next step's drafts.
 
 Sampling randomness is keyed by (request seed, position of the sampled token) in both, which is
 what makes a request's output independent of its batch, its chunking and preemption.
@@ -33,6 +34,7 @@ from engine.model.transformer import (Cache, compute_logits, embed_tokens, forwa
                                       forward_hidden_states)
 from engine.runtime import thought
 from engine.runtime.sampling import MAX_TOP_LOGPROBS, SamplingArrays, sample, token_logprobs
+from engine.runtime.speculative import constrained
 from engine.runtime.speculative.acceptance import verify
 from engine.runtime.speculative.drafters.base import aux_layers_of
 
@@ -189,11 +191,15 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
   return jnp.where(allowed, logits, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "impl", "drafters", "k"),
+                   donate_argnames=("cache",))
 def masked_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Array,
                 n_draft: jax.Array, page_table: jax.Array, sampling: SamplingArrays,
-                bitmask: jax.Array, want_logprobs: jax.Array | bool = False, *,
-                cfg: ModelConfig, impl: KernelChoice = REFERENCE):
+                bitmask: jax.Array, want_logprobs: jax.Array | bool = False,
+                rows: dict | None = None, own_params: dict | None = None,
+                live: jax.Array | None = None, drafting: jax.Array | None = None, *,
+                cfg: ModelConfig, impl: KernelChoice = REFERENCE, drafters: tuple = (),
+                k: int = 0):
   """One masked step of constrained rows: forward over `[newest, d_1 .. d_K]`, then the
   speculative rule (`acceptance.verify`) on the masked logits. With K = 0 (T = 1) it is plain
   masked sampling; a draft the mask forbids has logit -inf, so verification rejects it, and
@@ -206,13 +212,25 @@ def masked_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Arra
       (a padding row: start past the page table, so it writes nothing).
     bitmask: [B, T, ceil(V/32)] int32: slot i's mask is for the token after tokens[:, i]
       (valid where d_1 .. d_i are accepted, the only case in which it is read).
+    drafters: the model drafters that draft for constrained rows on the device
+      (`speculative/constrained.py`): each observes the verified block (its row state `rows`
+      {name: [B, width]}, its own weights in `own_params`) and proposes k drafts for the next
+      step; live [B] bool: the real rows; drafting [B] int32: each row's drafter id.
   Returns:
     (emitted [B, T] int32 (-1 past each row's count), counts [B] (n_accepted + 1), logprobs of
-    the emitted tokens under the model (chosen [B, T], top ids and logprobs [B, T, K]), cache).
+    the emitted tokens under the model (chosen [B, T], top ids and logprobs [B, T, K]), the
+    drafters' rows' state {name: [B, width]}, next drafts [B, k], cache).
   """
   b, t = tokens.shape
-  hidden, cache = forward(params, cache, tokens, start, n_draft + 1, page_table, cfg=cfg,
-                          impl=impl)
+  layers = aux_layers_of(drafters)
+  aux = {}
+  if layers:
+    hidden, cache, states = forward_hidden_states(params, cache, tokens, start, n_draft + 1,
+                                                  page_table, layers=layers, cfg=cfg, impl=impl)
+    aux = dict(zip(layers, states))
+  else:
+    hidden, cache = forward(params, cache, tokens, start, n_draft + 1, page_table, cfg=cfg,
+                            impl=impl)
   logits = compute_logits(params, hidden, cfg)  # [B, T, V]
   masked = apply_bitmask(logits.astype(jnp.float32), bitmask)
   # The thinking budget: the slot it forces admits only the end marker, where the grammar
@@ -246,4 +264,13 @@ def masked_step(params: Params, cache: Cache, tokens: jax.Array, start: jax.Arra
             jnp.zeros((b, t, k), jnp.float32))
 
   lps = jax.lax.cond(want_logprobs, record, skip, None)
-  return emitted, n_acc + 1, lps, cache
+  new_rows, next_drafts = {}, jnp.zeros((b, k), jnp.int32)
+  if drafters:
+    n_acc_live = n_acc * live.astype(jnp.int32)
+    block = constrained.Block(hidden=hidden, aux=aux, n_accepted=n_acc_live, extra=extra,
+                              emitted=jnp.maximum(emitted, 0))
+    new_rows, next_drafts, cache = constrained.observe_and_propose(
+        drafters, block, params=params, own_params=own_params or {}, cache=cache, rows=rows,
+        tokens=tokens, start=start, live=live, drafting=drafting, page_table=page_table,
+        sampling=sampling, k=k, cfg=cfg, impl=impl)
+  return emitted, n_acc + 1, lps, new_rows, next_drafts, cache

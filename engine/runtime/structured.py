@@ -8,14 +8,18 @@ then, for those rows:
 
 1. `prepare` (on a worker thread, started before the step's main program is dispatched, so the
    llguidance mask computation overlaps the unconstrained rows' device loop; llguidance drops
-   the GIL while it computes): per row, drafts (its drafter's host form, `host_drafter`: n-gram
-   prompt lookup, for rows drafting with "ngram" or "auto", when the engine speculates) cut at
-   the first one the grammar forbids, and the allowed-token bitmask at every position of
-   [newest, d_1 .. d_k] (the matcher advanced along the drafts, then rolled back).
+   the GIL while it computes): per row, drafts cut at the first one the grammar forbids, and
+   the allowed-token bitmask at every position of [newest, d_1 .. d_k] (the matcher advanced
+   along the drafts, then rolled back). A row's drafts (`row_drafter`, when the engine
+   speculates): a model drafter's that drafts on the device (`Drafter.drafts_constrained`:
+   EAGLE-3, for rows drafting with "eagle3", or "auto" on an engine with it), proposed by the
+   previous masked step (`speculative/constrained.py`); else its drafter's host form
+   (`host_drafter`: n-gram prompt lookup, for rows drafting with "ngram" or "auto").
 2. `steps.masked_step` after the main program: one forward over `[B, 1]` (no drafts) or
    `[B, k + 1]`, masked logits, the speculative rule (greedy: argmax over allowed tokens;
    sampled: the (seed, position) sample of the masked distribution), so drafting changes
-   nothing in the output.
+   nothing in the output. Device drafters observe the verified block and propose the next
+   step's drafts in the same program.
 3. `finish`: the emitted tokens go to the matcher; a matcher that admits nothing but EOS ends
    the request (finish reason "stop"); EOS itself is allowed only where the grammar accepts.
 """
@@ -45,14 +49,38 @@ def host_drafter(name: str | None) -> Callable[[Sequence[int], int, int], list[i
   return None
 
 
-def draft_limits(reqs: Sequence[Any], scheduler: Any, k: int) -> list[int]:
-  """Drafts each constrained row may take this step: rows whose drafter has a host form
-  (`host_drafter`), within max_draft_tokens, the tokens the row may still emit and the pages
-  free for them (taken here, `Scheduler.grow`; nothing is preempted for drafts)."""
+def row_drafter(drafter: str | None, device: Sequence[str] = ()) -> str | None:
+  """The drafter a constrained row drafting with `drafter` ("auto", a name, None) takes: the
+  first of the engine's `device` drafters (`Drafter.drafts_constrained`) it names, else the
+  first with a host form (`host_drafter`), else None."""
+  if drafter is None:
+    return None
+  for name in device:
+    if drafter in (name, AUTO):
+      return name
+  for d in registry():
+    if d.drafts_on_host and drafter in (d.name, AUTO):
+      return d.name
+  return None
+
+
+def proposed_drafts(req: Any) -> list[int]:
+  """The drafts the last masked step proposed for `req`, if they follow its newest token."""
+  got = req.spec.proposed if req.spec is not None else None
+  return list(got[1]) if got is not None and got[0] == req.num_computed else []
+
+
+def draft_limits(reqs: Sequence[Any], scheduler: Any, k: int,
+                 device: Sequence[str] = ()) -> list[int]:
+  """Drafts each constrained row may take this step: rows with a drafter (`row_drafter`; a
+  device drafter's only when it proposed some), within max_draft_tokens, the tokens the row
+  may still emit and the pages free for them (taken here, `Scheduler.grow`; nothing is
+  preempted for drafts)."""
   out = []
   for req in reqs:
     n = 0
-    if req.spec is not None and host_drafter(req.spec.drafter) is not None:
+    name = row_drafter(req.spec.drafter, device) if req.spec is not None else None
+    if name is not None and (name not in device or proposed_drafts(req)):
       n = min(k, req.sampling.max_draft_tokens or k, scheduler.remaining_tokens(req) - 1)
       while n > 0 and not scheduler.grow(req, req.num_computed + 1 + n):
         n //= 2
@@ -67,56 +95,68 @@ class Prepared:
   drafts: list[list[int]]
   bitmask: np.ndarray  # [len(reqs), T, W] int32
   seconds: float  # host time spent computing them
+  cut: int = 0  # drafts dropped at (or after) a token the grammar forbids
 
 
 def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size: int,
-            max_drafts: int) -> Prepared:
+            max_drafts: int, device: Sequence[str] = ()) -> Prepared:
   """Drafts and masks for constrained rows (see the module docstring); draft_k[i]: the most
-  drafts row i may take (0: none, at most max_drafts). The block is [1] without drafts, else
-  [max_drafts + 1] (the compiled widths)."""
+  drafts row i may take (0: none, at most max_drafts); `device`: the engine's device drafters.
+  The block is [1] without drafts, else [max_drafts + 1] (the compiled widths)."""
   t0 = time.perf_counter()
   drafts = []
   for req, k in zip(reqs, draft_k):
     spec = getattr(req, "spec", None)  # (rows asked to draft without one: "auto"'s form)
-    propose = host_drafter(spec.drafter if spec is not None else AUTO)
-    drafts.append(propose(req.all_ids, k, window) if k > 0 else [])
+    name = row_drafter(spec.drafter if spec is not None else AUTO, device)
+    if k <= 0 or name is None:
+      drafts.append([])
+    elif name in device:
+      drafts.append(proposed_drafts(req)[:k])
+    else:
+      drafts.append(host_drafter(name)(req.all_ids, k, window))
   t = 1 + max_drafts if any(drafts) else 1
   # Slots past a row's drafts are never read; all-allowed keeps their logits finite.
   bits = np.full((len(reqs), t, bitmask_words(vocab_size)), -1, np.int32)
+  cut = 0
   for i, (req, d) in enumerate(zip(reqs, drafts)):
     m = req.grammar
     m.fill_bitmask(bits[i, 0])
     # A draft the grammar forbids ends the row's drafts (verification would reject it); checked
     # before consuming, since a refused token leaves the matcher in its error state for good.
-    del d[m.allowed_prefix(d):]
+    allowed = m.allowed_prefix(d)
+    cut += len(d) - allowed
+    del d[allowed:]
     for j, tok in enumerate(d):
       if not m.accept(tok):
         raise RuntimeError(f"grammar matcher refused a token it allowed: {m.error()}")
       m.fill_bitmask(bits[i, j + 1])
     if d:
       m.rollback(len(d))
-  return Prepared(list(reqs), drafts, bits, time.perf_counter() - t0)
+  return Prepared(list(reqs), drafts, bits, time.perf_counter() - t0, cut)
 
 
 class ConstrainedRows:
   """The engine's worker thread for masks and the masked step's host arrays."""
 
-  def __init__(self, vocab_size: int, ngram_window: int, max_drafts: int):
+  def __init__(self, vocab_size: int, ngram_window: int, max_drafts: int,
+               device: Sequence[str] = ()):
     self.vocab_size, self.window, self.max_drafts = vocab_size, ngram_window, max_drafts
+    self.device = tuple(device)  # the engine's device drafters of constrained rows
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moejax-masks")
     self.counters = dict(structured_steps=0, structured_tokens=0, structured_drafted=0,
-                         structured_accepted=0, structured_mask_seconds=0.0,
+                         structured_accepted=0, structured_drafts_cut=0,
+                         structured_mask_seconds=0.0,
                          structured_mask_wait_seconds=0.0)
 
   def start(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
     return self._pool.submit(prepare, list(reqs), list(draft_k), self.window, self.vocab_size,
-                             self.max_drafts)
+                             self.max_drafts, self.device)
 
   def now(self, reqs: Sequence[Any], draft_k: Sequence[int]) -> concurrent.futures.Future:
     """`start`'s work on the calling thread (nothing to overlap: no other rows' program)."""
     done: concurrent.futures.Future = concurrent.futures.Future()
     done.set_result(prepare(list(reqs), list(draft_k), self.window, self.vocab_size,
-                            self.max_drafts))
+                            self.max_drafts, self.device))
     return done
 
   def wait(self, future: concurrent.futures.Future) -> Prepared:
@@ -124,6 +164,7 @@ class ConstrainedRows:
     prep = future.result()
     self.counters["structured_mask_wait_seconds"] += time.perf_counter() - t0
     self.counters["structured_mask_seconds"] += prep.seconds
+    self.counters["structured_drafts_cut"] += prep.cut
     return prep
 
   def arrays(self, prep: Prepared, b: int, max_pages: int, page_size: int,
@@ -143,9 +184,31 @@ class ConstrainedRows:
       start[i], n_draft[i], table[i] = req.num_computed, len(d), page_row(req)
     return tokens, start, n_draft, table, bits
 
+  def device_arrays(self, prep: Prepared, b: int, widths: dict[str, int]
+                    ) -> dict[str, np.ndarray]:
+    """The masked step's inputs for the device drafters (`widths`: each one's row width):
+    live [b], drafting [b] (each row's device drafter's id, 0: none) and each drafter's rows'
+    state `rows.<name>` [b, width]."""
+    from engine.runtime.speculative.drafters import drafter_id
+    n = len(prep.reqs)
+    live = np.zeros((b,), bool)
+    live[:n] = True
+    drafting = np.zeros((b,), np.int32)
+    rows = {name: np.zeros((b, w), np.float32) for name, w in widths.items()}
+    for i, req in enumerate(prep.reqs):
+      spec = req.spec
+      name = row_drafter(spec.drafter, self.device) if spec is not None else None
+      if name in self.device:
+        drafting[i] = drafter_id(name)
+      for d, x in rows.items():
+        if spec is not None and d in spec.rows:
+          x[i] = spec.rows[d]
+    return dict(live=live, drafting=drafting, **{f"rows.{d}": x for d, x in rows.items()})
+
   def count_drafts(self, req: Any, drafted: int, accepted: int,
-                   engine_counters: dict | None) -> None:
-    """A verified draft of `req`: its own counters, ours and the engine's `spec_*` ones."""
+                   engine_counters: dict | None, per_drafter: dict | None = None) -> None:
+    """A verified draft of `req`: its own counters, ours, the engine's `spec_*` ones and, in
+    `per_drafter` (the policy's), those of the row's drafter (`row_drafter`)."""
     self.counters["structured_drafted"] += drafted
     self.counters["structured_accepted"] += accepted
     s = req.spec
@@ -154,6 +217,11 @@ class ConstrainedRows:
       engine_counters["spec_steps"] += 1
       engine_counters["spec_drafted"] += drafted
       engine_counters["spec_accepted"] += accepted
+    name = row_drafter(s.drafter, self.device)
+    if per_drafter is not None and f"spec_steps_{name}" in per_drafter:
+      s.drafter_steps[name] = s.drafter_steps.get(name, 0) + 1
+      for key, n in (("steps", 1), ("drafted", drafted), ("accepted", accepted)):
+        per_drafter[f"spec_{key}_{name}"] += n
 
   def close(self) -> None:
     self._pool.shutdown(wait=False)

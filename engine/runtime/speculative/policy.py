@@ -48,6 +48,9 @@ class RequestSpec:
   drafter_steps: dict[str, int] = dataclasses.field(default_factory=dict)  # verify steps per d
   # Drafters' row state at position num_computed - 1 (the MTP hidden state [H]), by name.
   rows: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  # A constrained row's drafts proposed on the device by the last masked step
+  # (`speculative/constrained.py`): (num_computed they follow, the tokens after the newest).
+  proposed: tuple[int, list[int]] | None = None
 
 
 class SpecPolicy:

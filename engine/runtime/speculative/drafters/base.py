@@ -88,6 +88,9 @@ class Drafter:
   refuses_images: ClassVar[str | None] = None
   # Constrained rows draft with its host form (`host_propose`).
   drafts_on_host: ClassVar[bool] = False
+  # Constrained rows draft with it on the device: the masked step runs its `observe` and
+  # `propose` (`speculative/constrained.py`), the host checks the drafts against the grammar.
+  drafts_constrained: ClassVar[bool] = False
   # Junk rows (warm-up, timing) would change its state: the runner hands it a copy.
   junk_changes_state: ClassVar[bool] = False
 

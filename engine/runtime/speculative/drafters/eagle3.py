@@ -99,6 +99,7 @@ class Eagle3Drafter(Drafter):
   observes_prefill = True
   needs_every_block = True
   uses_head = True
+  drafts_constrained = True
   cfg: ModelConfig
   head: Eagle3Config | None = None
   entry: int = 0  # its cache entry (the first after the model's own)
