@@ -1,5 +1,5 @@
 """The gRPC service end to end, operations: warm-up/drain/health/reflection, API keys, TLS,
-per-request INTERNAL, metrics, reasoning split, the command lines (harness:
+per-request INTERNAL, metrics, reasoning split, the command lines (eagle3 too; harness:
 `service_harness.py`)."""
 
 from google.protobuf import descriptor_pb2
@@ -381,6 +381,59 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
     assert proc.wait(timeout=30) == 0 and "stopped" in rest
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+
+@pytest.mark.slow
+def test_serve_with_eagle3_keeps_greedy_output_and_counts_its_drafts():
+  """`python -m engine.serve --speculative=eagle3` on the demo target takes its default head
+  (checkpoints/demo/eagle3): greedy completions over gRPC and the OpenAI HTTP API (float32)
+  are an engine's without speculation, and the usage and /metrics count eagle3's drafts."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "engine.serve", "--port=0", "--host=127.0.0.1", "--http_port=0",
+       "--dtype=float32", "--speculative=eagle3", "--num_draft_tokens=3",
+       "--max_num_seqs=2", "--max_num_batched_tokens=32", "--max_model_len=128",
+       "--max_decode_steps=4", "--decode_batch_sizes=2", "--nomeasure_spec_costs",
+       "--stats_log_interval_s=0"],
+      cwd=REPO, stderr=subprocess.PIPE, text=True)
+  try:
+    # The reference while the server warms up: an engine without speculation.
+    demo = moejax.load(DEMO, dtype="float32")
+    prompts = [demo.tokenizer.encode(t).ids for t in (PROMPT, "import os\nimport sys\n")]
+    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, row_widths=(32,),
+                          max_model_len=128, max_decode_steps=4)
+    want = [r.output_ids for r in Engine.from_model(demo, config).generate(
+        prompts, SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))]
+    lines = []
+    for line in proc.stderr:
+      lines.append(line)
+      if "ready:" in line:
+        break
+    ready = [l for l in lines if "ready:" in l]
+    assert ready, "".join(lines)
+    port = int(ready[0].split("127.0.0.1:")[1].split()[0])
+    http_url = ready[0].split("OpenAI HTTP API on ")[1].split()[0].rstrip(",)")
+    with InferenceClient(f"127.0.0.1:{port}") as client:
+      got = client.generate(prompts[0], max_tokens=24, ignore_eos=True)
+    assert got.token_ids == want[0]
+    # (drafting is the roofline cost table's call here: --nomeasure_spec_costs)
+    assert got.spec_draft_tokens > 0 and got.spec_accepted_tokens <= got.spec_draft_tokens
+    req = urllib.request.Request(http_url + "/completions", json.dumps(
+        {"model": "target", "prompt": prompts[1], "max_tokens": 24, "ignore_eos": True,
+         "temperature": 0, "return_token_ids": True}).encode(),
+        {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+      assert json.load(resp)["choices"][0]["token_ids"] == want[1]
+    metrics = urllib.request.urlopen(http_url.rsplit("/v1", 1)[0] + "/metrics",
+                                     timeout=30).read().decode()
+    drafted = [line for line in metrics.splitlines() if line.startswith(
+        "moejax:spec_decode_num_draft_tokens_by_drafter_total") and 'drafter="eagle3"' in line]
+    assert drafted and float(drafted[0].split()[-1]) >= got.spec_draft_tokens, metrics
+    proc.send_signal(signal.SIGTERM)
+    proc.stderr.read()
+    assert proc.wait(timeout=60) == 0
   finally:
     if proc.poll() is None:
       proc.kill()
