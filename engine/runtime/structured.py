@@ -102,19 +102,22 @@ def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size
             max_drafts: int, device: Sequence[str] = ()) -> Prepared:
   """Drafts and masks for constrained rows (see the module docstring); draft_k[i]: the most
   drafts row i may take (0: none, at most max_drafts); `device`: the engine's device drafters.
-  The block is [1] without drafts, else [max_drafts + 1] (the compiled widths)."""
+  The block is [1] without drafts, else [max_drafts + 1] (the compiled widths); always the
+  latter with a row drafting on the device (one masked program for those rows to compile)."""
   t0 = time.perf_counter()
   drafts = []
+  on_device = False
   for req, k in zip(reqs, draft_k):
     spec = getattr(req, "spec", None)  # (rows asked to draft without one: "auto"'s form)
     name = row_drafter(spec.drafter if spec is not None else AUTO, device)
+    on_device |= spec is not None and name in device
     if k <= 0 or name is None:
       drafts.append([])
     elif name in device:
       drafts.append(proposed_drafts(req)[:k])
     else:
       drafts.append(host_drafter(name)(req.all_ids, k, window))
-  t = 1 + max_drafts if any(drafts) else 1
+  t = 1 + max_drafts if any(drafts) or on_device else 1
   # Slots past a row's drafts are never read; all-allowed keeps their logits finite.
   bits = np.full((len(reqs), t, bitmask_words(vocab_size)), -1, np.int32)
   cut = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from engine.runtime.sampling import SamplingArrays, argmax, over_kept_tokens, sample
 
@@ -119,8 +120,11 @@ def draft_sample(logits: jax.Array, s: SamplingArrays, positions: jax.Array
                  ) -> tuple[jax.Array, jax.Array]:
   """A drafter's choice of the token at `positions` [B]: logits [B, V] -> (token [B], q [B, V]):
   the argmax in greedy rows (whose q verification ignores), else a sample of the transformed q
-  from the drafting stream of (seed, position)."""
+  from the drafting stream of (seed, position). With temperatures known to be 0 while tracing
+  (host arrays: top-1 drafts, `speculative/constrained.py`) only the argmax is traced."""
   greedy = argmax(logits)
+  if isinstance(s.temperature, np.ndarray) and not np.any(s.temperature > 0):
+    return greedy, jax.nn.one_hot(greedy, logits.shape[-1], dtype=jnp.float32)
 
   def stochastic(_):
     q = sampling_probs(logits, s)

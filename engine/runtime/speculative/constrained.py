@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from engine.model.config import ModelConfig
 from engine.model.kernels import KernelChoice
@@ -59,7 +60,8 @@ def observe_and_propose(drafters: Sequence[Drafter], block: Block, *, params: Pa
   own drafter's; zeros where it has none), cache)."""
   b = tokens.shape[0]
   live_i = live.astype(jnp.int32)
-  greedy = dataclasses.replace(sampling, temperature=jnp.zeros_like(sampling.temperature))
+  # (host zeros: `draft_sample` traces only the argmax)
+  greedy = dataclasses.replace(sampling, temperature=np.zeros((b,), np.float32))
   new_rows, drafts = {}, jnp.zeros((b, k), jnp.int32)
   for d in drafters:
     before = LoopContext(params=params, own_params=own_params.get(d.name), cfg=cfg, impl=impl,
