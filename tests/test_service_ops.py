@@ -394,16 +394,16 @@ def test_serve_with_eagle3_keeps_greedy_output_and_counts_its_drafts():
   proc = subprocess.Popen(
       [sys.executable, "-m", "engine.serve", "--port=0", "--host=127.0.0.1", "--http_port=0",
        "--dtype=float32", "--speculative=eagle3", "--num_draft_tokens=3",
-       "--max_num_seqs=2", "--max_num_batched_tokens=32", "--max_model_len=128",
-       "--max_decode_steps=4", "--decode_batch_sizes=2", "--nomeasure_spec_costs",
+       "--max_num_seqs=1", "--max_num_batched_tokens=16", "--max_model_len=64",
+       "--max_decode_steps=4", "--decode_batch_sizes=1", "--nomeasure_spec_costs",
        "--stats_log_interval_s=0"],
       cwd=REPO, stderr=subprocess.PIPE, text=True)
   try:
     # The reference while the server warms up: an engine without speculation.
     demo = moejax.load(DEMO, dtype="float32")
     prompts = [demo.tokenizer.encode(t).ids for t in (PROMPT, "import os\nimport sys\n")]
-    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=32, row_widths=(32,),
-                          max_model_len=128, max_decode_steps=4)
+    config = EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, row_widths=(16,),
+                          max_model_len=64, max_decode_steps=4)
     want = [r.output_ids for r in Engine.from_model(demo, config).generate(
         prompts, SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))]
     lines = []
