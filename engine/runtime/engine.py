@@ -108,8 +108,9 @@ class Engine:
         config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
     self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
     # (a drafter's entry at a cached page's last position saw another request's next token)
-    self.scheduler = Scheduler(self.sched_config, self.pool, recompute_last_hit_page=any(
-        d.observes_prefill for d in drafters))
+    observing = [d.name for d in drafters if d.observes_prefill]
+    self.scheduler = Scheduler(self.sched_config, self.pool, recompute_last_hit_page=observing
+                               + [drafter_registry.AUTO] * bool(observing))
     self.runner = ModelRunner(cfg, params, config, num_pages=num_pages, cache_dtype=dtype,
                               mesh=mesh, drafters=drafters, own_params=own)
     self.traffic = TrafficStats()

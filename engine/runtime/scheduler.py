@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Sequence
 
 from engine.runtime.page_pool import OutOfPages, PagePool, page_keys
 from engine.runtime.request import Request, Status
@@ -83,15 +84,16 @@ class Scheduler:
   """Owns the waiting queue, the running list and the page pool's assignment to requests."""
 
   def __init__(self, config: SchedulerConfig, pool: PagePool, prefix_salt: object = None,
-               recompute_last_hit_page: bool = False):
-    """`recompute_last_hit_page`: a prefix hit leaves its last page to be computed again, for
-    drafters whose cache entry at a position depends on the token after it (an EAGLE-3 head's,
-    an MTP layer's: the cached page's entry at its last position saw the next token of the
-    request that computed it) and whose row state prefill builds (vLLM's rule with EAGLE)."""
+               recompute_last_hit_page: Sequence[str] = ()):
+    """`recompute_last_hit_page`: the drafters ("auto" included when it may take one) for
+    whose rows a prefix hit leaves its last page to be computed again: their cache entry at a
+    position depends on the token after it (an EAGLE-3 head's, an MTP layer's: a cached page's
+    entry at its last position saw the next token of the request that computed it), and
+    prefill builds their row state (vLLM's rule with EAGLE)."""
     self.config = config
     self.pool = pool
     self.prefix_salt = prefix_salt
-    self.recompute_last_hit_page = recompute_last_hit_page
+    self.recompute_last_hit_page = frozenset(recompute_last_hit_page)
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
@@ -223,7 +225,8 @@ class Scheduler:
     usable = (req.num_tokens - 1) // self.pool.page_size
     keys = page_keys(req.all_ids[:usable * self.pool.page_size], self.pool.page_size,
                      self.prefix_salt, images=req.images)
-    hits = self.pool.match_prefix(keys, drop_last=self.recompute_last_hit_page)
+    hits = self.pool.match_prefix(keys, drop_last=req.spec is not None
+                                  and req.spec.drafter in self.recompute_last_hit_page)
     req.pages = list(hits)
     req.page_keys = keys[:len(hits)]
     req.num_cached_pages = len(hits)
