@@ -35,10 +35,11 @@ def every_drafter_engine(model, draft=None, step=None, **config):
   """An engine of the `EVERY` configuration; `draft`: the draft model's parameters (default:
   the target's own, so every greedy draft is right); `step(b, k)`: the cost table's T(B, k)
   (default: the roofline, where drafting is nearly free); `config`: more EngineConfig fields
-  that change no program (`speculative`). The model drafters are priced per drafted column
+  that change no program (`speculative`; or one that does, `adaptive_k`, for a test that
+  runs none). The model drafters are priced per drafted column
   as in a deep model (`model_drafter_prices`)."""
   cfg, params = model
-  eng = Engine(cfg, params, EngineConfig(**EVERY, **config),
+  eng = Engine(cfg, params, EngineConfig(**{**EVERY, **config}),
                draft=(cfg, params if draft is None else draft))
   if step is not None:
     t = eng.spec.costs

@@ -174,6 +174,24 @@ def test_the_rule_for_one_call(model):
   assert off[0].spec is None and not spec.speculates(off, 8)
 
 
+def test_a_fixed_draft_length_drafts_whatever_the_cost_table_says(model):
+  """Without adaptive_k every decode-only call with a drafting row speculates: a measured
+  table that says the block never pays (a loaded CPU's timing) or that a call's fixed cost
+  needs long calls decides only adaptive engines (it kept a bench's MTP row at batch 16 from
+  drafting at all)."""
+  dear = lambda b, k: k + 2.0  # the block never pays, even at full acceptance
+  for adaptive in (False, True):
+    eng = every_drafter_engine(model, step=dear, speculative="mtp", adaptive_k=adaptive)
+    assert eng.spec.widths == ((3,) if not adaptive else (0, 3))
+    assert eng.spec.costs.break_even == 2
+    reqs = [eng.requests[eng.add_request([1, 2, 3])] for _ in range(2)]
+    assert all(r.spec.drafter == "mtp" for r in reqs)
+    assert eng.spec.speculates(reqs, 8) == (not adaptive)
+    eng.spec.costs.step[:] = 1.0  # now the block pays; a call's fixed cost is 3 iterations
+    eng.spec.costs.call = 3.0
+    assert eng.spec.speculates(reqs, 2) == (not adaptive) and eng.spec.speculates(reqs, 4)
+
+
 @pytest.mark.slow
 def test_auto_drafter_picks_what_pays_per_request(model):
   # The target as its own draft model (always right) and the learned table (free; right where

@@ -3,10 +3,11 @@ drafters (`engine.spec`; None without): the enabled drafters (`EngineConfig.spec
 requests' default, and `EngineConfig.drafters`), each request's `RequestSpec`, the host copy of
 the engine-wide acceptance estimates, the cost table, and the rule for each decode-only call.
 
-A call speculates (`speculates`) when some row has a drafter, its batch is below the cost
-table's break-even, it is long enough to win back a speculative call's fixed cost, and the
-rows' estimates say the loop's first iteration would draft (or a row's drafter must see every
-block: MTP). A batch kept plain by its estimates speculates once every EXPLORE_EVERY calls, so
+A call speculates (`speculates`) when some row has a drafter and the draft length is fixed
+(no `adaptive_k`: every call drafts K, whatever the cost table says), or, adaptive, when its
+batch is below the cost table's break-even, it is long enough to win back a speculative call's
+fixed cost, and the rows' estimates say the loop's first iteration would draft (or a row's
+drafter must see every block: MTP). A batch kept plain by its estimates speculates once every EXPLORE_EVERY calls, so
 stale estimates come back. A speculative call is a `SPEC_DECODE` step description (`describe`)
 carrying every input the loop decides with: the rows' drafters, estimates and limits, the
 engine-wide estimates, the cost table's row and the time budget; the runner executes it and
@@ -121,15 +122,16 @@ class SpecPolicy:
     """Whether a decode-only call of `reqs` with a plain budget of `num_steps` iterations runs
     the speculative loop (see the module docstring)."""
     specs = [r.spec for r in reqs if r.spec is not None]
-    if not specs or num_steps < self.costs.min_call_tokens:
-      return False
-    b = self.buckets.decode_rows(len(reqs))
-    if not self.costs.pays_at_full_acceptance(b):
-      return False
     self._exploring = False
+    if not specs:
+      return False
+    if len(self.widths) == 1:  # fixed K: drafting is the request's choice, not the table's
+      return True
+    b = self.buckets.decode_rows(len(reqs))
+    if num_steps < self.costs.min_call_tokens or not self.costs.pays_at_full_acceptance(b):
+      return False
     every_block = {d.name for d in self.drafters if d.needs_every_block}
-    if (any(s.drafter in every_block for s in specs) or len(self.widths) == 1
-        or self.first_iteration_drafts(reqs, b)):
+    if any(s.drafter in every_block for s in specs) or self.first_iteration_drafts(reqs, b):
       return True
     self._exploring = self._plain_calls + 1 >= EXPLORE_EVERY
     return self._exploring
