@@ -90,6 +90,10 @@ def engine_call(model, ids, max_new, spec: SpeculativeConfig | None) -> list[tup
   engines' prefix caches emptied first."""
   model.llm.reset_prefix_caches()
   out = moejax.generate(model, ids, max_new_tokens=max_new, ignore_eos=True, speculative=spec)
+  if spec is not None:  # the engine's cost table, to say why a row drafted nothing
+    table = model.llm.engines[-1].stats().get("spec_cost_table")
+    for r in out:
+      r.spec["cost_table"] = table
   return [(r.token_ids, r.spec) for r in out]
 
 
@@ -150,6 +154,8 @@ def row(workload: str, path: str, method: str, k: int, adaptive: bool, calls: li
            identical=all([t for t, _ in call] == plain_ids for call in calls),
            prompt_tokens=prompt_tokens, calls=len(calls), batch=len(plain_ids),
            steps=steps, drafted=drafted, accepted=sum(s["accepted"] for s in specs))
+  if specs and not drafted:
+    r["cost_table"] = specs[0].get("cost_table")
   with_drafts = sum(s["drafts"] for s in specs)
   if specs and with_drafts:
     at = [sum(s["accepted_at"][j] for s in specs) for j in range(len(specs[0]["accepted_at"]))]
@@ -292,6 +298,11 @@ def print_table(rows: list[dict], repetition: bool = False) -> None:
           f"{'yes' if r['adaptive'] else 'no':5} {r['mean_accepted_length']:7.2f} "
           f"{r['acceptance_rate']:8.2f} {at:18} {r['tok_s']:8.1f} {r['speedup']:7.2f} "
           f"{r['calls']:>5} {r['identical']}")
+  for r in rows:
+    if r["method"] != "off" and not r["drafted"]:
+      why = ", or its estimates and cost table kept it plain" if r["adaptive"] else ""
+      print(f"  {r['workload']} B={r['batch']} {r['method']} K={r['k']}: drafted nothing: "
+            f"the drafter proposed none{why} (cost table: {r.get('cost_table')})")
 
 
 def targets(rows: list[dict]) -> dict:
