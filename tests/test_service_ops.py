@@ -350,16 +350,9 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
        "--http_port=0"],
       cwd=REPO, stderr=subprocess.PIPE, text=True)
   try:
-    lines = []
-    for line in proc.stderr:
-      lines.append(line)
-      if "ready:" in line:
-        break
-    ready = [l for l in lines if "ready:" in l]
-    assert ready, "".join(lines)
+    lines, port, http_url = read_until_ready(proc)
     # No library INFO lines (orbax's, JAX's backend probing: "Failed to open libtpu.so").
     assert not any("libtpu" in l or "orbax" in l.lower() for l in lines), "".join(lines)
-    port = int(ready[0].split("127.0.0.1:")[1].split()[0])
     assert any("binding" in l for l in lines)
     with InferenceClient(f"127.0.0.1:{port}") as client:
       assert client.health() == "SERVING"
@@ -372,7 +365,6 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
       assert client.generate(PROMPT, max_tokens=6, drafter="off").spec_draft_tokens == 0
       assert client.generate(PROMPT, max_tokens=6, drafter="ngram").completion_tokens == 6
     # The OpenAI HTTP API of the same process (SIGTERM below must still drain it).
-    http_url = ready[0].split("OpenAI HTTP API on ")[1].split()[0].rstrip(",)")
     req = urllib.request.Request(http_url + "/completions", json.dumps(
         {"model": "target", "prompt": PROMPT, "max_tokens": 3}).encode(),
         {"content-type": "application/json"})
@@ -384,6 +376,19 @@ def test_serve_command_line_starts_serves_and_drains_on_sigterm():
   finally:
     if proc.poll() is None:
       proc.kill()
+
+
+def read_until_ready(proc):
+  """A served subprocess' stderr up to its "ready:" line -> (lines, gRPC port, HTTP API URL)."""
+  lines = []
+  for line in proc.stderr:
+    lines.append(line)
+    if "ready:" in line:
+      break
+  ready = [l for l in lines if "ready:" in l]
+  assert ready, "".join(lines)
+  port = int(ready[0].split("127.0.0.1:")[1].split()[0])
+  return lines, port, ready[0].split("OpenAI HTTP API on ")[1].split()[0].rstrip(",)")
 
 
 @pytest.mark.slow
@@ -406,15 +411,7 @@ def test_serve_with_eagle3_keeps_greedy_output_and_counts_its_drafts():
                           max_model_len=64, max_decode_steps=4)
     want = [r.output_ids for r in Engine.from_model(demo, config).generate(
         prompts, SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))]
-    lines = []
-    for line in proc.stderr:
-      lines.append(line)
-      if "ready:" in line:
-        break
-    ready = [l for l in lines if "ready:" in l]
-    assert ready, "".join(lines)
-    port = int(ready[0].split("127.0.0.1:")[1].split()[0])
-    http_url = ready[0].split("OpenAI HTTP API on ")[1].split()[0].rstrip(",)")
+    _, port, http_url = read_until_ready(proc)
     with InferenceClient(f"127.0.0.1:{port}") as client:
       got = client.generate(prompts[0], max_tokens=24, ignore_eos=True)
     assert got.token_ids == want[0]
