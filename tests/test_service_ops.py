@@ -152,9 +152,11 @@ def test_engine_loop_stop_leaves_the_engine_idle(eng, monkeypatch):
 
   def last_step():
     outputs = step()
-    aborter = threading.Thread(target=eng.abort, args=(late,))
-    aborter.start()  # the engine lock is ours: the abort waits in the inbox
-    aborter.join()
+    with eng._lock:  # as if the step still ran: the abort waits in the inbox
+      aborter = threading.Thread(target=eng.abort, args=(late,))
+      aborter.start()
+      aborter.join()
+      assert late in eng._aborts
     loop._stop.set()
     return outputs
 
