@@ -41,17 +41,18 @@ def null_rows(b: int, max_pages: int, page_size: int) -> tuple[np.ndarray, np.nd
 
 def mixed(segments: Sequence[Any], b: int, w: int, max_pages: int, *, observe: bool,
           features: tuple[np.ndarray, np.ndarray] | None = None
-          ) -> tuple[StepDescription, list[int | None]]:
+          ) -> tuple[StepDescription, list[int]]:
   """A mixed step: each segment of n tokens as ceil(n / w) rows of w, b rows in all.
   `observe`: with the token after each position (drafters that observe prefill); `features`:
-  image rows (`multimodal_step`). Returns (description, each segment's sampling row or None)."""
+  image rows (`multimodal_step`). Returns (description, each segment's last row: where it
+  samples, if it does)."""
   tokens = np.zeros((b, w), np.int32)
   start = np.zeros((b,), np.int32)
   n_new = np.zeros((b,), np.int32)
   table = np.full((b, max_pages), NULL_PAGE, np.int32)
   row_req: list[Request | None] = [None] * b
   next_tokens = np.zeros((b, w), np.int32)  # token after each position (-1: sampled here)
-  sampling_rows: list[int | None] = []
+  last_rows: list[int] = []
   r = 0
   for seg in segments:
     ids = seg.request.all_ids[seg.start:seg.start + seg.num_tokens + 1]
@@ -64,13 +65,13 @@ def mixed(segments: Sequence[Any], b: int, w: int, max_pages: int, *, observe: b
       start[r], n_new[r], table[r] = seg.start + off, len(chunk), table_row
       row_req[r] = seg.request
       r += 1
-    sampling_rows.append(r - 1 if seg.samples else None)
+    last_rows.append(r - 1)
   arrays = dict(tokens=tokens, start=start, n_new=n_new, page_table=table, **sampling(row_req))
   if observe:
     arrays["next_tokens"] = next_tokens
   if features is not None:
     arrays["features"], arrays["feature_mask"] = features
-  return StepDescription(MIXED, arrays), sampling_rows
+  return StepDescription(MIXED, arrays), last_rows
 
 
 def null_mixed(b: int, w: int, max_pages: int, page_size: int, *, observe: bool,

@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from engine.model.cache import cache_bytes_per_token
 from engine.model.config import ModelConfig
@@ -391,25 +390,23 @@ class Engine:
     self.traffic.record_mixed([s.num_tokens for s in plan.segments])
     features = self.images.block_features(plan.segments, w, b)  # encodes what is missing
     observers = self.spec.observers if self.spec is not None else ()
-    desc, sampling_rows = batching.mixed(plan.segments, b, w, self.max_pages_per_seq,
-                                         observe=bool(observers), features=features)
+    desc, last_rows = batching.mixed(plan.segments, b, w, self.max_pages_per_seq,
+                                     observe=bool(observers), features=features)
     out = self.runner.execute(desc)
     sampled, lps = out["sampled"], out["lps"]
-    last_rows = np.cumsum([-(-s.num_tokens // w) for s in plan.segments]) - 1
-    for seg, row, last in zip(plan.segments, sampling_rows, last_rows):
-      if row is None:
-        req = seg.request
-        if (req.constrained and req.spec is not None
-            and seg.start + seg.num_tokens == req.num_tokens - 1):
-          for d in observers:  # (its newest token waits for the masked step)
-            req.spec.rows[d.name] = out[f"rows.{d.name}"][last]
-        self._advance(seg.request, seg.start + seg.num_tokens, [])
-        continue
-      if seg.request.spec is not None:
+    for seg, row in zip(plan.segments, last_rows):
+      req = seg.request
+      # Drafters' row state after the segment's last position: where it samples, or where a
+      # constrained row's prefill ends (its newest token waits for the masked step).
+      if req.spec is not None and (seg.samples or (
+          req.constrained and seg.start + seg.num_tokens == req.num_tokens - 1)):
         for d in observers:
-          seg.request.spec.rows[d.name] = out[f"rows.{d.name}"][row]
-      self._advance(seg.request, seg.start + seg.num_tokens, [int(sampled[row])],
-                    [logprob_entry(seg.request, lps, (row,))])
+          req.spec.rows[d.name] = out[f"rows.{d.name}"][row]
+      if not seg.samples:
+        self._advance(req, seg.start + seg.num_tokens, [])
+        continue
+      self._advance(req, seg.start + seg.num_tokens, [int(sampled[row])],
+                    [logprob_entry(req, lps, (row,))])
 
   def _run_decode_loop(self, plan: SchedulerOutput) -> None:
     reqs = [s.request for s in plan.segments]

@@ -35,7 +35,7 @@ import numpy as np
 
 from engine.runtime.grammar import bitmask_words
 from engine.runtime.page_pool import NULL_PAGE
-from engine.runtime.speculative.drafters import AUTO, registry
+from engine.runtime.speculative.drafters import AUTO, drafter_id, registry
 
 
 def host_drafter(name: str | None) -> Callable[[Sequence[int], int, int], list[int]] | None:
@@ -192,7 +192,6 @@ class ConstrainedRows:
     """The masked step's inputs for the device drafters (`widths`: each one's row width):
     live [b], drafting [b] (each row's device drafter's id, 0: none) and each drafter's rows'
     state `rows.<name>` [b, width]."""
-    from engine.runtime.speculative.drafters import drafter_id
     n = len(prep.reqs)
     live = np.zeros((b,), bool)
     live[:n] = True
