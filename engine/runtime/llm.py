@@ -14,9 +14,9 @@ the length its need to a quarter octave (the reference attention reads every pos
 512), pages for the batch twice over and max_decode_steps the bucketed token budget. Its mixed
 step's rows are W wide, the longest prompt to a power of two (the whole batch prefills in one
 [B, W] step, B the batch to a power of two; a later call whose prompts hit the prefix cache
-packs the same shape), and for prompts of TAIL_ROWS_FROM tokens or more also a page wide (such
-a call leaves at most a page per prompt to compute, and a long row of a few real tokens costs
-nearly a whole prefill). When an engine is made, its cost table is timed (with drafters,
+packs the same shape), and for rows wider than TAIL_ROWS_FROM (the roofline's ridge point) also
+a page wide (such a call leaves at most a page per prompt to compute, and past the ridge a long
+row of a few real tokens costs nearly a whole prefill). When an engine is made, its cost table is timed (with drafters,
 `warmup.measure_costs`) and its page-wide step compiled, so the first call pays every compile
 and a second call of the batch's shape none. The KEPT_ENGINES most
 recently used live on (their prefix cache, learned table and acceptance estimates too);
@@ -41,13 +41,16 @@ from engine.runtime.engine_config import EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative import drafters as drafter_registry
+from engine.runtime.speculative.costs import RIDGE_TOKENS
 from engine.runtime.speculative.drafters import AUTO, OFF
 
 KEPT_ENGINES = 2  # as vLLM's `LLM` keeps its engine; two: a batch and its plain baseline
-# Prompts this long or longer get a second, page-wide mixed step for a later call's prefix-cache
-# tails. A [1, W] step with a page of real tokens (the rest padding) on the CPU demo: 10-40 ms
-# up to W = 128, ~90 ms at 256, 190-630 ms at 512, against ~10 ms at 16 (shared host; issue 47).
-TAIL_ROWS_FROM = 256
+# Rows wider than this get a second, page-wide mixed step for a later call's prefix-cache tails:
+# a [1, W] row reads the weights once whatever W up to the roofline's ridge point, so only past
+# it does a row of a page of real tokens (the rest padding) cost more than a page-wide row
+# (prompts of 256 tokens or more, W being a power of two). The CPU demo turns earlier (a
+# 16-token tail: ~10 ms page wide, 10-40 ms at W = 128, ~90 at 256, 190-630 at 512).
+TAIL_ROWS_FROM = RIDGE_TOKENS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +177,7 @@ class LLM:
     return EngineConfig(
         max_num_seqs=b, decode_batch_sizes=(b,), max_model_len=max_len,
         num_pages=2 * b * -(-max_len // page_size) + 1,
-        row_widths=(page_size, width) if width >= TAIL_ROWS_FROM else (width,),
+        row_widths=(page_size, width) if width > TAIL_ROWS_FROM else (width,),
         max_num_batched_tokens=rows * width,
         max_decode_steps=max(bucket(max(max_new_tokens)), k + 1),
         speculative=drafters[0] if len(drafters) == 1 else (AUTO if drafters else None),
