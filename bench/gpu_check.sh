@@ -36,7 +36,12 @@
 # protocol/layers.py: decode step time of the scanned layer stack against the layers as
 # separate arrays and unrolled on an 8-layer K2.5-width slice of 48 experts at B 1 and 64,
 # the scanned program's per-layer slice-copy bytes, lower + compile seconds at 4 and 61
-# tiny layers scanned and unrolled; STAGES=ceilings,layers). Exit status 0
+# tiny layers scanned and unrolled; STAGES=ceilings,layers), eagle3 (120 s; issue 55,
+# protocol/eagle3.py: K2.5-shaped EAGLE-3 heads, MLA and MHA, full 163,840 and 32,000 draft
+# vocabularies: the first pass over a verified block and one chained draft step at B 1/8/64,
+# the lm_head alone, one target decode step on a 3-MoE-layer K2.5 slice scaled to 61 layers
+# plus its lm_head, and the ratios draft step / target step, K x that;
+# STAGES=ceilings,eagle3 BUDGET_S=200). Exit status 0
 # when every stage run wrote at least one row or a skip row (`bench.protocol.rows check`).
 # QUICK=1 with DRY_RUN=1: each stage's first case and first CUDA lowering only (the CI test).
 # LIMITS="mla:120,..." sets stage limits outright (still within the budget).
@@ -59,7 +64,7 @@ LIMITS=${LIMITS:-}  # e.g. "mla:120,peers:20": other stage limits than the defau
 # (the dry run interprets the kernels on a shared 2-core CPU: more time for those stages)
 [ "$DRY_RUN" != 0 ] && LIMITS=${LIMITS:-int4:130,mla:100,experts:70}
 RESERVE=15
-ORDER="ceilings:25 kernel_check:120 layers:120 int4:150 k25_slice:160 mla:55 experts:40 peers:30"
+ORDER="ceilings:25 kernel_check:120 layers:120 eagle3:120 int4:150 k25_slice:160 mla:55 experts:40 peers:30"
 DEFAULT="ceilings,int4,k25_slice,mla,experts,peers"
 SCRATCH=$(mktemp -d -t moejax_gpu_check.XXXXXX)
 RAN=""
@@ -122,12 +127,15 @@ stage ceilings 25 $PY -m bench.protocol.ceilings "$OUT"
 stage kernel_check 120 $PY -m bench.kernel_check --results="$OUT" --out="$SCRATCH/kernel_check.json"
 if [ "$DRY_RUN" != 0 ]; then
   stage layers 120 $PY -m bench.protocol.layers "$OUT" --layers=3
+  stage eagle3 120 $PY -m bench.protocol.eagle3 "$OUT" --layers=3
   stage int4 150 $PY -m bench.protocol.int4 "$OUT"
   stage k25_slice 160 $PY -m bench.protocol.k25_slice "$OUT" --layers=3
 else
   # (XLA's GEMM autotuning off, as for the slice below: compiles stay short; in every row)
   stage layers 120 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     $PY -m bench.protocol.layers "$OUT" --layers=8
+  stage eagle3 120 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    $PY -m bench.protocol.eagle3 "$OUT" --layers=3
   STAGE_STDOUT="$SCRATCH/int4_sass.txt" stage int4 150 env MOSAIC_GPU_DUMP_SASS=1 \
     MOSAIC_GPU_DUMP_PTXAS=1 SASS_LOG="$SCRATCH/int4_sass.txt" $PY -m bench.protocol.int4 "$OUT"
   # (XLA's GEMM autotuning off, as in the second GPU run: the slice's compiles stay short)

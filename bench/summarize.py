@@ -134,6 +134,7 @@ def sections(rows: list[dict]) -> list[str]:
          r.get("kind") == "verify" and decode.get(r.get("batch")) else "-"),
         ("compile s", lambda r: _f(r.get("compile_s"))), ("note", _note)]))
   out.extend(_layers(by_stage.get("layers", [])))
+  out.extend(_eagle3(by_stage.get("eagle3", [])))
   rs = [r for r in by_stage.get("mla", []) if _timed(r)]
   checks = [r for r in rs if "ok" in r]
   if checks:
@@ -198,6 +199,35 @@ def _layers(rows: list[dict]) -> list[str]:
         ("compile s", lambda r: _f(r.get("compile_s"))),
         ("HLO instr", lambda r: _f(r.get("hlo_instructions"))),
         ("kernels", lambda r: r.get("kernels", "-")), ("note", _note)]))
+  return out
+
+
+def _eagle3(rows: list[dict]) -> list[str]:
+  """Stage `eagle3` (issue 55): each program's time, bytes and fraction with its time over the
+  61-layer target step at its B, then the ratios per head, vocabulary and B."""
+  out = []
+  timed = [r for r in rows if _timed(r) and r.get("impl") != "ratio"]
+  if timed:
+    out.append("## eagle3: head programs, lm_head, K2.5 target step (target_61: slice x 61 "
+               "layers + lm_head)\n" + table(timed, [
+                   ("impl", lambda r: r["impl"]), ("case", lambda r: r.get("case")),
+                   ("us", lambda r: _f(r.get("us"))), ("kern us", lambda r: _f(r.get("kernel_us"))),
+                   ("gap us", lambda r: _f(r.get("gap_us"))),
+                   ("MB", lambda r: _f(r["bytes"] / 1e6) if r.get("bytes") else "-"),
+                   ("GB/s", lambda r: _f(r.get("gbps"))),
+                   ("% ceil", lambda r: _pct(r.get("frac_ceiling"))),
+                   ("/target", lambda r: _f(r.get("vs_target"))),
+                   ("compile s", lambda r: _f(r.get("compile_s"))), ("note", _note)],
+                   max_rows=40))
+  ratios = [r for r in rows if r.get("impl") == "ratio"]
+  if ratios:
+    k = ratios[0].get("k")
+    out.append(f"## eagle3: draft cost in target decode steps (K = {k})\n" + table(ratios, [
+        ("head vocab B", lambda r: r.get("case")), ("chained us", lambda r: _f(r.get("chained_us"))),
+        ("target us", lambda r: _f(r.get("target_us"))),
+        ("step/target", lambda r: _f(r.get("draft_step_vs_target"))),
+        ("K x", lambda r: _f(r.get("k_drafts_vs_target"))),
+        ("(first+(K-1) chained)/target", lambda r: _f(r.get("drafting_vs_target")))]))
   return out
 
 

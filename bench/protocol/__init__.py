@@ -13,6 +13,8 @@ Stages, in priority order (`gpu_check.sh` gives each its own time limit):
   peers      torch's cuBLAS bf16 and int4 weight-only matmuls on the same bytes (`peers.py`,
              a separate process without JAX)
   summary    `summary.md` from results.jsonl (`bench/summarize.py`)
+Opt-in, by name (`STAGES=ceilings,<stage>`): layers (issue 49, `layers.py`), eagle3 (issue 55:
+an EAGLE-3 head's draft step against a K2.5 target decode step, `eagle3.py`).
 
 `DRY_RUN=1` runs each stage at toy shapes on the CPU, the Mosaic GPU kernels in interpret
 mode, and lowers the stage's real-shape GPU programs for CUDA (`jax.export`), so the protocol
