@@ -243,7 +243,7 @@ def test_protocol_imports_only_what_the_gpu_image_has():
         sys.modules[name] = None
       import bench.protocol.ceilings, bench.protocol.experts, bench.protocol.int4
       import bench.protocol.k25_slice, bench.protocol.mla, bench.protocol.peers, bench.summarize
-      import bench.protocol.layers
+      import bench.protocol.layers, bench.protocol.eagle3
   """)
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                      env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
@@ -367,3 +367,74 @@ def test_layers_stage_compiles_its_tiny_depths_with_the_mosaic_kernels_on_hopper
       attention="mosaic_gpu", moe="mosaic_gpu")
   assert kernels.resolve(auto, config_from_dict(tiny_deepseek_v3(4)), **hopper).choice.moe \
       == "reference"
+
+
+def _eagle3_dry(monkeypatch):
+  from bench.protocol import eagle3
+  monkeypatch.setenv("DRY_RUN", "1")
+  monkeypatch.delenv("QUICK", raising=False)
+  return eagle3
+
+
+def test_eagle3_stage_rows_ratios_and_summary_at_toy_size(tmp_path, monkeypatch):
+  # Issue 55's GPU item at toy widths on the CPU (reference kernels): the lm_heads, the
+  # target slice and its 61-layer scaling, the MLA head with the full vocabulary and the MHA
+  # head with the reduced one, at B = 1 (the GPU's lowering: the last test; ~8 s of CPU).
+  eagle3 = _eagle3_dry(monkeypatch)
+  monkeypatch.setattr(eagle3, "BATCHES", (1,))
+  monkeypatch.setattr(eagle3, "PER_BATCH", (("mla", "full"),))
+  monkeypatch.setattr(eagle3, "AFTER", (("mha", "reduced"),))
+  monkeypatch.setattr(eagle3, "export_rows", lambda *a: None)
+  eagle3.run(str(tmp_path), layers=2, context=16, deadline_s=600.0)
+  got = {(r["impl"], r["case"]): r for r in _rows(tmp_path)}
+  assert not [r for r in got.values() if r.get("error") or r.get("skipped")]
+  full, reduced = eagle3.TOY["vocab_size"], eagle3.TOY_REDUCED
+  lm = {v: got[("lm_head", f"V={v} B=1")] for v in (full, reduced)}
+  assert lm[full]["bytes"] == 4 * lm[reduced]["bytes"] == full * 256 * 2
+  slice_row, target = got[("target", "decode B=1")], got[("target_61", "decode B=1")]
+  assert slice_row["layers"] == 2 and slice_row["bytes"] > 0
+  assert target["us"] == pytest.approx(slice_row["us"] * 61 / 2 + lm[full]["us"])
+  assert target["bytes"] > 61 / 2 * (slice_row["bytes"] - lm[full]["bytes"])
+  heads = [("mla full", full), ("mha reduced", reduced)]
+  for name, vocab in heads:
+    chained, first = got[(name, "chained B=1")], got[(name, "first B=1 T=4")]
+    assert chained["vocab"] == vocab and chained["us"] > 0 and chained["compile_s"] > 0
+    assert chained["vs_target"] == pytest.approx(chained["us"] / target["us"])
+    # The first pass reads `fc` (3 x 256 -> 256) and 3 more positions' KV than a chained step.
+    kv = eagle3.kv_bytes_per_token(eagle3.head_config(name[:3], name[4:], toy=True))
+    assert first["bytes"] - chained["bytes"] == 3 * 256 * 256 * 2 + 3 * kv
+    r = got[("ratio", f"{name} B=1")]
+    assert r["draft_step_vs_target"] == pytest.approx(chained["us"] / target["us"])
+    assert r["k_drafts_vs_target"] == pytest.approx(3 * r["draft_step_vs_target"])
+    assert r["drafting_vs_target"] == pytest.approx(
+        (first["us"] + 2 * chained["us"]) / target["us"])
+  # The MLA head's KV is a latent layer's (kv_lora + rope), the MHA head's K and V per head.
+  assert eagle3.kv_bytes_per_token(eagle3.head_config("mla", "full", True)) == 2 * (64 + 32)
+  assert eagle3.kv_bytes_per_token(eagle3.head_config("mha", "full", True)) == 2 * 2 * 4 * 32
+  text = summarize.summary(str(tmp_path))
+  assert "## eagle3: head programs" in text and "## eagle3: draft cost in target" in text
+
+
+def test_eagle3_stage_past_its_deadline_writes_a_skip_row_per_program(tmp_path, monkeypatch):
+  eagle3 = _eagle3_dry(monkeypatch)
+  rec = rows.Recorder(str(tmp_path), "eagle3")
+  stage = eagle3.Stage(rec, eagle3.Clock(0.0), 1, 16)
+  stage.lm_head(1)
+  stage.target(1)
+  stage.head("mla", "full", 1)
+  stage.ratios()
+  got = [(r["impl"], r["case"]) for r in _rows(tmp_path)][1:]  # (after the weights row)
+  assert got == [("lm_head", "V=512 B=1"), ("lm_head", "V=128 B=1"), ("target", "decode B=1"),
+                 ("mla full", "chained B=1"), ("mla full", "first B=1 T=4")]
+  assert all("deadline" in r["skipped"] for r in _rows(tmp_path)[1:])
+
+
+def test_eagle3_stage_programs_lower_for_cuda_with_mosaic_attention(tmp_path, monkeypatch):
+  # The stage's dry run lowers its GPU programs at the real shapes (QUICK: the MLA head's
+  # chained step, full vocabulary, B = 8; the MHA head's and the target's lower in the dry run
+  # through gpu_check.sh, and draft_chain's in tests/test_eagle3.py).
+  eagle3 = _eagle3_dry(monkeypatch)
+  monkeypatch.setenv("QUICK", "1")
+  eagle3.export_rows(rows.Recorder(str(tmp_path), "eagle3"), 3)
+  (r,) = _rows(tmp_path)
+  assert r["case"] == "mla full chained B=8" and r.get("mosaic_calls", 0) >= 1, r
