@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from bench.protocol.eagle3 import K25_MHA_HEAD, K25_MLA_HEAD  # the published heads' shapes
 from engine.model import eagle3
 from engine.model.cache import init_cache
 from engine.model.config import load_config
@@ -310,23 +311,6 @@ def test_target_forward_returns_the_residual_streams_entering_given_layers(targe
       jnp.arange(1, 5, dtype=jnp.int32)[None], layers=layers, cfg=tcfg)
   for l in layers:
     assert rel_err(got[l, 0], states["residual_1"][l]) <= REL_TOL, l
-
-
-K25_MLA_HEAD = dict(  # lightseekorg/kimi-k2.5-eagle3-mla's shape (TorchSpec's training config)
-    architectures=["Eagle3DeepseekV2ForCausalLM"], model_type="kimi_k2", hidden_size=7168,
-    intermediate_size=18432, num_hidden_layers=1, num_attention_heads=64,
-    num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-    qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-5, vocab_size=163840,
-    draft_vocab_size=163840, max_position_embeddings=262144, rope_theta=50000.0,
-    rope_scaling=dict(type="yarn", factor=64.0, original_max_position_embeddings=4096,
-                      beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-    eagle_config=dict(eagle_aux_hidden_state_layer_ids=[1, 29, 57]))
-K25_MHA_HEAD = dict(  # AQ-MedAI/Kimi-K25-eagle3's shape
-    architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=7168,
-    intermediate_size=18432, num_hidden_layers=1, num_attention_heads=64,
-    num_key_value_heads=64, head_dim=128, rms_norm_eps=1e-6, vocab_size=163840,
-    draft_vocab_size=32000, max_position_embeddings=262144, rope_theta=1000000.0,
-    eagle_config=dict(eagle_aux_hidden_state_layer_ids=[2, 30, 58]))
 
 
 @pytest.mark.parametrize("head", ["mla", "mha"])
