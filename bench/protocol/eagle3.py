@@ -168,6 +168,7 @@ def target_params(cfg):
 
 
 def kv_bytes_per_token(cfg: Eagle3Config) -> int:
+  """The head's bf16 KV bytes per cached token: MLA one latent row, MHA K and V per head."""
   return sum(2 * s[-1] * (s[-2] if len(s) == 4 else 1)
              for s in eagle3.pool_shapes(cfg, 1, 1).values())
 
