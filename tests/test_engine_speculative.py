@@ -153,6 +153,21 @@ def test_at_and_above_the_break_even_batch_the_plain_program_runs(model):
     seen.append((rows, eng.stats()["spec_loop_calls"] - before))
   assert all(n == 0 for rows, n in seen if rows >= 3), seen
   assert any(n > 0 for rows, n in seen if rows <= 2), seen
+  # A row drafting with MTP beside three n-gram rows speculates in every call, there too
+  # (its layer must see every verified block; the block never pays at batch 4, so the loop
+  # runs width 0): its MTP cache entries and row state equal a one-shot pass mid-request.
+  ps = [REPEATS] * 3 + fresh_prompts(1, seed=4)
+  rids = [eng.add_request(p, SamplingParams(drafter=d), StopParams(max_tokens=40))
+          for p, d in zip(ps, ["ngram"] * 3 + ["mtp"])]
+  row, plain_calls = eng.requests[rids[-1]], eng.stats()["spec_plain_calls"]
+  while len(row.output_ids) < 16:
+    eng.step()
+  check_mtp_state(eng, row, model)
+  for _ in eng.run():
+    pass
+  assert row.output_ids == plain(model, ps[-1:], 40)[0]
+  assert eng.stats()["spec_plain_calls"] == plain_calls and eng.stats()["spec_k0_loops"] > 0
+  assert_pool_full(eng)
 
 
 def test_the_rule_for_one_call(model):
@@ -178,18 +193,25 @@ def test_a_fixed_draft_length_drafts_whatever_the_cost_table_says(model):
   """Without adaptive_k every decode-only call with a drafting row speculates: a measured
   table that says the block never pays (a loaded CPU's timing) or that a call's fixed cost
   needs long calls decides only adaptive engines (it kept a bench's MTP row at batch 16 from
-  drafting at all)."""
+  drafting at all). A row drafting with MTP (whose layer must see every verified block)
+  speculates in every call, adaptive too: a plain call would leave its cache entries and row
+  state behind (the loop's plan takes width 0 where the block does not pay)."""
   dear = lambda b, k: k + 2.0  # the block never pays, even at full acceptance
   for adaptive in (False, True):
-    eng = every_drafter_engine(model, step=dear, speculative="mtp", adaptive_k=adaptive)
+    eng = every_drafter_engine(model, step=dear, speculative="ngram", adaptive_k=adaptive)
     assert eng.spec.widths == ((3,) if not adaptive else (0, 3))
     assert eng.spec.costs.break_even == 2
     reqs = [eng.requests[eng.add_request([1, 2, 3])] for _ in range(2)]
-    assert all(r.spec.drafter == "mtp" for r in reqs)
+    mtp = [eng.requests[eng.add_request([1, 2, 3], SamplingParams(drafter=d))]
+           for d in ("mtp", "auto")]
+    assert [r.spec.drafter for r in reqs + mtp] == ["ngram", "ngram", "mtp", "auto"]
     assert eng.spec.speculates(reqs, 8) == (not adaptive)
+    assert eng.spec.speculates(mtp[:1], 8) and eng.spec.speculates([reqs[0], mtp[0]], 8)
+    assert eng.spec.speculates(mtp[1:], 8) == (not adaptive)  # ("auto": its estimates)
     eng.spec.costs.step[:] = 1.0  # now the block pays; a call's fixed cost is 3 iterations
     eng.spec.costs.call = 3.0
     assert eng.spec.speculates(reqs, 2) == (not adaptive) and eng.spec.speculates(reqs, 4)
+    assert eng.spec.speculates(mtp[:1], 1) and eng.spec.speculates([reqs[1], mtp[0]], 2)
 
 
 @pytest.mark.slow

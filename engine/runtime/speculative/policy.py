@@ -4,10 +4,14 @@ requests' default, and `EngineConfig.drafters`), each request's `RequestSpec`, t
 the engine-wide acceptance estimates, the cost table, and the rule for each decode-only call.
 
 A call speculates (`speculates`) when some row has a drafter and the draft length is fixed
-(no `adaptive_k`: every call drafts K, whatever the cost table says), or, adaptive, when its
-batch is below the cost table's break-even, it is long enough to win back a speculative call's
-fixed cost, and the rows' estimates say the loop's first iteration would draft (or a row's
-drafter must see every block: MTP). A batch kept plain by its estimates speculates once every EXPLORE_EVERY calls, so
+(no `adaptive_k`: every call drafts K, whatever the cost table says), or some row drafts with
+a drafter whose state must see every verified block (`Drafter.needs_every_block`: MTP,
+EAGLE-3; as vLLM and SGLang run those drafters every step), whatever the call's length, batch
+and estimates: the loop's plan then chooses, per iteration, the block or width 0 (no drafts,
+the drafter still fed the verified token) where drafting does not pay. Otherwise, adaptive, a
+call speculates when its batch is below the cost table's break-even, it is long enough to win
+back a speculative call's fixed cost, and the rows' estimates say the loop's first iteration
+would draft. A batch kept plain by its estimates speculates once every EXPLORE_EVERY calls, so
 stale estimates come back. A speculative call is a `SPEC_DECODE` step description (`describe`)
 carrying every input the loop decides with: the rows' drafters, estimates and limits, the
 engine-wide estimates, the cost table's row and the time budget; the runner executes it and
@@ -127,11 +131,14 @@ class SpecPolicy:
       return False
     if len(self.widths) == 1:  # fixed K: drafting is the request's choice, not the table's
       return True
+    # (a plain call would leave those drafters' cache entries and row state behind)
+    every_block = {d.name for d in self.drafters if d.needs_every_block}
+    if any(s.drafter in every_block for s in specs):
+      return True
     b = self.buckets.decode_rows(len(reqs))
     if num_steps < self.costs.min_call_tokens or not self.costs.pays_at_full_acceptance(b):
       return False
-    every_block = {d.name for d in self.drafters if d.needs_every_block}
-    if any(s.drafter in every_block for s in specs) or self.first_iteration_drafts(reqs, b):
+    if self.first_iteration_drafts(reqs, b):
       return True
     self._exploring = self._plain_calls + 1 >= EXPLORE_EVERY
     return self._exploring
