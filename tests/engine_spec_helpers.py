@@ -2,13 +2,17 @@
 configuration, the model, prompts, and the plain reference."""
 
 import dataclasses
+import functools
 import random
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.model.cache import init_cache, mtp_entry
 from engine.model.config import config_from_dict
 from engine.model.params import init_params
+from engine.model.transformer import forward, forward_mtp
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
@@ -78,3 +82,32 @@ def assert_pool_full(e):
   e.pool.check_invariants()
   assert e.pool.num_free == e.pool.num_pages - 1
   assert not e.scheduler.running and not e.scheduler.waiting
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _target_and_mtp(params, cache, ids, next_ids, start, n_new, page_table, *, cfg):
+  hidden, cache = forward(params, cache, ids, start, n_new, page_table, cfg=cfg)
+  return forward_mtp(params, cache, hidden, next_ids, start, n_new, page_table, cfg=cfg)
+
+
+def check_mtp_state(eng, req, model):
+  """The engine's MTP cache entries (positions < num_computed) and the request's MTP hidden
+  state equal a one-shot target + MTP forward over the request's tokens (`model`: (config,
+  parameters); float32 caches)."""
+  cfg, params = model
+  page = eng.config.page_size
+  ids, n = req.all_ids, req.num_computed
+  assert n == len(ids) - 1
+  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
+  cache = init_cache(cfg, eng.pool.num_pages, page, jnp.float32)
+  width = eng.max_pages_per_seq * page  # (tokens padded past n: one compiled forward per test)
+  out, cache = _target_and_mtp(params, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
+                               jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([0]),
+                               jnp.asarray([n]), pt, cfg=cfg)
+  pos = np.arange(n)
+  idx = (np.asarray(pt)[0, pos // page], pos % page)
+  mtp = mtp_entry(cfg, 0)  # (after the decoder stacks)
+  np.testing.assert_allclose(np.asarray(eng.cache[mtp]["latent"])[idx],
+                             np.asarray(cache[mtp]["latent"])[idx], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(out[0, n - 1]), rtol=1e-4,
+                             atol=1e-4)

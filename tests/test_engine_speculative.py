@@ -5,15 +5,11 @@ plain decoding's output in any batch company; the rule that decides when a call 
 
 Most engines here have one configuration (`EVERY`), so the module compiles its programs once."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.model.cache import init_cache, mtp_entry
-from engine.model.transformer import forward, forward_mtp
 from engine.runtime.buckets import CompileCounter
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
@@ -22,8 +18,8 @@ from engine.runtime.speculative import goodput
 from engine.runtime.speculative.drafters import drafter_id, ids
 from engine.runtime.speculative.drafters import draft_model as catch_up
 from engine.runtime.step_description import DECODE, SPEC_DECODE
-from engine_spec_helpers import (SMALL, assert_pool_full, every_drafter_engine, fresh_prompts,
-                                 model_drafter_prices, plain, spec_model)
+from engine_spec_helpers import (SMALL, assert_pool_full, check_mtp_state, every_drafter_engine,
+                                 fresh_prompts, model_drafter_prices, plain, spec_model)
 from model_configs import perturbed
 
 REPEATS = [1, 5, 6, 7, 5, 6, 7, 5, 6]  # prompt lookup finds its continuation
@@ -248,33 +244,6 @@ def test_auto_drafter_picks_what_pays_per_request(model):
 
 
 # ---- model drafters' state ------------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnames="cfg")
-def _target_and_mtp(params, cache, ids, next_ids, start, n_new, page_table, *, cfg):
-  hidden, cache = forward(params, cache, ids, start, n_new, page_table, cfg=cfg)
-  return forward_mtp(params, cache, hidden, next_ids, start, n_new, page_table, cfg=cfg)
-
-
-def check_mtp_state(eng, req, model):
-  """The engine's MTP cache entries (positions < num_computed) and the request's MTP hidden
-  state equal a one-shot target + MTP forward over the request's tokens."""
-  cfg, params = model
-  ids, n = req.all_ids, req.num_computed
-  assert n == len(ids) - 1
-  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
-  cache = init_cache(cfg, eng.pool.num_pages, 8, jnp.float32)
-  width = eng.max_pages_per_seq * 8  # (tokens padded past n: one compiled forward per test)
-  out, cache = _target_and_mtp(params, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
-                               jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([0]),
-                               jnp.asarray([n]), pt, cfg=cfg)
-  pos = np.arange(n)
-  idx = (np.asarray(pt)[0, pos // 8], pos % 8)
-  mtp = mtp_entry(cfg, 0)  # (after the decoder stacks)
-  np.testing.assert_allclose(np.asarray(eng.cache[mtp]["latent"])[idx],
-                             np.asarray(cache[mtp]["latent"])[idx], rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(out[0, n - 1]), rtol=1e-4,
-                             atol=1e-4)
-
 
 @pytest.mark.slow
 def test_model_drafters_in_a_tight_pool(model, close):

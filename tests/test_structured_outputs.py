@@ -18,6 +18,7 @@ from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.grammar import GrammarError, StructuredOutputsParams as S, compile_grammar
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
+from engine_spec_helpers import check_mtp_state
 
 SCHEMAS = {
     "required_fields": {"type": "object", "properties": {
@@ -168,6 +169,44 @@ def test_speculative_constrained_output_equals_plain_constrained(model, eng):
   assert steps.masked_step._cache_size() <= 2 * len(eng.buckets.decode)
   for ids, _ in spec_out:
     assert re.fullmatch(spec.regex, text(model, ids))
+
+
+@pytest.mark.slow
+def test_mtp_drafts_for_constrained_rows_checked_against_the_grammar(model, eng):
+  """Constrained rows drafting with the demo target's MTP layer, greedy and seeded sampled:
+  its top-1 drafts, proposed by each masked step on the device and cut on the host at the
+  first token the grammar forbids, verified under the masks. The rows keep plain constrained
+  decoding's output and their grammar, drafted and had drafts accepted, and some drafts were
+  cut; the layer's cache entries and a row's state equal a one-shot pass mid-request (the
+  masked step's `observe` keeps them current, as the speculative loop does)."""
+  spec = S(regex=r"(x = 1\n|y = 3\n|z = [0-9]\n){1,12}")  # (the prompt's "y = 2" forbidden)
+  rows = [(0.0, 0), (1.0, 4)]
+  want, _ = run(eng, [REPETITIVE] * 2, [plain(spec, temperature=t, seed=s) for t, s in rows],
+                max_tokens=40)
+  mtp = Engine.from_model(model, EngineConfig(
+      max_num_seqs=2, max_num_batched_tokens=64, row_widths=(16, 64), max_model_len=256,
+      max_decode_steps=8, speculative="mtp", num_draft_tokens=3, measure_spec_costs=False,
+      decode_batch_sizes=(2,), constrained_warmup=False))
+  reqs = [mtp.requests[mtp.add_request(REPETITIVE, SamplingParams(
+      structured_outputs=spec, temperature=t, seed=s), StopParams(max_tokens=40))]
+      for t, s in rows]
+  checked = 0
+  while mtp.has_unfinished():
+    mtp.step()
+    for r in reqs:  # after masked steps that accepted drafts
+      if not r.finished and r.spec.accepted > 0 and not checked & (1 << reqs.index(r)):
+        check_mtp_state(mtp, r, (model.config, model.params))
+        checked |= 1 << reqs.index(r)
+  assert checked
+  assert [(r.output_ids, r.finish_reason) for r in reqs] == want
+  for r in reqs:
+    assert re.fullmatch(spec.regex, text(model, r.output_ids))
+  s = mtp.stats()
+  info = ([(r.spec.drafted, r.spec.accepted, len(r.output_ids)) for r in reqs],
+          {k: v for k, v in s.items() if k.startswith("structured_")})
+  assert all(r.spec.drafted > 0 and r.spec.accepted > 0 for r in reqs), info
+  assert s["structured_drafts_cut"] > 0, info  # drafts the grammar forbids are never verified
+  assert s["spec_drafted_mtp"] == s["structured_drafted"] > s["structured_accepted"] > 0, info
 
 
 def test_bad_schema_is_refused_at_add_request(eng):

@@ -13,7 +13,7 @@
 * `masked_step`: constrained rows (structured outputs) `[B, T]`: each row's newest token and
   up to T - 1 drafted ones, one forward, the grammar's allowed-token bitmask per position
   applied to the logits (-inf elsewhere) before sampling and verification; model drafters of
-  constrained rows (EAGLE-3) observe the block and propose the next step's drafts.
+  constrained rows (MTP, EAGLE-3) observe the block and propose the next step's drafts.
 
 Sampling randomness is keyed by (request seed, position of the sampled token) in both, which is
 what makes a request's output independent of its batch, its chunking and preemption.

@@ -12,9 +12,9 @@ then, for those rows:
    the allowed-token bitmask at every position of [newest, d_1 .. d_k] (the matcher advanced
    along the drafts, then rolled back). A row's drafts (`row_drafter`, when the engine
    speculates): a model drafter's that drafts on the device (`Drafter.drafts_constrained`:
-   EAGLE-3, for rows drafting with "eagle3", or "auto" on an engine with it), proposed by the
-   previous masked step (`speculative/constrained.py`); else its drafter's host form
-   (`host_drafter`: n-gram prompt lookup, for rows drafting with "ngram" or "auto").
+   MTP or EAGLE-3, for rows drafting with it; "auto" rows the first of them the engine has),
+   proposed by the previous masked step (`speculative/constrained.py`); else its drafter's
+   host form (`host_drafter`: n-gram prompt lookup, for rows drafting with "ngram" or "auto").
 2. `steps.masked_step` after the main program: one forward over `[B, 1]` (no drafts) or
    `[B, k + 1]`, masked logits, the speculative rule (greedy: argmax over allowed tokens;
    sampled: the (seed, position) sample of the masked distribution), so drafting changes

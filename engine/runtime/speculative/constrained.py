@@ -1,13 +1,14 @@
 """Model drafters for constrained rows (structured outputs): drafts proposed on the device, checked
 against the grammar on the host, as vLLM runs EAGLE with structured outputs.
 
-A drafter with `Drafter.drafts_constrained` (EAGLE-3) keeps its row state current in the masked
-step (`steps.masked_step`), which runs, after verifying each constrained row's block
+A drafter with `Drafter.drafts_constrained` (MTP, EAGLE-3) keeps its row state current in the
+masked step (`steps.masked_step`), which runs, after verifying each constrained row's block
 `[newest, d_1 .. d_k]`:
 
-1. the drafter's `observe` over the verified positions (the head's first pass over the target's
-   residual streams there, with the emitted tokens), so its KV covers every position and its row
-   state sits at the row's new newest cached position, as after the speculative loop;
+1. the drafter's `observe` over the verified positions (the MTP layer over the target's final
+   hidden states there, the EAGLE-3 head's first pass over its residual streams, each with the
+   emitted tokens), so its cache entries cover every position and its row state sits at the
+   row's new newest cached position, as after the speculative loop;
 2. its `propose` from there: a top-1 chain of K drafts (greedy whatever the row's temperature:
    the masked step verifies drafts against the target's own (seed, position) samples, so any
    draft is lossless and the top-1 one is the likeliest to match).

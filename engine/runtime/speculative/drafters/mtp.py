@@ -3,7 +3,9 @@ paged cache as one more layer (after the decoder layers), so prefix caching, pre
 freeing cover them. It observes every prefill chunk (`observe_prefill`) and every verified block
 (`observe`), keeping each row's MTP hidden state at its newest cached position (the row state,
 on the host between calls); `propose` chains the layer on its own output hidden state. Draft j
-(1-based) is the token at position n_cached + j.
+(1-based) is the token at position n_cached + j. Constrained rows (structured outputs) draft
+with it too: the masked step runs its `observe` over each verified block and its `propose`
+(`speculative/constrained.py`), so the layer sees every block there as well.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class MtpDrafter(Drafter):
   name = "mtp"
   observes_prefill = True
   needs_every_block = True
+  drafts_constrained = True
   refuses_images = ("images: not served by an engine with the mtp drafter (its layer would "
                     "see placeholder ids, not the image)")
   cfg: ModelConfig
