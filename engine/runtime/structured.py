@@ -38,30 +38,31 @@ from engine.runtime.page_pool import NULL_PAGE
 from engine.runtime.speculative.drafters import AUTO, drafter_id, registry
 
 
+def _host_form(name: str) -> Any:
+  """The registered drafter a row drafting with `name` ("auto", a name) drafts with on the
+  host: its own when it has a host form (`Drafter.drafts_on_host`), for "auto" the first
+  registered one that has, else None."""
+  return next((d for d in registry() if d.drafts_on_host and name in (d.name, AUTO)), None)
+
+
 def host_drafter(name: str | None) -> Callable[[Sequence[int], int, int], list[int]] | None:
   """How a constrained row drafting with `name` drafts on the host: its drafter's host form
-  (`Drafter.host_propose`); "auto" rows the first registered drafter that has one."""
-  if name is None:
-    return None
-  for d in registry():
-    if d.drafts_on_host and name in (d.name, AUTO):
-      return d.host_propose
-  return None
+  (`Drafter.host_propose`; see `_host_form`)."""
+  d = _host_form(name) if name is not None else None
+  return d.host_propose if d is not None else None
 
 
 def row_drafter(drafter: str | None, device: Sequence[str] = ()) -> str | None:
   """The drafter a constrained row drafting with `drafter` ("auto", a name, None) takes: the
   first of the engine's `device` drafters (`Drafter.drafts_constrained`) it names, else the
-  first with a host form (`host_drafter`), else None."""
+  one with a host form (`_host_form`), else None."""
   if drafter is None:
     return None
-  for name in device:
-    if drafter in (name, AUTO):
-      return name
-  for d in registry():
-    if d.drafts_on_host and drafter in (d.name, AUTO):
-      return d.name
-  return None
+  d = next((name for name in device if drafter in (name, AUTO)), None)
+  if d is not None:
+    return d
+  d = _host_form(drafter)
+  return d.name if d is not None else None
 
 
 def proposed_drafts(req: Any) -> list[int]:
