@@ -4,7 +4,24 @@ greedy output identical to speculative decoding off for every published head lay
 aux-id conventions; the head's KV in the target's paged cache and its row state equal a one-shot
 forward over the request's tokens after chunked prefill and verified blocks; its drafts equal
 the PyTorch golden's; continuous batching, prefix hits, preemption and structured outputs keep
-plain decoding's output; a missing or mismatched head is refused naming what is wrong."""
+plain decoding's output; a missing or mismatched head is refused naming what is wrong.
+
+Each layout variant runs in an engine once, where it costs least (a head variant is a compiled
+decode loop and mixed step of its own, ~10 s on CI's CPUs), and every variant's first pass and
+chained drafts are checked against its PyTorch golden in test_eagle3.py:
+- `mla_eagle31` (MLA, full vocabulary, EAGLE-3.1's `fc_norm` / `norm_output`, aux ids
+  [1, 2, 3]: the output-of convention) and `mha_full` (MHA, full vocabulary, no aux ids: the
+  default ones): `test_head_state_drafts_preemption_and_prefix_hits`;
+- `mha_reduced` (MHA, reduced draft vocabulary, aux ids [2, 3, 4]: the input-to convention):
+  `test_command_line_eagle3_prints_the_spec_keys`;
+- `mla_reduced`'s layout (MLA, reduced draft vocabulary, input-to aux ids [2, 3, 4]) is the
+  demo head's (`checkpoints/demo/eagle3`): `test_structured_outputs_draft_with_eagle3_checked_
+  against_the_grammar` (an unconstrained greedy row among constrained ones), and the served
+  and sharded engines of test_service_ops.py and test_sharding.py;
+- `mla` is `mla_eagle31` without the EAGLE-3.1 norms, which the demo head lacks too.
+The two conventions give identical drafts on the same weights (test_eagle3.py). All engines on
+the fixture target share one configuration, so the engine without speculation that gives the
+reference output compiles its programs once for the module."""
 
 import dataclasses
 import functools
@@ -38,12 +55,17 @@ from engine.runtime.sampling import SamplingArrays
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "eagle3")
 VARIANTS = ("mla", "mla_reduced", "mla_eagle31", "mha_reduced", "mha_full")
-STATE_VARIANTS = ("mla", "mha_full")  # (also checked for plain decoding's output there)
+ENGINE_VARIANTS = ("mla_eagle31", "mha_full")  # (the others: see the module docstring)
 PAGE = 8
-CONFIG = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
+# Two rows, 8-token chunks, 11 pages (too few for two long rows: preemption): two mixed-step
+# shapes ([1 x 8], [2 x 8]) and one decode batch per engine.
+CONFIG = dict(page_size=PAGE, max_num_seqs=2, max_num_batched_tokens=8, row_widths=(8,),
               max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32,
-              num_draft_tokens=3, measure_spec_costs=False, decode_batch_sizes=(4,),
-              compilation_cache_dir=None)
+              num_draft_tokens=3, measure_spec_costs=False, decode_batch_sizes=(2,),
+              num_pages=11, compilation_cache_dir=None)
+# The demo target's engines (structured outputs): four rows at once.
+DEMO_CONFIG = dict(CONFIG, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+                   row_widths=(16,), decode_batch_sizes=(4,), num_pages=None)
 
 
 @pytest.fixture(scope="module")
@@ -154,21 +176,6 @@ def test_the_heads_kv_is_an_entry_of_the_targets_cache(target):
 
 # ---- slow: the engine --------------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in STATE_VARIANTS])
-def test_greedy_output_identical_to_speculative_off(target, variant):
-  """Every layout (MLA / MHA, full / reduced vocabulary, EAGLE-3.1; aux ids [1, 2, 3]: output
-  convention, [2, 3, 4]: input) in a continuous batch of rows that join and leave (those of
-  `STATE_VARIANTS` in `test_head_state_drafts_preemption_and_prefix_hits`, on its engine)."""
-  ps = prompts(4, seed=3)
-  eng = Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"),
-               head=head(target, variant))
-  got = eng.generate(ps, SamplingParams(), StopParams(max_tokens=20, ignore_eos=True))
-  assert [r.output_ids for r in got] == plain(target, ps, 20)
-  s = eng.stats()
-  assert s["spec_steps_eagle3"] > 0 and s["spec_drafted_eagle3"] > 0
-
-
 def check_head_state(eng, req, target, hcfg, hparams, page=PAGE):
   """The head's cache entries at positions < num_computed and the request's row state equal a
   one-shot target forward (aux states) and head first pass over the request's tokens."""
@@ -202,21 +209,21 @@ def _one_shot(tparams, hparams, cache, tokens, nxt, n, pt, *, tcfg, hcfg, entry)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", STATE_VARIANTS)
+@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
 def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
   """One request prefilled in chunks: the head's KV and row state equal a one-shot pass, and
   its first drafts are the PyTorch golden's; after decode loops (verified blocks observed) the
   state still does, and so does a request's after a prefix-cache hit. Then a continuous batch
   (MLA: in a pool too small for it (preemption, recompute), its prompts sharing a prefix
-  (prefix-cache hits)): plain decoding's output, eagle3 drafting."""
+  (prefix-cache hits)): plain decoding's output, eagle3 drafting. (Every engine here runs
+  rows that join and leave a continuous batch: two rows at most, more requests.)"""
   hcfg, hparams = head(target, variant)
   states = np.load(os.path.join(FIXTURES, "target_states.npz"))
   golden = np.load(os.path.join(FIXTURES, variant, "golden.npz"))
-  eng = Engine(*target, EngineConfig(**dict(CONFIG, max_num_seqs=2, decode_batch_sizes=(2,),
-                                            num_pages=11, max_num_batched_tokens=8),
-                                     speculative="eagle3"), head=(hcfg, hparams))
+  eng = Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"), head=(hcfg, hparams))
   prompt = [int(t) for t in states["prompt_1"]]  # 13 tokens: two 8-token chunks
-  max_tokens = 30 if variant == "mla" else 14
+  mla = hcfg.is_mla
+  max_tokens = 30 if mla else 14
   rid = eng.add_request(prompt, SamplingParams(), StopParams(max_tokens=max_tokens,
                                                              ignore_eos=True))
   req = eng.requests[rid]
@@ -251,7 +258,7 @@ def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
   check_head_state(eng, hit, target, hcfg, hparams)
   for _ in eng.run():
     pass
-  if variant != "mla":  # (short rows: no preemption)
+  if not mla:  # (short rows: no preemption)
     ps = prompts(4, seed=3, lo=4, hi=12)
     got = eng.generate(ps, SamplingParams(), StopParams(max_tokens=12, ignore_eos=True))
     assert [r.output_ids for r in got] == plain(target, ps, 12)
@@ -301,7 +308,7 @@ def test_structured_outputs_draft_with_eagle3_checked_against_the_grammar(demo_w
               SamplingParams(structured_outputs=constraints[2], temperature=0.7, seed=3),
               SamplingParams()]
   stop = StopParams(max_tokens=32, ignore_eos=True)
-  config = dict(CONFIG, page_size=16, max_model_len=96)
+  config = DEMO_CONFIG
   want = Engine.from_model(model, EngineConfig(**config)).generate(ps, sampling, stop)
   eng = Engine.from_model(model, EngineConfig(**config, speculative="eagle3"),
                           head=(hcfg, hparams))
@@ -334,7 +341,9 @@ def test_structured_outputs_draft_with_eagle3_checked_against_the_grammar(demo_w
 @pytest.mark.slow
 def test_command_line_eagle3_prints_the_spec_keys(target):
   """`python -m engine.generate --speculative=eagle3 --eagle3_checkpoint=DIR --json`: plain
-  decoding's tokens, and the `spec` keys every drafter prints."""
+  decoding's tokens, and the `spec` keys every drafter prints. The head is `mha_reduced`: this
+  is that layout's engine run (greedy output identical to speculative off; see the module
+  docstring)."""
   import subprocess
   import sys
   states = np.load(os.path.join(FIXTURES, "target_states.npz"))
