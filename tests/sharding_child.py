@@ -112,13 +112,14 @@ def load_demo_sharded():
 
 
 def eagle3_sharded():
-  """EAGLE-3 on a 2-device tensor mesh. The float32 demo with its MLA head: greedy output and
-  drafts as on one device, equal to plain greedy (the one-device engine's, drafter off). The MHA fixture head beside the tiny INT4
-  target: its K/V entry split by KV head, its draft chain as on one device. Both: the head's
-  weights and cache entry placed as a target layer of its kind."""
+  """EAGLE-3 on a 2-device tensor mesh. The float32 demo with its MLA head: greedy output equal
+  to plain greedy (a one-device engine's, drafter off), drafts accepted. The MHA fixture head
+  beside the tiny INT4 target, its K/V entry split by KV head. Both: the draft chain as on one
+  device (the heads' own placed weights and a placed pool), the head's weights and cache entry
+  placed as a target layer of its kind. (One eagle3 engine compiled per head: the one-device
+  engine's eagle3 output is plain greedy's in test_eagle3_drafter.py.)"""
   from engine.model.cache import first_extra_entry
   from engine.model.config import load_config
-  from engine.model.eagle3 import draft_chain, init_pool
   from engine.model.eagle3_loader import load_eagle3
   from engine.model.hf_loader import load_hf_params
   from engine.runtime.engine import Engine, EngineConfig
@@ -141,25 +142,21 @@ def eagle3_sharded():
   placed = sharding.shard_params(cfg, params, mesh)
   prompts = [[1, 300, 301, 302, 303, 304, 305], [1, 40, 41, 42]]
   stop = StopParams(max_tokens=16, ignore_eos=True)
-  out = {}
-  for name, p, m in (("one", params, None), ("mesh", placed, mesh)):
-    # (the head loaded as `engine.load`'s model loads it: sharing the target's embedding)
-    head = load_eagle3(os.path.join(demo, "eagle3"), cfg, p, jnp.float32)
-    eng = Engine(cfg, p, EngineConfig(**conf, speculative="eagle3"), head=head, mesh=m)
-    if name == "one":  # plain greedy: the same engine, its drafter off
-      off = eng.generate(prompts, SamplingParams(drafter="off"), stop)
-      out["plain"] = dict(tokens=[r.output_ids for r in off])
-    out[name] = dict(tokens=[r.output_ids for r in eng.generate(prompts, stop=stop)],
-                     drafted=eng.counters["spec_drafted"], accepted=eng.counters["spec_accepted"])
+  # (the head loaded as `engine.load`'s model loads it: sharing the target's embedding)
+  hcfg, hparams = load_eagle3(os.path.join(demo, "eagle3"), cfg, params, jnp.float32)
+  one = Engine(cfg, params, EngineConfig(**conf, speculative="eagle3"), head=(hcfg, hparams))
+  plain = [r.output_ids for r in one.generate(prompts, SamplingParams(drafter="off"), stop)]
+  head = load_eagle3(os.path.join(demo, "eagle3"), cfg, placed, jnp.float32)
+  eng = Engine(cfg, placed, EngineConfig(**conf, speculative="eagle3"), head=head, mesh=mesh)
+  got = [r.output_ids for r in eng.generate(prompts, stop=stop)]
   own = eng.runner.own_params["eagle3"]
-  results = dict(same_as_one_device=out["mesh"] == out["one"],
-                 same_as_plain=out["mesh"]["tokens"] == out["plain"]["tokens"],
-                 accepted=out["mesh"]["accepted"],
+  results = dict(same_as_plain=got == plain, accepted=eng.counters["spec_accepted"],
                  # after generating: still placed as the target's MLA layers
                  mla_entry=specs(eng.runner.cache[first_extra_entry(cfg)]),
                  target_entry=specs(eng.runner.cache[0]),
                  mla_params=dict(specs(own["attn"]), lm_head=str(own["lm_head"].sharding.spec)),
                  embed_shared=own["embed"] is eng.params["embed"])
+  results.update({f"mla_{k}": v for k, v in chain_on_mesh(cfg, hcfg, hparams, own, mesh).items()})
 
   fixtures = os.path.join(here, "golden", "fixtures", "eagle3")
   cfg = load_config(os.path.join(fixtures, "target"))
@@ -169,6 +166,16 @@ def eagle3_sharded():
                EngineConfig(**conf, speculative="eagle3"), head=(hcfg, hparams), mesh=mesh)
   results["mha_entry"] = specs(eng.runner.cache[first_extra_entry(cfg)])
   results["mha_params"] = specs(eng.runner.own_params["eagle3"]["attn"])
+  results.update({f"mha_{k}": v for k, v in chain_on_mesh(
+      cfg, hcfg, hparams, eng.runner.own_params["eagle3"], mesh).items()})
+  return results
+
+
+def chain_on_mesh(cfg, hcfg, hparams, placed_params, mesh):
+  """A head's draft chain (first pass over 8 positions, 3 chained steps) on the mesh (its placed
+  weights, a placed pool) against one device: the largest difference, the same drafts, the pool
+  still placed as the cache entry."""
+  from engine.model.eagle3 import draft_chain, init_pool
   rng = np.random.default_rng(0)
   aux = rng.standard_normal((2, 8, hcfg.num_aux * cfg.hidden_size)).astype(np.float32)
   tokens = rng.integers(3, cfg.vocab_size, (2, 8)).astype(np.int32)
@@ -177,18 +184,14 @@ def eagle3_sharded():
   placed_pool = jax.device_put(init_pool(hcfg, 5, 8, jnp.float32),
                                sharding.cache_sharding(hcfg.layer, mesh))
   with jax.set_mesh(mesh):
-    got = draft_chain(eng.runner.own_params["eagle3"], placed_pool, *args, cfg=hcfg,
-                      num_drafts=3)
-  results["mha_chain_max_abs_diff"] = max(
-      float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
-      zip(jax.tree.leaves(ref[:2]), jax.tree.leaves(got[:2])))
-  results["mha_same_drafts"] = bool((np.asarray(ref[2]) == np.asarray(got[2])).all())
-  results["mha_pool_kept"] = all(
-      v.sharding.is_equivalent_to(sharding.cache_sharding(hcfg.layer, mesh)[k], v.ndim)
-      for k, v in got[3].items())
-  results["mha_chain_max_abs_ref"] = max(float(np.max(np.abs(np.asarray(a))))
-                                         for a in jax.tree.leaves(ref[:2]))
-  return results
+    got = draft_chain(placed_params, placed_pool, *args, cfg=hcfg, num_drafts=3)
+  return dict(
+      chain_max_abs_diff=max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                             for a, b in zip(jax.tree.leaves(ref[:2]), jax.tree.leaves(got[:2]))),
+      chain_max_abs_ref=max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(ref[:2])),
+      same_drafts=bool((np.asarray(ref[2]) == np.asarray(got[2])).all()),
+      pool_kept=all(v.sharding.is_equivalent_to(sharding.cache_sharding(hcfg.layer, mesh)[k],
+                                                v.ndim) for k, v in got[3].items()))
 
 
 def run_multiprocess(port, pid):
