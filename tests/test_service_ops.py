@@ -397,7 +397,9 @@ def read_until_ready(proc):
 def test_serve_with_eagle3_keeps_greedy_output_and_counts_its_drafts():
   """`python -m engine.serve --speculative=eagle3` on the demo target takes its default head
   (checkpoints/demo/eagle3): greedy completions over gRPC and the OpenAI HTTP API (float32)
-  are an engine's without speculation, and the usage and /metrics count eagle3's drafts."""
+  are an engine's without speculation (the same server's, its requests choosing drafter
+  "off": the plain decode loop, compiled at warm-up), and the usage and /metrics count
+  eagle3's drafts."""
   proc = subprocess.Popen(
       [sys.executable, "-m", "engine.serve", "--port=0", "--host=127.0.0.1", "--http_port=0",
        "--dtype=float32", "--speculative=eagle3", "--num_draft_tokens=3",
@@ -406,15 +408,13 @@ def test_serve_with_eagle3_keeps_greedy_output_and_counts_its_drafts():
        "--stats_log_interval_s=0"],
       cwd=REPO, stderr=subprocess.PIPE, text=True)
   try:
-    # The reference while the server warms up: an engine without speculation.
-    demo = moejax.load(DEMO, dtype="float32")
-    prompts = [demo.tokenizer.encode(t).ids for t in (PROMPT, "import os\nimport sys\n")]
-    config = EngineConfig(max_num_seqs=1, max_num_batched_tokens=16, row_widths=(16,),
-                          max_model_len=64, max_decode_steps=4)
-    want = [r.output_ids for r in Engine.from_model(demo, config).generate(
-        prompts, SamplingParams(), StopParams(max_tokens=24, ignore_eos=True))]
     _, port, http_url = read_until_ready(proc)
     with InferenceClient(f"127.0.0.1:{port}") as client:
+      prompts = [client.tokenize(t) for t in (PROMPT, "import os\nimport sys\n")]
+      want = [client.generate(p, max_tokens=24, ignore_eos=True, drafter="off")
+              for p in prompts]
+      assert all(w.spec_draft_tokens == 0 for w in want)
+      want = [list(w.token_ids) for w in want]
       got = client.generate(prompts[0], max_tokens=24, ignore_eos=True)
     assert got.token_ids == want[0]
     # (drafting is the roofline cost table's call here: --nomeasure_spec_costs)
