@@ -4,27 +4,35 @@ path that runs the target inside the loss (`losses`): same loss, metrics and gra
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.api import DEMO_CHECKPOINT
+TARGET = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "eagle3", "target")
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  import engine
+  """The tiny Kimi K2.5 INT4 target of the EAGLE-3 goldens (5 layers; float32) and a fresh MLA
+  head for it, as `train_eagle3` makes one (the demo target's forward compiles ~3x longer)."""
   from checkpoints import train_eagle3
+  from engine.model.config import load_config
   from engine.model.eagle3_loader import load_eagle3
-  model = engine.load(DEMO_CHECKPOINT, dtype="float32")
+  from engine.model.hf_loader import load_hf_params
+  cfg = load_config(TARGET)
+  tparams = load_hf_params(TARGET, cfg, jnp.float32, progress=False)
+  with open(os.path.join(TARGET, "config.json")) as fh:
+    raw = json.load(fh)["text_config"]
   d = str(tmp_path_factory.mktemp("head"))
-  conf = train_eagle3.head_config(DEMO_CHECKPOINT, 64)
-  train_eagle3.save_head(d, conf, train_eagle3.initial_tensors(conf, model.config,
-                                                               model.params, seed=1))
-  hcfg, params = load_eagle3(d, model.config, model.params, jnp.float32)
+  conf = train_eagle3.head_config_dict(raw, 64, aux_ids=[2, 3, 4])
+  train_eagle3.save_head(d, conf, train_eagle3.initial_tensors(conf, cfg, tparams, seed=1))
+  hcfg, params = load_eagle3(d, cfg, tparams, jnp.float32)
   frozen = {"embed": params.pop("embed")}
-  return model, hcfg, params, frozen
+  return cfg, tparams, hcfg, params, frozen
 
 
 def test_soft_ce_against_numpy_and_the_reduced_vocabulary_rule():
@@ -69,11 +77,10 @@ def test_soft_ce_against_numpy_and_the_reduced_vocabulary_rule():
 
 @pytest.mark.slow
 def test_precomputed_states_give_the_reference_loss_and_gradients(setup):
-  """~25 s: the demo target's forward compiled once (`precompute`), both losses and their
-  gradients run op by op (jitting their gradients compiles for ~40 s)."""
+  """~15 s: the target's forward compiled once (`precompute`), both losses and their gradients
+  run op by op (jitting the gradients compiles for longer than that)."""
   from checkpoints import train_eagle3
-  model, hcfg, params, frozen = setup
-  tcfg, tparams = model.config, model.params
+  tcfg, tparams, hcfg, params, frozen = setup
   ids = np.random.default_rng(0).integers(3, tcfg.vocab_size, (4, 20)).astype(np.int32)
   k = 3
   ref = jax.value_and_grad(lambda p: train_eagle3.losses(
@@ -91,7 +98,8 @@ def test_precomputed_states_give_the_reference_loss_and_gradients(setup):
   for name in want_m:
     np.testing.assert_allclose(float(got_m[name]), float(want_m[name]), rtol=1e-5, atol=1e-6)
   for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
+    scale = float(np.max(np.abs(np.asarray(b))))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5 * scale)
   # A sequence's states out of place (another sequence's) changes the loss: the test can fail.
   shifted = train_eagle3.head_losses(params, frozen, tparams["lm_head"],
                                      jnp.asarray(aux[::-1]), jnp.asarray(final),
