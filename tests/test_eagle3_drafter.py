@@ -119,7 +119,7 @@ def test_engine_without_a_head_refuses_eagle3_naming_it(target):
   assert "eagle3" in with_head.drafters(target[0])
 
 
-def test_command_line_head_directory(tmp_path):
+def test_command_line_head_directory(target, tmp_path):
   assert eagle3_checkpoint("ngram", None, "elsewhere") is None
   assert eagle3_checkpoint("auto", None, str(tmp_path)) is None  # (auto goes without)
   assert eagle3_checkpoint("eagle3", "/some/head", str(tmp_path)) == "/some/head"
@@ -128,6 +128,13 @@ def test_command_line_head_directory(tmp_path):
   demo_head = os.path.join(os.path.dirname(DEMO_CHECKPOINT), "eagle3")
   if os.path.isdir(demo_head):  # the demo target's default
     assert eagle3_checkpoint("eagle3", None, DEMO_CHECKPOINT) == demo_head
+  # A bad directory is refused when the speculative config is checked, before any engine is
+  # built: an Eagle3Error (a ValueError, which the command lines print as "error: ...") naming
+  # it (each way a directory can be bad: test_eagle3.py).
+  bad = eagle3_checkpoint("eagle3", str(tmp_path / "nowhere"), str(tmp_path))
+  with pytest.raises(Eagle3Error, match="nowhere.*not a directory"):
+    SpeculativeConfig("eagle3", checkpoint=bad).validate(target[0])
+  assert issubclass(Eagle3Error, ValueError)
 
 
 def test_a_mismatched_head_is_refused_naming_the_field(target, tmp_path):
