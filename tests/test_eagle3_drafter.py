@@ -297,8 +297,8 @@ def test_structured_outputs_draft_with_eagle3_checked_against_the_grammar(demo_w
   """Constrained rows (structured outputs) drafting with eagle3 beside an unconstrained eagle3
   row, on the demo target: the head's top-1 drafts, proposed by each masked step on the device
   and cut on the host at the first token the grammar forbids, verified under the masks.
-  Every row keeps plain decoding's output (greedy and a seeded sampled row; the reference: the
-  same engine's rows with drafter "off"), each constrained one within its grammar; constrained rows drafted and had drafts accepted, and some drafts
+  Every row keeps plain decoding's output (greedy and a seeded sampled row), each constrained
+  one within its grammar; constrained rows drafted and had drafts accepted, and some drafts
   were cut; the head's KV and row state of a constrained row equal a one-shot pass (the masked
   step's first pass keeps them current)."""
   model, (hcfg, hparams) = demo_with_head
@@ -315,12 +315,11 @@ def test_structured_outputs_draft_with_eagle3_checked_against_the_grammar(demo_w
               SamplingParams(structured_outputs=constraints[2], temperature=0.7, seed=3),
               SamplingParams()]
   stop = StopParams(max_tokens=32, ignore_eos=True)
+  # (An engine without speculation: its masked step compiles in ~1/3 of the time the eagle3
+  # engine's takes for rows with drafter "off".)
+  want = Engine.from_model(model, EngineConfig(**DEMO_CONFIG)).generate(ps, sampling, stop)
   eng = Engine.from_model(model, EngineConfig(**DEMO_CONFIG, speculative="eagle3"),
                           head=(hcfg, hparams))
-  # Plain decoding's output: the same engine's rows with drafter "off" (masked steps without
-  # drafts, the plain decode loop); its compiled programs serve both runs.
-  want = eng.generate(ps, [dataclasses.replace(s, drafter="off") for s in sampling], stop)
-  assert not any(r.usage().spec_draft_tokens for r in want)
   ids = [eng.add_request(p, s, stop) for p, s in zip(ps, sampling)]
   reqs = [eng.requests[i] for i in ids]
   checked = False
