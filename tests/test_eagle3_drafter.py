@@ -6,12 +6,13 @@ forward over the request's tokens after chunked prefill and verified blocks; its
 the PyTorch golden's; continuous batching, prefix hits, preemption and structured outputs keep
 plain decoding's output; a missing or mismatched head is refused naming what is wrong.
 
-Each layout variant runs in an engine once, where it costs least (a head variant is a compiled
+Each head layout runs in an engine once, where it costs least (a head variant is a compiled
 decode loop and mixed step of its own, ~10 s on CI's CPUs), and every variant's first pass and
-chained drafts are checked against its PyTorch golden in test_eagle3.py:
+chained drafts are checked against its PyTorch golden in test_eagle3.py
+(`test_every_head_layout_runs_in_an_engine` keeps this map true):
 - `mla_eagle31` (MLA, full vocabulary, EAGLE-3.1's `fc_norm` / `norm_output`, aux ids
-  [1, 2, 3]: the output-of convention) and `mha_full` (MHA, full vocabulary, no aux ids: the
-  default ones): `test_head_state_drafts_preemption_and_prefix_hits`;
+  [1, 2, 3]: the output-of convention) and `mha_full` (MHA, full vocabulary, the residual
+  after `hidden_norm`, aux ids [1, 2, 3] at the config's top level): `test_head_state_drafts_preemption_and_prefix_hits`;
 - `mha_reduced` (MHA, reduced draft vocabulary, aux ids [2, 3, 4]: the input-to convention):
   `test_command_line_eagle3_prints_the_spec_keys`;
 - `mla_reduced`'s layout (MLA, reduced draft vocabulary, input-to aux ids [2, 3, 4]) is the
@@ -38,7 +39,7 @@ import pytest
 from engine.api import DEMO_CHECKPOINT, eagle3_checkpoint
 from engine.model.cache import cache_bytes_per_token, first_extra_entry, init_cache
 from engine.model.config import load_config
-from engine.model.eagle3_config import Eagle3Error
+from engine.model.eagle3_config import Eagle3Error, load_eagle3_config
 from engine.model.eagle3_loader import load_eagle3
 from engine.model.hf_loader import load_hf_params
 from engine.model.kernels import REFERENCE
@@ -56,6 +57,7 @@ from engine.runtime.sampling import SamplingArrays
 FIXTURES = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "eagle3")
 VARIANTS = ("mla", "mla_reduced", "mla_eagle31", "mha_reduced", "mha_full")
 ENGINE_VARIANTS = ("mla_eagle31", "mha_full")  # (the others: see the module docstring)
+CLI_VARIANT = "mha_reduced"  # test_command_line_eagle3_prints_the_spec_keys
 PAGE = 8
 # Two rows, 8-token chunks, 11 pages (too few for two long rows: preemption): two mixed-step
 # shapes ([1 x 8], [2 x 8]) and one decode batch per engine.
@@ -155,6 +157,34 @@ def test_a_mismatched_head_is_refused_naming_the_field(target, tmp_path):
   with pytest.raises(ValueError, match="EngineConfig: EAGLE-3 head: vocab_size 512"):
     Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"),
            head=(dataclasses.replace(cfg, vocab_size=512), None))
+
+
+def layout(hcfg):
+  """What tells the published layouts apart: attention kind, a reduced draft vocabulary, the
+  aux-id convention as written, where the residual is taken, EAGLE-3.1's norms (last)."""
+  written = hcfg.aux_ids_in_config
+  convention = "default" if not written else "output" if written[0] == 1 else "input"
+  return (hcfg.is_mla, hcfg.reduced_vocab, convention, hcfg.norm_before_residual, hcfg.fc_norm,
+          hcfg.norm_output)
+
+
+def test_every_head_layout_runs_in_an_engine():
+  """The module docstring's map, kept true: each fixture variant's layout is one an engine test
+  here runs (`ENGINE_VARIANTS`, the command line's head, the demo head), or that of one with
+  EAGLE-3.1's norms while another of its attention kind runs without them; both aux-id
+  conventions run."""
+  demo = load_eagle3_config(os.path.join(os.path.dirname(DEMO_CHECKPOINT), "eagle3"),
+                            load_config(DEMO_CHECKPOINT))
+  tcfg = load_config(os.path.join(FIXTURES, "target"))
+
+  def fixture(v):
+    return layout(load_eagle3_config(os.path.join(FIXTURES, v), tcfg))
+  run = {fixture(v) for v in ENGINE_VARIANTS + (CLI_VARIANT,)} | {layout(demo)}
+  assert {"output", "input"} <= {r[2] for r in run}
+  for variant in VARIANTS:
+    mine = fixture(variant)
+    plain_norms = any(r[0] == mine[0] and not r[-2] and not r[-1] for r in run)
+    assert mine in run or (mine[:-2] + (True, True) in run and plain_norms), (variant, run)
 
 
 def test_the_heads_kv_is_an_entry_of_the_targets_cache(target):
@@ -361,7 +391,7 @@ def test_command_line_eagle3_prints_the_spec_keys(target):
                       f"--checkpoint={os.path.join(FIXTURES, 'target')}", f"--prompt_ids={ids}",
                       "--max_new_tokens=12", "--ignore_eos", "--dtype=float32", "--json",
                       "--speculative=eagle3", "--num_draft_tokens=3",
-                      f"--eagle3_checkpoint={os.path.join(FIXTURES, 'mha_reduced')}"],
+                      f"--eagle3_checkpoint={os.path.join(FIXTURES, CLI_VARIANT)}"],
                      cwd=root, capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr
   obj = json.loads(r.stdout.strip().splitlines()[-1])
