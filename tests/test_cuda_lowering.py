@@ -150,7 +150,7 @@ def _forward_for_cuda(layers: int, latent: int = 32, rope: int = 32,
   return text, len(re.findall(rf"stablehlo.custom_call @{MOSAIC_CALL}\b", text))
 
 
-@pytest.mark.parametrize("latent,rope", [(32, 32), (128, 64)])  # flash; decode + combine
+@pytest.mark.parametrize("latent,rope", [(32, 32), pytest.param(128, 64, marks=pytest.mark.slow)])  # flash; decode + combine
 def test_mosaic_kernels_lower_once_per_shape_not_per_layer(latent, rope):
   """Layers whose kernel calls are identical share one lowered kernel (`kernels.py`): each
   layer lowering (and compiling) its own took a 27-layer decode step ~95 s to compile on an

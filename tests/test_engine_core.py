@@ -158,6 +158,7 @@ def test_a_description_holds_host_data_only():
     StepDescription.from_bytes(b"pickle")
 
 
+@pytest.mark.slow
 def test_the_second_speculative_generate_compiles_nothing(model):
   """The first call makes the engine (its cost table timed) and runs; a second identical call,
   whose prompt now hits the prefix cache, finds every program compiled."""

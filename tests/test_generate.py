@@ -91,6 +91,7 @@ def test_seeded_sampling_reproduces_and_ignores_batch_company(model):
   assert k1.token_ids == greedy.token_ids
 
 
+@pytest.mark.slow
 def test_compiles_once_per_bucket(model):
   """A call of the same buckets (batch size, prompt width, length to a quarter octave)
   compiles nothing, also when its prompt hits the prefix cache (one row per prompt either

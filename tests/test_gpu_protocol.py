@@ -376,6 +376,7 @@ def _eagle3_dry(monkeypatch):
   return eagle3
 
 
+@pytest.mark.slow
 def test_eagle3_stage_rows_ratios_and_summary_at_toy_size(tmp_path, monkeypatch):
   # Issue 55's GPU item at toy widths on the CPU (reference kernels): the lm_heads, the
   # target slice and its 61-layer scaling, the MLA head with the full vocabulary and the MHA

@@ -175,7 +175,7 @@ def test_partials_are_the_segments_attention_and_the_combine_merges_them():
     # wrap the 8-tile ring (`auto_config`).
     (8, [5000, 64, 700], 96, jnp.float32, None),
     # 64 rows of few sequences: 8-row groups (`lane_rows`), 8 slots per tile, a copy per slot.
-    (64, [1200, 0], 7, jnp.bfloat16, None),
+    pytest.param(64, [1200, 0], 7, jnp.bfloat16, None, marks=pytest.mark.slow),
     # (64-row groups, one slot per tile: the 64-head verify case above)
 ])
 def test_combine_of_many_slots_matches_its_reference(rows, lens, parts, dtype, group_rows):

@@ -46,6 +46,7 @@ def _fp8_problem(seed, t, e, k, h, i, ids=None):
   return routed_problem(seed, t, e, k, h, i, _fp8, ids)
 
 
+@pytest.mark.slow
 def test_kernel_reads_one_layer_of_stacked_fp8_experts():
   """A scanned stack's FP8 experts, [L, E, ...] leaves, and a layer index: the W8A16 kernels
   read that layer's experts in place (`permute.expert_pool`), as if given it alone; an expert

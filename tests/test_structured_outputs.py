@@ -119,6 +119,7 @@ def test_json_schemas_validate_greedy_and_sampled(model, eng):
     assert run(eng, [PROMPT], [sampling[i]], max_tokens=64)[0] == [results[i]]
 
 
+@pytest.mark.slow
 def test_regex_choice_and_lark_grammar_outputs_match(model, eng):
   lark = 'start: NAME " = " value\nvalue: NUM | NAME "(" NUM ")"\nNAME: /[a-z_]{1,8}/\n' \
          'NUM: /[0-9]{1,4}/'

@@ -170,6 +170,7 @@ def test_expert_shard_and_unused_slots():
   assert_close(got, reference_f32(x, w, ids, *shard, expert_offset=3))
 
 
+@pytest.mark.slow
 def test_reads_one_layer_of_stacked_experts():
   # A scanned stack hands the kernel its layers' experts, [L, E, ...] packed leaves, and the
   # layer's index: it reads that layer's experts in place (`permute.expert_pool`), as if given
@@ -229,6 +230,7 @@ def test_dequantized_weights_are_bitwise_compressed_tensors_product():
   np.testing.assert_array_equal(np.asarray(got, np.float32), want.transpose(0, 2, 1))
 
 
+@pytest.mark.slow
 def test_kernel_has_no_races():
   # Several units per simulated SM, 512 inputs = 2 K steps forced into 2 splits (f32 partials
   # summed outside), the SMEM ring wrapping around, group 128: the interpreter's race detector
