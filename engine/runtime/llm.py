@@ -16,9 +16,9 @@ step's rows are W wide, the longest prompt to a power of two (the whole batch pr
 [B, W] step, B the batch to a power of two; a later call whose prompts hit the prefix cache
 packs the same shape), and for rows wider than TAIL_ROWS_FROM (the roofline's ridge point) also
 a page wide (such a call leaves at most a page per prompt to compute, and past the ridge a long
-row of a few real tokens costs nearly a whole prefill). When an engine is made, its cost table is timed (with drafters,
-`warmup.measure_costs`) and its page-wide step compiled, so the first call pays every compile
-and a second call of the batch's shape none. The KEPT_ENGINES most
+row of a few real tokens costs nearly a whole prefill). When an engine is made, its cost table
+is timed (with drafters, `warmup.measure_costs`) and its page-wide step compiled, so the first
+call pays every compile and a second call of the batch's shape none. The KEPT_ENGINES most
 recently used live on (their prefix cache, learned table and acceptance estimates too);
 `release` drops them, and a call that raised drops its engine.
 """
