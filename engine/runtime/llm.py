@@ -62,9 +62,9 @@ class SpeculativeConfig:
   "mtp" (the checkpoint's MTP layer), "draft" (a small model with the same tokenizer:
   `draft_cfg`, `draft_params`), "eagle3" (an EAGLE-3 head: `checkpoint`, its directory as
   published, loaded once per model and path); or "auto" (every drafter the model supports,
-  the EAGLE-3 head when `checkpoint` is given, chosen per row as it goes, adaptive). num_draft_tokens: K >= 1. adaptive: choose every iteration whether
-  to draft (up to K per row) or decode plainly, from the acceptance estimates and the cost
-  table (always on for "auto"). measure_costs: time the cost table on this machine when the
+  the EAGLE-3 head when `checkpoint` is given, chosen per row as it goes, adaptive).
+  num_draft_tokens: K >= 1. adaptive: choose every iteration whether to draft (up to K per row)
+  or decode plainly, from the acceptance estimates and the cost table (always on for "auto"). measure_costs: time the cost table on this machine when the
   engine is made (else the roofline, `speculative.costs`)."""
   method: str
   num_draft_tokens: int = 4

@@ -29,8 +29,9 @@ _REGISTERED: list[type[Drafter]] = [
     Eagle3Drafter,
 ]
 
-__all__ = ["AUTO", "Drafter", "aux_layers_of", "LoopContext", "NgramMemory", "OFF", "Proposal", "build",
-           "drafter_class", "drafter_id", "ids", "names", "registered", "registry", "supported"]
+__all__ = ["AUTO", "Drafter", "aux_layers_of", "LoopContext", "NgramMemory", "OFF", "Proposal",
+           "build", "drafter_class", "drafter_id", "ids", "names", "registered", "registry",
+           "supported"]
 
 
 def registry() -> tuple[type[Drafter], ...]:
