@@ -140,8 +140,12 @@ def param_specs(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_shape)
 
 
-def param_shardings(cfg: ModelConfig, params: Params, mesh: Mesh) -> Params:
-  check_divisible(cfg, mesh)
+def param_shardings(cfg: ModelConfig, params: Params, mesh: Mesh, *, check: bool = True
+                    ) -> Params:
+  """A NamedSharding per leaf; `check`: refuse a mesh the model's dimensions do not divide
+  (`check_divisible`; off for an EAGLE-3 head, whose undivided dimensions stay whole)."""
+  if check:
+    check_divisible(cfg, mesh)
   return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg, params, mesh),
                       is_leaf=lambda x: isinstance(x, P))
 
@@ -156,9 +160,7 @@ def shard_head(layer: ModelConfig, params: Params, mesh: Mesh) -> Params:
   the target's rules for the same leaf names: the attention's heads, the MLP's inner dimension
   and the vocabulary over `tensor` (a dimension it does not divide stays whole), the rest
   replicated."""
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(layer, params, mesh),
-                           is_leaf=lambda x: isinstance(x, P))
-  return jax.device_put(params, shardings)
+  return jax.device_put(params, param_shardings(layer, params, mesh, check=False))
 
 
 def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> dict[str, NamedSharding]:

@@ -457,7 +457,7 @@ class Engine:
       emitted = [int(t) for t in emitted_all[i, :n]]
       c["structured_tokens"] += n
       if drafted:
-        self.constrained.count_drafts(req, drafted, n - 1,
+        self.constrained.count_drafts(req, prep.drafters[i], drafted, n - 1,
                                       self.counters if self.spec is not None else None,
                                       self.spec.per_drafter if self.spec is not None else None)
       if device and req.spec is not None:  # (the next step's drafts follow the new newest)

@@ -97,6 +97,7 @@ class Prepared:
   bitmask: np.ndarray  # [len(reqs), T, W] int32
   seconds: float  # host time spent computing them
   cut: int = 0  # drafts dropped at (or after) a token the grammar forbids
+  drafters: list[str | None] = dataclasses.field(default_factory=list)  # each row's `row_drafter`
 
 
 def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size: int,
@@ -106,11 +107,12 @@ def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size
   The block is [1] without drafts, else [max_drafts + 1] (the compiled widths); always the
   latter with a row drafting on the device (one masked program for those rows to compile)."""
   t0 = time.perf_counter()
-  drafts = []
+  drafts, names = [], []
   on_device = False
   for req, k in zip(reqs, draft_k):
     spec = getattr(req, "spec", None)  # (rows asked to draft without one: "auto"'s form)
     name = row_drafter(spec.drafter if spec is not None else AUTO, device)
+    names.append(name if spec is not None else None)
     on_device |= spec is not None and name in device
     if k <= 0 or name is None:
       drafts.append([])
@@ -136,7 +138,7 @@ def prepare(reqs: Sequence[Any], draft_k: Sequence[int], window: int, vocab_size
       m.fill_bitmask(bits[i, j + 1])
     if d:
       m.rollback(len(d))
-  return Prepared(list(reqs), drafts, bits, time.perf_counter() - t0, cut)
+  return Prepared(list(reqs), drafts, bits, time.perf_counter() - t0, cut, names)
 
 
 class ConstrainedRows:
@@ -198,9 +200,8 @@ class ConstrainedRows:
     live[:n] = True
     drafting = np.zeros((b,), np.int32)
     rows = {name: np.zeros((b, w), np.float32) for name, w in widths.items()}
-    for i, req in enumerate(prep.reqs):
+    for i, (req, name) in enumerate(zip(prep.reqs, prep.drafters)):
       spec = req.spec
-      name = row_drafter(spec.drafter, self.device) if spec is not None else None
       if name in self.device:
         drafting[i] = drafter_id(name)
       for d, x in rows.items():
@@ -208,10 +209,10 @@ class ConstrainedRows:
           x[i] = spec.rows[d]
     return dict(live=live, drafting=drafting, **{f"rows.{d}": x for d, x in rows.items()})
 
-  def count_drafts(self, req: Any, drafted: int, accepted: int,
+  def count_drafts(self, req: Any, name: str | None, drafted: int, accepted: int,
                    engine_counters: dict | None, per_drafter: dict | None = None) -> None:
-    """A verified draft of `req`: its own counters, ours, the engine's `spec_*` ones and, in
-    `per_drafter` (the policy's), those of the row's drafter (`row_drafter`)."""
+    """A verified draft of `req`, drafted by `name` (`Prepared.drafters`): its own counters,
+    ours, the engine's `spec_*` ones and, in `per_drafter` (the policy's), the drafter's."""
     self.counters["structured_drafted"] += drafted
     self.counters["structured_accepted"] += accepted
     s = req.spec
@@ -220,7 +221,6 @@ class ConstrainedRows:
       engine_counters["spec_steps"] += 1
       engine_counters["spec_drafted"] += drafted
       engine_counters["spec_accepted"] += accepted
-    name = row_drafter(s.drafter, self.device)
     if per_drafter is not None and f"spec_steps_{name}" in per_drafter:
       s.drafter_steps[name] = s.drafter_steps.get(name, 0) + 1
       for key, n in (("steps", 1), ("drafted", drafted), ("accepted", accepted)):
