@@ -60,7 +60,7 @@ from engine.model.eagle3_config import Eagle3Config, eagle3_config_from_dict
 from engine.model.eagle3_loader import abstract_head_params
 from engine.model.kernels import KernelChoice
 from engine.model.params import abstract_params, path_str
-from engine.model.transformer import forward, rms_norm
+from engine.model.transformer import forward
 
 K = 3  # drafts per verify (the published heads' acceptance is quoted at 3)
 BATCHES = (1, 8, 64)
@@ -184,21 +184,13 @@ def head_bytes(params: dict, cfg: Eagle3Config, program: str, b: int, context: i
 
 # ---- programs --------------------------------------------------------------------------------
 
-def carry_logits(params, carry, cfg: Eagle3Config):
-  """Draft-vocabulary logits from a carry [..., H] (the drafter's `carry_logits`)."""
-  out = carry.astype(params["final_norm"].dtype)
-  if not cfg.norm_output:
-    out = rms_norm(out, params["final_norm"], cfg.layer.rms_norm_eps)
-  return eagle3.head_logits(params, out, cfg)
-
-
 def first_pass(params, pool, aux, tokens, start, n_new, table, *, cfg, impl):
   """The first pass over a verified block, then draft 1: (draft [B], carry [B, H], pool)."""
   _, carry, pool = eagle3.draft_step(params, pool, eagle3.combine_aux(params, aux, cfg),
                                      tokens, start, n_new, table, cfg=cfg, impl=impl)
   last = jnp.maximum(n_new - 1, 0)[:, None, None]
   carry = jnp.take_along_axis(carry, last, axis=1)[:, 0]
-  return eagle3.draft_token_ids(params, carry_logits(params, carry, cfg)), carry, pool
+  return eagle3.draft_token_ids(params, eagle3.carry_logits(params, carry, cfg)), carry, pool
 
 
 def chained_step(params, pool, carry, draft, start, live, table, *, cfg, impl):

@@ -85,6 +85,14 @@ def head_logits(params: Params, out: jax.Array, cfg: Eagle3Config) -> jax.Array:
   return jnp.einsum("...h,hv->...v", out, params["lm_head"], preferred_element_type=jnp.float32)
 
 
+def carry_logits(params: Params, carry: jax.Array, cfg: Eagle3Config) -> jax.Array:
+  """Draft-vocabulary logits of a step whose chained-step carry is `carry` [..., H]."""
+  out = carry.astype(params["final_norm"].dtype)
+  if not cfg.norm_output:  # (the carry is the pre-norm output)
+    out = rms_norm(out, params["final_norm"], cfg.layer.rms_norm_eps)
+  return head_logits(params, out, cfg)
+
+
 def draft_step(params: Params, pool: Pool, hidden: jax.Array, tokens: jax.Array,
                start: jax.Array, n_new: jax.Array, page_table: jax.Array, *,
                cfg: Eagle3Config, impl: KernelChoice = REFERENCE

@@ -38,20 +38,11 @@ from engine.model.eagle3_config import Eagle3Config
 from engine.model.kernels import KernelChoice
 from engine.model.params import Params
 from engine.model.sharding import cache_sharding
-from engine.model.transformer import rms_norm
 from engine.runtime.sampling import SamplingArrays
 from engine.runtime.speculative.acceptance import draft_sample
 from engine.runtime.speculative.drafters.base import (Drafter, LoopContext, Proposal,
                                                       propose_when_used)
 from engine.runtime.speculative.inplace import run_if
-
-
-def carry_logits(params: Params, carry: jax.Array, cfg: Eagle3Config) -> jax.Array:
-  """Draft-vocabulary logits of a step whose chained-step carry is `carry` [..., H]."""
-  out = carry.astype(params["final_norm"].dtype)
-  if not cfg.norm_output:  # (the carry is the pre-norm output)
-    out = rms_norm(out, params["final_norm"], cfg.layer.rms_norm_eps)
-  return eagle3.head_logits(params, out, cfg)
 
 
 def eagle3_observe(params: Params, pool: eagle3.Pool, aux: jax.Array, next_tokens: jax.Array,
@@ -73,7 +64,7 @@ def eagle3_propose(params: Params, pool: eagle3.Pool, carry: jax.Array, n_cached
   """K drafts from the head's carry [B, H] at position n_cached - 1. Returns (draft [B, K] in
   target ids, q [B, K, V] over the target vocabulary, pool)."""
   h = carry
-  logits = carry_logits(params, h, cfg)
+  logits = eagle3.carry_logits(params, h, cfg)
   drafts, qs = [], []
   for j in range(1, k + 1):
     if j > 1:
