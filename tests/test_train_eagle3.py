@@ -77,22 +77,35 @@ def test_soft_ce_against_numpy_and_the_reduced_vocabulary_rule():
 
 @pytest.mark.slow
 def test_precomputed_states_give_the_reference_loss_and_gradients(setup):
-  """~15 s: the target's forward compiled once (`precompute`), both losses and their gradients
-  run op by op (jitting the gradients compiles for longer than that)."""
+  """Both paths jitted, each as one program: the loss, metrics and gradients with the full
+  vocabulary and the loss with a reduced one (run op by op, the reference path compiled its
+  ~600 operations one at a time: ~3x the time)."""
   from checkpoints import train_eagle3
   tcfg, tparams, hcfg, params, frozen = setup
   ids = np.random.default_rng(0).integers(3, tcfg.vocab_size, (4, 20)).astype(np.int32)
   k = 3
-  ref = jax.value_and_grad(lambda p: train_eagle3.losses(
-      p, frozen, tparams, jnp.asarray(ids), tcfg=tcfg, hcfg=hcfg, k_steps=k), has_aux=True)
-  (want, want_m), want_g = ref(params)
+  # A reduced draft vocabulary: the same on both paths.
+  used = jnp.asarray(train_eagle3.draft_vocab(ids, tcfg.vocab_size, 40))
+  frozen_r = dict(frozen, draft_to_target=used)
+
+  def both(loss):
+    """(value and gradients of loss(train, frozen), loss(reduced train, frozen_r)'s value)."""
+    def run(p, *args):
+      small = dict(p, lm_head=p["lm_head"][:, used])
+      return (jax.value_and_grad(lambda q: loss(q, frozen, *args), has_aux=True)(p),
+              loss(small, frozen_r, *args)[0])
+    return jax.jit(run)
+
+  ref = both(lambda p, fr: train_eagle3.losses(p, fr, tparams, jnp.asarray(ids), tcfg=tcfg,
+                                               hcfg=hcfg, k_steps=k))
+  ((want, want_m), want_g), want_r = ref(params)
   # (two chunks of one shape: one compiled target forward; a third shape costs ~5 s)
   aux, final = train_eagle3.precompute(tparams, tcfg, hcfg, ids, chunk=2)
   assert aux.shape == (4, 20, 3 * tcfg.hidden_size) and final.shape == (4, 20, tcfg.hidden_size)
-  fast = jax.value_and_grad(lambda p: train_eagle3.head_losses(
-      p, frozen, tparams["lm_head"], jnp.asarray(aux), jnp.asarray(final), jnp.asarray(ids),
-      hcfg=hcfg, k_steps=k), has_aux=True)
-  (got, got_m), got_g = fast(params)
+  fast = both(lambda p, fr, aux: train_eagle3.head_losses(
+      p, fr, tparams["lm_head"], aux, jnp.asarray(final), jnp.asarray(ids), hcfg=hcfg,
+      k_steps=k))
+  ((got, got_m), got_g), got_r = fast(params, jnp.asarray(aux))
   np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
   assert set(got_m) == {f"{m}{i}" for m in ("ce", "agree") for i in range(k)}
   for name in want_m:
@@ -101,17 +114,7 @@ def test_precomputed_states_give_the_reference_loss_and_gradients(setup):
     scale = float(np.max(np.abs(np.asarray(b))))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5 * scale)
   # A sequence's states out of place (another sequence's) changes the loss: the test can fail.
-  shifted = train_eagle3.head_losses(params, frozen, tparams["lm_head"],
-                                     jnp.asarray(aux[::-1]), jnp.asarray(final),
-                                     jnp.asarray(ids), hcfg=hcfg, k_steps=k)[0]
+  shifted = fast(params, jnp.asarray(aux[::-1]))[0][0][0]
   assert abs(float(shifted) - float(want)) > 1e-3
-  # A reduced draft vocabulary: the same on both paths.
-  used = jnp.asarray(train_eagle3.draft_vocab(ids, tcfg.vocab_size, 40))
-  small, frozen_r = dict(params, lm_head=params["lm_head"][:, used]), dict(frozen,
-                                                                           draft_to_target=used)
-  want_r = train_eagle3.losses(small, frozen_r, tparams, jnp.asarray(ids), tcfg=tcfg, hcfg=hcfg,
-                               k_steps=k)[0]
-  got_r = train_eagle3.head_losses(small, frozen_r, tparams["lm_head"], jnp.asarray(aux),
-                                   jnp.asarray(final), jnp.asarray(ids), hcfg=hcfg, k_steps=k)[0]
   np.testing.assert_allclose(float(got_r), float(want_r), rtol=1e-5)
   assert abs(float(got_r) - float(want)) > 1e-3
