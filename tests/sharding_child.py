@@ -113,11 +113,12 @@ def load_demo_sharded():
 
 def eagle3_sharded():
   """EAGLE-3 on a 2-device tensor mesh. The float32 demo with its MLA head: greedy output equal
-  to plain greedy (a one-device engine's, drafter off), drafts accepted. The MHA fixture head
-  beside the tiny INT4 target, its K/V entry split by KV head. Both: the draft chain as on one
-  device (the heads' own placed weights and a placed pool), the head's weights and cache entry
-  placed as a target layer of its kind. (One eagle3 engine compiled per head: the one-device
-  engine's eagle3 output is plain greedy's in test_eagle3_drafter.py.)"""
+  to plain greedy (the same engine's, drafter off: its plain decode loop), drafts accepted. The
+  MHA fixture head beside the tiny INT4 target, its K/V entry split by KV head. Both: the draft
+  chain as on one device (the heads' own placed weights and a placed pool), the head's weights
+  and cache entry placed as a target layer of its kind. (One engine compiled, on the mesh: a
+  one-device engine's eagle3 output is plain greedy's in test_eagle3_drafter.py, and a sharded
+  engine's plain output one device's in `run_meshes`.)"""
   from engine.model.cache import first_extra_entry
   from engine.model.config import load_config
   from engine.model.eagle3_loader import load_eagle3
@@ -144,13 +145,14 @@ def eagle3_sharded():
   stop = StopParams(max_tokens=16, ignore_eos=True)
   # (the head loaded as `engine.load`'s model loads it: sharing the target's embedding)
   hcfg, hparams = load_eagle3(os.path.join(demo, "eagle3"), cfg, params, jnp.float32)
-  one = Engine(cfg, params, EngineConfig(**conf, speculative="eagle3"), head=(hcfg, hparams))
-  plain = [r.output_ids for r in one.generate(prompts, SamplingParams(drafter="off"), stop)]
   head = load_eagle3(os.path.join(demo, "eagle3"), cfg, placed, jnp.float32)
   eng = Engine(cfg, placed, EngineConfig(**conf, speculative="eagle3"), head=head, mesh=mesh)
+  plain = [r.output_ids for r in eng.generate(prompts, SamplingParams(drafter="off"), stop)]
+  plain_drafted = eng.counters["spec_drafted"]
   got = [r.output_ids for r in eng.generate(prompts, stop=stop)]
   own = eng.runner.own_params["eagle3"]
-  results = dict(same_as_plain=got == plain, accepted=eng.counters["spec_accepted"],
+  results = dict(same_as_plain=got == plain, plain_drafted=plain_drafted,
+                 accepted=eng.counters["spec_accepted"],
                  # after generating: still placed as the target's MLA layers
                  mla_entry=specs(eng.runner.cache[first_extra_entry(cfg)]),
                  target_entry=specs(eng.runner.cache[0]),

@@ -126,10 +126,11 @@ def test_sharded_equals_single_device_on_eight_devices():
 
 def check_eagle3_on_a_mesh(r):
   """EAGLE-3 on a tensor:2 mesh (`sharding_child.eagle3_sharded`): the float32 demo with its MLA
-  head generates plain greedy's output and its drafts are accepted; the head's weights and KV
-  entry are split as a target layer of its kind (MLA latent replicated, as the target's; MHA
-  K/V by KV head) and stay so after the loop; both heads' draft chains match one device."""
-  assert r["same_as_plain"] and r["accepted"] > 0, r
+  head generates plain greedy's output (the engine's own, drafter off: nothing drafted) and
+  its drafts are accepted; the head's weights and KV entry are split as a target layer of its
+  kind (MLA latent replicated, as the target's; MHA K/V by KV head) and stay so after the
+  loop; both heads' draft chains match one device."""
+  assert r["same_as_plain"] and r["plain_drafted"] == 0 and r["accepted"] > 0, r
   assert r["mla_entry"] == r["target_entry"] == {"latent": "P()"}, r
   split_heads = "P(None, 'tensor', None)"
   assert r["mla_params"] == dict(q_a="P(None, 'tensor')", kv_a="P(None, 'tensor')",
