@@ -16,11 +16,14 @@ step's rows are W wide, the longest prompt to a power of two (the whole batch pr
 [B, W] step, B the batch to a power of two; a later call whose prompts hit the prefix cache
 packs the same shape), and for rows wider than TAIL_ROWS_FROM (the roofline's ridge point) also
 a page wide (such a call leaves at most a page per prompt to compute, and past the ridge a long
-row of a few real tokens costs nearly a whole prefill). When an engine is made, its cost table
-is timed (with drafters, `warmup.measure_costs`) and its page-wide step compiled, so the first
-call pays every compile and a second call of the batch's shape none. The KEPT_ENGINES most
-recently used live on (their prefix cache, learned table and acceptance estimates too);
-`release` drops them, and a call that raised drops its engine.
+row of a few real tokens costs nearly a whole prefill). When an engine is made, its page-wide
+step is compiled and, if its draft length is adaptive, its cost table timed
+(`warmup.measure_costs`; a fixed draft length drafts whatever the table says and a closed batch
+has no waiting request to fit a call's time to, so timing would compile a plain decode loop
+such an engine never runs), so the first call pays every compile and a second call of the
+batch's shape none. The KEPT_ENGINES most recently used live on (their prefix cache, learned
+table and acceptance estimates too); `release` drops them, and a call that raised drops its
+engine.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ class SpeculativeConfig:
   published, loaded once per model and path); or "auto" (every drafter the model supports,
   the EAGLE-3 head when `checkpoint` is given, chosen per row as it goes, adaptive).
   num_draft_tokens: K >= 1. adaptive: choose every iteration whether to draft (up to K per row)
-  or decode plainly, from the acceptance estimates and the cost table (always on for "auto"). measure_costs: time the cost table on this machine when the
-  engine is made (else the roofline, `speculative.costs`)."""
+  or decode plainly, from the acceptance estimates and the cost table (always on for "auto").
+  measure_costs: time an adaptive engine's cost table on this machine when it is made (else
+  the roofline, `speculative.costs`; a fixed draft length drafts whatever the table says)."""
   method: str
   num_draft_tokens: int = 4
   draft_cfg: ModelConfig | None = None
@@ -174,6 +178,7 @@ class LLM:
     max_len = min(quarter_bucket(need, page_size), cfg.max_position_embeddings)
     width = bucket(max(len(p) for p in prompts))
     rows = powers_of_two_upto(b)[-1]
+    adaptive = bool(drafters) and (speculative.adaptive or speculative.method == AUTO)
     return EngineConfig(
         max_num_seqs=b, decode_batch_sizes=(b,), max_model_len=max_len,
         num_pages=2 * b * -(-max_len // page_size) + 1,
@@ -182,7 +187,7 @@ class LLM:
         max_decode_steps=max(bucket(max(max_new_tokens)), k + 1),
         speculative=drafters[0] if len(drafters) == 1 else (AUTO if drafters else None),
         drafters=drafters, num_draft_tokens=k,
-        adaptive_k=bool(drafters) and (speculative.adaptive or speculative.method == AUTO),
+        adaptive_k=adaptive, measure_spec_costs=adaptive and speculative.measure_costs,
         learned_table_slots=(memory.num_slots if memory is not None
                              else EngineConfig.learned_table_slots),
         kernels=self.model.kernels)
@@ -199,8 +204,7 @@ class LLM:
     if speculative is not None and any(drafter_registry.drafter_class(d).uses_head
                                        for d in config.drafters):
       head = self.head(speculative.checkpoint)
-    measure = bool(config.drafters) and speculative.measure_costs
-    key = (config, draft[0] if draft else None, head[0] if head else None, measure)
+    key = (config, draft[0] if draft else None, head[0] if head else None)
     kept = self._engines.pop(key, None)
     made_from = (m.params, m.tokenizer, m.mesh, draft[1] if draft else None,
                  head[1] if head else None)
@@ -210,10 +214,10 @@ class LLM:
     eng = Engine(m.config, m.params, config, m.tokenizer, m.eos_token_ids, mesh=m.mesh,
                  draft=draft, head=head)
     if warmup:
-      eng.warmup(progress=False)  # (it times the cost table too)
+      eng.warmup(progress=False)  # (it times an adaptive engine's cost table too)
       return key, eng, made_from
     with eng._lock:
-      if measure:
+      if config.measure_spec_costs:  # (adaptive engines only: `engine_config`)
         warmup_lib.measure_costs(eng)
       if len(config.row_widths) > 1:
         # A later call whose prompts hit the prefix cache prefills at most a page per prompt:
