@@ -373,9 +373,8 @@ def test_serve_command_line_serves_every_drafter_and_drains_on_sigterm():
       assert all(w.spec_draft_tokens == 0 for w in want)
       want = [list(w.token_ids) for w in want]
       got = client.generate(prompts[0], max_tokens=24, ignore_eos=True)  # eagle3, the default
-      # Requests may choose the draft model or n-gram lookup (drafting is the roofline cost
-      # table's call here, --nomeasure_spec_costs: whether it pays by this machine's timings
-      # is not this test's question).
+      # Requests may choose the draft model or n-gram lookup (a fixed draft length: rows
+      # draft whatever the cost table says; whether drafting pays is not this test's question).
       by_draft = client.generate(prompts[0], max_tokens=24, ignore_eos=True, drafter="draft")
       by_ngram = client.generate(prompts[0], max_tokens=24, ignore_eos=True, drafter="ngram")
     assert got.token_ids == want[0] and by_draft.token_ids == want[0]
