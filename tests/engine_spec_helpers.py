@@ -1,5 +1,6 @@
 """Shared set-up of the serving engine's speculative decoding tests: a small engine
-configuration, the model, prompts, and the plain reference."""
+configuration, the model, prompts, and the plain reference; the model drafters' state checked
+against a one-shot forward."""
 
 import dataclasses
 import functools
@@ -9,14 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.model.cache import init_cache, mtp_entry
+from engine.model.cache import first_extra_entry, init_cache, mtp_entry
 from engine.model.config import config_from_dict
+from engine.model.kernels import REFERENCE
 from engine.model.params import init_params
-from engine.model.transformer import forward, forward_mtp
+from engine.model.transformer import forward, forward_hidden_states, forward_mtp
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative.drafters import drafter_id
+from engine.runtime.speculative.drafters.eagle3 import eagle3_observe
 from model_configs import CONFIGS
 
 SMALL = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=32, row_widths=(16,),
@@ -111,3 +114,37 @@ def check_mtp_state(eng, req, model):
                              np.asarray(cache[mtp]["latent"])[idx], rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(out[0, n - 1]), rtol=1e-4,
                              atol=1e-4)
+
+
+def check_head_state(eng, req, target, hcfg, hparams):
+  """The EAGLE-3 head's cache entries at positions < num_computed and the request's row state
+  equal a one-shot target forward (aux states) and head first pass over the request's tokens
+  (`target`: (config, parameters); float32 caches)."""
+  tcfg, tparams = target
+  page = eng.config.page_size
+  ids, n = req.all_ids, req.num_computed
+  assert n == len(ids) - 1
+  width = eng.max_pages_per_seq * page
+  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
+  entry = first_extra_entry(tcfg)
+  cache = init_cache(tcfg, eng.pool.num_pages, page, jnp.float32,
+                     extra=eng.runner.extra_entries)
+  carry, pool = _one_shot(tparams, hparams, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
+                          jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([n]), pt,
+                          tcfg=tcfg, hcfg=hcfg, entry=entry)
+  pos = np.arange(n)
+  idx = (np.asarray(pt)[0, pos // page], pos % page)
+  for k, v in pool.items():
+    np.testing.assert_allclose(np.asarray(eng.cache[entry][k])[idx], np.asarray(v)[idx],
+                               rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(req.spec.rows["eagle3"], np.asarray(carry[0]), rtol=1e-4,
+                             atol=1e-4)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "hcfg", "entry"))
+def _one_shot(tparams, hparams, cache, tokens, nxt, n, pt, *, tcfg, hcfg, entry):
+  _, cache, states = forward_hidden_states(tparams, cache, tokens, jnp.zeros(1, jnp.int32), n,
+                                           pt, layers=hcfg.aux_layers, cfg=tcfg)
+  aux = jnp.concatenate(list(states), axis=-1)
+  return eagle3_observe(hparams, cache[entry], aux, nxt, jnp.zeros(1, jnp.int32), n, pt,
+                        cfg=hcfg, impl=REFERENCE)

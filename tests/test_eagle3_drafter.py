@@ -3,8 +3,9 @@ the tiny Kimi K2.5 INT4 target of the EAGLE-3 goldens (`golden/fixtures/eagle3`,
 greedy output identical to speculative decoding off for every published head layout and both
 aux-id conventions; the head's KV in the target's paged cache and its row state equal a one-shot
 forward over the request's tokens after chunked prefill and verified blocks; its drafts equal
-the PyTorch golden's; continuous batching, prefix hits, preemption and structured outputs keep
-plain decoding's output; a missing or mismatched head is refused naming what is wrong.
+the PyTorch golden's; continuous batching, prefix hits and preemption keep plain decoding's
+output; a missing or mismatched head is refused naming what is wrong. (Constrained rows
+drafting with the demo head, structured outputs: test_structured_outputs.py.)
 
 Each head layout runs in an engine once, where it costs least (a head variant is a compiled
 decode loop and mixed step of its own, ~10 s on CI's CPUs), and every variant's first pass and
@@ -16,9 +17,10 @@ chained drafts are checked against its PyTorch golden in test_eagle3.py
 - `mha_reduced` (MHA, reduced draft vocabulary, aux ids [2, 3, 4]: the input-to convention):
   `test_command_line_eagle3_prints_the_spec_keys`;
 - `mla_reduced`'s layout (MLA, reduced draft vocabulary, input-to aux ids [2, 3, 4]) is the
-  demo head's (`checkpoints/demo/eagle3`): `test_structured_outputs_draft_with_eagle3_checked_
-  against_the_grammar` (an unconstrained greedy row among constrained ones), and the served
-  and sharded engines of test_service_ops.py and test_sharding.py;
+  demo head's (`checkpoints/demo/eagle3`): test_structured_outputs.py's `test_model_drafters_
+  draft_for_constrained_rows_checked_against_the_grammar` (constrained rows and an
+  unconstrained greedy row, beside MTP-drafting rows), and the served and sharded engines of
+  test_service_ops.py and test_sharding.py;
 - `mla` is `mla_eagle31` without the EAGLE-3.1 norms, which the demo head lacks too.
 The two conventions give identical drafts on the same weights (test_eagle3.py). All engines on
 the fixture target share one configuration: the reference output is plain decoding's on an engine
@@ -30,7 +32,6 @@ import dataclasses
 import functools
 import json
 import os
-import re
 import shutil
 
 import jax
@@ -44,17 +45,14 @@ from engine.model.config import load_config
 from engine.model.eagle3_config import Eagle3Error, load_eagle3_config
 from engine.model.eagle3_loader import load_eagle3
 from engine.model.hf_loader import load_hf_params
-from engine.model.kernels import REFERENCE
-from engine.model.transformer import forward_hidden_states
 from engine.runtime.engine import Engine, EngineConfig
-from engine.runtime.grammar import StructuredOutputsParams
 from engine.runtime.llm import SpeculativeConfig
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.speculative.drafters import aux_layers_of, build
-from engine.runtime.speculative.drafters.eagle3 import (Eagle3Drafter, eagle3_observe,
-                                                        eagle3_propose)
+from engine.runtime.speculative.drafters.eagle3 import Eagle3Drafter, eagle3_propose
 from engine.runtime.sampling import SamplingArrays
+from engine_spec_helpers import check_head_state
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "golden", "fixtures", "eagle3")
 VARIANTS = ("mla", "mla_reduced", "mla_eagle31", "mha_reduced", "mha_full")
@@ -67,9 +65,6 @@ CONFIG = dict(page_size=PAGE, max_num_seqs=2, max_num_batched_tokens=8, row_widt
               max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32,
               num_draft_tokens=3, measure_spec_costs=False, decode_batch_sizes=(2,),
               num_pages=11, compilation_cache_dir=None)
-# The demo target's engines (structured outputs): four rows at once.
-DEMO_CONFIG = dict(CONFIG, page_size=16, max_num_seqs=4, max_num_batched_tokens=32,
-                   row_widths=(16,), decode_batch_sizes=(4,), num_pages=None)
 
 
 @pytest.fixture(scope="module")
@@ -218,38 +213,6 @@ def test_the_heads_kv_is_an_entry_of_the_targets_cache(target):
 
 # ---- slow: the engine --------------------------------------------------------------------------
 
-def check_head_state(eng, req, target, hcfg, hparams, page=PAGE):
-  """The head's cache entries at positions < num_computed and the request's row state equal a
-  one-shot target forward (aux states) and head first pass over the request's tokens."""
-  tcfg, tparams = target
-  ids, n = req.all_ids, req.num_computed
-  assert n == len(ids) - 1
-  width = eng.max_pages_per_seq * page
-  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
-  entry = first_extra_entry(tcfg)
-  cache = init_cache(tcfg, eng.pool.num_pages, page, jnp.float32,
-                     extra=eng.runner.extra_entries)
-  carry, pool = _one_shot(tparams, hparams, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
-                          jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([n]), pt,
-                          tcfg=tcfg, hcfg=hcfg, entry=entry)
-  pos = np.arange(n)
-  idx = (np.asarray(pt)[0, pos // page], pos % page)
-  for k, v in pool.items():
-    np.testing.assert_allclose(np.asarray(eng.cache[entry][k])[idx], np.asarray(v)[idx],
-                               rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(req.spec.rows["eagle3"], np.asarray(carry[0]), rtol=1e-4,
-                             atol=1e-4)
-
-
-@functools.partial(jax.jit, static_argnames=("tcfg", "hcfg", "entry"))
-def _one_shot(tparams, hparams, cache, tokens, nxt, n, pt, *, tcfg, hcfg, entry):
-  _, cache, states = forward_hidden_states(tparams, cache, tokens, jnp.zeros(1, jnp.int32), n,
-                                           pt, layers=hcfg.aux_layers, cfg=tcfg)
-  aux = jnp.concatenate(list(states), axis=-1)
-  return eagle3_observe(hparams, cache[entry], aux, nxt, jnp.zeros(1, jnp.int32), n, pt,
-                        cfg=hcfg, impl=REFERENCE)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ENGINE_VARIANTS)
 def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
@@ -314,71 +277,6 @@ def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
   assert sum(r.usage().spec_draft_tokens for r in got) > 0
   s = eng.stats()
   assert s["spec_steps_eagle3"] > 0 and s["spec_drafted_eagle3"] > 0
-
-
-@pytest.fixture(scope="module")
-def demo_with_head():
-  """The demo target (float32) and its trained EAGLE-3 head (`checkpoints/demo/eagle3`)."""
-  import engine
-  model = engine.load(DEMO_CHECKPOINT, dtype="float32")
-  return model, model.llm.head(os.path.join(os.path.dirname(DEMO_CHECKPOINT), "eagle3"))
-
-
-FUNCTION = r"def [a-z]{1,6}\(self\):\n    return [a-z]{1,6}\n"
-
-
-@pytest.mark.slow
-def test_structured_outputs_draft_with_eagle3_checked_against_the_grammar(demo_with_head):
-  """Constrained rows (structured outputs) drafting with eagle3 beside an unconstrained eagle3
-  row, on the demo target: the head's top-1 drafts, proposed by each masked step on the device
-  and cut on the host at the first token the grammar forbids, verified under the masks.
-  Every row keeps plain decoding's output (greedy and a seeded sampled row), each constrained
-  one within its grammar; constrained rows drafted and had drafts accepted, and some drafts
-  were cut; the head's KV and row state of a constrained row equal a one-shot pass (the masked
-  step's first pass keeps them current)."""
-  model, (hcfg, hparams) = demo_with_head
-  tok = model.tokenizer
-  ps = [tok.encode(t).ids for t in ("def add(a, b):", "import os\n", "x = ", "class A:")]
-  schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                             "size": {"type": "integer"}},
-            "required": ["name", "size"], "additionalProperties": False}
-  constraints = [StructuredOutputsParams(regex="(yes|no|maybe)"),
-                 StructuredOutputsParams(regex=FUNCTION),
-                 StructuredOutputsParams(json=json.dumps(schema))]
-  sampling = [SamplingParams(structured_outputs=constraints[0]),
-              SamplingParams(structured_outputs=constraints[1]),
-              SamplingParams(structured_outputs=constraints[2], temperature=0.7, seed=3),
-              SamplingParams()]
-  stop = StopParams(max_tokens=32, ignore_eos=True)
-  # (An engine without speculation: its masked step compiles in ~1/3 of the time the eagle3
-  # engine's takes for rows with drafter "off".)
-  want = Engine.from_model(model, EngineConfig(**DEMO_CONFIG)).generate(ps, sampling, stop)
-  eng = Engine.from_model(model, EngineConfig(**DEMO_CONFIG, speculative="eagle3"),
-                          head=(hcfg, hparams))
-  ids = [eng.add_request(p, s, stop) for p, s in zip(ps, sampling)]
-  reqs = [eng.requests[i] for i in ids]
-  checked = False
-  while eng.has_unfinished():
-    eng.step()
-    for r in reqs[:3]:  # a constrained row, after masked steps that verified drafts
-      if not checked and not r.finished and r.spec.drafted > 0:
-        check_head_state(eng, r, (model.config, model.params), hcfg, hparams, page=16)
-        checked = True
-  assert checked
-  assert [r.output_ids for r in reqs] == [r.output_ids for r in want]
-  text = [tok.decode(r.output_ids, skip_special_tokens=True) for r in reqs]
-  assert text[0] in ("yes", "no", "maybe")
-  assert re.fullmatch(FUNCTION, text[1]), text[1]
-  assert set(json.loads(text[2])) == {"name", "size"}
-  s = eng.stats()
-  info = ([(r.spec.drafted, r.spec.accepted, len(r.output_ids)) for r in reqs],
-          {k: v for k, v in s.items() if k.startswith("structured_")})
-  # (the first masked step has no drafts: "yes" / "no" / "maybe" may end before any)
-  assert all(r.spec.drafted > 0 for r in reqs[1:]), info  # constrained rows drafted too
-  assert sum(r.spec.accepted for r in reqs[:3]) > 0, info
-  assert s["structured_drafted"] > 0 and s["structured_accepted"] > 0, info
-  assert s["structured_drafts_cut"] > 0, info  # drafts the grammar forbids are never verified
-  assert s["spec_drafted_eagle3"] >= s["structured_drafted"] + reqs[3].spec.drafted
 
 
 @pytest.mark.slow

@@ -1,8 +1,11 @@
 """Structured outputs on the serving engine with the demo model: constrained rows take the
 masked step (`steps.masked_step`), unconstrained ones the decode loop, speculative drafts of
-constrained rows are verified against the grammar's masks."""
+constrained rows (the n-gram drafter's on the host; the MTP layer's and the EAGLE-3 head's on
+the device) are verified against the grammar's masks."""
 
+import dataclasses
 import json
+import os
 import re
 
 import jax.numpy as jnp
@@ -13,12 +16,13 @@ import pytest
 import engine
 from engine.model.cache import init_cache
 from engine.model.transformer import forward_logits
-from engine.runtime import steps
+from engine.api import DEMO_CHECKPOINT
+from engine.runtime import steps, structured
 from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.grammar import GrammarError, StructuredOutputsParams as S, compile_grammar
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine_spec_helpers import check_mtp_state
+from engine_spec_helpers import check_head_state, check_mtp_state
 
 SCHEMAS = {
     "required_fields": {"type": "object", "properties": {
@@ -172,42 +176,102 @@ def test_speculative_constrained_output_equals_plain_constrained(model, eng):
     assert re.fullmatch(spec.regex, text(model, ids))
 
 
+FUNCTION = r"def [a-z]{1,6}\(self\):\n    return [a-z]{1,6}\n"
+
+
 @pytest.mark.slow
-def test_mtp_drafts_for_constrained_rows_checked_against_the_grammar(model, eng):
-  """Constrained rows drafting with the demo target's MTP layer, greedy and seeded sampled:
-  its top-1 drafts, proposed by each masked step on the device and cut on the host at the
-  first token the grammar forbids, verified under the masks. The rows keep plain constrained
-  decoding's output and their grammar, drafted and had drafts accepted, and some drafts were
-  cut; the layer's cache entries and a row's state equal a one-shot pass mid-request (the
-  masked step's `observe` keeps them current, as the speculative loop does)."""
-  spec = S(regex=r"(x = 1\n|y = 3\n|z = [0-9]\n){1,12}")  # (the prompt's "y = 2" forbidden)
-  rows = [(0.0, 0), (1.0, 4)]
-  want, _ = run(eng, [REPETITIVE] * 2, [plain(spec, temperature=t, seed=s) for t, s in rows],
-                max_tokens=40)
-  mtp = Engine.from_model(model, EngineConfig(
-      max_num_seqs=2, max_num_batched_tokens=64, row_widths=(16, 64), max_model_len=256,
-      max_decode_steps=8, speculative="mtp", num_draft_tokens=3, measure_spec_costs=False,
-      decode_batch_sizes=(2,), constrained_warmup=False))
-  reqs = [mtp.requests[mtp.add_request(REPETITIVE, SamplingParams(
-      structured_outputs=spec, temperature=t, seed=s), StopParams(max_tokens=40))]
-      for t, s in rows]
-  checked = 0
-  while mtp.has_unfinished():
-    mtp.step()
-    for r in reqs:  # after masked steps that accepted drafts
-      if not r.finished and r.spec.accepted > 0 and not checked & (1 << reqs.index(r)):
-        check_mtp_state(mtp, r, (model.config, model.params))
-        checked |= 1 << reqs.index(r)
-  assert checked
-  assert [(r.output_ids, r.finish_reason) for r in reqs] == want
-  for r in reqs:
-    assert re.fullmatch(spec.regex, text(model, r.output_ids))
-  s = mtp.stats()
-  info = ([(r.spec.drafted, r.spec.accepted, len(r.output_ids)) for r in reqs],
-          {k: v for k, v in s.items() if k.startswith("structured_")})
-  assert all(r.spec.drafted > 0 and r.spec.accepted > 0 for r in reqs), info
-  assert s["structured_drafts_cut"] > 0, info  # drafts the grammar forbids are never verified
-  assert s["spec_drafted_mtp"] == s["structured_drafted"] > s["structured_accepted"] > 0, info
+def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(model, eng,
+                                                                                 monkeypatch):
+  """Constrained rows drafting with the demo target's MTP layer and with its EAGLE-3 head
+  (`checkpoints/demo/eagle3`) in one batch, beside an unconstrained eagle3 row, on one engine
+  with both: each drafter's top-1 drafts, proposed by each masked step on the device and cut on
+  the host at the first token the grammar forbids, verified under the masks. Every row, greedy
+  and seeded sampled, keeps plain decoding's output, each constrained one within its grammar;
+  each drafter's constrained rows drafted, had drafts accepted and had drafts cut; an "auto"
+  constrained row drafts with MTP (the first device drafter the engine has, in registry
+  order); the MTP layer's and the head's cache entries and row state equal a one-shot pass
+  mid-request (the masked step's `observe` keeps them current, as the speculative loop
+  does)."""
+  tok = model.tokenizer
+  schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                             "size": {"type": "integer"}},
+            "required": ["name", "size"], "additionalProperties": False}
+  lines = S(regex=r"(x = 1\n|y = 3\n|z = [0-9]\n){1,12}")  # (the prompt's "y = 2" forbidden)
+  short = StopParams(max_tokens=32, ignore_eos=True)
+  rows = [  # (prompt, sampling, stop); the engine's default drafter is eagle3
+      ("def add(a, b):", SamplingParams(structured_outputs=S(regex="(yes|no|maybe)")), short),
+      ("import os\n", SamplingParams(structured_outputs=S(regex=FUNCTION)), short),
+      ("x = ", SamplingParams(structured_outputs=S(json=json.dumps(schema)), temperature=0.7,
+                              seed=3), short),
+      ("class A:", SamplingParams(), short),
+      (REPETITIVE, SamplingParams(structured_outputs=lines, drafter="mtp"),
+       StopParams(max_tokens=40)),
+      (REPETITIVE, SamplingParams(structured_outputs=lines, temperature=1.0, seed=4,
+                                  drafter="auto"), StopParams(max_tokens=40))]
+  ps = [tok.encode(p).ids for p, _, _ in rows]
+  want = eng.generate(ps, [dataclasses.replace(s, drafter="off") for _, s, _ in rows],
+                      [t for _, _, t in rows])
+  # One engine with both drafters; the whole batch's prompts prefill in one [16 x 16] step
+  # (one mixed-step program), then every row takes one [6, 4] masked step or decode loop.
+  head = model.llm.head(os.path.join(os.path.dirname(DEMO_CHECKPOINT), "eagle3"))
+  both = Engine.from_model(model, EngineConfig(
+      page_size=16, max_num_seqs=6, max_num_batched_tokens=128, row_widths=(16,),
+      max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32, speculative="eagle3",
+      drafters=("mtp",), num_draft_tokens=3, measure_spec_costs=False,
+      decode_batch_sizes=(6,)), head=head)
+  cut = dict(mtp=0, eagle3=0)
+  prepare = structured.prepare
+
+  def counting(reqs, draft_k, *args):  # each drafter's drafts the grammar cut
+    proposed = [structured.proposed_drafts(r)[:k] for r, k in zip(reqs, draft_k)]
+    prep = prepare(reqs, draft_k, *args)
+    mine = [len(p) - len(d) for p, d in zip(proposed, prep.drafts)]
+    assert sum(mine) == prep.cut  # (every constrained row here drafts on the device)
+    for n, name in zip(mine, prep.drafters):
+      cut[name] += n
+    return prep
+  monkeypatch.setattr(structured, "prepare", counting)
+  reqs = [both.requests[both.add_request(p, s, t)] for p, (_, s, t) in zip(ps, rows)]
+  target = (model.config, model.params)
+  # Mid-request, after masked steps that verified drafts: the head's state on an eagle3 row,
+  # the MTP layer's on each MTP row after accepted drafts.
+  unchecked = {"eagle3": (reqs[:3], lambda r: r.spec.drafted,
+                          lambda r: check_head_state(both, r, target, *head))}
+  for r in reqs[4:]:
+    unchecked[r.request_id] = ([r], lambda r: r.spec.accepted,
+                               lambda r: check_mtp_state(both, r, target))
+  while both.has_unfinished():
+    both.step()
+    for key, (rs, ready, check) in list(unchecked.items()):
+      r = next((r for r in rs if not r.finished and ready(r)), None)
+      if r is not None:
+        check(r)
+        del unchecked[key]
+  assert not unchecked, list(unchecked)
+  assert [(r.output_ids, r.finish_reason) for r in reqs] == [
+      (r.output_ids, r.finish_reason) for r in want]
+  out = [text(model, r.output_ids) for r in reqs]
+  assert out[0] in ("yes", "no", "maybe")
+  assert re.fullmatch(FUNCTION, out[1]), out[1]
+  assert set(json.loads(out[2])) == {"name", "size"}
+  for o in out[4:]:
+    assert re.fullmatch(lines.regex, o), o
+  s = both.stats()
+  info = ([(r.spec.drafted, r.spec.accepted, r.spec.drafter_steps, len(r.output_ids))
+           for r in reqs], cut, {k: v for k, v in s.items() if k.startswith("structured_")})
+  # (the first masked step has no drafts: "yes" / "no" / "maybe" may end before any)
+  assert all(r.spec.drafted > 0 for r in reqs[1:]), info  # every other row drafted
+  assert sum(r.spec.accepted for r in reqs[:3]) > 0, info
+  assert all(r.spec.accepted > 0 for r in reqs[4:]), info
+  assert all(set(r.spec.drafter_steps) <= {"eagle3"} for r in reqs[:4]), info
+  assert all(set(r.spec.drafter_steps) == {"mtp"} for r in reqs[4:]), info  # "auto" too
+  assert cut["mtp"] > 0 and cut["eagle3"] > 0, info  # drafts the grammar forbids: never verified
+  assert s["structured_drafts_cut"] == cut["mtp"] + cut["eagle3"], info
+  constrained = reqs[:3] + reqs[4:]
+  assert s["structured_drafted"] == sum(r.spec.drafted for r in constrained), info
+  assert s["structured_drafted"] > s["structured_accepted"] > 0, info
+  assert s["spec_drafted_mtp"] == sum(r.spec.drafted for r in reqs[4:]), info
+  assert s["spec_drafted_eagle3"] >= sum(r.spec.drafted for r in reqs[:4]), info
 
 
 def test_bad_schema_is_refused_at_add_request(eng):
