@@ -87,64 +87,71 @@ def assert_pool_full(e):
   assert not e.scheduler.running and not e.scheduler.waiting
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _target_and_mtp(params, cache, ids, next_ids, start, n_new, page_table, *, cfg):
-  hidden, cache = forward(params, cache, ids, start, n_new, page_table, cfg=cfg)
-  return forward_mtp(params, cache, hidden, next_ids, start, n_new, page_table, cfg=cfg)
-
-
 def check_mtp_state(eng, req, model):
   """The engine's MTP cache entries (positions < num_computed) and the request's MTP hidden
   state equal a one-shot target + MTP forward over the request's tokens (`model`: (config,
   parameters); float32 caches)."""
-  cfg, params = model
-  page = eng.config.page_size
-  ids, n = req.all_ids, req.num_computed
-  assert n == len(ids) - 1
-  pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
-  cache = init_cache(cfg, eng.pool.num_pages, page, jnp.float32)
-  width = eng.max_pages_per_seq * page  # (tokens padded past n: one compiled forward per test)
-  out, cache = _target_and_mtp(params, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
-                               jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([0]),
-                               jnp.asarray([n]), pt, cfg=cfg)
-  pos = np.arange(n)
-  idx = (np.asarray(pt)[0, pos // page], pos % page)
-  mtp = mtp_entry(cfg, 0)  # (after the decoder stacks)
-  np.testing.assert_allclose(np.asarray(eng.cache[mtp]["latent"])[idx],
-                             np.asarray(cache[mtp]["latent"])[idx], rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(out[0, n - 1]), rtol=1e-4,
-                             atol=1e-4)
+  check_drafter_states(eng, req, model, mtp=True)
 
 
 def check_head_state(eng, req, target, hcfg, hparams):
   """The EAGLE-3 head's cache entries at positions < num_computed and the request's row state
   equal a one-shot target forward (aux states) and head first pass over the request's tokens
   (`target`: (config, parameters); float32 caches)."""
+  check_drafter_states(eng, req, target, head=(hcfg, hparams))
+
+
+def check_drafter_states(eng, req, target, mtp=False, head=None):
+  """The model drafters' cache entries (positions < num_computed) and the request's row states
+  equal one compiled one-shot pass over the request's tokens: the target's forward, then the
+  MTP layer's (`mtp`) and the EAGLE-3 head's first pass (`head`: (config, parameters)) over
+  its hidden states (`target`: (config, parameters); float32 caches)."""
   tcfg, tparams = target
+  hcfg, hparams = head if head is not None else (None, None)
   page = eng.config.page_size
   ids, n = req.all_ids, req.num_computed
   assert n == len(ids) - 1
-  width = eng.max_pages_per_seq * page
+  width = eng.max_pages_per_seq * page  # (tokens padded past n: one compiled pass per test)
   pt = jnp.asarray([req.pages + [0] * (eng.max_pages_per_seq - len(req.pages))])
-  entry = first_extra_entry(tcfg)
   cache = init_cache(tcfg, eng.pool.num_pages, page, jnp.float32,
-                     extra=eng.runner.extra_entries)
-  carry, pool = _one_shot(tparams, hparams, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
-                          jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([n]), pt,
-                          tcfg=tcfg, hcfg=hcfg, entry=entry)
+                     extra=eng.runner.extra_entries if head is not None else ())
+  mtp_out, head_out, cache = _one_shot(
+      tparams, hparams, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
+      jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([n]), pt, tcfg=tcfg,
+      hcfg=hcfg, mtp=mtp)
   pos = np.arange(n)
   idx = (np.asarray(pt)[0, pos // page], pos % page)
-  for k, v in pool.items():
-    np.testing.assert_allclose(np.asarray(eng.cache[entry][k])[idx], np.asarray(v)[idx],
-                               rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(req.spec.rows["eagle3"], np.asarray(carry[0]), rtol=1e-4,
-                             atol=1e-4)
+
+  def same_entries(entry):
+    for k, v in cache[entry].items():
+      np.testing.assert_allclose(np.asarray(eng.cache[entry][k])[idx], np.asarray(v)[idx],
+                                 rtol=1e-4, atol=1e-4)
+  if mtp:
+    same_entries(mtp_entry(tcfg, 0))  # (after the decoder stacks)
+    np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(mtp_out[0, n - 1]), rtol=1e-4,
+                               atol=1e-4)
+  if head is not None:
+    same_entries(first_extra_entry(tcfg))
+    np.testing.assert_allclose(req.spec.rows["eagle3"], np.asarray(head_out[0]), rtol=1e-4,
+                               atol=1e-4)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "hcfg", "entry"))
-def _one_shot(tparams, hparams, cache, tokens, nxt, n, pt, *, tcfg, hcfg, entry):
-  _, cache, states = forward_hidden_states(tparams, cache, tokens, jnp.zeros(1, jnp.int32), n,
-                                           pt, layers=hcfg.aux_layers, cfg=tcfg)
-  aux = jnp.concatenate(list(states), axis=-1)
-  return eagle3_observe(hparams, cache[entry], aux, nxt, jnp.zeros(1, jnp.int32), n, pt,
-                        cfg=hcfg, impl=REFERENCE)
+@functools.partial(jax.jit, static_argnames=("tcfg", "hcfg", "mtp"))
+def _one_shot(tparams, hparams, cache, tokens, nxt, n, pt, *, tcfg, hcfg, mtp):
+  """The target's forward over tokens[:, :n], then the MTP layer's pass (`mtp`) and the
+  EAGLE-3 head's first pass (`hcfg`): (MTP hidden states or None, head row state or None,
+  cache)."""
+  zero = jnp.zeros(1, jnp.int32)
+  mtp_out = head_out = None
+  if hcfg is None:
+    hidden, cache = forward(tparams, cache, tokens, zero, n, pt, cfg=tcfg)
+  else:
+    hidden, cache, states = forward_hidden_states(tparams, cache, tokens, zero, n, pt,
+                                                  layers=hcfg.aux_layers, cfg=tcfg)
+    entry = first_extra_entry(tcfg)
+    head_out, pool = eagle3_observe(hparams, cache[entry], jnp.concatenate(list(states), -1),
+                                    nxt, zero, n, pt, cfg=hcfg, impl=REFERENCE)
+    cache = cache[:entry] + [pool] + cache[entry + 1:]
+  if mtp:
+    mtp_out, cache = forward_mtp(tparams, cache, hidden, nxt, zero, n, pt, cfg=tcfg)
+  return mtp_out, head_out, cache

@@ -22,7 +22,7 @@ from engine.runtime.engine import Engine, EngineConfig
 from engine.runtime.grammar import GrammarError, StructuredOutputsParams as S, compile_grammar
 from engine.runtime.request import StopParams
 from engine.runtime.sampling import SamplingParams
-from engine_spec_helpers import check_head_state, check_mtp_state
+from engine_spec_helpers import check_drafter_states
 
 SCHEMAS = {
     "required_fields": {"type": "object", "properties": {
@@ -232,20 +232,16 @@ def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(m
     return prep
   monkeypatch.setattr(structured, "prepare", counting)
   reqs = [both.requests[both.add_request(p, s, t)] for p, (_, s, t) in zip(ps, rows)]
-  target = (model.config, model.params)
-  # Mid-request, after masked steps that verified drafts: the head's state on an eagle3 row,
-  # the MTP layer's on each MTP row after accepted drafts.
-  unchecked = {"eagle3": (reqs[:3], lambda r: r.spec.drafted,
-                          lambda r: check_head_state(both, r, target, *head))}
-  for r in reqs[4:]:
-    unchecked[r.request_id] = ([r], lambda r: r.spec.accepted,
-                               lambda r: check_mtp_state(both, r, target))
+  # Mid-request, after masked steps that verified drafts (an eagle3 row's), or accepted some
+  # (each MTP row's): both drafters' states, which every constrained row keeps.
+  unchecked = {"eagle3": (reqs[:3], lambda r: r.spec.drafted)}
+  unchecked.update({r.request_id: ([r], lambda r: r.spec.accepted) for r in reqs[4:]})
   while both.has_unfinished():
     both.step()
-    for key, (rs, ready, check) in list(unchecked.items()):
+    for key, (rs, ready) in list(unchecked.items()):
       r = next((r for r in rs if not r.finished and ready(r)), None)
       if r is not None:
-        check(r)
+        check_drafter_states(both, r, (model.config, model.params), mtp=True, head=head)
         del unchecked[key]
   assert not unchecked, list(unchecked)
   assert [(r.output_ids, r.finish_reason) for r in reqs] == [
