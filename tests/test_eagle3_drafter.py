@@ -18,8 +18,8 @@ chained drafts are checked against its PyTorch golden in test_eagle3.py
   `test_command_line_eagle3_prints_the_spec_keys`;
 - `mla_reduced`'s layout (MLA, reduced draft vocabulary, input-to aux ids [2, 3, 4]) is the
   demo head's (`checkpoints/demo/eagle3`): test_structured_outputs.py's `test_model_drafters_
-  draft_for_constrained_rows_checked_against_the_grammar` (constrained rows and an
-  unconstrained greedy row, beside MTP-drafting rows), and the served and sharded engines of
+  draft_for_constrained_rows_checked_against_the_grammar` (greedy and sampled constrained
+  rows, beside MTP-drafting rows), and the served and sharded engines of
   test_service_ops.py and test_sharding.py;
 - `mla` is `mla_eagle31` without the EAGLE-3.1 norms, which the demo head lacks too.
 The two conventions give identical drafts on the same weights (test_eagle3.py). All engines on

@@ -183,15 +183,18 @@ FUNCTION = r"def [a-z]{1,6}\(self\):\n    return [a-z]{1,6}\n"
 def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(model, eng,
                                                                                  monkeypatch):
   """Constrained rows drafting with the demo target's MTP layer and with its EAGLE-3 head
-  (`checkpoints/demo/eagle3`) in one batch, beside an unconstrained eagle3 row, on one engine
-  with both: each drafter's top-1 drafts, proposed by each masked step on the device and cut on
-  the host at the first token the grammar forbids, verified under the masks. Every row, greedy
+  (`checkpoints/demo/eagle3`) in one batch, on one engine with both: each drafter's top-1
+  drafts, proposed by each masked step on the device and cut on the host at the first token the
+  grammar forbids, verified under the masks. Every row, greedy
   and seeded sampled, keeps plain decoding's output, each constrained one within its grammar;
   each drafter's constrained rows drafted, had drafts accepted and had drafts cut; an "auto"
   constrained row drafts with MTP (the first device drafter the engine has, in registry
   order); the MTP layer's and the head's cache entries and row state equal a one-shot pass
   mid-request (the masked step's `observe` keeps them current, as the speculative loop
-  does)."""
+  does). (Unconstrained rows beside constrained ones:
+  `test_unconstrained_rows_beside_constrained_ones_are_unchanged`; the demo head in the decode
+  loop: the served and sharded engines' tests. An eagle3 row here would compile this engine's
+  speculative loop, ~10 s.)"""
   tok = model.tokenizer
   schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                              "size": {"type": "integer"}},
@@ -203,7 +206,6 @@ def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(m
       ("import os\n", SamplingParams(structured_outputs=S(regex=FUNCTION)), short),
       ("x = ", SamplingParams(structured_outputs=S(json=json.dumps(schema)), temperature=0.7,
                               seed=3), short),
-      ("class A:", SamplingParams(), short),
       (REPETITIVE, SamplingParams(structured_outputs=lines, drafter="mtp"),
        StopParams(max_tokens=40)),
       (REPETITIVE, SamplingParams(structured_outputs=lines, temperature=1.0, seed=4,
@@ -212,13 +214,13 @@ def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(m
   want = eng.generate(ps, [dataclasses.replace(s, drafter="off") for _, s, _ in rows],
                       [t for _, _, t in rows])
   # One engine with both drafters; the whole batch's prompts prefill in one [16 x 16] step
-  # (one mixed-step program), then every row takes one [6, 4] masked step or decode loop.
+  # (one mixed-step program), then every row takes one [5, 4] masked step.
   head = model.llm.head(os.path.join(os.path.dirname(DEMO_CHECKPOINT), "eagle3"))
   both = Engine.from_model(model, EngineConfig(
-      page_size=16, max_num_seqs=6, max_num_batched_tokens=128, row_widths=(16,),
+      page_size=16, max_num_seqs=5, max_num_batched_tokens=128, row_widths=(16,),
       max_model_len=96, max_decode_steps=8, cache_dtype=jnp.float32, speculative="eagle3",
       drafters=("mtp",), num_draft_tokens=3, measure_spec_costs=False,
-      decode_batch_sizes=(6,)), head=head)
+      decode_batch_sizes=(5,)), head=head)
   cut = dict(mtp=0, eagle3=0)
   prepare = structured.prepare
 
@@ -235,7 +237,7 @@ def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(m
   # Mid-request, after masked steps that verified drafts (an eagle3 row's), or accepted some
   # (each MTP row's): both drafters' states, which every constrained row keeps.
   unchecked = {"eagle3": (reqs[:3], lambda r: r.spec.drafted)}
-  unchecked.update({r.request_id: ([r], lambda r: r.spec.accepted) for r in reqs[4:]})
+  unchecked.update({r.request_id: ([r], lambda r: r.spec.accepted) for r in reqs[3:]})
   while both.has_unfinished():
     both.step()
     for key, (rs, ready) in list(unchecked.items()):
@@ -250,7 +252,7 @@ def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(m
   assert out[0] in ("yes", "no", "maybe")
   assert re.fullmatch(FUNCTION, out[1]), out[1]
   assert set(json.loads(out[2])) == {"name", "size"}
-  for o in out[4:]:
+  for o in out[3:]:
     assert re.fullmatch(lines.regex, o), o
   s = both.stats()
   info = ([(r.spec.drafted, r.spec.accepted, r.spec.drafter_steps, len(r.output_ids))
@@ -258,16 +260,15 @@ def test_model_drafters_draft_for_constrained_rows_checked_against_the_grammar(m
   # (the first masked step has no drafts: "yes" / "no" / "maybe" may end before any)
   assert all(r.spec.drafted > 0 for r in reqs[1:]), info  # every other row drafted
   assert sum(r.spec.accepted for r in reqs[:3]) > 0, info
-  assert all(r.spec.accepted > 0 for r in reqs[4:]), info
-  assert all(set(r.spec.drafter_steps) <= {"eagle3"} for r in reqs[:4]), info
-  assert all(set(r.spec.drafter_steps) == {"mtp"} for r in reqs[4:]), info  # "auto" too
+  assert all(r.spec.accepted > 0 for r in reqs[3:]), info
+  assert all(set(r.spec.drafter_steps) <= {"eagle3"} for r in reqs[:3]), info
+  assert all(set(r.spec.drafter_steps) == {"mtp"} for r in reqs[3:]), info  # "auto" too
   assert cut["mtp"] > 0 and cut["eagle3"] > 0, info  # drafts the grammar forbids: never verified
   assert s["structured_drafts_cut"] == cut["mtp"] + cut["eagle3"], info
-  constrained = reqs[:3] + reqs[4:]
-  assert s["structured_drafted"] == sum(r.spec.drafted for r in constrained), info
+  assert s["structured_drafted"] == sum(r.spec.drafted for r in reqs), info
   assert s["structured_drafted"] > s["structured_accepted"] > 0, info
-  assert s["spec_drafted_mtp"] == sum(r.spec.drafted for r in reqs[4:]), info
-  assert s["spec_drafted_eagle3"] >= sum(r.spec.drafted for r in reqs[:4]), info
+  assert s["spec_drafted_mtp"] == sum(r.spec.drafted for r in reqs[3:]), info
+  assert s["spec_drafted_eagle3"] == sum(r.spec.drafted for r in reqs[:3]), info
 
 
 def test_bad_schema_is_refused_at_add_request(eng):
