@@ -130,6 +130,25 @@ def gated_engine(monkeypatch, e):
     gate.set()
 
 
+def armed_step_failures(monkeypatch, e, engine_loop) -> list:
+  """Each item appended to the returned list arms one step failure ("device lost"): it fires
+  on the next step that runs a subscribed, unfinished request. Not on a step that only
+  settles an earlier abort, nor one between a request's subscription and its admission:
+  those fail no live request, and a test's next request would then succeed."""
+  step, armed = e.step, []
+
+  def failing_step():
+    live = [rid for rid in engine_loop.subscribed()
+            if (req := e.requests.get(rid)) is not None and not req.finished]
+    if armed and live:
+      armed.pop()
+      raise RuntimeError("device lost")
+    return step()
+
+  monkeypatch.setattr(e, "step", failing_step)
+  return armed
+
+
 def random_ids(rng, lo=1, hi=60):
   return [rng.randrange(3, 8000) for _ in range(rng.randrange(lo, hi))]
 

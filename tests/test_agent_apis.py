@@ -514,16 +514,7 @@ def test_request_ids_the_request_log_and_the_http_tokenizer(server, k25_eng, mon
 
 def test_failures_after_the_status_are_error_events_in_each_apis_shape(server, k25_eng,
                                                                        monkeypatch):
-  step, failures = k25_eng.step, []
-
-  def failing_step():  # the next step with a client's request in the engine fails (not one
-    # between a request's subscription and its admission, which fails nothing of the client's)
-    if failures and set(server.server.engine_loop.subscribed()) & set(k25_eng.requests):
-      failures.pop()
-      raise RuntimeError("device lost")
-    return step()
-
-  monkeypatch.setattr(k25_eng, "step", failing_step)
+  failures = armed_step_failures(monkeypatch, k25_eng, server.server.engine_loop)
   failures.append(1)
   status, _, events = post(server, "/v1/responses", {
       "model": "k25", "input": USER, "max_output_tokens": 4, "stream": True}, stream=True)

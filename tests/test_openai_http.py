@@ -277,15 +277,8 @@ def test_failures_after_the_status_arrive_as_error_events(serve, eng, monkeypatc
   client = client_for(bg)
   # A failing engine step fails the requests in flight (500 before the status is sent, an
   # error event after it) and the server carries on.
-  step, failures = eng.step, []
-
-  def failing_step():  # the next step that has a request of a client fails
-    if failures and bg.server.engine_loop.subscribed():
-      failures.pop()
-      raise RuntimeError("device lost")
-    return step()
-
-  monkeypatch.setattr(eng, "step", failing_step)
+  step = eng.step
+  failures = armed_step_failures(monkeypatch, eng, bg.server.engine_loop)
   failures.append(1)
   with pytest.raises(openai.InternalServerError) as e:
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)

@@ -116,15 +116,7 @@ def test_internal_errors_fail_only_their_request(serve, eng, monkeypatch):
   assert code == grpc.StatusCode.INTERNAL and "boom" in details
   assert ok.completion_tokens == 30
   # A failing engine step fails the requests in flight, and the server carries on.
-  step, failed = eng.step, []
-
-  def failing_step():
-    if not failed:
-      failed.append(1)
-      raise RuntimeError("device lost")
-    return step()
-
-  monkeypatch.setattr(eng, "step", failing_step)
+  armed_step_failures(monkeypatch, eng, bg.server.engine_loop).append(1)
   with InferenceClient(target(bg)) as client:
     code, details = status_of(lambda: client.generate(PROMPT, max_tokens=4))
     assert code == grpc.StatusCode.INTERNAL and "device lost" in details
