@@ -280,29 +280,35 @@ def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "known defect: a plain decode loop (a drafter-off or plain-call row) writes no head KV, and "
-    "a later eagle3 request's prefix hit on those pages drafts from zero entries (lossless; "
-    "acceptance only). Passes once hits skip or recompute such pages' head entries."))
-def test_a_prefix_hit_on_pages_a_plain_row_decoded_has_the_heads_kv(target):
-  """A drafter-off request decodes past its prompt in the plain loop; an eagle3 request whose
-  prompt covers those pages hits them in the prefix cache. Its head KV below num_computed should
-  equal a one-shot pass. (The engine's programs are the head-state test's: none compiled.)"""
+def test_prefix_hits_stop_at_pages_whose_head_kv_no_forward_wrote(target):
+  """A drafter-off request decodes past its prompt in the plain loop, which writes no head KV.
+  An eagle3 request over those tokens hits only the pages holding the head's entries in full
+  (less the last, recomputed); the pages it computes again take over the others' keys, so a
+  third request hits them. Both eagle3 requests' head KV equals a one-shot pass. (The engine's
+  programs are the head-state test's: none compiled.)"""
   hcfg, hparams = head(target, ENGINE_VARIANTS[0])
   eng = Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"), head=(hcfg, hparams))
-  prompt = [1, 5, 6, 7, 8, 9]
+  prompt = [1] + list(range(5, 21))  # 17 tokens: pages 0 and 1 prefilled, then page 2 plain
   (a,) = eng.generate([prompt], SamplingParams(drafter="off"),
                       StopParams(max_tokens=26, ignore_eos=True))
   if a.usage().spec_draft_tokens or len(a.output_ids) != 26:
     pytest.fail(f"the plain row drafted or stopped early: {a.usage()}")
-  hits = eng.stats()["prefix_cache_hits"]
-  b = eng.requests[eng.add_request((prompt + a.output_ids)[:27] + [11, 12], SamplingParams(),
-                                   StopParams(max_tokens=3))]
-  while not b.output_ids:
+
+  def first_token(ids, max_tokens):
+    req = eng.requests[eng.add_request(ids, SamplingParams(), StopParams(max_tokens=max_tokens))]
+    while not req.output_ids:
+      eng.step()
+    return req
+
+  b = first_token((prompt + a.output_ids)[:40] + [11, 12], 3)
+  assert b.cached_tokens == PAGE  # page 0 (page 1 complete, but the hit's last: recomputed)
+  check_head_state(eng, b, target, hcfg, hparams)
+  while not b.finished:
     eng.step()
-  if eng.stats()["prefix_cache_hits"] <= hits:
-    pytest.fail("no prefix hit on the plain row's pages")
-  check_head_state(eng, b, target, hcfg, hparams)  # fails: zeros past the plain row's prompt
+  c = first_token(b.all_ids[:42] + [13], 2)
+  assert c.cached_tokens == 4 * PAGE  # b's pages 2-4 took over a's keys (the last recomputed)
+  check_head_state(eng, c, target, hcfg, hparams)
+  eng.pool.check_invariants()
 
 
 @pytest.mark.slow

@@ -74,6 +74,56 @@ def test_draft_entries_follow_pages_through_prefix_sharing_and_reallocation():
   assert entries.computed(pool.allocate(5)) == 0
 
 
+def test_prefix_hits_need_the_drafters_entries_their_rows_draft_from():
+  """Pages remember which drafters' own cache entries (an MTP layer's, an EAGLE-3 head's KV)
+  they hold in full: a step that wrote none (the plain loop) leaves a gap from its first
+  position. A row drafting with such a drafter hits only pages holding its entries (less the
+  last); other rows hit any; a page holding more entries takes over the key of one holding
+  fewer; preemption forgets the gap (the recompute writes every entry)."""
+  from engine.runtime.speculative.policy import RequestSpec
+  pool = PagePool(16, page_size=4)
+  sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                    pool, observers=("mtp", "eagle3"))
+
+  def admit(rid, ids, drafter=None, order=0):
+    r = make_request(rid, ids, max_tokens=30, order=order)
+    r.spec = None if drafter is None else RequestSpec(drafter, None)
+    sched.add(r)
+    sched.schedule()
+    return r
+
+  a = admit("a", range(1, 10))  # 9 tokens: prefilled (every entry), then 11 decoded
+  sched.record_computed(a, 9)
+  a.output_ids += list(range(100, 112))
+  assert sched.grow(a, 20)
+  sched.record_computed(a, 17, observed={"eagle3"})  # a speculative call fed eagle3 only
+  sched.record_computed(a, 20, observed=set())  # a plain call
+  assert a.unobserved_from == {"mtp": 9, "eagle3": 17}
+  both = {"mtp", "eagle3"}
+  assert [pool.observed(p) for p in a.pages] == [both, both, {"eagle3"}, {"eagle3"}, set()]
+  a_pages = list(a.pages)
+  sched.finish(a, "stop")
+  ids = a.all_ids[:20] + [7, 7]
+  for rid, drafter, hit in (("off", None, 20), ("auto", "auto", 4)):
+    r = admit(rid, ids, drafter)  # no drafter: every full page; "auto": pages 0-1, less the last
+    assert r.num_computed == hit
+    sched.finish(r, "stop")
+  e = admit("e", ids, "eagle3", order=3)
+  assert e.num_computed == 12 and e.unobserved_from == {"mtp": 8}  # 0-3, less the last
+  # e's last full page holds eagle3's entries, which a's lacks: it takes over that key.
+  sched.record_computed(e, len(ids))
+  assert [pool.observed(p) for p in e.pages[:5]] == [both, both, {"eagle3"}, set(), {"eagle3"}]
+  assert e.pages[3] not in a_pages and e.pages[4] not in a_pages
+  run = pool.match_prefix(page_keys(ids[:20], 4), needs={"eagle3"})
+  assert run == a_pages[:4] + [e.pages[4]]
+  pool.release(run)
+  sched._preempt(e)
+  assert e.unobserved_from == {} and e.num_computed == 0
+  for r in list(sched.running):
+    sched.finish(r, "stop")
+  pool.check_invariants()
+
+
 def test_page_keys_chain_over_the_prefix():
   a = page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
   b = page_keys([9, 2, 3, 4, 5, 6, 7, 8], 4)

@@ -106,10 +106,9 @@ class Engine:
     num_pages = kv_sizing.agree_num_pages(
         config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
     self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
-    # (a drafter's entry at a cached page's last position saw another request's next token)
-    observing = [d.name for d in drafters if d.observes_prefill]
-    self.scheduler = Scheduler(self.sched_config, self.pool, recompute_last_hit_page=observing
-                               + [drafter_registry.AUTO] * bool(observing))
+    # (drafters' entries only some forwards write: prefix hits check them)
+    self.scheduler = Scheduler(self.sched_config, self.pool,
+                               observers=[d.name for d in drafters if d.observes_prefill])
     self.runner = ModelRunner(cfg, params, config, num_pages=num_pages, cache_dtype=dtype,
                               mesh=mesh, drafters=drafters, own_params=own)
     self.traffic = TrafficStats()
@@ -423,16 +422,18 @@ class Engine:
         self.runner.execute(p)
       out = self.runner.execute(desc)
       self.spec.apply(reqs, out, fed, self.counters)
+      observed = [self.spec.fed_names(fed[i]) for i in range(len(reqs))]
     else:
       out = self.runner.execute(batching.with_learner_inputs(plain, self.runner.learners, reqs))
       if self.spec is not None:
         self.spec.count_plain(reqs)
+      observed = [frozenset()] * len(reqs)  # (the plain loop writes no drafter's entries)
     tokens, counts, lps = out["out"], out["count"], out["lps"]
     for i, req in enumerate(reqs):
       n = int(counts[i])
       self._advance(req, req.num_computed + n, [int(t) for t in tokens[i, :n]],
                     None if req.sampling.logprobs is None
-                    else [logprob_entry(req, lps, (i, j)) for j in range(n)])
+                    else [logprob_entry(req, lps, (i, j)) for j in range(n)], observed[i])
 
   def _run_masked_step(self, prep: structured.Prepared) -> None:
     """The masked step of constrained rows (`steps.masked_step`), then their matchers and
@@ -470,7 +471,8 @@ class Engine:
                              f"({req.grammar.error()})")
       self._advance(req, req.num_computed + n, emitted,
                     None if req.sampling.logprobs is None
-                    else [logprob_entry(req, lps, (i, j)) for j in range(n)])
+                    else [logprob_entry(req, lps, (i, j)) for j in range(n)],
+                    frozenset(d.name for d in device))
       if not req.finished and req.grammar.is_terminated():
         req.stop_reason = None
         self._finish(req, FINISH_STOP)
@@ -478,14 +480,16 @@ class Engine:
   # ---- host-side token handling (the rules: `outputs.py`) ------------------------------------
 
   def _advance(self, req: Request, num_computed: int, new_ids: list[int],
-               logprobs: list[TokenLogprob | None] | None = None) -> None:
+               logprobs: list[TokenLogprob | None] | None = None,
+               observed: frozenset[str] | None = None) -> None:
     """Records a step's result: new tokens, cache progress (full pages join the prefix cache,
-    also when the request ends here), then the finish if a stop rule fired."""
+    also when the request ends here; `observed`: the drafters whose entries the step wrote,
+    None: all), then the finish if a stop rule fired."""
     before = len(req.output_ids)
     reason = append_tokens(req, new_ids, logprobs, self.tokenizer,
                            self.sched_config.max_model_len)
     self.counters["generation_tokens"] += len(req.output_ids) - before
-    self.scheduler.record_computed(req, num_computed)
+    self.scheduler.record_computed(req, num_computed, observed)
     if req.image_features:  # prefilled past an image: its features are not needed again
       for i in [i for i in req.image_features if req.images[i].end <= req.num_computed]:
         del req.image_features[i]

@@ -12,6 +12,11 @@ follow-up turn computes only its new tokens. A page whose reference count drops 
 the free queue but keeps its key (and contents) until the allocator reuses it: pages without a
 key are reused first, then keyed pages in least-recently-freed order (LRU eviction).
 
+A cached page also records which drafters' cache entries it holds in full (`observed`: an MTP
+layer's or EAGLE-3 head's KV, which only some forwards write; `Scheduler.record_computed`). A
+lookup that needs some drafters' entries (`match_prefix(needs=)`) stops at the first page
+lacking them, and a page that holds more of them takes over the key of one that holds fewer.
+
 Every allocation of a page bumps its `epoch`: whoever keeps side entries on the same page ids
 (the draft model's cache) can tell a page handed out again from one still holding its tokens.
 """
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Hashable, Sequence
+from typing import AbstractSet, Hashable, Sequence
 
 from engine.runtime.multimodal import ImageInput, page_extras
 
@@ -76,6 +81,7 @@ class PagePool:
     self._refs = [0] * num_pages
     self._key_of: dict[int, int] = {}  # page -> prefix key
     self._page_of: dict[int, int] = {}  # prefix key -> page
+    self._observed: dict[int, frozenset[str]] = {}  # cached page -> drafters' entries held
     # Unreferenced pages in reuse order: front is reused next.
     self._free: collections.OrderedDict[int, None] = collections.OrderedDict(
         (p, None) for p in range(1, num_pages))
@@ -99,9 +105,7 @@ class PagePool:
     pages = []
     for _ in range(n):
       page, _ = self._free.popitem(last=False)
-      key = self._key_of.pop(page, None)
-      if key is not None:
-        del self._page_of[key]
+      self._forget(page)
       self._refs[page] = 1
       self.epoch[page] += 1
       pages.append(page)
@@ -129,15 +133,17 @@ class PagePool:
 
   # ---- prefix cache --------------------------------------------------------------------------
 
-  def match_prefix(self, keys: Sequence[int], drop_last: bool = False) -> list[int]:
+  def match_prefix(self, keys: Sequence[int], drop_last: bool = False,
+                   needs: AbstractSet[str] = frozenset()) -> list[int]:
     """Pages holding the longest cached run of `keys` from the start; takes a reference on each.
-    `drop_last`: all but the run's last page (which the caller computes again)."""
+    `drop_last`: all but the run's last page (which the caller computes again). `needs`: the
+    drafters whose entries every page of the run must hold."""
     if not self.enable_prefix_cache:
       return []
     pages = []
     for key in keys:
       page = self._page_of.get(key)
-      if page is None:
+      if page is None or not needs <= self._observed[page]:
         break
       pages.append(page)
     if drop_last:
@@ -150,19 +156,41 @@ class PagePool:
       self._refs[page] += 1
     return pages
 
-  def cache_page(self, page: int, key: int) -> None:
-    """Records that `page` (referenced, fully computed) holds the prefix named by `key`."""
-    if not self.enable_prefix_cache or page in self._key_of or key in self._page_of:
-      return  # already cached here, or another page already serves this prefix
+  def cache_page(self, page: int, key: int, observed: AbstractSet[str] = frozenset()) -> None:
+    """Records that `page` (referenced, fully computed) holds the prefix named by `key` and the
+    entries of the drafters in `observed`. Another page serving the same prefix keeps the key
+    unless this one holds a strict superset of its drafters' entries."""
+    if not self.enable_prefix_cache or page in self._key_of:
+      return
     if self._refs[page] <= 0:
       raise RuntimeError(f"page {page} is not referenced; cannot cache it")
+    observed = frozenset(observed)
+    other = self._page_of.get(key)
+    if other is not None:
+      if not observed > self._observed[other]:
+        return
+      self._forget(other)
+      if self._refs[other] == 0:  # nothing worth keeping: reuse it first
+        self._free.move_to_end(other, last=False)
     self._key_of[page] = key
     self._page_of[key] = page
+    self._observed[page] = observed
+
+  def _forget(self, page: int) -> None:
+    key = self._key_of.pop(page, None)
+    if key is not None:
+      del self._page_of[key]
+      del self._observed[page]
+
+  def observed(self, page: int) -> frozenset[str]:
+    """The drafters whose entries cached `page` holds in full."""
+    return self._observed.get(page, frozenset())
 
   def reset_prefix_cache(self) -> None:
     """Forgets every prefix key (e.g. after the weights change)."""
     self._key_of.clear()
     self._page_of.clear()
+    self._observed.clear()
 
   def stats(self) -> PoolStats:
     return PoolStats(num_pages=self.num_pages - 1, free=len(self._free),
@@ -177,4 +205,5 @@ class PagePool:
       assert (self._refs[page] == 0) == (page in self._free), page
     for page, key in self._key_of.items():
       assert self._page_of[key] == page
-    assert len(self._page_of) == len(self._key_of)
+    assert len(self._page_of) == len(self._key_of) == len(self._observed)
+    assert self._observed.keys() == self._key_of.keys()

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 from engine.runtime.page_pool import OutOfPages, PagePool, page_keys
 from engine.runtime.request import Request, Status
+from engine.runtime.speculative.drafters.base import AUTO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,16 +85,18 @@ class Scheduler:
   """Owns the waiting queue, the running list and the page pool's assignment to requests."""
 
   def __init__(self, config: SchedulerConfig, pool: PagePool, prefix_salt: object = None,
-               recompute_last_hit_page: Sequence[str] = ()):
-    """`recompute_last_hit_page`: the drafters ("auto" included when it may take one) for
-    whose rows a prefix hit leaves its last page to be computed again: their cache entry at a
-    position depends on the token after it (an EAGLE-3 head's, an MTP layer's: a cached page's
-    entry at its last position saw the next token of the request that computed it), and
-    prefill builds their row state (vLLM's rule with EAGLE)."""
+               observers: Sequence[str] = ()):
+    """`observers`: the drafters with entries of their own in the paged cache (an MTP layer's,
+    an EAGLE-3 head's KV) that only some forwards write: prefill chunks and masked steps
+    always, the speculative loop for the rows it feeds them, the plain loop never. A row that
+    may draft with one of them (`needs`) takes prefix hits only on pages holding its entries
+    in full, and recomputes the hit's last page: the entry at a position depends on the token
+    after it (a cached page's entry at its last position saw the next token of the request that
+    computed it), and prefill builds the row state (vLLM's rule with EAGLE)."""
     self.config = config
     self.pool = pool
     self.prefix_salt = prefix_salt
-    self.recompute_last_hit_page = frozenset(recompute_last_hit_page)
+    self.observers = frozenset(observers)
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
@@ -203,16 +206,32 @@ class Scheduler:
 
   # ---- after the step ------------------------------------------------------------------------
 
-  def record_computed(self, req: Request, num_computed: int) -> None:
-    """Advances `req` to `num_computed` cached tokens and publishes its new full pages."""
+  def record_computed(self, req: Request, num_computed: int,
+                      observed: AbstractSet[str] | None = None) -> None:
+    """Advances `req` to `num_computed` cached tokens and publishes its new full pages.
+    `observed`: the observers whose entries the step wrote at the new positions (None: all)."""
+    if observed is not None and num_computed > req.num_computed:
+      for d in self.observers - observed:
+        req.unobserved_from[d] = min(req.unobserved_from.get(d, req.num_computed),
+                                     req.num_computed)
     req.num_computed = num_computed
-    full = min(num_computed, req.num_tokens) // self.pool.page_size
+    page = self.pool.page_size
+    full = min(num_computed, req.num_tokens) // page
     if full > len(req.page_keys):  # hash only the newly full pages, chained on the last key
-      req.page_keys = page_keys(req.all_ids[:full * self.pool.page_size], self.pool.page_size,
-                                self.prefix_salt, known=req.page_keys, images=req.images)
+      req.page_keys = page_keys(req.all_ids[:full * page], page, self.prefix_salt,
+                                known=req.page_keys, images=req.images)
     for j in range(req.num_cached_pages, full):
-      self.pool.cache_page(req.pages[j], req.page_keys[j])
+      held = {d for d in self.observers
+              if req.unobserved_from.get(d, full * page) >= (j + 1) * page}
+      self.pool.cache_page(req.pages[j], req.page_keys[j], held)
     req.num_cached_pages = max(req.num_cached_pages, full)
+
+  def needs(self, req: Request) -> frozenset[str]:
+    """The observers whose entries `req` may draft from: its drafter's, or all for "auto"."""
+    drafter = req.spec.drafter if req.spec is not None else None
+    if drafter == AUTO:
+      return self.observers
+    return self.observers & {drafter}
 
   # ---- helpers -------------------------------------------------------------------------------
 
@@ -225,12 +244,15 @@ class Scheduler:
     usable = (req.num_tokens - 1) // self.pool.page_size
     keys = page_keys(req.all_ids[:usable * self.pool.page_size], self.pool.page_size,
                      self.prefix_salt, images=req.images)
-    hits = self.pool.match_prefix(keys, drop_last=req.spec is not None
-                                  and req.spec.drafter in self.recompute_last_hit_page)
+    needs = self.needs(req)
+    hits = self.pool.match_prefix(keys, drop_last=bool(needs), needs=needs)
     req.pages = list(hits)
     req.page_keys = keys[:len(hits)]
     req.num_cached_pages = len(hits)
     req.num_computed = len(hits) * self.pool.page_size
+    for j, page in enumerate(hits):  # (the entries the hit pages lack, from the first such page)
+      for d in self.observers - self.pool.observed(page):
+        req.unobserved_from.setdefault(d, j * self.pool.page_size)
 
   def _grow(self, req: Request, num_tokens: int) -> bool:
     """Gives `req` pages for `num_tokens` tokens; False (and nothing taken) if the pool is dry."""
@@ -249,6 +271,7 @@ class Scheduler:
     req.page_keys = []
     req.num_cached_pages = 0
     req.num_computed = 0
+    req.unobserved_from = {}
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)

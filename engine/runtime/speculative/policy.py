@@ -250,6 +250,11 @@ class SpecPolicy:
                    force_width=int(force_width), junk=not reqs)
     return pre, StepDescription(SPEC_DECODE, arrays, scalars), fed
 
+  def fed_names(self, fed_row: np.ndarray) -> frozenset[str]:
+    """The model drafters a row of a speculative call was fed (`describe`'s fed [D])."""
+    return frozenset(d.name for d in self.drafters
+                     if not d.deterministic and fed_row[drafter_id(d.name)])
+
   def apply(self, reqs: Sequence[Any], out: dict[str, Any], fed: np.ndarray,
             counters: dict) -> None:
     """Books a speculative call's outputs: estimates, counters, each request's state."""
