@@ -237,8 +237,8 @@ class Scheduler:
 
   def _match_prefix(self, req: Request) -> None:
     """On admission, takes the longest cached prefix of the known tokens (leaving at least one
-    token to compute, whose logits give the next token; and the hit's last page, with
-    `recompute_last_hit_page`)."""
+    token to compute, whose logits give the next token); for a row that `needs` observers'
+    entries, only pages holding them, less the hit's last page (see `__init__`)."""
     if req.pages:
       return
     usable = (req.num_tokens - 1) // self.pool.page_size
