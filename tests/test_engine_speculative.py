@@ -282,6 +282,20 @@ def test_model_drafters_in_a_tight_pool(model, close):
   check_mtp_state(eng, hit, model)
   for _ in eng.run():
     pass
+  # A row drafting with the draft model alone is not fed to the MTP layer: the pages past its
+  # prompt lack MTP entries, and an MTP row over its tokens hits only the pages holding them
+  # (pages 0-1, less the last, recomputed), not pages 0-3 (less the last) as without the check.
+  p = fresh_prompts(1, seed=5, lo=17, hi=18)[0]  # 18 tokens: page 2 is part prompt, part not
+  (d,) = eng.generate([p], SamplingParams(drafter="draft"), StopParams(max_tokens=20))
+  assert d.spec.drafted > 0
+  hit = eng.requests[eng.add_request(p + d.output_ids[:15], SamplingParams(),
+                                     StopParams(max_tokens=2))]
+  while not hit.output_ids:
+    eng.step()
+  assert hit.cached_tokens == eng.config.page_size
+  check_mtp_state(eng, hit, model)
+  for _ in eng.run():
+    pass
   ps = fresh_prompts(6, seed=21, lo=20, hi=30)
   got = eng.generate(ps, [SamplingParams(drafter=["mtp", "draft"][i % 2]) for i in range(6)],
                      StopParams(max_tokens=24))
