@@ -87,25 +87,26 @@ def assert_pool_full(e):
   assert not e.scheduler.running and not e.scheduler.waiting
 
 
-def check_mtp_state(eng, req, model):
-  """The engine's MTP cache entries (positions < num_computed) and the request's MTP hidden
-  state equal a one-shot target + MTP forward over the request's tokens (`model`: (config,
+def check_mtp_state(eng, req, model, since=0):
+  """The engine's MTP cache entries (positions since .. num_computed - 1) and, since 0, the
+  request's MTP hidden state equal a one-shot target + MTP forward over the request's tokens
+  (`model`: (config, parameters); float32 caches)."""
+  check_drafter_states(eng, req, model, mtp=True, since=since)
+
+
+def check_head_state(eng, req, target, hcfg, hparams, since=0):
+  """The EAGLE-3 head's cache entries at positions since .. num_computed - 1 (and, since 0,
+  the request's row state) equal a one-shot target forward (aux states) and head first pass
+  over the request's tokens (`target`: (config, parameters); float32 caches)."""
+  check_drafter_states(eng, req, target, head=(hcfg, hparams), since=since)
+
+
+def check_drafter_states(eng, req, target, mtp=False, head=None, since=0):
+  """The model drafters' cache entries (positions since .. num_computed - 1) and the request's
+  row states (`since` 0 only: they attend to every entry) equal one compiled one-shot pass over
+  the request's tokens: the target's forward, then the MTP layer's (`mtp`) and the EAGLE-3
+  head's first pass (`head`: (config, parameters)) over its hidden states (`target`: (config,
   parameters); float32 caches)."""
-  check_drafter_states(eng, req, model, mtp=True)
-
-
-def check_head_state(eng, req, target, hcfg, hparams):
-  """The EAGLE-3 head's cache entries at positions < num_computed and the request's row state
-  equal a one-shot target forward (aux states) and head first pass over the request's tokens
-  (`target`: (config, parameters); float32 caches)."""
-  check_drafter_states(eng, req, target, head=(hcfg, hparams))
-
-
-def check_drafter_states(eng, req, target, mtp=False, head=None):
-  """The model drafters' cache entries (positions < num_computed) and the request's row states
-  equal one compiled one-shot pass over the request's tokens: the target's forward, then the
-  MTP layer's (`mtp`) and the EAGLE-3 head's first pass (`head`: (config, parameters)) over
-  its hidden states (`target`: (config, parameters); float32 caches)."""
   tcfg, tparams = target
   hcfg, hparams = head if head is not None else (None, None)
   page = eng.config.page_size
@@ -119,7 +120,7 @@ def check_drafter_states(eng, req, target, mtp=False, head=None):
       tparams, hparams, cache, jnp.asarray([(ids[:n] + [0] * width)[:width]]),
       jnp.asarray([(ids[1:] + [0] * width)[:width]]), jnp.asarray([n]), pt, tcfg=tcfg,
       hcfg=hcfg, mtp=mtp)
-  pos = np.arange(n)
+  pos = np.arange(since, n)
   idx = (np.asarray(pt)[0, pos // page], pos % page)
 
   def same_entries(entry):
@@ -128,12 +129,14 @@ def check_drafter_states(eng, req, target, mtp=False, head=None):
                                  rtol=1e-4, atol=1e-4)
   if mtp:
     same_entries(mtp_entry(tcfg, 0))  # (after the decoder stacks)
-    np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(mtp_out[0, n - 1]), rtol=1e-4,
-                               atol=1e-4)
+    if not since:
+      np.testing.assert_allclose(req.spec.rows["mtp"], np.asarray(mtp_out[0, n - 1]),
+                                 rtol=1e-4, atol=1e-4)
   if head is not None:
     same_entries(first_extra_entry(tcfg))
-    np.testing.assert_allclose(req.spec.rows["eagle3"], np.asarray(head_out[0]), rtol=1e-4,
-                               atol=1e-4)
+    if not since:
+      np.testing.assert_allclose(req.spec.rows["eagle3"], np.asarray(head_out[0]), rtol=1e-4,
+                                 atol=1e-4)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "hcfg", "mtp"))

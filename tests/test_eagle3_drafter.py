@@ -280,12 +280,13 @@ def test_head_state_drafts_preemption_and_prefix_hits(target, variant):
 
 
 @pytest.mark.slow
-def test_prefix_hits_stop_at_pages_whose_head_kv_no_forward_wrote(target):
+def test_prefix_hits_on_pages_a_plain_row_decoded(target):
   """A drafter-off request decodes past its prompt in the plain loop, which writes no head KV.
-  An eagle3 request over those tokens hits only the pages holding the head's entries in full
-  (less the last, recomputed); the pages it computes again take over the others' keys, so a
-  third request hits them. Both eagle3 requests' head KV equals a one-shot pass. (The engine's
-  programs are the head-state test's: none compiled.)"""
+  An eagle3 request over those tokens still hits them (less the last page), counted as hits
+  lacking drafter entries, its output plain greedy's, its head KV a one-shot pass's where it
+  computed it; the page it recomputed takes over the plain row's key, so a third request hits
+  a page holding the head's entries there. (The engine's programs are the head-state test's,
+  the reference the module's plain engine: none compiled.)"""
   hcfg, hparams = head(target, ENGINE_VARIANTS[0])
   eng = Engine(*target, EngineConfig(**CONFIG, speculative="eagle3"), head=(hcfg, hparams))
   prompt = [1] + list(range(5, 21))  # 17 tokens: pages 0 and 1 prefilled, then page 2 plain
@@ -293,21 +294,25 @@ def test_prefix_hits_stop_at_pages_whose_head_kv_no_forward_wrote(target):
                       StopParams(max_tokens=26, ignore_eos=True))
   if a.usage().spec_draft_tokens or len(a.output_ids) != 26:
     pytest.fail(f"the plain row drafted or stopped early: {a.usage()}")
+  lacking = lambda: eng.stats()["prefix_cache_hits_lacking_drafter_entries"]
 
   def first_token(ids, max_tokens):
-    req = eng.requests[eng.add_request(ids, SamplingParams(), StopParams(max_tokens=max_tokens))]
+    req = eng.requests[eng.add_request(ids, SamplingParams(),
+                                       StopParams(max_tokens=max_tokens, ignore_eos=True))]
     while not req.output_ids:
       eng.step()
     return req
 
-  b = first_token((prompt + a.output_ids)[:40] + [11, 12], 3)
-  assert b.cached_tokens == PAGE  # page 0 (page 1 complete, but the hit's last: recomputed)
-  check_head_state(eng, b, target, hcfg, hparams)
+  b = first_token((prompt + a.output_ids)[:40] + [11, 12], 8)
+  assert b.cached_tokens == 4 * PAGE and lacking() == 2  # pages 0-3 hit; 2-3 plain-decoded
+  check_head_state(eng, b, target, hcfg, hparams, since=4 * PAGE)
+  b_pages = list(b.pages)
   while not b.finished:
     eng.step()
-  c = first_token(b.all_ids[:42] + [13], 2)
-  assert c.cached_tokens == 4 * PAGE  # b's pages 2-4 took over a's keys (the last recomputed)
-  check_head_state(eng, c, target, hcfg, hparams)
+  assert b.output_ids == plain(target, [b.prompt_ids], 8)[0]
+  c = first_token(b.all_ids + [13], 2)
+  assert c.cached_tokens == 5 * PAGE and lacking() == 4  # b's page 4 holds the head's entries
+  assert c.pages[:5] == b_pages[:5] and eng.pool.observed(c.pages[4]) == {"eagle3"}
   eng.pool.check_invariants()
 
 

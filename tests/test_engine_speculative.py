@@ -283,17 +283,20 @@ def test_model_drafters_in_a_tight_pool(model, close):
   for _ in eng.run():
     pass
   # A row drafting with the draft model alone is not fed to the MTP layer: the pages past its
-  # prompt lack MTP entries, and an MTP row over its tokens hits only the pages holding them
-  # (pages 0-1, less the last, recomputed), not pages 0-3 (less the last) as without the check.
+  # prompt lack MTP entries. An MTP row over its tokens hits them all the same (counted), and
+  # the entries it computes itself are the one-shot pass's.
+  page = eng.config.page_size
   p = fresh_prompts(1, seed=5, lo=17, hi=18)[0]  # 18 tokens: page 2 is part prompt, part not
   (d,) = eng.generate([p], SamplingParams(drafter="draft"), StopParams(max_tokens=20))
   assert d.spec.drafted > 0
+  lacking = eng.stats()["prefix_cache_hits_lacking_drafter_entries"]
   hit = eng.requests[eng.add_request(p + d.output_ids[:15], SamplingParams(),
                                      StopParams(max_tokens=2))]
   while not hit.output_ids:
     eng.step()
-  assert hit.cached_tokens == eng.config.page_size
-  check_mtp_state(eng, hit, model)
+  assert hit.cached_tokens == 3 * page  # pages 0-3, less the last
+  assert eng.stats()["prefix_cache_hits_lacking_drafter_entries"] - lacking == 1  # page 2
+  check_mtp_state(eng, hit, model, since=3 * page)
   for _ in eng.run():
     pass
   ps = fresh_prompts(6, seed=21, lo=20, hi=30)

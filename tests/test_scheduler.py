@@ -74,12 +74,13 @@ def test_draft_entries_follow_pages_through_prefix_sharing_and_reallocation():
   assert entries.computed(pool.allocate(5)) == 0
 
 
-def test_prefix_hits_need_the_drafters_entries_their_rows_draft_from():
+def test_pages_record_the_drafters_entries_they_hold():
   """Pages remember which drafters' own cache entries (an MTP layer's, an EAGLE-3 head's KV)
-  they hold in full: a step that wrote none (the plain loop) leaves a gap from its first
-  position. A row drafting with such a drafter hits only pages holding its entries (less the
-  last); other rows hit any; a page holding more entries takes over the key of one holding
-  fewer; preemption forgets the gap (the recompute writes every entry)."""
+  they hold in full: a step that wrote none (the plain loop) leaves the pages it computed
+  lacking them. Every row hits every cached page (less the last for a row drafting with such a
+  drafter), and the pool counts the hit pages lacking the entries the row drafts from; a page
+  holding more entries takes over the key of one holding fewer; preemption forgets the gap
+  (the recompute writes every entry)."""
   from engine.runtime.speculative.policy import RequestSpec
   pool = PagePool(16, page_size=4)
   sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
@@ -98,29 +99,31 @@ def test_prefix_hits_need_the_drafters_entries_their_rows_draft_from():
   assert sched.grow(a, 20)
   sched.record_computed(a, 17, observed={"eagle3"})  # a speculative call fed eagle3 only
   sched.record_computed(a, 20, observed=set())  # a plain call
-  assert a.unobserved_from == {"mtp": 9, "eagle3": 17}
+  assert a.pages_lacking == {2: {"mtp"}, 3: {"mtp"}, 4: {"mtp", "eagle3"}}
   both = {"mtp", "eagle3"}
   assert [pool.observed(p) for p in a.pages] == [both, both, {"eagle3"}, {"eagle3"}, set()]
   a_pages = list(a.pages)
   sched.finish(a, "stop")
   ids = a.all_ids[:20] + [7, 7]
-  for rid, drafter, hit in (("off", None, 20), ("auto", "auto", 4)):
-    r = admit(rid, ids, drafter)  # no drafter: every full page; "auto": pages 0-1, less the last
-    assert r.num_computed == hit
-    sched.finish(r, "stop")
-  e = admit("e", ids, "eagle3", order=3)
-  assert e.num_computed == 12 and e.unobserved_from == {"mtp": 8}  # 0-3, less the last
-  # e's last full page holds eagle3's entries, which a's lacks: it takes over that key.
+  for rid, drafter, hit, lacking in (("off", None, 20, 0), ("auto", "auto", 16, 2),
+                                     ("mtp", "mtp", 16, 2), ("eagle3", "eagle3", 16, 0)):
+    before = pool.prefix_hits_lacking
+    r = admit(rid, ids, drafter)
+    assert r.num_computed == hit and pool.prefix_hits_lacking - before == lacking, rid
+    if rid == "eagle3":
+      e = r
+    else:
+      sched.finish(r, "stop")
+  assert e.pages_lacking == {2: {"mtp"}, 3: {"mtp"}}  # (its hit pages')
+  # e recomputes page 4 with every entry, which a's lacks: it takes over that key.
   sched.record_computed(e, len(ids))
-  assert [pool.observed(p) for p in e.pages[:5]] == [both, both, {"eagle3"}, set(), {"eagle3"}]
-  assert e.pages[3] not in a_pages and e.pages[4] not in a_pages
-  run = pool.match_prefix(page_keys(ids[:20], 4), needs={"eagle3"})
-  assert run == a_pages[:4] + [e.pages[4]]
+  assert [pool.observed(p) for p in e.pages[:5]] == [both, both, {"eagle3"}, {"eagle3"}, both]
+  assert e.pages[:4] == a_pages[:4] and e.pages[4] != a_pages[4]
+  run = pool.match_prefix(page_keys(ids[:20], 4))
+  assert run == e.pages[:5]
   pool.release(run)
   sched._preempt(e)
-  assert e.unobserved_from == {} and e.num_computed == 0
-  for r in list(sched.running):
-    sched.finish(r, "stop")
+  assert e.pages_lacking == {} and e.num_computed == 0
   pool.check_invariants()
 
 

@@ -207,6 +207,7 @@ def test_speculative_metrics_by_drafter_and_k():
   stats = dict(num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0,
                prompt_tokens=0, generation_tokens=0, num_preemptions=0,
                prefix_cache_queries=0, prefix_cache_hits=0, images_encoded=0,
+               prefix_cache_hits_lacking_drafter_entries=2,
                encoder_cache_queries=0, encoder_cache_hits=0, image_encode_seconds=0.0,
                spec_steps=10, spec_drafted=30, spec_accepted=20,
                spec_steps_ngram=6, spec_drafted_ngram=18, spec_accepted_ngram=15,
@@ -223,7 +224,8 @@ def test_speculative_metrics_by_drafter_and_k():
   # Label names print sorted: drop model_name wherever it stands.
   for label in ('{model_name="m"}', 'model_name="m",', ',model_name="m"'):
     text = text.replace(label, "")
-  for line in ('moejax:spec_decode_num_drafts_total 10.0',
+  for line in ('moejax:prefix_cache_hits_lacking_drafter_entries_total 32.0',  # (pages: tokens)
+               'moejax:spec_decode_num_drafts_total 10.0',
                'moejax:spec_decode_num_accepted_tokens_by_drafter_total{drafter="ngram"} 15.0',
                'moejax:spec_decode_num_draft_tokens_by_drafter_total{drafter="mtp"} 12.0',
                'moejax:spec_decode_loop_iterations_total{k="4"} 7.0',

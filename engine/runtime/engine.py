@@ -106,7 +106,7 @@ class Engine:
     num_pages = kv_sizing.agree_num_pages(
         config.num_pages or self._default_num_pages(dtype, devices), bool(config.num_pages))
     self.pool = PagePool(num_pages, config.page_size, config.enable_prefix_cache)
-    # (drafters' entries only some forwards write: prefix hits check them)
+    # (drafters' entries only some forwards write: pages record which they hold)
     self.scheduler = Scheduler(self.sched_config, self.pool,
                                observers=[d.name for d in drafters if d.observes_prefill])
     self.runner = ModelRunner(cfg, params, config, num_pages=num_pages, cache_dtype=dtype,
@@ -556,6 +556,7 @@ class Engine:
                 num_requests_running=len(self.scheduler.running),
                 num_requests_waiting=len(waiting), kv_cache_usage_perc=pool.usage,
                 prefix_cache_queries=pool.prefix_queries, prefix_cache_hits=pool.prefix_hits,
+                prefix_cache_hits_lacking_drafter_entries=pool.prefix_hits_lacking,
                 num_preemptions=self.scheduler.num_preemptions,
                 waiting_tokens=sum(r.num_uncomputed for r in waiting),
                 **self.images.stats())

@@ -14,8 +14,10 @@ key are reused first, then keyed pages in least-recently-freed order (LRU evicti
 
 A cached page also records which drafters' cache entries it holds in full (`observed`: an MTP
 layer's or EAGLE-3 head's KV, which only some forwards write; `Scheduler.record_computed`). A
-lookup that needs some drafters' entries (`match_prefix(needs=)`) stops at the first page
-lacking them, and a page that holds more of them takes over the key of one that holds fewer.
+page that holds more of them takes over the key of one that holds fewer, and a lookup counts
+the pages it hits that lack the entries its row drafts from (`match_prefix(needs=)`): it still
+takes them (the drafter drafts over what they hold, lossless; recomputing them would cost the
+hit).
 
 Every allocation of a page bumps its `epoch`: whoever keeps side entries on the same page ids
 (the draft model's cache) can tell a page handed out again from one still holding its tokens.
@@ -63,6 +65,7 @@ class PoolStats:
   cached: int  # pages holding a prefix key (referenced or not)
   prefix_queries: int  # full pages looked up
   prefix_hits: int  # of which served from the cache
+  prefix_hits_lacking: int  # of which lacking entries of the drafter their row drafts with
 
   @property
   def usage(self) -> float:
@@ -87,6 +90,7 @@ class PagePool:
         (p, None) for p in range(1, num_pages))
     self.prefix_queries = 0
     self.prefix_hits = 0
+    self.prefix_hits_lacking = 0  # of which lacking the drafters' entries the lookup needed
     self.epoch = [0] * num_pages  # allocations of each page so far
 
   # ---- allocation ----------------------------------------------------------------------------
@@ -137,19 +141,20 @@ class PagePool:
                    needs: AbstractSet[str] = frozenset()) -> list[int]:
     """Pages holding the longest cached run of `keys` from the start; takes a reference on each.
     `drop_last`: all but the run's last page (which the caller computes again). `needs`: the
-    drafters whose entries every page of the run must hold."""
+    drafters whose entries the caller drafts from (pages lacking them are counted)."""
     if not self.enable_prefix_cache:
       return []
     pages = []
     for key in keys:
       page = self._page_of.get(key)
-      if page is None or not needs <= self._observed[page]:
+      if page is None:
         break
       pages.append(page)
     if drop_last:
       pages = pages[:-1]
     self.prefix_queries += len(keys)
     self.prefix_hits += len(pages)
+    self.prefix_hits_lacking += sum(not needs <= self._observed[p] for p in pages)
     for page in pages:
       if self._refs[page] == 0:
         del self._free[page]
@@ -195,7 +200,8 @@ class PagePool:
   def stats(self) -> PoolStats:
     return PoolStats(num_pages=self.num_pages - 1, free=len(self._free),
                      cached=len(self._key_of), prefix_queries=self.prefix_queries,
-                     prefix_hits=self.prefix_hits)
+                     prefix_hits=self.prefix_hits,
+                     prefix_hits_lacking=self.prefix_hits_lacking)
 
   def check_invariants(self) -> None:
     """Asserts the bookkeeping is consistent (used by tests and debug builds)."""

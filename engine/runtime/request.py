@@ -106,9 +106,10 @@ class Request:
   pages: list[int] = dataclasses.field(default_factory=list)
   page_keys: list[int] = dataclasses.field(default_factory=list)  # keys of full known pages
   num_cached_pages: int = 0  # leading pages already registered in the prefix cache
-  # Per drafter with entries of its own in the cache (`Scheduler.observers`): the first
-  # position no forward wrote its entry at (absent: every computed position has one).
-  unobserved_from: dict[str, int] = dataclasses.field(default_factory=dict)
+  # Its pages (by index) where some position lacks an entry of a drafter with entries of its
+  # own in the cache (`Scheduler.observers`): no forward wrote it there, or a prefix hit's page
+  # lacked it. Absent: the page holds every such entry.
+  pages_lacking: dict[int, set[str]] = dataclasses.field(default_factory=dict)
   cached_tokens: int | None = None
   num_preemptions: int = 0
   # Speculative decoding: its drafter, estimates, counters and drafters' row state

@@ -88,11 +88,14 @@ class Scheduler:
                observers: Sequence[str] = ()):
     """`observers`: the drafters with entries of their own in the paged cache (an MTP layer's,
     an EAGLE-3 head's KV) that only some forwards write: prefill chunks and masked steps
-    always, the speculative loop for the rows it feeds them, the plain loop never. A row that
-    may draft with one of them (`needs`) takes prefix hits only on pages holding its entries
-    in full, and recomputes the hit's last page: the entry at a position depends on the token
-    after it (a cached page's entry at its last position saw the next token of the request that
-    computed it), and prefill builds the row state (vLLM's rule with EAGLE)."""
+    always, the speculative loop for the rows it feeds them, the plain loop never. Published
+    pages record which observers' entries they hold (`record_computed`). A row that may draft
+    with one of them (`needs`) recomputes a prefix hit's last page: the entry at a position
+    depends on the token after it (a cached page's entry at its last position saw the next
+    token of the request that computed it), and prefill builds the row state (vLLM's rule with
+    EAGLE). It takes hit pages lacking its drafter's entries as they are (counted: the pool's
+    `prefix_hits_lacking`): recomputing them would cost the hit, and on the demo model the
+    head's acceptance barely moved (docs/design/speculative.md)."""
     self.config = config
     self.pool = pool
     self.prefix_salt = prefix_salt
@@ -210,20 +213,19 @@ class Scheduler:
                       observed: AbstractSet[str] | None = None) -> None:
     """Advances `req` to `num_computed` cached tokens and publishes its new full pages.
     `observed`: the observers whose entries the step wrote at the new positions (None: all)."""
-    if observed is not None and num_computed > req.num_computed:
-      for d in self.observers - observed:
-        req.unobserved_from[d] = min(req.unobserved_from.get(d, req.num_computed),
-                                     req.num_computed)
-    req.num_computed = num_computed
     page = self.pool.page_size
+    missing = self.observers - observed if observed is not None else ()
+    if missing and num_computed > req.num_computed:
+      for j in range(req.num_computed // page, (num_computed - 1) // page + 1):
+        req.pages_lacking.setdefault(j, set()).update(missing)
+    req.num_computed = num_computed
     full = min(num_computed, req.num_tokens) // page
     if full > len(req.page_keys):  # hash only the newly full pages, chained on the last key
       req.page_keys = page_keys(req.all_ids[:full * page], page, self.prefix_salt,
                                 known=req.page_keys, images=req.images)
     for j in range(req.num_cached_pages, full):
-      held = {d for d in self.observers
-              if req.unobserved_from.get(d, full * page) >= (j + 1) * page}
-      self.pool.cache_page(req.pages[j], req.page_keys[j], held)
+      self.pool.cache_page(req.pages[j], req.page_keys[j],
+                           self.observers - req.pages_lacking.get(j, set()))
     req.num_cached_pages = max(req.num_cached_pages, full)
 
   def needs(self, req: Request) -> frozenset[str]:
@@ -237,8 +239,8 @@ class Scheduler:
 
   def _match_prefix(self, req: Request) -> None:
     """On admission, takes the longest cached prefix of the known tokens (leaving at least one
-    token to compute, whose logits give the next token); for a row that `needs` observers'
-    entries, only pages holding them, less the hit's last page (see `__init__`)."""
+    token to compute, whose logits give the next token; and the hit's last page, for a row
+    that `needs` observers' entries: see `__init__`)."""
     if req.pages:
       return
     usable = (req.num_tokens - 1) // self.pool.page_size
@@ -250,9 +252,9 @@ class Scheduler:
     req.page_keys = keys[:len(hits)]
     req.num_cached_pages = len(hits)
     req.num_computed = len(hits) * self.pool.page_size
-    for j, page in enumerate(hits):  # (the entries the hit pages lack, from the first such page)
-      for d in self.observers - self.pool.observed(page):
-        req.unobserved_from.setdefault(d, j * self.pool.page_size)
+    for j, page in enumerate(hits):
+      if lacks := self.observers - self.pool.observed(page):
+        req.pages_lacking[j] = set(lacks)
 
   def _grow(self, req: Request, num_tokens: int) -> bool:
     """Gives `req` pages for `num_tokens` tokens; False (and nothing taken) if the pool is dry."""
@@ -271,7 +273,7 @@ class Scheduler:
     req.page_keys = []
     req.num_cached_pages = 0
     req.num_computed = 0
-    req.unobserved_from = {}
+    req.pages_lacking = {}
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)

@@ -33,6 +33,10 @@ ENGINE_COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix "
                              "cache (full pages only)."),
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served by the prefix cache."),
+    "prefix_cache_hits_lacking_drafter_entries": (
+        "prefix_cache_hits_lacking_drafter_entries", "Of those, tokens served to rows drafting "
+        "with an MTP layer or EAGLE-3 head on pages lacking its cache entries (a plain decode "
+        "wrote them); it drafts over them as they are."),
     "images_encoded": ("images_encoded", "Images run through the vision tower."),
     "encoder_cache_queries": ("encoder_cache_queries", "Images looked up in the encoder-output "
                               "cache (by content hash)."),
@@ -41,7 +45,8 @@ ENGINE_COUNTERS = {
     "image_encode_seconds": ("image_encode_seconds", "Seconds spent in vision tower calls."),
 }
 # The pool counts prefix-cache lookups in pages; vLLM's counters are in tokens.
-PAGE_COUNTED = ("prefix_cache_queries", "prefix_cache_hits")
+PAGE_COUNTED = ("prefix_cache_queries", "prefix_cache_hits",
+                "prefix_cache_hits_lacking_drafter_entries")
 # Speculative decoding counters (zero when the engine does not speculate): metric name ->
 # (engine counter, help). Mean accepted length = 1 + accepted / drafts.
 SPEC_COUNTERS = {
