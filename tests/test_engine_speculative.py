@@ -248,8 +248,8 @@ def test_auto_drafter_picks_what_pays_per_request(model):
 @pytest.mark.slow
 def test_model_drafters_in_a_tight_pool(model, close):
   """MTP and the draft model, fixed K, in a pool that one long request fits and a batch does
-  not: MTP's cache entries and hidden state after chunked prefill, decode loops and a
-  prefix-cache hit; both drafters' rows preempted and recomputed keep plain decoding's
+  not: MTP's cache entries and hidden state after chunked prefill, decode loops, a
+  prefix-cache hit and a hit on pages a draft-model row decoded (no MTP entries); both drafters' rows preempted and recomputed keep plain decoding's
   output. Two rows at most
   (one decode batch size, 2: one loop program to compile) and 10 usable pages: the long
   request takes all 10, two of the batch's rows (6-7 pages each) do not fit."""
