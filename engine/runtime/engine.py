@@ -444,6 +444,7 @@ class Engine:
         prep, b, self.max_pages_per_seq, self.config.page_size,
         lambda r: batching.page_table_row(r, self.max_pages_per_seq))
     device = self.runner.constrained_drafters
+    observed = frozenset(d.name for d in device)  # (the masked step writes their entries)
     out = self.runner.execute(StepDescription(
         MASKED, dict(tokens=tokens, start=start, n_draft=n_draft, page_table=table,
                      bitmask=bits, **batching.sampling(reqs + [None] * (b - len(reqs))),
@@ -471,8 +472,7 @@ class Engine:
                              f"({req.grammar.error()})")
       self._advance(req, req.num_computed + n, emitted,
                     None if req.sampling.logprobs is None
-                    else [logprob_entry(req, lps, (i, j)) for j in range(n)],
-                    frozenset(d.name for d in device))
+                    else [logprob_entry(req, lps, (i, j)) for j in range(n)], observed)
       if not req.finished and req.grammar.is_terminated():
         req.stop_reason = None
         self._finish(req, FINISH_STOP)
